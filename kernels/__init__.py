@@ -1,0 +1,33 @@
+"""ReRoPE attention in Triton: fused forward and backward kernels, references and helpers.
+
+Read in the order the book teaches:
+
+1. :mod:`kernels.rope`            RoPE, ReRoPE, Leaky ReRoPE; the five tensors (chapter 1)
+2. :mod:`kernels.reference`       the naive two-matrix method, the tests' oracle (chapter 2)
+3. :mod:`kernels.online_softmax`  the online-softmax recurrence, plain attention in Triton (3)
+4. :mod:`kernels.regions`         outside / band / inside tiles, shared by every kernel (4)
+5. :mod:`kernels.forward`         the ReRoPE forward kernel (4)
+6. :mod:`kernels.backward`        the three backward kernels (5)
+7. :mod:`kernels.configs`         launch configurations, pruned by shared memory (6)
+8. :mod:`kernels.attention`       launchers, autograd, the public ops
+9. :mod:`kernels.bench`           the benchmark, ``python -m kernels.bench`` (6)
+
+With no CUDA device, importing ``kernels`` switches Triton to its CPU interpreter
+(``TRITON_INTERPRET=1``, see :mod:`kernels.runtime`), so the same code runs on CPU tensors.
+"""
+
+from . import runtime  # noqa: F401  (first: decides compiled vs interpreted before any @triton.jit)
+from . import reference, rope  # noqa: E402
+from .attention import rerope, rerope_attention  # noqa: E402
+
+__all__ = ["rerope", "rerope_attention", "reference", "rope", "source"]
+
+
+def source(obj):
+    """The source code of a function, class or ``@triton.jit`` kernel of this package.
+
+    The book prints the package's real code with it, so a page can never drift from what runs.
+    """
+    import inspect
+
+    return inspect.getsource(getattr(obj, "fn", obj))

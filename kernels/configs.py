@@ -1,0 +1,84 @@
+"""Launch configurations: block sizes, warps and pipeline stages per kernel and GPU.
+
+On a GPU each kernel is autotuned over the candidates below that fit the GPU's shared memory
+(:func:`launch_configs`); under the CPU interpreter one small fixed configuration is used
+(``INTERPRETER_CONFIG``: small blocks, so that short test sequences still cross every region).
+``tests/test_compile.py`` compiles every configuration for sm_75, sm_80, sm_89 and sm_90 and
+checks the shared memory the compiler reports against the estimate used for pruning.
+"""
+
+import os
+
+import triton
+
+AUTOTUNE = os.environ.get("KERNELS_AUTOTUNE", "1") != "0"
+
+# Largest dynamic shared memory one block may use (bytes), by compute capability.
+SHARED_MEMORY = {75: 65536, 80: 166912, 86: 101376, 89: 101376, 90: 232448}
+
+# (BLOCK_M, BLOCK_N, num_warps, num_stages). BLOCK_M is the query tile, BLOCK_N the key tile.
+# First: the configuration that won most often on the H200 (perf/NOTES.md); used alone when
+# KERNELS_AUTOTUNE=0. Last: the small fallback, used only where nothing else fits.
+_CANDIDATES = {
+    "fwd": {
+        64: [(128, 64, 4, 3), (128, 128, 8, 3), (128, 64, 8, 3), (64, 64, 4, 3), (32, 32, 4, 2)],
+        128: [(128, 64, 8, 3), (128, 128, 8, 2), (128, 64, 4, 3), (64, 64, 4, 3), (32, 32, 4, 2)],
+        256: [(64, 64, 8, 2), (64, 32, 4, 2), (16, 16, 4, 1)],
+    },
+    "dkdv": {   # one program per key block of BLOCK_N, walking query tiles of BLOCK_M
+        64: [(64, 64, 4, 2), (64, 128, 8, 3), (32, 128, 4, 3), (32, 64, 4, 3), (32, 32, 4, 2)],
+        128: [(64, 64, 4, 2), (32, 128, 8, 3), (64, 128, 8, 2), (32, 64, 4, 3), (32, 32, 4, 2)],
+        256: [(32, 64, 8, 2), (16, 32, 4, 2), (16, 16, 4, 1)],
+    },
+    "dq": {     # one program per query block of BLOCK_M, walking key tiles of BLOCK_N
+        64: [(64, 32, 4, 3), (128, 64, 8, 3), (128, 32, 4, 3), (64, 64, 4, 2), (32, 32, 4, 2)],
+        128: [(64, 64, 4, 2), (128, 64, 8, 2), (128, 32, 8, 3), (64, 32, 4, 3), (32, 32, 4, 2)],
+        256: [(64, 32, 8, 2), (32, 16, 4, 2), (16, 16, 4, 1)],
+    },
+}
+
+INTERPRETER_CONFIG = {"BLOCK_M": 16, "BLOCK_N": 16}
+DELTA_BLOCK_M = 64
+
+
+def _head_dim_class(head_dim):
+    return 64 if head_dim <= 64 else head_dim
+
+
+def estimate_shared_memory(kernel, block_m, block_n, num_stages, head_dim, elem_bytes=2):
+    """A conservative estimate of a configuration's shared memory (bytes).
+
+    Every pass streams two tiles per pipeline stage: ``k, v`` (``BLOCK_N × D``) in the forward
+    and dQ kernels, ``q, dO`` (``BLOCK_M × D``) in dK/dV. The blocks a program keeps (``q1, q2``;
+    ``q1, q2, dO``; ``k1, k2, v``) and one fp32 score tile for layout conversions come on top.
+    """
+    if kernel == "dkdv":
+        streamed = num_stages * 2 * block_m * head_dim * elem_bytes
+        resident = 3 * block_n * head_dim * elem_bytes
+    else:
+        streamed = num_stages * 2 * block_n * head_dim * elem_bytes
+        resident = (3 if kernel == "dq" else 2) * block_m * head_dim * elem_bytes
+    return streamed + resident + block_m * block_n * 4
+
+
+def candidate_configs(kernel, head_dim):
+    """All candidate ``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` for a kernel and head dim."""
+    return list(_CANDIDATES[kernel][_head_dim_class(head_dim)])
+
+
+def launch_configs(kernel, head_dim, capability, elem_bytes=2):
+    """The ``triton.Config`` list to autotune on a GPU of ``capability`` (e.g. ``(9, 0)``).
+
+    Candidates whose estimated shared memory exceeds the GPU's are pruned; if none is left, the
+    small fallback (last candidate) is used (the compile test proves it fits every GPU). With the
+    environment variable ``KERNELS_AUTOTUNE=0`` only the first fitting candidate is returned:
+    no autotuning, one compilation per kernel (quicker first calls; benchmarks say which).
+    """
+    major, minor = capability
+    limit = SHARED_MEMORY.get(10 * major + minor, SHARED_MEMORY[75] if major < 8 else SHARED_MEMORY[86])
+    *candidates, fallback = candidate_configs(kernel, head_dim)
+    fitting = [c for c in candidates
+               if estimate_shared_memory(kernel, c[0], c[1], c[3], head_dim, elem_bytes) <= limit]
+    chosen = fitting or [fallback]
+    return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s)
+            for bm, bn, w, s in (chosen if AUTOTUNE else chosen[:1])]
