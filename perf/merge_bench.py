@@ -1,0 +1,31 @@
+"""Merge several `python -m kernels.bench --out ...` files into one (the book's bench_h200.json).
+
+    python perf/merge_bench.py OUT.json IN1.json IN2.json ...
+
+`meta` is the first file's gpu/torch/triton/date, plus `runs`: every input's arguments and
+elapsed time. Rows are concatenated; a later file's row replaces an earlier one of the same case.
+"""
+import json
+import sys
+
+KEY = ("impl", "mode", "causal", "B", "H", "N", "D", "window", "dtype")
+
+
+def main(out, *inputs):
+    merged, meta = {}, None
+    for path in inputs:
+        with open(path) as f:
+            data = json.load(f)
+        if meta is None:
+            meta = {k: data["meta"][k] for k in ("gpu", "torch", "triton", "date")}
+            meta["runs"] = []
+        meta["runs"].append({"args": data["meta"].get("args"), "elapsed_s": data["meta"].get("elapsed_s")})
+        for row in data["rows"]:
+            merged[tuple(row[k] for k in KEY)] = row
+    with open(out, "w") as f:
+        json.dump({"meta": meta, "rows": list(merged.values())}, f, indent=1)
+    print(f"wrote {len(merged)} rows to {out}")
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
