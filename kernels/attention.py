@@ -120,8 +120,8 @@ def rerope_attention(q1, q2, k1, k2, v, window, causal=True, sm_scale=None):
         causal: mask keys after the query.
         sm_scale: score scale, ``1/sqrt(D)`` when ``None``.
 
-    fp16, bf16 or fp32 (fp32 uses true-fp32 dot products); ``D`` in 16, 32, 64, 128, 256; any
-    ``N >= 1``; any strides. Returns ``(B, Hq, N, D)`` in the input dtype.
+    fp16, bf16 or fp32 (fp32 uses 3xTF32 dot products, near-fp32 accuracy); ``D`` in 16, 32,
+    64, 128, 256; any ``N >= 1``; any strides. Returns ``(B, Hq, N, D)`` in the input dtype.
     """
     check_qkv({"q1": q1, "q2": q2}, {"k1": k1, "k2": k2, "v": v})
     check_head_dim(q1.shape[-1])

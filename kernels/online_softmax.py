@@ -31,17 +31,17 @@ def online_softmax_attention(q, k, v, block_n=16, causal=False, sm_scale=None, t
     int: ``trace`` lists, after each key block, that row's running max and normaliser (the
     figure of chapter 3).
     """
-    n, d = q.shape[-2], q.shape[-1]
+    n_queries, n_keys, d = q.shape[-2], k.shape[-2], q.shape[-1]
     scale = d ** -0.5 if sm_scale is None else sm_scale
     compute = torch.float64 if q.dtype == torch.float64 else torch.float32
     q, k, v = q.to(compute), k.to(compute), v.to(compute)
     m = torch.full(q.shape[:-1], float("-inf"), dtype=compute, device=q.device)
     l = torch.zeros(q.shape[:-1], dtype=compute, device=q.device)
     acc = torch.zeros_like(q)
-    rows = torch.arange(n, device=q.device)
+    rows = torch.arange(n_queries, device=q.device)
     trace = []
-    for start in range(0, n, block_n):
-        cols = torch.arange(start, min(start + block_n, n), device=q.device)
+    for start in range(0, n_keys, block_n):
+        cols = torch.arange(start, min(start + block_n, n_keys), device=q.device)
         s = (q @ k[..., cols, :].transpose(-1, -2)) * scale
         if causal:
             s = s.masked_fill(cols[None, :] > rows[:, None], float("-inf"))

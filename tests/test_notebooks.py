@@ -1,0 +1,160 @@
+"""The book's notebooks as files: structure, stored outputs and provenance.
+
+``pytest --nbval book`` re-runs the notebooks and compares their outputs; these tests check what
+nbval does not: every chapter of _toc.yml exists, starts with the shared setup cell
+(book/_bootstrap.py, verbatim), stores the outputs of a clean run (figures, no errors, no stderr)
+together with where it ran (metadata ``rerope_run``, written by tools/execute_notebooks.py), ends
+with exercises, and shows the package's real code (``kernels.source(...)``) rather than a copy.
+"""
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+BOOTSTRAP = ROOT / "book" / "_bootstrap.py"
+# Chapters from this number on are about measurements, not code: they need not print source.
+SOURCE_CHAPTERS = range(1, 6)
+
+
+def toc_chapters():
+    """The chapter pages of _toc.yml in book order (the root page left out), e.g. 'book/01_rope'."""
+    toc = yaml.safe_load((ROOT / "_toc.yml").read_text())
+    pages = []
+
+    def walk(entries):
+        for entry in entries or []:
+            if "file" in entry:
+                pages.append(str(Path(entry["file"]).with_suffix("")))
+            walk(entry.get("sections"))
+            walk(entry.get("chapters"))
+
+    walk(toc.get("chapters"))
+    for part in toc.get("parts") or []:
+        walk(part.get("chapters"))
+    return pages
+
+
+CHAPTERS = toc_chapters()
+NUMBERED = [pytest.param(number, page, id=page) for number, page in enumerate(CHAPTERS, 1)]
+
+
+def load(page):
+    path = ROOT / f"{page}.ipynb"
+    if not path.is_file():
+        pytest.fail(f"{page}.ipynb is listed in _toc.yml but does not exist")
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
+def text(value):
+    """A notebook string field: stored either as one string or as a list of lines."""
+    return "".join(value) if isinstance(value, list) else value
+
+
+def code_cells(nb):
+    return [(index, cell) for index, cell in enumerate(nb["cells"]) if cell["cell_type"] == "code"]
+
+
+def outputs(nb):
+    return [(index, output) for index, cell in code_cells(nb) for output in cell.get("outputs", [])]
+
+
+def test_toc_lists_the_chapters():
+    assert len(CHAPTERS) == 6, f"_toc.yml lists {len(CHAPTERS)} chapters: {CHAPTERS}"
+
+
+@pytest.mark.parametrize("page", CHAPTERS)
+def test_notebook_exists(page):
+    assert (ROOT / f"{page}.ipynb").is_file(), f"{page}.ipynb is listed in _toc.yml but missing"
+
+
+@pytest.mark.parametrize("number, page", NUMBERED)
+def test_title_and_kernelspec(number, page):
+    nb = load(page)
+    first = nb["cells"][0]
+    assert first["cell_type"] == "markdown", f"{page}: the first cell must be the title (markdown)"
+    assert text(first["source"]).startswith(f"# {number}. "), (
+        f"{page}: the first cell must start with the title '# {number}. ...'")
+    spec = nb["metadata"].get("kernelspec", {})
+    assert spec.get("name") == "python3" and spec.get("language") == "python", (
+        f"{page}: kernelspec must be python3, got {spec}")
+
+
+@pytest.mark.parametrize("page", CHAPTERS)
+def test_first_code_cell_is_the_bootstrap(page):
+    nb = load(page)
+    cells = code_cells(nb)
+    assert cells, f"{page}: no code cell"
+    index, cell = cells[0]
+    want = BOOTSTRAP.read_text(encoding="utf-8").rstrip("\n")
+    assert text(cell["source"]).rstrip("\n") == want, (
+        f"{page}: cell {index} must be book/_bootstrap.py verbatim")
+    tags = cell.get("metadata", {}).get("tags", [])
+    assert "nbval-ignore-output" in tags, (
+        f"{page}: the setup cell prints CPU vs GPU; tag it nbval-ignore-output (tags: {tags})")
+
+
+def test_bootstrap_repository_matches_config():
+    source = BOOTSTRAP.read_text(encoding="utf-8")
+    match = re.search(r'^REPO_URL,\s*REPO_REF\s*=\s*"([^"]+)",\s*"([^"]+)"', source, flags=re.M)
+    assert match, "book/_bootstrap.py must set REPO_URL, REPO_REF = \"...\", \"...\""
+    repository = yaml.safe_load((ROOT / "_config.yml").read_text())["repository"]
+    assert match.group(1) == repository["url"], (
+        f"REPO_URL {match.group(1)} != repository.url {repository['url']} in _config.yml")
+    assert match.group(2) == repository["branch"], (
+        f"REPO_REF {match.group(2)} != repository.branch {repository['branch']} in _config.yml")
+
+
+@pytest.mark.parametrize("page", CHAPTERS)
+def test_has_a_stored_figure(page):
+    nb = load(page)
+    assert any("image/png" in output.get("data", {}) for _, output in outputs(nb)), (
+        f"{page}: no image/png output stored (execute it: python tools/execute_notebooks.py)")
+
+
+@pytest.mark.parametrize("page", CHAPTERS)
+def test_no_stored_errors(page):
+    nb = load(page)
+    errors = [f"cell {index}: {output.get('ename')}: {output.get('evalue')}"
+              for index, output in outputs(nb) if output["output_type"] == "error"]
+    assert not errors, f"{page} stores error outputs:\n" + "\n".join(errors)
+
+
+@pytest.mark.parametrize("page", CHAPTERS)
+def test_no_stored_stderr(page):
+    nb = load(page)
+    stderr = [f"cell {index}: {text(output['text'])[:200]!r}" for index, output in outputs(nb)
+              if output["output_type"] == "stream" and output.get("name") == "stderr"]
+    assert not stderr, (f"{page} stores stderr output (nbval compares it; silence it):\n"
+                        + "\n".join(stderr))
+
+
+@pytest.mark.parametrize("page", CHAPTERS)
+def test_run_provenance(page):
+    nb = load(page)
+    run = nb["metadata"].get("rerope_run")
+    assert isinstance(run, dict), (
+        f"{page}: no metadata 'rerope_run'; execute it with python tools/execute_notebooks.py")
+    assert isinstance(run.get("device"), str) and run["device"].strip(), (
+        f"{page}: rerope_run has no device name: {run}")
+    missing = {"torch", "triton", "python", "date", "seconds"} - set(run)
+    assert not missing, f"{page}: rerope_run lacks {sorted(missing)}"
+
+
+@pytest.mark.parametrize("page", CHAPTERS)
+def test_has_exercises(page):
+    nb = load(page)
+    headings = [line for cell in nb["cells"] if cell["cell_type"] == "markdown"
+                for line in text(cell["source"]).splitlines()]
+    assert any(re.match(r"#+\s+Exercises\b", line) for line in headings), (
+        f"{page}: no 'Exercises' heading")
+
+
+@pytest.mark.parametrize("number, page", [p for p in NUMBERED if p.values[0] in SOURCE_CHAPTERS])
+def test_shows_package_source(number, page):
+    nb = load(page)
+    assert any("kernels.source(" in text(cell["source"]) for _, cell in code_cells(nb)), (
+        f"{page} (chapter {number}) never shows the package's code with kernels.source(...)")
