@@ -129,8 +129,11 @@ def rerope_attention(q1, q2, k1, k2, v, window, causal=True, sm_scale=None):
     check_flag("causal", causal)
     check_sm_scale(sm_scale)
     scale = q1.shape[-1] ** -0.5 if sm_scale is None else float(sm_scale)
+    # every pair has |i - j| <= N - 1, so any window >= N means the same (and the kernels'
+    # int32 index arithmetic never sees a huge window)
+    window = min(int(window), q1.shape[2])
     (q1, q2, k1, k2, v), restore = prepare_for_device(q1, q2, k1, k2, v)
-    return restore(ReRoPEAttention.apply(q1, q2, k1, k2, v, int(window), causal, scale))
+    return restore(ReRoPEAttention.apply(q1, q2, k1, k2, v, window, causal, scale))
 
 
 def rerope(q, k, v, window, causal=True, sm_scale=None, base=10000.0, leaky=None, logn_len=None):

@@ -489,15 +489,15 @@ def format_table(rows):
 
 
 def plot_tflops(rows, ax=None, *, mode="fwd+bwd", causal=True, D=64, dtype="float16", impls=None,
-                title=None):
-    """Draw TFLOP/s against N, one line per implementation, for one ``(mode, causal, D, dtype)``.
+                title=None, H=DEFAULT_HEADS):
+    """Draw TFLOP/s against N, one line per implementation, for one ``(mode, causal, D, dtype, H)``.
 
     Rows without a throughput (skipped cases, ``rope_inputs``) are left out. Returns the axes.
     """
     import matplotlib.pyplot as plt
     if ax is None:
         _, ax = plt.subplots(figsize=(7, 4.5))
-    chosen = [row for row in select_rows(rows, mode=mode, causal=causal, D=D, dtype=dtype)
+    chosen = [row for row in select_rows(rows, mode=mode, causal=causal, D=D, dtype=dtype, H=H)
               if row.get("tflops") is not None]
     for impl in impls or [impl for impl in IMPLS if any(row["impl"] == impl for row in chosen)]:
         points = sorted((row["N"], row["tflops"]) for row in chosen if row["impl"] == impl)

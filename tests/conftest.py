@@ -35,7 +35,7 @@ import pytest
 import torch
 
 try:   # first: kernels.runtime picks Triton's mode (interpreter without CUDA) before triton loads
-    import kernels  # noqa: F401
+    import kernels as _kernels  # noqa: F401
 except Exception:  # a broken package is reported by the tests that use it, not here
     pass
 
@@ -137,7 +137,8 @@ def close_problems(name, actual, expected, tol, floor=0.0):
         problems.append(
             f"{name}: {int(over.sum())}/{err.numel()} entries beyond atol={tol.atol:g}·max|ref| + "
             f"rtol={tol.rtol:g}·|ref|; worst at {worst}: got {a[worst].item():.6g}, want "
-            f"{e[worst].item():.6g}; max|err|={stats['max_abs']:.3g}, max|ref|={stats['ref_max']:.3g}")
+            f"{e[worst].item():.6g}; max|err|={stats['max_abs']:.3g}, "
+            f"max|ref|={stats['ref_max']:.3g}")
     if stats["rel_norm"] > tol.rel_norm and stats["ref_max"] >= floor:
         problems.append(f"{name}: relative norm error {stats['rel_norm']:.3g} > {tol.rel_norm:g}")
     return problems

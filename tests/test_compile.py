@@ -1,0 +1,237 @@
+"""Every launch configuration compiles for every supported GPU, and fits its shared memory.
+
+No GPU needed: ``triton.compile(ASTSource(fn, signature, constexprs), target=GPUTarget("cuda",
+cc, 32))`` cross-compiles a kernel down to a cubin for compute capability ``cc``, and the
+compiled kernel's ``metadata.shared`` is the shared memory one block needs. For each kernel of
+:data:`kernels.attention._KERNELS` and each configuration :func:`kernels.configs.launch_configs`
+returns for sm_75 (T4), sm_80 (A100), sm_89 (L4) and sm_90 (H100/H200) this checks
+
+* the kernel compiles with that configuration (block sizes, warps, pipeline stages);
+* ``metadata.shared <= configs.SHARED_MEMORY[cc]`` (else the launch fails on that GPU);
+* ``configs.estimate_shared_memory(...) >= metadata.shared`` (the pruning estimate is safe).
+
+Importing ``kernels`` without CUDA switches Triton to its interpreter, whose ``@triton.jit``
+functions cannot be compiled; so the compiling runs in a child process started with
+``TRITON_INTERPRET=0`` (this very file run as a script, see ``main``), which prints one JSON
+result per configuration. Two children share the work (CI machines have two cores).
+
+Cross-compiling is slow (about 4-25 s per configuration, 15-50 s on sm_75, where ``tl.dot`` is
+lowered to FMA loops), so by default a representative matrix of a dozen compilations runs, about
+two minutes on two cores (see ``_representative``); ``KERNEL_COMPILE_ALL=1`` runs the full
+matrix, about 120 (D = 64, 128 for every capability, 256 for sm_90; fp16, plus bf16 from sm_80
+on): 15-25 minutes on two cores.
+``COMPILE_TEST_REPORT=path.json`` saves every result (shared memory, estimate, seconds).
+
+The signature is what the launchers pass for contiguous ``(B, H, N, D)`` tensors with
+``N = 8192``: on a GPU Triton's JIT specializes pointers and integers divisible by 16
+(``tt.divisibility``) and integers equal to 1 (the unit strides along ``D``, ``group`` for
+plain multi-head attention) become constants, and shared memory depends on that (aligned,
+contiguous loads are what the pipeliner stages through shared memory).
+"""
+
+import json
+import os
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+CAPABILITIES = [(7, 5), (8, 0), (8, 9), (9, 0)]
+FULL = os.environ.get("KERNEL_COMPILE_ALL", "") not in ("", "0")
+WORKERS = 2
+
+TORCH_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+
+# integer arguments that are floats at launch, and pointers to fp32 row statistics
+FLOAT_ARGS = {"qk_scale", "sm_scale"}
+FP32_POINTERS = {"Lse", "Delta"}
+
+
+def _configs(kernel, head_dim, cap, elem_bytes):
+    from kernels import configs
+    from rerope_testing import all_launch_configs
+
+    out = []
+    for c in all_launch_configs(kernel, head_dim, cap, elem_bytes):
+        bm, bn = c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]
+        out.append({"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": c.num_warps,
+                    "num_stages": c.num_stages,
+                    "estimate": configs.estimate_shared_memory(kernel, bm, bn, c.num_stages,
+                                                               head_dim, elem_bytes)})
+    return out
+
+
+def jobs(full=FULL):
+    """The compile matrix: one dict per (kernel, capability, D, dtype, configuration)."""
+    from kernels import configs
+    from kernels.attention import _KERNELS
+
+    head_dims = {cap: (64, 128) for cap in CAPABILITIES}
+    head_dims[(9, 0)] = (64, 128, 256)
+    todo = []
+    for cap in CAPABILITIES:
+        limit = configs.SHARED_MEMORY[10 * cap[0] + cap[1]]
+        for head_dim in head_dims[cap]:
+            for dtype in ("fp16", "bf16") if cap >= (8, 0) else ("fp16",):
+                for kernel in _KERNELS:
+                    found = _configs(kernel, head_dim, cap, 2)
+                    if not full:
+                        found = _representative(found, cap, head_dim, dtype)
+                    for c in found:
+                        todo.append({"kernel": kernel, "capability": list(cap),
+                                     "head_dim": head_dim, "dtype": dtype, "limit": limit, **c})
+    return todo
+
+
+def _representative(found, cap, head_dim, dtype):
+    """The default matrix, fp16 only: on sm_75 (Colab's T4: the tightest, 64 KB, and the
+    slowest to compile) every configuration at D = 64; elsewhere the configuration with the
+    largest estimate, the one closest to the limit: D = 128 on sm_80 and sm_89, D = 64 on sm_90
+    (whose configurations tests/test_gpu.py runs for real on the H200)."""
+    if dtype != "fp16":
+        return []
+    if cap == (7, 5) and head_dim == 64:
+        return found
+    if cap in ((8, 0), (8, 9)) and head_dim == 128 or cap == (9, 0) and head_dim == 64:
+        return [max(found, key=lambda c: c["estimate"])]
+    return []
+
+
+def job_id(job):
+    major, minor = job["capability"]
+    return (f"{job['kernel']}-sm{major}{minor}-D{job['head_dim']}-{job['dtype']}-"
+            f"{job['BLOCK_M']}x{job['BLOCK_N']}w{job['num_warps']}s{job['num_stages']}")
+
+
+# --- the child process ------------------------------------------------------------------------
+
+
+def _source(job):
+    """``ASTSource`` of one kernel, specialized as a launch on contiguous tensors would be."""
+    from triton.compiler import ASTSource
+
+    from kernels.attention import _KERNELS
+    from kernels.runtime import dot_precision
+
+    fn = _KERNELS[job["kernel"]]
+    signature, constexprs, attrs = {}, {}, {}
+    divisible = [["tt.divisibility", 16]]
+    for index, param in enumerate(fn.params):
+        name = param.name
+        if param.is_constexpr:
+            signature[name] = "constexpr"
+        elif name[0].isupper():                              # a pointer (Q1, K2, Out, Lse, …)
+            signature[name] = "*fp32" if name in FP32_POINTERS else "*" + job["dtype"]
+            attrs[(index,)] = divisible
+        elif name in FLOAT_ARGS:
+            signature[name] = "fp32"
+        elif name.endswith("_d") or name == "group":         # unit stride; MHA group of one
+            signature[name] = "constexpr"
+            constexprs[name] = 1
+        else:                                                # strides, head counts, N, window
+            signature[name] = "i32"
+            attrs[(index,)] = divisible
+    constexprs.update(HEAD_DIM=job["head_dim"], BLOCK_M=job["BLOCK_M"], BLOCK_N=job["BLOCK_N"],
+                      CAUSAL=True, DOT_PRECISION=dot_precision(TORCH_DTYPES[job["dtype"]]))
+    missing = [p.name for p in fn.params if p.is_constexpr and p.name not in constexprs]
+    if missing:
+        raise RuntimeError(f"no value for constexpr parameters {missing} of {job['kernel']}")
+    return ASTSource(fn, signature, constexprs, attrs)
+
+
+def compile_job(job):
+    import time
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    start = time.time()
+    cap = job["capability"]
+    try:
+        compiled = triton.compile(_source(job), target=GPUTarget("cuda", 10 * cap[0] + cap[1], 32),
+                                  options={"num_warps": job["num_warps"],
+                                           "num_stages": job["num_stages"]})
+        result = {"shared": compiled.metadata.shared, "error": None}
+    except Exception as error:   # reported, with the configuration, by the parent test
+        result = {"shared": None, "error": f"{type(error).__name__}: {error}"[-3000:]}
+    return {**job, **result, "seconds": round(time.time() - start, 2)}
+
+
+def main():
+    """Child: read jobs (JSON list) from stdin, print one JSON result per line."""
+    from kernels.runtime import INTERPRET
+
+    assert not INTERPRET, "run with TRITON_INTERPRET=0"
+    for job in json.load(sys.stdin):
+        print(json.dumps(compile_job(job)), flush=True)
+
+
+# --- the parent test ----------------------------------------------------------------------------
+
+
+def _run_children(todo):
+    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_DEFAULT_FP_FUSION": "1",
+           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    # longest first, dealt round-robin: sm_75 and big tiles are the slow ones
+    order = sorted(todo, key=lambda j: (j["capability"] != [7, 5], -j["estimate"]))
+    shares = [order[i::WORKERS] for i in range(WORKERS)]
+
+    def run(share):
+        proc = subprocess.run([sys.executable, __file__], input=json.dumps(share), env=env,
+                              cwd=ROOT, capture_output=True, text=True, timeout=1800)
+        results = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+        if proc.returncode != 0 or len(results) != len(share):
+            raise RuntimeError(f"compile child failed (rc {proc.returncode}):\n"
+                               f"{proc.stderr[-5000:]}")
+        return results
+
+    with ThreadPoolExecutor(WORKERS) as pool:
+        return [r for part in pool.map(run, [s for s in shares if s]) for r in part]
+
+
+JOBS = jobs() if __name__ != "__main__" else []     # the child needs none
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    pytest.importorskip("triton.backends.nvidia", reason="Triton without the NVIDIA backend")
+    results = _run_children(JOBS)
+    report = os.environ.get("COMPILE_TEST_REPORT")
+    if report:
+        Path(report).write_text(json.dumps(results, indent=1))
+    return {job_id(r): r for r in results}
+
+
+@pytest.mark.parametrize("job", JOBS, ids=job_id)
+def test_config_compiles_and_fits(job, compiled):
+    result = compiled[job_id(job)]
+    assert result["error"] is None, f"{job_id(job)} does not compile:\n{result['error']}"
+    assert result["shared"] <= job["limit"], (
+        f"{job_id(job)} needs {result['shared']} B of shared memory, sm_"
+        f"{job['capability'][0]}{job['capability'][1]} has {job['limit']} B")
+
+
+@pytest.mark.parametrize("job", JOBS, ids=job_id)
+def test_shared_memory_estimate_is_safe(job, compiled):
+    """``estimate_shared_memory`` (used to prune) is at least what the compiler allocates."""
+    result = compiled[job_id(job)]
+    if result["error"] is not None:
+        pytest.skip("does not compile (reported by test_config_compiles_and_fits)")
+    assert job["estimate"] >= result["shared"], (
+        f"{job_id(job)}: estimate {job['estimate']} B < compiled {result['shared']} B")
+
+
+def test_matrix_covers_every_kernel_and_capability():
+    from kernels.attention import _KERNELS
+
+    assert {j["kernel"] for j in JOBS} == set(_KERNELS)
+    assert {tuple(j["capability"]) for j in JOBS} == set(CAPABILITIES)
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(ROOT))
+    main()

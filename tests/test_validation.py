@@ -1,0 +1,198 @@
+"""Bad inputs: each raises the right exception type, with a message that names the argument.
+
+Checked for the public ops ``kernels.rerope_attention`` (five tensors) and ``kernels.rerope``
+(raw ``q, k, v``), and for the references where they share the checks. No kernel runs here
+except in the few "accepted" cases (tiny shapes).
+"""
+
+import numpy as np
+import pytest
+import torch
+
+import kernels
+from kernels import reference
+from kernels.runtime import INTERPRET
+
+DEVICE = "cpu" if INTERPRET else "cuda"
+
+
+def five(batch=1, hq=2, hkv=1, n=8, d=16, dtype=torch.float32, device=DEVICE, **override):
+    """Valid ``q1, q2, k1, k2, v``; ``override`` replaces some by name."""
+    shapes = {"q1": (batch, hq, n, d), "q2": (batch, hq, n, d),
+              "k1": (batch, hkv, n, d), "k2": (batch, hkv, n, d), "v": (batch, hkv, n, d)}
+    tensors = {name: torch.zeros(shape, dtype=dtype, device=device)
+               for name, shape in shapes.items()}
+    tensors.update(override)
+    return [tensors[name] for name in ("q1", "q2", "k1", "k2", "v")]
+
+
+def raw(batch=1, hq=2, hkv=1, n=8, d=16, dtype=torch.float32, device=DEVICE, **override):
+    tensors = {"q": torch.zeros(batch, hq, n, d, dtype=dtype, device=device),
+               "k": torch.zeros(batch, hkv, n, d, dtype=dtype, device=device),
+               "v": torch.zeros(batch, hkv, n, d, dtype=dtype, device=device)}
+    tensors.update(override)
+    return [tensors[name] for name in "qkv"]
+
+
+def zeros(*shape, dtype=torch.float32, device=DEVICE):
+    return torch.zeros(*shape, dtype=dtype, device=device)
+
+
+OTHER_DEVICE = "cpu" if DEVICE == "cuda" else "meta"
+
+# (id, inputs, error type, regex the message must match: the argument's name)
+TENSOR_CASES = [
+    ("rank3-q1", dict(q1=zeros(2, 8, 16)), ValueError, r"q1 must have rank 4"),
+    ("rank5-v", dict(v=zeros(1, 1, 1, 8, 16)), ValueError, r"v must have rank 4"),
+    ("batch-k1", dict(k1=zeros(2, 1, 8, 16)), ValueError, r"k1 has batch 2"),
+    ("seqlen-k2", dict(k2=zeros(1, 1, 9, 16)), ValueError, r"k2 has sequence length 9"),
+    ("headdim-v", dict(v=zeros(1, 1, 8, 32)), ValueError, r"v has head dim 32"),
+    ("shape-q2", dict(q2=zeros(1, 2, 9, 16)), ValueError, r"q2 has shape"),
+    ("kvheads-v", dict(v=zeros(1, 2, 8, 16)), ValueError, r"v has 2 heads.*like k1"),
+    ("dtype-q2", dict(q2=zeros(1, 2, 8, 16, dtype=torch.float16)), TypeError,
+     r"q2 has dtype torch.float16"),
+    ("dtype-v", dict(v=zeros(1, 1, 8, 16, dtype=torch.bfloat16)), TypeError, r"v has dtype"),
+    ("device-v", dict(v=zeros(1, 1, 8, 16, device=OTHER_DEVICE)), ValueError,
+     rf"v is on {OTHER_DEVICE}"),
+    ("nontensor-q1", dict(q1=np.zeros((1, 2, 8, 16), dtype=np.float32)), TypeError,
+     r"q1 must be a torch.Tensor"),
+    ("nontensor-k2", dict(k2=[[0.0]]), TypeError, r"k2 must be a torch.Tensor"),
+]
+
+
+@pytest.mark.parametrize("op", [kernels.rerope_attention, reference.rerope_attention],
+                         ids=["kernel", "reference"])
+@pytest.mark.parametrize("override, error, message", [c[1:] for c in TENSOR_CASES],
+                         ids=[c[0] for c in TENSOR_CASES])
+def test_bad_tensors(op, override, error, message):
+    with pytest.raises(error, match=message):
+        op(*five(**override), 4)
+
+
+@pytest.mark.parametrize("hq, hkv", [(3, 2), (4, 3), (1, 2)])
+def test_heads_not_a_multiple(hq, hkv):
+    for op in (kernels.rerope_attention, reference.rerope_attention):
+        with pytest.raises(ValueError, match=rf"query heads \({hq}\).*key/value heads \({hkv}\)"):
+            op(*five(hq=hq, hkv=hkv), 4)
+    with pytest.raises(ValueError, match=r"heads"):
+        kernels.rerope(*raw(hq=hq, hkv=hkv), 4)
+
+
+def test_empty_sequence():
+    with pytest.raises(ValueError, match=r"q1 must have sequence length"):
+        kernels.rerope_attention(*five(n=0), 4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.int32, torch.int64, torch.bool,
+                                   torch.complex64], ids=str)
+def test_unsupported_dtype(dtype):
+    with pytest.raises(TypeError, match=rf"q1 has unsupported dtype {dtype}"):
+        kernels.rerope_attention(*five(dtype=dtype), 4)
+    with pytest.raises(TypeError, match=r"unsupported dtype"):
+        kernels.rerope(*raw(dtype=dtype), 4)
+
+
+def test_reference_accepts_float64_but_not_ints():
+    reference.rerope_attention(*five(dtype=torch.float64, device="cpu"), 4)
+    with pytest.raises(TypeError, match=r"q1 has unsupported dtype torch.int32"):
+        reference.rerope_attention(*five(dtype=torch.int32, device="cpu"), 4)
+
+
+@pytest.mark.parametrize("d", [8, 48, 96, 512])
+def test_unsupported_head_dim(d):
+    with pytest.raises(ValueError, match=rf"head dim D={d} is not supported"):
+        kernels.rerope_attention(*five(d=d), 4)
+    with pytest.raises(ValueError, match=rf"head dim D={d}"):
+        kernels.rerope(*raw(d=d), 4)
+
+
+def test_odd_head_dim_for_rope():
+    with pytest.raises(ValueError, match=r"q must have an even head dim"):
+        kernels.rerope(*raw(d=15), 4)
+
+
+def test_inputs_on_the_wrong_device_for_the_mode():
+    """All inputs on one device, but not the one the kernels run on."""
+    wrong = "meta" if INTERPRET else "cpu"
+    with pytest.raises(ValueError, match=rf"inputs are on {wrong}"):
+        kernels.rerope_attention(*five(device=wrong), 4)
+
+
+@pytest.mark.parametrize("window, error, message", [
+    (0, ValueError, r"window must be >= 1, got 0"),
+    (-3, ValueError, r"window must be >= 1, got -3"),
+    (2.0, TypeError, r"window must be an int"),
+    (2.5, TypeError, r"window must be an int"),
+    (True, TypeError, r"window must be an int"),
+    (False, TypeError, r"window must be an int"),
+    ("4", TypeError, r"window must be an int"),
+    (None, TypeError, r"window must be an int"),
+    (torch.tensor(4), TypeError, r"window must be an int"),
+])
+def test_bad_window(window, error, message):
+    for call in (lambda: kernels.rerope_attention(*five(), window),
+                 lambda: reference.rerope_attention(*five(device="cpu"), window),
+                 lambda: kernels.rerope(*raw(), window)):
+        with pytest.raises(error, match=message):
+            call()
+
+
+@pytest.mark.parametrize("causal", [1, 0, "yes", None, np.bool_(True)], ids=repr)
+def test_causal_must_be_bool(causal):
+    with pytest.raises(TypeError, match=r"causal must be a bool"):
+        kernels.rerope_attention(*five(), 4, causal=causal)
+    with pytest.raises(TypeError, match=r"causal must be a bool"):
+        kernels.rerope(*raw(), 4, causal=causal)
+
+
+@pytest.mark.parametrize("sm_scale, error", [
+    (0.0, ValueError), (-0.5, ValueError), (float("inf"), ValueError), (float("nan"), ValueError),
+    ("0.1", TypeError), (True, TypeError), (torch.tensor(0.1), TypeError),
+], ids=repr)
+def test_bad_sm_scale(sm_scale, error):
+    with pytest.raises(error, match=r"sm_scale must be"):
+        kernels.rerope_attention(*five(), 4, sm_scale=sm_scale)
+    with pytest.raises(error, match=r"sm_scale must be"):
+        kernels.rerope(*raw(), 4, sm_scale=sm_scale)
+
+
+@pytest.mark.parametrize("leaky, error", [
+    (1.0, ValueError), (1, ValueError), (0.5, ValueError), (-2.0, ValueError),
+    (float("inf"), ValueError), (float("nan"), ValueError), ("16", TypeError), (True, TypeError),
+], ids=repr)
+def test_bad_leaky(leaky, error):
+    with pytest.raises(error, match=r"leaky must be"):
+        kernels.rerope(*raw(), 4, leaky=leaky)
+    with pytest.raises(error, match=r"leaky must be"):
+        reference.rerope(*raw(device="cpu"), 4, leaky=leaky)
+
+
+@pytest.mark.parametrize("logn_len, error", [
+    (1, ValueError), (0, ValueError), (-4096, ValueError), (1.0, ValueError),
+    ("4096", TypeError), (True, TypeError),
+], ids=repr)
+def test_bad_logn_len(logn_len, error):
+    with pytest.raises(error, match=r"logn_len must be"):
+        kernels.rerope(*raw(), 4, logn_len=logn_len)
+
+
+@pytest.mark.parametrize("base", [1.0, 0.5, -10000.0, "10000", True], ids=repr)
+def test_bad_base(base):
+    with pytest.raises(ValueError, match=r"base must be"):
+        kernels.rerope(*raw(), 4, base=base)
+
+
+def test_raw_op_names_its_arguments():
+    with pytest.raises(TypeError, match=r"v must be a torch.Tensor"):
+        kernels.rerope(*raw(v="not a tensor"), 4)
+    with pytest.raises(ValueError, match=r"k must have rank 4"):
+        kernels.rerope(*raw(k=zeros(1, 8, 16)), 4)
+    with pytest.raises(TypeError, match=r"k has dtype torch.float16"):
+        kernels.rerope(*raw(k=zeros(1, 1, 8, 16, dtype=torch.float16)), 4)
+
+
+@pytest.mark.parametrize("window", [np.int64(3), 3, 10 ** 9])
+def test_accepted_edge_values(window):
+    """Integer-like windows (numpy ints too), windows far beyond N, sm_scale as an int."""
+    out = kernels.rerope_attention(*five(n=5), window, sm_scale=1)
+    assert out.shape == (1, 2, 5, 16) and torch.isfinite(out).all()
