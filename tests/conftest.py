@@ -425,6 +425,12 @@ def log_errors(dtype, stats, where=None):
             f.write(json.dumps(record) + "\n")
 
 
+# --- the book's table of contents, read by the one reader tools/execute_notebooks.py has ---------
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
+from execute_notebooks import toc_pages  # noqa: E402,F401
+
+
 # Test modules import these helpers as ``rerope_testing``: the repo root has a conftest.py of its
 # own, so ``import conftest`` may find that one depending on pytest's import mode.
 sys.modules["rerope_testing"] = sys.modules[__name__]

@@ -15,11 +15,11 @@ functions cannot be compiled; so the compiling runs in a child process started w
 ``TRITON_INTERPRET=0`` (this very file run as a script, see ``main``), which prints one JSON
 result per configuration. Two children share the work (CI machines have two cores).
 
-Cross-compiling is slow (about 4-25 s per configuration, 15-50 s on sm_75, where ``tl.dot`` is
-lowered to FMA loops), so by default a representative matrix of a dozen compilations runs, about
-two minutes on two cores (see ``_representative``); ``KERNEL_COMPILE_ALL=1`` runs the full
-matrix, about 120 (D = 64, 128 for every capability, 256 for sm_90; fp16, plus bf16 from sm_80
-on): 15-25 minutes on two cores.
+Cross-compiling is slow (about 4-25 s per configuration; 15-60 s on sm_75, where ``tl.dot``
+is lowered to FMA loops), so by default only the riskiest configurations compile: per GPU those
+whose estimate is closest to, or over, its limit (9 compilations, about two minutes on two
+cores); ``KERNEL_COMPILE_ALL=1`` runs the full matrix, about 150 (every configuration for D = 64
+and 128, 256 on sm_90; fp16 and fp32, bf16 from sm_80 on): 30-40 minutes on two cores.
 ``COMPILE_TEST_REPORT=path.json`` saves every result (shared memory, estimate, seconds).
 
 The signature is what the launchers pass for contiguous ``(B, H, N, D)`` tensors with
@@ -52,6 +52,7 @@ FP32_POINTERS = {"Lse", "Delta"}
 
 
 def _configs(kernel, head_dim, cap, elem_bytes):
+    """Every configuration ``launch_configs`` gives, with its shared-memory estimate."""
     from kernels import configs
     from rerope_testing import all_launch_configs
 
@@ -66,39 +67,33 @@ def _configs(kernel, head_dim, cap, elem_bytes):
 
 
 def jobs(full=FULL):
-    """The compile matrix: one dict per (kernel, capability, D, dtype, configuration)."""
+    """The compile matrix: one dict per (kernel, capability, D, dtype, configuration).
+
+    Full: every configuration for D = 64 and 128 (and 256 on sm_90), fp16 and fp32, plus bf16
+    from sm_80 on. Default: per capability, the configuration of the dK/dV and of the dQ kernel
+    (they keep the most on chip) whose estimate is closest to, or over, the GPU's limit — the
+    ones most likely not to fit — and of the forward too on sm_89 (quick to compile there).
+    """
     from kernels import configs
     from kernels.attention import _KERNELS
 
-    head_dims = {cap: (64, 128) for cap in CAPABILITIES}
-    head_dims[(9, 0)] = (64, 128, 256)
     todo = []
     for cap in CAPABILITIES:
         limit = configs.SHARED_MEMORY[10 * cap[0] + cap[1]]
-        for head_dim in head_dims[cap]:
-            for dtype in ("fp16", "bf16") if cap >= (8, 0) else ("fp16",):
-                for kernel in _KERNELS:
-                    found = _configs(kernel, head_dim, cap, 2)
-                    if not full:
-                        found = _representative(found, cap, head_dim, dtype)
-                    for c in found:
-                        todo.append({"kernel": kernel, "capability": list(cap),
-                                     "head_dim": head_dim, "dtype": dtype, "limit": limit, **c})
+        head_dims = (64, 128, 256) if full and cap == (9, 0) else (64, 128)
+        dtypes = ("fp16", "bf16", "fp32") if full and cap >= (8, 0) else ("fp16", "fp32")
+        found = [{"kernel": kernel, "capability": list(cap), "head_dim": head_dim,
+                  "dtype": dtype, "limit": limit, **c}
+                 for head_dim in head_dims for dtype in dtypes for kernel in _KERNELS
+                 for c in _configs(kernel, head_dim, cap, TORCH_DTYPES[dtype].itemsize)]
+        if not full:
+            riskiest = {}
+            for job in sorted(found, key=lambda j: -j["estimate"] / j["limit"]):
+                riskiest.setdefault(job["kernel"], job)
+            kernels = ("dkdv", "dq", "fwd") if cap == (8, 9) else ("dkdv", "dq")
+            found = [riskiest[kernel] for kernel in kernels]
+        todo += found
     return todo
-
-
-def _representative(found, cap, head_dim, dtype):
-    """The default matrix, fp16 only: on sm_75 (Colab's T4: the tightest, 64 KB, and the
-    slowest to compile) every configuration at D = 64; elsewhere the configuration with the
-    largest estimate, the one closest to the limit: D = 128 on sm_80 and sm_89, D = 64 on sm_90
-    (whose configurations tests/test_gpu.py runs for real on the H200)."""
-    if dtype != "fp16":
-        return []
-    if cap == (7, 5) and head_dim == 64:
-        return found
-    if cap in ((8, 0), (8, 9)) and head_dim == 128 or cap == (9, 0) and head_dim == 64:
-        return [max(found, key=lambda c: c["estimate"])]
-    return []
 
 
 def job_id(job):

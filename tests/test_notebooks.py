@@ -12,6 +12,7 @@ import re
 from pathlib import Path
 
 import pytest
+from rerope_testing import toc_pages
 import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -22,20 +23,7 @@ SOURCE_CHAPTERS = range(1, 6)
 
 def toc_chapters():
     """The chapter pages of _toc.yml in book order (the root page left out), e.g. 'book/01_rope'."""
-    toc = yaml.safe_load((ROOT / "_toc.yml").read_text())
-    pages = []
-
-    def walk(entries):
-        for entry in entries or []:
-            if "file" in entry:
-                pages.append(str(Path(entry["file"]).with_suffix("")))
-            walk(entry.get("sections"))
-            walk(entry.get("chapters"))
-
-    walk(toc.get("chapters"))
-    for part in toc.get("parts") or []:
-        walk(part.get("chapters"))
-    return pages
+    return toc_pages()[1:]
 
 
 CHAPTERS = toc_chapters()

@@ -10,6 +10,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
+from rerope_testing import toc_pages
 
 ROOT = Path(__file__).resolve().parent.parent
 HTML = ROOT / "_build" / "html"
@@ -40,26 +41,6 @@ pytestmark = [
         reason=f"needs {CHROMIUM} and {CHROMEDRIVER}: apt-get install chromium chromium-driver",
     ),
 ]
-
-
-def toc_pages():
-    """Every page of _toc.yml (root first), as paths without suffix, e.g. 'book/01_rope'."""
-    import yaml
-
-    toc = yaml.safe_load((ROOT / "_toc.yml").read_text())
-    pages = [toc["root"]]
-
-    def walk(entries):
-        for entry in entries or []:
-            if "file" in entry:
-                pages.append(entry["file"])
-            walk(entry.get("sections"))
-            walk(entry.get("chapters"))
-
-    walk(toc.get("chapters"))
-    for part in toc.get("parts") or []:
-        walk(part.get("chapters"))
-    return [str(Path(p).with_suffix("")) for p in pages]
 
 
 PAGES = toc_pages()

@@ -58,11 +58,12 @@ print(json.dumps({"device": device, "torch": torch.__version__, "triton": triton
 """
 
 
-def toc_notebooks():
-    """The notebooks listed in _toc.yml, in book order (pages that are not .ipynb are left out).
+def toc_pages():
+    """Every page of _toc.yml in book order, root first, without suffix (e.g. 'book/01_rope').
 
     Uses PyYAML when it is installed; the GPU machine may lack it, so a line-based reader of the
-    ``root:`` / ``file:`` entries (all this book's _toc.yml uses) is the fallback.
+    ``root:`` / ``file:`` entries (all this book's _toc.yml uses) is the fallback. The tests
+    read the table of contents through this function too.
     """
     text = (ROOT / "_toc.yml").read_text()
     try:
@@ -83,9 +84,14 @@ def toc_notebooks():
         walk(toc.get("chapters"))
         for part in toc.get("parts") or []:
             walk(part.get("chapters"))
+    return [str(Path(page).with_suffix("")) for page in pages]
+
+
+def toc_notebooks():
+    """The notebooks listed in _toc.yml, in book order (pages that are not .ipynb are left out)."""
     notebooks = []
-    for page in pages:
-        stem = ROOT / Path(page).with_suffix("")
+    for page in toc_pages():
+        stem = ROOT / page
         if stem.with_suffix(".ipynb").is_file():
             notebooks.append(stem.with_suffix(".ipynb"))
         elif not any(stem.with_suffix(s).is_file() for s in (".md", ".rst")):
