@@ -18,24 +18,26 @@ SHARED_MEMORY = {75: 65536, 80: 166912, 86: 101376, 89: 101376, 90: 232448}
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages). BLOCK_M is the query tile, BLOCK_N the key tile.
 # First: the configuration that won most often on the H200 (perf/NOTES.md); used alone when
-# KERNELS_AUTOTUNE=0. Last: the small fallback, used only where nothing else fits.
+# KERNELS_AUTOTUNE=0.
 _CANDIDATES = {
     "fwd": {
-        64: [(128, 64, 4, 3), (128, 128, 8, 3), (128, 64, 8, 3), (64, 64, 4, 3), (32, 32, 4, 2)],
-        128: [(128, 64, 8, 3), (128, 128, 8, 2), (128, 64, 4, 3), (64, 64, 4, 3), (32, 32, 4, 2)],
-        256: [(64, 64, 8, 2), (64, 32, 4, 2), (16, 16, 4, 1)],
+        64: [(128, 64, 4, 3), (128, 128, 8, 3), (128, 64, 8, 3), (64, 64, 4, 3)],
+        128: [(128, 64, 8, 3), (128, 128, 8, 2), (128, 64, 4, 3), (64, 64, 4, 3)],
+        256: [(64, 64, 8, 2), (64, 32, 4, 2)],
     },
     "dkdv": {   # one program per key block of BLOCK_N, walking query tiles of BLOCK_M
-        64: [(64, 64, 4, 2), (64, 128, 8, 3), (32, 128, 4, 3), (32, 64, 4, 3), (32, 32, 4, 2)],
-        128: [(64, 64, 4, 2), (32, 128, 8, 3), (64, 128, 8, 2), (32, 64, 4, 3), (32, 32, 4, 2)],
-        256: [(32, 64, 8, 2), (16, 32, 4, 2), (16, 16, 4, 1)],
+        64: [(64, 64, 4, 2), (64, 128, 8, 3), (32, 128, 4, 3), (32, 64, 4, 3)],
+        128: [(64, 64, 4, 2), (32, 128, 8, 3), (64, 128, 8, 2), (32, 64, 4, 3)],
+        256: [(32, 64, 8, 2), (16, 32, 4, 2)],
     },
     "dq": {     # one program per query block of BLOCK_M, walking key tiles of BLOCK_N
-        64: [(64, 32, 4, 3), (128, 64, 8, 3), (128, 32, 4, 3), (64, 64, 4, 2), (32, 32, 4, 2)],
-        128: [(64, 64, 4, 2), (128, 64, 8, 2), (128, 32, 8, 3), (64, 32, 4, 3), (32, 32, 4, 2)],
-        256: [(64, 32, 8, 2), (32, 16, 4, 2), (16, 16, 4, 1)],
+        64: [(64, 32, 4, 3), (128, 64, 8, 3), (128, 32, 4, 3), (64, 64, 4, 2)],
+        128: [(64, 64, 4, 2), (128, 64, 8, 2), (128, 32, 8, 3), (64, 32, 4, 3)],
+        256: [(64, 32, 8, 2), (32, 16, 4, 2)],
     },
 }
+# Where no candidate fits (small GPUs, fp32, D=256): the first of these that fits, else the last.
+_FALLBACKS = [(32, 32, 4, 2), (16, 16, 4, 1)]
 
 INTERPRETER_CONFIG = {"BLOCK_M": 16, "BLOCK_N": 16}
 DELTA_BLOCK_M = 64
@@ -50,7 +52,8 @@ def estimate_shared_memory(kernel, block_m, block_n, num_stages, head_dim, elem_
 
     Every pass streams two tiles per pipeline stage: ``k, v`` (``BLOCK_N × D``) in the forward
     and dQ kernels, ``q, dO`` (``BLOCK_M × D``) in dK/dV. The blocks a program keeps (``q1, q2``;
-    ``q1, q2, dO``; ``k1, k2, v``) and one fp32 score tile for layout conversions come on top.
+    ``q1, q2, dO``; ``k1, k2, v``), one fp32 score tile for layout conversions and a few KB for
+    barriers come on top.
     """
     if kernel == "dkdv":
         streamed = num_stages * 2 * block_m * head_dim * elem_bytes
@@ -58,7 +61,11 @@ def estimate_shared_memory(kernel, block_m, block_n, num_stages, head_dim, elem_
     else:
         streamed = num_stages * 2 * block_n * head_dim * elem_bytes
         resident = (3 if kernel == "dq" else 2) * block_m * head_dim * elem_bytes
-    return streamed + resident + block_m * block_n * 4
+    scratch = block_m * block_n * 4 + 4096       # a score tile, barriers and alignment
+    total = streamed + resident + scratch
+    # fp32 runs its dots as 3xTF32, which stages split copies of the operands: measured up to
+    # 1.10x the above in the compile test; budget 1.25x
+    return int(total * 1.25) if elem_bytes == 4 else total
 
 
 def candidate_configs(kernel, head_dim):
@@ -70,15 +77,17 @@ def launch_configs(kernel, head_dim, capability, elem_bytes=2):
     """The ``triton.Config`` list to autotune on a GPU of ``capability`` (e.g. ``(9, 0)``).
 
     Candidates whose estimated shared memory exceeds the GPU's are pruned; if none is left, the
-    small fallback (last candidate) is used (the compile test proves it fits every GPU). With the
-    environment variable ``KERNELS_AUTOTUNE=0`` only the first fitting candidate is returned:
-    no autotuning, one compilation per kernel (quicker first calls; benchmarks say which).
+    first fallback that fits is used (the compile test proves the choice fits every GPU). With
+    the environment variable ``KERNELS_AUTOTUNE=0`` only the first fitting candidate is
+    returned: no autotuning, one compilation per kernel (quicker first calls).
     """
     major, minor = capability
     limit = SHARED_MEMORY.get(10 * major + minor, SHARED_MEMORY[75] if major < 8 else SHARED_MEMORY[86])
-    *candidates, fallback = candidate_configs(kernel, head_dim)
-    fitting = [c for c in candidates
-               if estimate_shared_memory(kernel, c[0], c[1], c[3], head_dim, elem_bytes) <= limit]
-    chosen = fitting or [fallback]
+
+    def fits(c):
+        return estimate_shared_memory(kernel, c[0], c[1], c[3], head_dim, elem_bytes) <= limit
+
+    chosen = ([c for c in candidate_configs(kernel, head_dim) if fits(c)]
+              or [next((c for c in _FALLBACKS if fits(c)), _FALLBACKS[-1])])
     return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s)
             for bm, bn, w, s in (chosen if AUTOTUNE else chosen[:1])]

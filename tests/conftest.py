@@ -89,6 +89,11 @@ def where_kernels_run():
     return "interpreter" if INTERPRET else "gpu"
 
 
+def kernel_device():
+    """Where the kernels' inputs must live: CPU tensors for the interpreter, else CUDA."""
+    return "cpu" if where_kernels_run() == "interpreter" else "cuda"
+
+
 def tolerance(dtype, where=None):
     return TOLERANCES[(where or where_kernels_run(), dtype)]
 
@@ -169,6 +174,13 @@ def randn(gen, *shape, dtype=torch.float64, device="cpu"):
     return torch.randn(*shape, generator=gen, dtype=torch.float64).to(dtype).to(device)
 
 
+def raw_inputs(gen, batch, hq, hkv, n, d, dtype, device=None):
+    """Random raw ``q, k, v`` leaves (for ``rerope``), on the kernels' device by default."""
+    device = device or kernel_device()
+    return [randn(gen, batch, h, n, d, dtype=dtype, device=device).requires_grad_()
+            for h in (hq, hkv, hkv)]
+
+
 def _place(values, layout):
     """Put ``(B, H, N, D)`` ``values`` into memory laid out as ``layout``; return a leaf view.
 
@@ -199,9 +211,11 @@ def _place(values, layout):
 MIXED = ("contiguous", "transposed", "poisoned", "transposed", "contiguous", "poisoned")
 
 
-def make_inputs(gen, batch, hq, hkv, n, d, dtype, device="cpu", layout="contiguous"):
+def make_inputs(gen, batch, hq, hkv, n, d, dtype, device=None, layout="contiguous"):
     """Random ``q1, q2, k1, k2, v`` (leaf tensors requiring grad) and an upstream gradient,
-    laid out in memory as ``layout`` (see :func:`_place`; ``"mixed"``: :data:`MIXED`)."""
+    laid out in memory as ``layout`` (see :func:`_place`; ``"mixed"``: :data:`MIXED`), on the
+    kernels' device by default."""
+    device = device or kernel_device()
     layouts = MIXED if layout == "mixed" else (layout,) * 6
     shapes = [(batch, hq, n, d)] * 2 + [(batch, hkv, n, d)] * 3
     tensors = [_place(randn(gen, *shape, dtype=dtype, device=device), where).requires_grad_()
@@ -211,7 +225,7 @@ def make_inputs(gen, batch, hq, hkv, n, d, dtype, device="cpu", layout="contiguo
 
 
 def window_contrast_inputs(gen, batch, hq, hkv, n, d, dtype, strong, contrast=6.0,
-                           sm_scale=None, device="cpu"):
+                           sm_scale=None, device=None):
     """Inputs where the two products differ a lot, so one misplaced pair shows.
 
     ``strong="outside"``: ``q2 · k2`` is about ``+contrast`` (after ``sm_scale``) for every pair
@@ -232,6 +246,7 @@ def window_contrast_inputs(gen, batch, hq, hkv, n, d, dtype, strong, contrast=6.
     strong_pair = [aligned(q_shape), aligned(k_shape)]
     (q1, k1), (q2, k2) = (weak, strong_pair) if strong == "outside" else (strong_pair, weak)
     v = randn(gen, *k_shape)
+    device = device or kernel_device()
     tensors = [t.to(dtype).to(device).requires_grad_() for t in (q1, q2, k1, k2, v)]
     dout = randn(gen, *q_shape, dtype=dtype, device=device)
     return tensors, dout
@@ -429,6 +444,27 @@ def log_errors(dtype, stats, where=None):
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
 from execute_notebooks import toc_pages  # noqa: E402,F401
+
+
+# --- slow background work -------------------------------------------------------------------------
+
+_STARTED = []
+
+
+def pytest_collection_finish(session):
+    """Let a selected test module start slow background work as soon as the tests are known
+    (``start_background_work``: tests/test_compile.py's cross-compiles), so that it overlaps
+    the tests that run before it; ``stop_background_work`` runs at the end of the session."""
+    modules = {getattr(item, "module", None) for item in session.items}
+    for module in sorted(modules - {None}, key=lambda m: m.__name__):
+        if hasattr(module, "start_background_work"):
+            module.start_background_work()
+            _STARTED.append(module)
+
+
+def pytest_sessionfinish(session):
+    for module in _STARTED:
+        module.stop_background_work()
 
 
 # Test modules import these helpers as ``rerope_testing``: the repo root has a conftest.py of its

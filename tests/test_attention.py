@@ -17,8 +17,9 @@ import torch
 import kernels
 from rerope_testing import (CASES, F16, F32, GRAD_NAMES, TOLERANCES, Case,
                             check_kernel_against_reference, close_problems, describe,
-                            kernel_results, make_inputs, reference_results, results_problems,
-                            tolerance, where_kernels_run, window_contrast_inputs)
+                            kernel_results, make_inputs, randn, raw_inputs, reference_results,
+                            results_problems, tolerance, where_kernels_run,
+                            window_contrast_inputs)
 
 
 @pytest.mark.parametrize("case", CASES, ids=Case.id)
@@ -130,9 +131,8 @@ def test_rerope_raw_inputs(dtype, causal, hq, hkv, leaky, logn_len, gen):
     from kernels import reference
 
     n, d, window = 50, 32, 13
-    raw = [torch.randn(1, h, n, d, generator=gen, dtype=torch.float64).to(dtype).requires_grad_()
-           for h in (hq, hkv, hkv)]
-    dout = torch.randn(1, hq, n, d, generator=gen, dtype=torch.float64).to(dtype)
+    raw = raw_inputs(gen, 1, hq, hkv, n, d, dtype)
+    dout = randn(gen, 1, hq, n, d, dtype=dtype, device=raw[0].device)
     out = kernels.rerope(*raw, window, causal=causal, leaky=leaky, logn_len=logn_len)
     out.backward(dout)
     ref_raw = [t.detach().double().requires_grad_() for t in raw]

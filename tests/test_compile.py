@@ -13,7 +13,9 @@ returns for sm_75 (T4), sm_80 (A100), sm_89 (L4) and sm_90 (H100/H200) this chec
 Importing ``kernels`` without CUDA switches Triton to its interpreter, whose ``@triton.jit``
 functions cannot be compiled; so the compiling runs in a child process started with
 ``TRITON_INTERPRET=0`` (this very file run as a script, see ``main``), which prints one JSON
-result per configuration. Two children share the work (CI machines have two cores).
+result per configuration. Two children share the work (CI machines have two cores); they start
+as soon as pytest has collected the tests (``start_background_work``, called from
+``tests/conftest.py``), so they compile while the interpreter tests run.
 
 Cross-compiling is slow (about 4-25 s per configuration; 15-60 s on sm_75, where ``tl.dot``
 is lowered to FMA loops), so by default only the riskiest configurations compile: per GPU those
@@ -29,11 +31,12 @@ plain multi-head attention) become constants, and shared memory depends on that 
 contiguous loads are what the pipeliner stages through shared memory).
 """
 
+import importlib.util
 import json
 import os
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -168,40 +171,94 @@ def main():
 # --- the parent test ----------------------------------------------------------------------------
 
 
-def _run_children(todo):
+def _shares(todo):
+    """Split the jobs between the children, longest first onto the least loaded (a rough cost:
+    sm_75 compiles FMA loops, fp32 compiles 3xTF32 products, bigger tiles take longer)."""
+    def cost(job):
+        return ((3 if job["capability"] == [7, 5] else 1) * (2 if job["dtype"] == "fp32" else 1)
+                * (1 + job["estimate"] / 2 ** 17))
+
+    shares, loads = [[] for _ in range(WORKERS)], [0.0] * WORKERS
+    for job in sorted(todo, key=cost, reverse=True):
+        least = loads.index(min(loads))
+        shares[least].append(job)
+        loads[least] += cost(job)
+    return [share for share in shares if share]
+
+
+_children = []   # (jobs, Popen, stdout file, stderr file) of the running children
+
+
+def start_background_work():
+    """Start the compiling children now. ``tests/conftest.py`` calls this as soon as collection
+    is done, so that the compiles overlap the (single-threaded) interpreter tests that run
+    before this module; the ``compiled`` fixture calls it too, in case it was not."""
+    if _children or not JOBS or importlib.util.find_spec("triton.backends.nvidia") is None:
+        return
     env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_DEFAULT_FP_FUSION": "1",
            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    # longest first, dealt round-robin: sm_75 and big tiles are the slow ones
-    order = sorted(todo, key=lambda j: (j["capability"] != [7, 5], -j["estimate"]))
-    shares = [order[i::WORKERS] for i in range(WORKERS)]
+    for share in _shares(JOBS):
+        out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
+        proc = subprocess.Popen([sys.executable, __file__], stdin=subprocess.PIPE, stdout=out,
+                                stderr=err, env=env, cwd=ROOT, text=True)
+        proc.stdin.write(json.dumps(share))
+        proc.stdin.close()
+        _children.append((share, proc, out, err))
 
-    def run(share):
-        proc = subprocess.run([sys.executable, __file__], input=json.dumps(share), env=env,
-                              cwd=ROOT, capture_output=True, text=True, timeout=1800)
-        results = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-        if proc.returncode != 0 or len(results) != len(share):
+
+def stop_background_work():
+    """Kill children still running (the session ended before their results were needed)."""
+    for _, proc, out, err in _children:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        out.close()
+        err.close()
+    _children.clear()
+
+
+def _collect_children(timeout=1800):
+    results = []
+    for share, proc, out, err in _children:
+        proc.wait(timeout=timeout)
+        out.seek(0)
+        err.seek(0)
+        found = [json.loads(line) for line in out.read().splitlines() if line.startswith("{")]
+        if proc.returncode != 0 or len(found) != len(share):
             raise RuntimeError(f"compile child failed (rc {proc.returncode}):\n"
-                               f"{proc.stderr[-5000:]}")
-        return results
-
-    with ThreadPoolExecutor(WORKERS) as pool:
-        return [r for part in pool.map(run, [s for s in shares if s]) for r in part]
+                               f"{err.read()[-5000:]}")
+        results += found
+    return results
 
 
 JOBS = jobs() if __name__ != "__main__" else []     # the child needs none
+
+# Known failures, by (test, job id): reported, not yet fixed in kernels/configs.py.
+KNOWN = {}
+
+
+def params(test):
+    return [pytest.param(job, id=job_id(job),
+                         marks=[pytest.mark.xfail(strict=True, reason=KNOWN[(test, job_id(job))])]
+                         if (test, job_id(job)) in KNOWN else [])
+            for job in JOBS]
 
 
 @pytest.fixture(scope="module")
 def compiled():
     pytest.importorskip("triton.backends.nvidia", reason="Triton without the NVIDIA backend")
-    results = _run_children(JOBS)
+    start_background_work()
+    try:
+        results = _collect_children()
+    finally:
+        stop_background_work()
     report = os.environ.get("COMPILE_TEST_REPORT")
     if report:
         Path(report).write_text(json.dumps(results, indent=1))
     return {job_id(r): r for r in results}
 
 
-@pytest.mark.parametrize("job", JOBS, ids=job_id)
+@pytest.mark.parametrize("job", params("fits"))
 def test_config_compiles_and_fits(job, compiled):
     result = compiled[job_id(job)]
     assert result["error"] is None, f"{job_id(job)} does not compile:\n{result['error']}"
@@ -210,7 +267,7 @@ def test_config_compiles_and_fits(job, compiled):
         f"{job['capability'][0]}{job['capability'][1]} has {job['limit']} B")
 
 
-@pytest.mark.parametrize("job", JOBS, ids=job_id)
+@pytest.mark.parametrize("job", params("estimate"))
 def test_shared_memory_estimate_is_safe(job, compiled):
     """``estimate_shared_memory`` (used to prune) is at least what the compiler allocates."""
     result = compiled[job_id(job)]

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 import kernels
-from rerope_testing import describe, results_problems, tolerance
+from rerope_testing import describe, kernel_device, randn, results_problems, tolerance
 from kernels import reference, rope
 
 F64 = torch.float64
@@ -37,8 +37,8 @@ def ids(setting):
             f"{f'-leaky{leaky:g}' if leaky else ''}{f'-logn{logn_len}' if logn_len else ''}")
 
 
-def raw_inputs(gen, batch, hq, hkv, n, d, dtype=F64):
-    return [torch.randn(batch, h, n, d, generator=gen, dtype=F64).to(dtype).requires_grad_()
+def raw_inputs(gen, batch, hq, hkv, n, d, dtype=F64, device="cpu"):
+    return [randn(gen, batch, h, n, d, dtype=dtype, device=device).requires_grad_()
             for h in (hq, hkv, hkv)]
 
 
@@ -125,10 +125,10 @@ def test_kernel_matches_relative_position_oracle(setting, gen):
     """``kernels.rerope`` (fp32, the fused kernel) against the float64 relative-position oracle:
     output and the gradients of raw ``q, k, v``."""
     causal, hq, hkv, window, leaky, logn_len = setting
-    q, k, v = raw_inputs(gen, 1, hq, hkv, 45, 32, dtype=torch.float32)
+    q, k, v = raw_inputs(gen, 1, hq, hkv, 45, 32, dtype=torch.float32, device=kernel_device())
     kwargs = dict(causal=causal, leaky=leaky, logn_len=logn_len)
     out = kernels.rerope(q, k, v, window, **kwargs)
-    dout = torch.randn(out.shape, generator=gen, dtype=F64)
+    dout = randn(gen, *out.shape, device=out.device)
     out.backward(dout.float())
     oracle_inputs = [t.detach().double().requires_grad_() for t in (q, k, v)]
     want = reference.rerope_from_relative_positions(*oracle_inputs, window, **kwargs)

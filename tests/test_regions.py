@@ -25,6 +25,7 @@ import torch
 
 from kernels import configs, regions   # first: decides Triton's mode before triton is imported
 from kernels.regions import _schedule
+from rerope_testing import kernel_device
 
 import triton  # noqa: E402  (isort: skip)
 import triton.language as tl  # noqa: E402  (isort: skip)
@@ -223,13 +224,15 @@ def block_shapes():
 def test_schedule_by_brute_force(block_self, block_other, self_is_query, causal):
     cases = [(start, n, w) for n in SEQ_LENS for w in WINDOWS
              for start in range(0, n, block_self)]
-    starts, lens, windows = (torch.tensor(c, dtype=torch.int32) for c in zip(*cases))
-    out = torch.full((len(cases), 20), -1, dtype=torch.int32)
+    device = kernel_device()
+    starts, lens, windows = (torch.tensor(c, dtype=torch.int32, device=device)
+                             for c in zip(*cases))
+    out = torch.full((len(cases), 20), -1, dtype=torch.int32, device=device)
     block = 1024
     _schedule_probe[(cdiv(len(cases), block),)](
         out, starts, lens, windows, len(cases), SELF_BLOCK=block_self, OTHER_BLOCK=block_other,
         CAUSAL=causal, SELF_IS_QUERY=self_is_query, BLOCK=block)
-    walks = out.view(len(cases), 5, 4).tolist()
+    walks = out.view(len(cases), 5, 4).cpu().tolist()
     problems, wasted, stats, truths = [], 0, {}, {}
     for (start, n, w), case_walks in zip(cases, walks):
         if n not in stats:
