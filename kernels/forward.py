@@ -1,7 +1,8 @@
 """The ReRoPE forward kernel: tiled online softmax, one loop per region. Chapter 4 of the book.
 
-One program per (query block, batch · query head). It keeps a query block on chip and walks the key axis in ``BLOCK_N`` tiles, in six passes laid out by
-:func:`kernels.regions._schedule`:
+One program per (query block, batch · query head). It keeps a query block on chip and walks
+the key axis in ``BLOCK_N`` tiles, in six passes laid out by :func:`kernels.regions._schedule`
+(all ``q2 · k2`` passes first with ``q2`` loaded, then all ``q1 · k1`` passes with ``q1``):
 
 * ``q2 · k2`` over the tiles fully outside the window, and ``q1 · k1`` over those fully inside —
   the long, hot loops: one product, no mask, no branch (the product is a compile-time constant);

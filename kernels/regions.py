@@ -6,7 +6,7 @@ forward and dQ kernels, key rows in the dK/dV kernel) and walks the other axis i
 
 * **outside** — every pair has ``|i - j| >= window``: only ``q2 · k2`` is needed;
 * **inside**  — every pair has ``|i - j| < window``: only ``q1 · k1`` is needed;
-* **band**    — a mix: both products, and a per-element select.
+* **band**    — a mix: both products, each masked to its side of the window.
 
 Along the other axis the tiles come in five contiguous runs:
 ``outside | band | inside | band | outside``. :func:`_window_bounds` computes the four cut points
@@ -14,20 +14,21 @@ once per program, so each run is a plain ``for`` loop with a compile-time produc
 
 Masks are a separate matter: the causal diagonal and the ragged end of the sequence.
 :func:`_masking_spans` cuts the other axis into a masked head, an unmasked middle and a masked
-tail; only the middle gets the five mask-free loops, the few masked tiles are handled as band
-tiles with every mask applied.
+tail; only the middle gets the mask-free loops. :func:`_schedule` turns both into the walks of
+the six passes every kernel makes: one product per pass, band and edge tiles visited once per
+product that can occur there, with every mask applied.
 
-Both functions are ``@triton.jit`` helpers shared by the forward and both backward kernels; the
-small ``_tile_map_kernel`` runs the very same arithmetic so the book can draw it.
+These are ``@triton.jit`` helpers shared by the forward and both backward kernels; the small
+``_tile_map_kernel`` runs the very same arithmetic so the book can draw it and the tests can
+check it against brute force (:func:`tile_problems`).
 """
 
 import torch
 import triton
 import triton.language as tl
 
-OUTSIDE: tl.constexpr = tl.constexpr(0)   # q2 · k2 only
-BAND: tl.constexpr = tl.constexpr(1)      # both products, select by |i - j| < window
-INSIDE: tl.constexpr = tl.constexpr(2)    # q1 · k1 only
+OUTSIDE: tl.constexpr = tl.constexpr(0)   # a pass computing q2 · k2
+INSIDE: tl.constexpr = tl.constexpr(2)    # a pass computing q1 · k1
 
 
 @triton.jit
