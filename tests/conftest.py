@@ -15,9 +15,9 @@ least ``FLOOR`` times the largest ``max|ref|`` among them: a gradient that is ex
 the reference (``dq1`` when ``N = 1``: a softmax over one key has zero gradient) or tiny by
 cancellation is judged at that level instead of demanding bit-exact zeros.
 
-Tolerances were set from measured errors with a ~5-10x margin (see :data:`MEASURED`), and are
-tight enough that a swapped ``q1``/``q2`` or a window off by one fails
-(``tests/test_attention.py::test_tolerances_catch_wrong_region``).
+Tolerances were set from measured errors: at least 2x the worst case seen and about 10x the
+median (see :data:`MEASURED`); they are tight enough that a swapped ``q1``/``q2`` or a window
+off by one fails (``tests/test_attention.py::test_tolerances_catch_wrong_region``).
 
 Inputs: every test draws fresh random inputs from its own ``torch.Generator`` seeded by the
 test's node id (fixture ``gen``), so a failure reproduces exactly while cases differ. The seed
@@ -62,21 +62,23 @@ TOLERANCES = {
     ("gpu", torch.bfloat16): Tolerance(atol=3e-2, rtol=3e-2, rel_norm=1.5e-2),
 }
 
-# Where the table comes from (largest error over all tensors of a case: out, dq1, dq2, dk1, dk2,
-# dv; "scaled" = max|err| / max|ref|). Interpreter: measured over this suite's CPU cases
-# (KERNEL_ERROR_LOG, below), float64 reference; the float32 outliers (up to 6e-6) are the
-# tiniest cases (N = 2), where a gradient is a small difference of larger terms. GPU: not
-# measured here (no GPU on the CPU machines); the numbers are a torch emulation of the kernel's
-# roundings (fp16/bf16 inputs, fp32 scores, P and dS rounded to the input dtype before their
-# matrix products) against a float32 reference, at N = 77 and at N = 8192 with w = 2048 — no
-# growth with N. tests/test_gpu.py prints and records the real ones.
+# Where the table comes from: the largest error over every tensor (out, dq1, dq2, dk1, dk2, dv)
+# of every case, as judged above ("scaled" = max|err| / scale). Interpreter: this suite's CPU
+# cases with three seeds (KERNEL_TEST_SEED=0,1,2; KERNEL_ERROR_LOG, below); medians are 2e-7
+# (fp32) and 3.5e-4 (fp16); the fp32 worst is the tiniest case (N = 2), where a gradient is a
+# small difference of larger terms, the fp16 worst has sm_scale = 1 (large scores). H200: the
+# N = 8192 cases of tests/test_gpu.py (perf/runs/gpu_tests.json); a torch emulation of the
+# kernel's roundings (P and dS rounded to the input dtype before their products) predicted them
+# (fp16 6e-4 / 3e-4, bf16 5e-3 / 3e-3) and shows no growth from N = 77 to N = 8192. The GPU
+# fp32 row (3xTF32 dot products there) is not measured yet: same as the interpreter's for now.
 MEASURED = {
-    ("interpreter", torch.float32): {"scaled": 1.5e-6, "rel_norm": 1.1e-6},
-    ("interpreter", torch.float16): {"scaled": 8.9e-4, "rel_norm": 7.0e-4},
+    ("interpreter", torch.float32): {"scaled": 6.1e-6, "rel_norm": 4.6e-6},
+    ("interpreter", torch.float16): {"scaled": 1.3e-3, "rel_norm": 8.5e-4},
     ("interpreter", torch.bfloat16): {"scaled": 3.3e-3, "rel_norm": 1.7e-3},
-    ("emulated gpu", torch.float16): {"scaled": 6.1e-4, "rel_norm": 3.4e-4},
-    ("emulated gpu", torch.bfloat16): {"scaled": 5.1e-3, "rel_norm": 3.1e-3},
+    ("gpu", torch.float16): {"scaled": 6.1e-4, "rel_norm": 3.1e-4},
+    ("gpu", torch.bfloat16): {"scaled": 4.6e-3, "rel_norm": 2.5e-3},
 }
+
 
 # the least scale for atol, as a fraction of the largest max|ref| among a case's tensors
 FLOOR = 1e-2

@@ -8,8 +8,8 @@
 * ``test_small_grid``: the CPU grid of ``tests/test_attention.py`` (``CASES``) on the GPU, through
   the production path, float64 reference.
 * ``test_every_config``: every configuration ``configs.launch_configs`` gives this GPU, for every
-  kernel, on sequences long enough that the big tiles make several tiles per row (fp16 and bf16,
-  D 64, 128, 256).
+  kernel, on sequences long enough that the big tiles make several tiles per row (fp16, bf16
+  and fp32; D 64, 128, 256).
 * ``test_backward_is_deterministic``: two backward passes, bit-identical gradients (no atomics);
   ``test_rerope_raw_inputs_on_gpu``: Leaky ReRoPE and log-n through ``kernels.rerope``.
 
@@ -18,8 +18,9 @@ specialization: values equal to 1, multiples of 16) compiles each kernel once pe
 a few seconds each on the H200 host (Triton caches them on disk for later calls). With
 ``KERNELS_AUTOTUNE=0`` (one configuration per kernel), roughly: ``-k "large or deterministic or
 raw"`` 3 minutes (27 compilations), ``-k small_grid`` 5-6 minutes (27 specializations × 3
-kernels), ``-k every_config`` 2 minutes (about 30 compilations). Without it, the production path
-autotunes: about four times the compilations.
+kernels), ``-k every_config`` 4-5 minutes (about 30 compilations, plus 7 slow fp32 ones: 3xTF32
+dots take ~20 s each; ``-k "every_config and not float32"`` skips them). Without it, the
+production path autotunes: about four times the compilations.
 """
 
 import json
@@ -33,8 +34,8 @@ import torch
 
 import kernels
 from rerope_testing import (CASES, F16, GRAD_NAMES, Case, all_launch_configs, describe,
-                            error_stats, kernel_results, make_inputs, reference_results,
-                            results_problems, tolerance)
+                            error_stats, kernel_results, make_inputs, randn, raw_inputs,
+                            reference_results, results_problems, tolerance)
 
 pytestmark = [
     pytest.mark.gpu,
@@ -156,6 +157,7 @@ SWEEP_CASES = [
     Case(333, 100, dtype=F16, d=64, batch=2, hq=4, hkv=2, layout="mixed"),
     Case(300, 129, causal=False, dtype=BF16, d=128, hq=2, hkv=1),
     Case(200, 33, dtype=F16, d=256),
+    Case(333, 100, causal=False, dtype=torch.float32, d=64, hq=2, hkv=1),
 ]
 
 
@@ -182,10 +184,9 @@ def test_rerope_raw_inputs_on_gpu(gen):
     """``kernels.rerope`` with Leaky ReRoPE and log-n on the GPU against the float64 reference."""
     from kernels import reference
 
-    raw = [torch.randn(1, h, 500, 64, generator=gen, dtype=torch.float64).to("cuda", F16)
-           .requires_grad_() for h in (4, 2, 2)]
+    raw = raw_inputs(gen, 1, 4, 2, 500, 64, F16, device="cuda")
     out = kernels.rerope(*raw, 64, leaky=16.0, logn_len=128)
-    dout = torch.randn(out.shape, generator=gen, dtype=torch.float64).to("cuda")
+    dout = randn(gen, *out.shape, device="cuda")
     out.backward(dout.to(F16))
     ref_raw = [t.detach().double().requires_grad_() for t in raw]
     want = reference.rerope(*ref_raw, 64, leaky=16.0, logn_len=128)
