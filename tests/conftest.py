@@ -454,14 +454,17 @@ _STARTED = []
 
 
 def pytest_collection_finish(session):
-    """Let a selected test module start slow background work as soon as the tests are known
-    (``start_background_work``: tests/test_compile.py's cross-compiles), so that it overlaps
-    the tests that run before it; ``stop_background_work`` runs at the end of the session."""
-    modules = {getattr(item, "module", None) for item in session.items}
-    for module in sorted(modules - {None}, key=lambda m: m.__name__):
+    """Let a test module start slow background work as soon as the selected tests are known
+    (``start_background_work(items)``: tests/test_compile.py's cross-compiles), so that it
+    overlaps the tests that run before it; ``stop_background_work`` runs at the end."""
+    by_module = {}
+    for item in session.items:
+        module = getattr(item, "module", None)
         if hasattr(module, "start_background_work"):
-            module.start_background_work()
-            _STARTED.append(module)
+            by_module.setdefault(module, []).append(item)
+    for module, items in by_module.items():
+        module.start_background_work(items)
+        _STARTED.append(module)
 
 
 def pytest_sessionfinish(session):

@@ -19,9 +19,10 @@ as soon as pytest has collected the tests (``start_background_work``, called fro
 
 Cross-compiling is slow (about 4-25 s per configuration; 15-60 s on sm_75, where ``tl.dot``
 is lowered to FMA loops), so by default only the riskiest configurations compile: per GPU those
-whose estimate is closest to, or over, its limit (9 compilations, about two minutes on two
-cores); ``KERNEL_COMPILE_ALL=1`` runs the full matrix, about 150 (every configuration for D = 64
-and 128, 256 on sm_90; fp16 and fp32, bf16 from sm_80 on): 30-40 minutes on two cores.
+whose estimate is closest to, or over, its limit (9 compilations, about 3 CPU-minutes: under two
+minutes on two cores); ``KERNEL_COMPILE_ALL=1`` runs the full matrix, about 150 (every
+configuration for D = 64 and 128, 256 on sm_90; fp16 and fp32, bf16 from sm_80 on): 33
+CPU-minutes, 17 minutes on two cores.
 ``COMPILE_TEST_REPORT=path.json`` saves every result (shared memory, estimate, seconds).
 
 The signature is what the launchers pass for contiguous ``(B, H, N, D)`` tensors with
@@ -189,10 +190,13 @@ def _shares(todo):
 _children = []   # (jobs, Popen, stdout file, stderr file) of the running children
 
 
-def start_background_work():
+def start_background_work(items=None):
     """Start the compiling children now. ``tests/conftest.py`` calls this as soon as collection
-    is done, so that the compiles overlap the (single-threaded) interpreter tests that run
+    is done (with this module's selected tests: nothing starts unless one of them needs the
+    results), so that the compiles overlap the (single-threaded) interpreter tests that run
     before this module; the ``compiled`` fixture calls it too, in case it was not."""
+    if items is not None and not any("compiled" in getattr(i, "fixturenames", ()) for i in items):
+        return
     if _children or not JOBS or importlib.util.find_spec("triton.backends.nvidia") is None:
         return
     env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_DEFAULT_FP_FUSION": "1",
@@ -233,16 +237,6 @@ def _collect_children(timeout=1800):
 
 JOBS = jobs() if __name__ != "__main__" else []     # the child needs none
 
-# Known failures, by (test, job id): reported, not yet fixed in kernels/configs.py.
-KNOWN = {}
-
-
-def params(test):
-    return [pytest.param(job, id=job_id(job),
-                         marks=[pytest.mark.xfail(strict=True, reason=KNOWN[(test, job_id(job))])]
-                         if (test, job_id(job)) in KNOWN else [])
-            for job in JOBS]
-
 
 @pytest.fixture(scope="module")
 def compiled():
@@ -258,7 +252,7 @@ def compiled():
     return {job_id(r): r for r in results}
 
 
-@pytest.mark.parametrize("job", params("fits"))
+@pytest.mark.parametrize("job", JOBS, ids=job_id)
 def test_config_compiles_and_fits(job, compiled):
     result = compiled[job_id(job)]
     assert result["error"] is None, f"{job_id(job)} does not compile:\n{result['error']}"
@@ -267,7 +261,7 @@ def test_config_compiles_and_fits(job, compiled):
         f"{job['capability'][0]}{job['capability'][1]} has {job['limit']} B")
 
 
-@pytest.mark.parametrize("job", params("estimate"))
+@pytest.mark.parametrize("job", JOBS, ids=job_id)
 def test_shared_memory_estimate_is_safe(job, compiled):
     """``estimate_shared_memory`` (used to prune) is at least what the compiler allocates."""
     result = compiled[job_id(job)]
