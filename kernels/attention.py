@@ -51,6 +51,35 @@ def _strides(*tensors):
     return [s for t in tensors for s in t.stride()]
 
 
+def _tma_layout_ok(t):
+    """TMA needs a 16-byte aligned start, unit column stride and 16-byte aligned other strides."""
+    size = t.element_size()
+    return (t.data_ptr() % 16 == 0 and t.stride(-1) == 1
+            and all(s * size % 16 == 0 for s, n in zip(t.stride()[:-1], t.shape[:-1]) if n > 1))
+
+
+def _torch_scratch(size, alignment, stream):
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def _use_tma(*tensors):
+    """Whether the kernels read tiles through TMA tensor descriptors (see ``configs.TMA``)."""
+    if configs.TMA == "0" or not all(_tma_layout_ok(t) for t in tensors):
+        return False
+    if configs.TMA != "1":
+        t = tensors[0]
+        if (INTERPRET or torch.cuda.get_device_capability(t.device)[0] < 9
+                or t.element_size() != 2 or t.shape[-1] > 128):
+            return False
+    if not INTERPRET:
+        # descriptors built inside a kernel live in a small global scratch buffer that Triton
+        # asks an allocator for; give it torch's unless the caller installed one
+        from triton.runtime import _allocation
+        if _allocation._allocator.get() is _allocation._NULL_ALLOCATOR:
+            triton.set_allocator(_torch_scratch)
+    return True
+
+
 def rerope_forward(q1, q2, k1, k2, v, window, causal, sm_scale):
     """Run the forward kernel; returns ``(out, lse)`` (``lse`` in log2 units, ``(B·Hq, N)``)."""
     batch, n_heads, n_ctx, head_dim = q1.shape
@@ -60,7 +89,8 @@ def rerope_forward(q1, q2, k1, k2, v, window, causal, sm_scale):
     _launch("fwd", "BLOCK_M", batch * n_heads,
             [q1, q2, k1, k2, v, out, lse, *_strides(q1, q2, k1, k2, v, out),
              n_heads, group, n_ctx, window, sm_scale * LOG2E],
-            n_ctx=n_ctx, HEAD_DIM=head_dim, CAUSAL=causal, DOT_PRECISION=dot_precision(q1.dtype))
+            n_ctx=n_ctx, HEAD_DIM=head_dim, CAUSAL=causal, DOT_PRECISION=dot_precision(q1.dtype),
+            TMA=_use_tma(q1, q2, k1, k2, v))
     return out, lse
 
 
@@ -77,7 +107,7 @@ def rerope_backward(dout, q1, q2, k1, k2, v, out, lse, window, causal, sm_scale)
     dk1, dk2, dv = (torch.empty(k1.shape, dtype=k1.dtype, device=k1.device) for _ in range(3))
     strides = _strides(q1, q2, k1, k2, v, dout)
     common = dict(n_ctx=n_ctx, HEAD_DIM=head_dim, CAUSAL=causal,
-                  DOT_PRECISION=dot_precision(q1.dtype))
+                  DOT_PRECISION=dot_precision(q1.dtype), TMA=_use_tma(q1, q2, k1, k2, v, dout))
     _launch("dkdv", "BLOCK_N", batch * n_kv_heads,
             [q1, q2, k1, k2, v, dout, lse, delta, dk1, dk2, dv, *strides,
              n_heads, n_kv_heads, group, n_ctx, window, sm_scale * LOG2E, sm_scale], **common)

@@ -27,7 +27,7 @@ mask that split its scores.
 import triton
 import triton.language as tl
 
-from .forward import _in_window, _keep, _load_rows
+from .forward import _in_window, _keep, _load_rows, _load_tile, _tiles
 from .regions import INSIDE, OUTSIDE, _nth_tile, _schedule, _tile_count
 
 
@@ -49,21 +49,21 @@ def _bwd_delta_kernel(Out, DO, Delta, so_b, so_h, so_n, so_d, sdo_b, sdo_h, sdo_
 def _dkdv_pass(dk, dv, k, v, Q, DO, Lse, Delta, sq_n, sq_d, sdo_n, sdo_d, keys, walk,
                n_ctx, window, qk_scale,
                PRODUCT: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
-               BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr):
+               BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr,
+               TMA: tl.constexpr):
     """Accumulate ``dK`` (of this product) and ``dV`` over the query tiles of ``walk``.
 
     Works on transposed tiles (keys along dim 0, queries along dim 1) so that ``k``, ``v`` and
     the accumulators stay put. ``k``/``Q`` are ``k1``/``Q1`` (``INSIDE``) or ``k2``/``Q2``.
     """
     offs_m = tl.arange(0, BLOCK_M)
-    dims = tl.arange(0, HEAD_DIM)
     lo1, hi1, lo2, hi2 = walk
     n1 = _tile_count(lo1, hi1, BLOCK_M)
     for t in range(0, n1 + _tile_count(lo2, hi2, BLOCK_M)):
         start_m = tl.multiple_of(_nth_tile(t, lo1, n1, lo2, BLOCK_M), BLOCK_M)
         queries = start_m + offs_m
-        q = _load_rows(Q, queries, sq_n, sq_d, dims, n_ctx, MASKED)
-        do = _load_rows(DO, queries, sdo_n, sdo_d, dims, n_ctx, MASKED)
+        q = _load_tile(Q, start_m, sq_n, sq_d, n_ctx, BLOCK_M, HEAD_DIM, MASKED, TMA)
+        do = _load_tile(DO, start_m, sdo_n, sdo_d, n_ctx, BLOCK_M, HEAD_DIM, MASKED, TMA)
         if MASKED:
             lse = tl.load(Lse + queries, mask=queries < n_ctx, other=0.0)
             delta = tl.load(Delta + queries, mask=queries < n_ctx, other=0.0)
@@ -95,7 +95,7 @@ def _bwd_dkdv_kernel(
     sv_b, sv_h, sv_n, sv_d, sdo_b, sdo_h, sdo_n, sdo_d,
     n_heads, n_kv_heads, group, n_ctx, window, qk_scale, sm_scale,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr,
 ):
     """Grid ``(cdiv(N, BLOCK_N), B * Hkv)``. ``DK1, DK2, DV`` are contiguous ``(B, Hkv, N, D)``."""
     start_n = tl.program_id(0) * BLOCK_N
@@ -103,7 +103,8 @@ def _bwd_dkdv_kernel(
     kv_head = (tl.program_id(1) % n_kv_heads).to(tl.int64)
     keys = start_n + tl.arange(0, BLOCK_N)
     dims = tl.arange(0, HEAD_DIM)
-    v = _load_rows(V + batch * sv_b + kv_head * sv_h, keys, sv_n, sv_d, dims, n_ctx, True)
+    v = _load_tile(_tiles(V + batch * sv_b + kv_head * sv_h, sv_n, n_ctx, BLOCK_N, HEAD_DIM, TMA),
+                   start_n, sv_n, sv_d, n_ctx, BLOCK_N, HEAD_DIM, True, TMA)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
     outside_clean, inside_clean, band, edge_inside, edge_outside = _schedule(
         start_n, BLOCK_N, BLOCK_M, n_ctx, window, CAUSAL, False)
@@ -113,43 +114,45 @@ def _bwd_dkdv_kernel(
 
     # phase 1: the q1·k1 passes give dK1 (and part of dV); store dK1 before phase 2 so that
     # only two fp32 accumulators (dK, dV) are ever live, as in plain attention
-    k1 = _load_rows(K1 + batch * sk1_b + kv_head * sk1_h, keys, sk1_n, sk1_d, dims, n_ctx, True)
+    k1 = _load_tile(_tiles(K1 + batch * sk1_b + kv_head * sk1_h, sk1_n, n_ctx, BLOCK_N, HEAD_DIM,
+                           TMA), start_n, sk1_n, sk1_d, n_ctx, BLOCK_N, HEAD_DIM, True, TMA)
     dk = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
     for g in range(group):                       # every query head that shares this K/V head
         head = kv_head * group + g
-        q1 = Q1 + batch * sq1_b + head * sq1_h
-        do = DO + batch * sdo_b + head * sdo_h
+        q1 = _tiles(Q1 + batch * sq1_b + head * sq1_h, sq1_n, n_ctx, BLOCK_M, HEAD_DIM, TMA)
+        do = _tiles(DO + batch * sdo_b + head * sdo_h, sdo_n, n_ctx, BLOCK_M, HEAD_DIM, TMA)
         row_stats = (batch * n_heads + head) * n_ctx
         lse, delta = Lse + row_stats, Delta + row_stats
         dk, dv = _dkdv_pass(dk, dv, k1, v, q1, do, lse, delta, sq1_n, sq1_d, sdo_n, sdo_d, keys,
                             inside_clean, n_ctx, window, qk_scale,
-                            INSIDE, False, CAUSAL, BLOCK_M, HEAD_DIM, DOT_PRECISION)
+                            INSIDE, False, CAUSAL, BLOCK_M, HEAD_DIM, DOT_PRECISION, TMA)
         dk, dv = _dkdv_pass(dk, dv, k1, v, q1, do, lse, delta, sq1_n, sq1_d, sdo_n, sdo_d, keys,
                             band, n_ctx, window, qk_scale,
-                            INSIDE, True, CAUSAL, BLOCK_M, HEAD_DIM, DOT_PRECISION)
+                            INSIDE, True, CAUSAL, BLOCK_M, HEAD_DIM, DOT_PRECISION, TMA)
         dk, dv = _dkdv_pass(dk, dv, k1, v, q1, do, lse, delta, sq1_n, sq1_d, sdo_n, sdo_d, keys,
                             edge_inside, n_ctx, window, qk_scale,
-                            INSIDE, True, CAUSAL, BLOCK_M, HEAD_DIM, DOT_PRECISION)
+                            INSIDE, True, CAUSAL, BLOCK_M, HEAD_DIM, DOT_PRECISION, TMA)
     tl.store(DK1 + out_offset + out_ptrs, (dk * sm_scale).to(DK1.dtype.element_ty), mask=key_ok)
 
     # phase 2: the q2·k2 passes give dK2 and the rest of dV
-    k2 = _load_rows(K2 + batch * sk2_b + kv_head * sk2_h, keys, sk2_n, sk2_d, dims, n_ctx, True)
+    k2 = _load_tile(_tiles(K2 + batch * sk2_b + kv_head * sk2_h, sk2_n, n_ctx, BLOCK_N, HEAD_DIM,
+                           TMA), start_n, sk2_n, sk2_d, n_ctx, BLOCK_N, HEAD_DIM, True, TMA)
     dk = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
     for g in range(group):
         head = kv_head * group + g
-        q2 = Q2 + batch * sq2_b + head * sq2_h
-        do = DO + batch * sdo_b + head * sdo_h
+        q2 = _tiles(Q2 + batch * sq2_b + head * sq2_h, sq2_n, n_ctx, BLOCK_M, HEAD_DIM, TMA)
+        do = _tiles(DO + batch * sdo_b + head * sdo_h, sdo_n, n_ctx, BLOCK_M, HEAD_DIM, TMA)
         row_stats = (batch * n_heads + head) * n_ctx
         lse, delta = Lse + row_stats, Delta + row_stats
         dk, dv = _dkdv_pass(dk, dv, k2, v, q2, do, lse, delta, sq2_n, sq2_d, sdo_n, sdo_d, keys,
                             outside_clean, n_ctx, window, qk_scale,
-                            OUTSIDE, False, CAUSAL, BLOCK_M, HEAD_DIM, DOT_PRECISION)
+                            OUTSIDE, False, CAUSAL, BLOCK_M, HEAD_DIM, DOT_PRECISION, TMA)
         dk, dv = _dkdv_pass(dk, dv, k2, v, q2, do, lse, delta, sq2_n, sq2_d, sdo_n, sdo_d, keys,
                             band, n_ctx, window, qk_scale,
-                            OUTSIDE, True, CAUSAL, BLOCK_M, HEAD_DIM, DOT_PRECISION)
+                            OUTSIDE, True, CAUSAL, BLOCK_M, HEAD_DIM, DOT_PRECISION, TMA)
         dk, dv = _dkdv_pass(dk, dv, k2, v, q2, do, lse, delta, sq2_n, sq2_d, sdo_n, sdo_d, keys,
                             edge_outside, n_ctx, window, qk_scale,
-                            OUTSIDE, True, CAUSAL, BLOCK_M, HEAD_DIM, DOT_PRECISION)
+                            OUTSIDE, True, CAUSAL, BLOCK_M, HEAD_DIM, DOT_PRECISION, TMA)
     tl.store(DK2 + out_offset + out_ptrs, (dk * sm_scale).to(DK2.dtype.element_ty), mask=key_ok)
     tl.store(DV + out_offset + out_ptrs, dv.to(DV.dtype.element_ty), mask=key_ok)
 
@@ -158,17 +161,17 @@ def _bwd_dkdv_kernel(
 def _dq_pass(dq, q, do, lse, delta, K, V, sk_n, sk_d, sv_n, sv_d, rows, walk,
              n_ctx, window, qk_scale,
              PRODUCT: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
-             BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr):
+             BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr,
+             TMA: tl.constexpr):
     """Accumulate ``dQ`` of this product (``dQ1`` with ``q1, K1``; ``dQ2`` with ``q2, K2``)."""
     offs_n = tl.arange(0, BLOCK_N)
-    dims = tl.arange(0, HEAD_DIM)
     lo1, hi1, lo2, hi2 = walk
     n1 = _tile_count(lo1, hi1, BLOCK_N)
     for t in range(0, n1 + _tile_count(lo2, hi2, BLOCK_N)):
         start_n = tl.multiple_of(_nth_tile(t, lo1, n1, lo2, BLOCK_N), BLOCK_N)
         cols = start_n + offs_n
-        k = _load_rows(K, cols, sk_n, sk_d, dims, n_ctx, MASKED)
-        v = _load_rows(V, cols, sv_n, sv_d, dims, n_ctx, MASKED)
+        k = _load_tile(K, start_n, sk_n, sk_d, n_ctx, BLOCK_N, HEAD_DIM, MASKED, TMA)
+        v = _load_tile(V, start_n, sv_n, sv_d, n_ctx, BLOCK_N, HEAD_DIM, MASKED, TMA)
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         p = tl.math.exp2(scores * qk_scale - lse[:, None])
         if MASKED:
@@ -187,7 +190,7 @@ def _bwd_dq_kernel(
     sv_b, sv_h, sv_n, sv_d, sdo_b, sdo_h, sdo_n, sdo_d,
     n_heads, group, n_ctx, window, qk_scale, sm_scale,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr,
 ):
     """Grid ``(cdiv(N, BLOCK_M), B * Hq)``. ``DQ1, DQ2`` are contiguous ``(B, Hq, N, D)``."""
     block = tl.program_id(0)
@@ -197,12 +200,13 @@ def _bwd_dq_kernel(
     batch = (tl.program_id(1) // n_heads).to(tl.int64)
     head = (tl.program_id(1) % n_heads).to(tl.int64)
     kv_head = head // group
-    K1 += batch * sk1_b + kv_head * sk1_h
-    K2 += batch * sk2_b + kv_head * sk2_h
-    V += batch * sv_b + kv_head * sv_h
+    K1 = _tiles(K1 + batch * sk1_b + kv_head * sk1_h, sk1_n, n_ctx, BLOCK_N, HEAD_DIM, TMA)
+    K2 = _tiles(K2 + batch * sk2_b + kv_head * sk2_h, sk2_n, n_ctx, BLOCK_N, HEAD_DIM, TMA)
+    V = _tiles(V + batch * sv_b + kv_head * sv_h, sv_n, n_ctx, BLOCK_N, HEAD_DIM, TMA)
     rows = start_m + tl.arange(0, BLOCK_M)
     dims = tl.arange(0, HEAD_DIM)
-    do = _load_rows(DO + batch * sdo_b + head * sdo_h, rows, sdo_n, sdo_d, dims, n_ctx, True)
+    do = _load_tile(_tiles(DO + batch * sdo_b + head * sdo_h, sdo_n, n_ctx, BLOCK_M, HEAD_DIM, TMA),
+                    start_m, sdo_n, sdo_d, n_ctx, BLOCK_M, HEAD_DIM, True, TMA)
     row_stats = tl.program_id(1).to(tl.int64) * n_ctx
     lse = tl.load(Lse + row_stats + rows, mask=rows < n_ctx, other=0.0)
     delta = tl.load(Delta + row_stats + rows, mask=rows < n_ctx, other=0.0)
@@ -213,23 +217,31 @@ def _bwd_dq_kernel(
     row_ok = rows[:, None] < n_ctx
 
     # phase 1: dQ1 from the q1·k1 passes, stored before phase 2 (one accumulator live at a time)
-    q1 = _load_rows(Q1 + batch * sq1_b + head * sq1_h, rows, sq1_n, sq1_d, dims, n_ctx, True)
+    q1 = _load_tile(_tiles(Q1 + batch * sq1_b + head * sq1_h, sq1_n, n_ctx, BLOCK_M, HEAD_DIM, TMA),
+                    start_m, sq1_n, sq1_d, n_ctx, BLOCK_M, HEAD_DIM, True, TMA)
     dq = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     dq = _dq_pass(dq, q1, do, lse, delta, K1, V, sk1_n, sk1_d, sv_n, sv_d, rows, inside_clean,
-                  n_ctx, window, qk_scale, INSIDE, False, CAUSAL, BLOCK_N, HEAD_DIM, DOT_PRECISION)
+                  n_ctx, window, qk_scale,
+                  INSIDE, False, CAUSAL, BLOCK_N, HEAD_DIM, DOT_PRECISION, TMA)
     dq = _dq_pass(dq, q1, do, lse, delta, K1, V, sk1_n, sk1_d, sv_n, sv_d, rows, band,
-                  n_ctx, window, qk_scale, INSIDE, True, CAUSAL, BLOCK_N, HEAD_DIM, DOT_PRECISION)
+                  n_ctx, window, qk_scale,
+                  INSIDE, True, CAUSAL, BLOCK_N, HEAD_DIM, DOT_PRECISION, TMA)
     dq = _dq_pass(dq, q1, do, lse, delta, K1, V, sk1_n, sk1_d, sv_n, sv_d, rows, edge_inside,
-                  n_ctx, window, qk_scale, INSIDE, True, CAUSAL, BLOCK_N, HEAD_DIM, DOT_PRECISION)
+                  n_ctx, window, qk_scale,
+                  INSIDE, True, CAUSAL, BLOCK_N, HEAD_DIM, DOT_PRECISION, TMA)
     tl.store(DQ1 + out_offset + out_ptrs, (dq * sm_scale).to(DQ1.dtype.element_ty), mask=row_ok)
 
     # phase 2: dQ2 from the q2·k2 passes
-    q2 = _load_rows(Q2 + batch * sq2_b + head * sq2_h, rows, sq2_n, sq2_d, dims, n_ctx, True)
+    q2 = _load_tile(_tiles(Q2 + batch * sq2_b + head * sq2_h, sq2_n, n_ctx, BLOCK_M, HEAD_DIM, TMA),
+                    start_m, sq2_n, sq2_d, n_ctx, BLOCK_M, HEAD_DIM, True, TMA)
     dq = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     dq = _dq_pass(dq, q2, do, lse, delta, K2, V, sk2_n, sk2_d, sv_n, sv_d, rows, outside_clean,
-                  n_ctx, window, qk_scale, OUTSIDE, False, CAUSAL, BLOCK_N, HEAD_DIM, DOT_PRECISION)
+                  n_ctx, window, qk_scale,
+                  OUTSIDE, False, CAUSAL, BLOCK_N, HEAD_DIM, DOT_PRECISION, TMA)
     dq = _dq_pass(dq, q2, do, lse, delta, K2, V, sk2_n, sk2_d, sv_n, sv_d, rows, band,
-                  n_ctx, window, qk_scale, OUTSIDE, True, CAUSAL, BLOCK_N, HEAD_DIM, DOT_PRECISION)
+                  n_ctx, window, qk_scale,
+                  OUTSIDE, True, CAUSAL, BLOCK_N, HEAD_DIM, DOT_PRECISION, TMA)
     dq = _dq_pass(dq, q2, do, lse, delta, K2, V, sk2_n, sk2_d, sv_n, sv_d, rows, edge_outside,
-                  n_ctx, window, qk_scale, OUTSIDE, True, CAUSAL, BLOCK_N, HEAD_DIM, DOT_PRECISION)
+                  n_ctx, window, qk_scale,
+                  OUTSIDE, True, CAUSAL, BLOCK_N, HEAD_DIM, DOT_PRECISION, TMA)
     tl.store(DQ2 + out_offset + out_ptrs, (dq * sm_scale).to(DQ2.dtype.element_ty), mask=row_ok)

@@ -13,25 +13,30 @@ import triton
 
 AUTOTUNE = os.environ.get("KERNELS_AUTOTUNE", "1") != "0"
 
+# Tensor-memory-accelerator (TMA) loads: "auto" uses them where they are known to work and pay
+# (a Hopper-or-newer GPU, fp16/bf16, D <= 128, a layout TMA accepts); "0" never; "1" wherever
+# the layout allows, also under the interpreter (the tests use it to run both load paths on CPU).
+TMA = os.environ.get("KERNELS_TMA", "auto")
+
 # Largest dynamic shared memory one block may use (bytes), by compute capability.
 SHARED_MEMORY = {75: 65536, 80: 166912, 86: 101376, 89: 101376, 90: 232448}
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages). BLOCK_M is the query tile, BLOCK_N the key tile.
-# First: the configuration that won most often on the H200 (perf/NOTES.md); used alone when
-# KERNELS_AUTOTUNE=0.
+# First: the configuration that won most often on the H200 (perf/NOTES.md, v4 with TMA loads);
+# used alone when KERNELS_AUTOTUNE=0.
 _CANDIDATES = {
     "fwd": {
-        64: [(128, 64, 4, 3), (128, 128, 8, 3), (128, 64, 8, 3), (64, 64, 4, 3)],
+        64: [(128, 64, 4, 3), (128, 64, 4, 4), (128, 64, 8, 3), (64, 64, 4, 4)],
         128: [(128, 64, 8, 3), (128, 128, 8, 2), (128, 64, 4, 3), (64, 64, 4, 3)],
         256: [(64, 64, 8, 2), (64, 32, 4, 2)],
     },
     "dkdv": {   # one program per key block of BLOCK_N, walking query tiles of BLOCK_M
-        64: [(64, 64, 4, 2), (64, 128, 8, 3), (32, 128, 4, 3), (32, 64, 4, 3)],
+        64: [(64, 64, 4, 3), (64, 64, 4, 2), (32, 128, 4, 3), (64, 128, 8, 3)],
         128: [(64, 64, 4, 2), (32, 128, 8, 3), (64, 128, 8, 2), (32, 64, 4, 3)],
         256: [(32, 64, 8, 2), (16, 32, 4, 2)],
     },
     "dq": {     # one program per query block of BLOCK_M, walking key tiles of BLOCK_N
-        64: [(64, 32, 4, 3), (128, 64, 8, 3), (128, 32, 4, 3), (64, 64, 4, 2)],
+        64: [(64, 32, 4, 3), (64, 64, 4, 3), (128, 32, 4, 3), (128, 64, 8, 3)],
         128: [(64, 64, 4, 2), (128, 64, 8, 2), (128, 32, 8, 3), (64, 32, 4, 3)],
         256: [(64, 32, 8, 2), (32, 16, 4, 2)],
     },

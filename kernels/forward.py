@@ -13,9 +13,12 @@ the key axis in ``BLOCK_N`` tiles, in six passes laid out by :func:`kernels.regi
 The online softmax does not care in which order tiles arrive, so visiting a band tile twice,
 once per product, is exact.
 
-Numerics as FlashAttention-2: fp32 accumulators, scores turned into log2 units once
-(``qk_scale = sm_scale · log2(e)``) so every exponential is an ``exp2``, and the per-row
-log-sum-exp (log2 units) saved for the backward pass.
+Numerics as FlashAttention-2: fp32 accumulators, scores turned into log2 units by
+``qk_scale = sm_scale · log2(e)`` (inside one fused multiply-add) so every exponential is an
+``exp2``, and the per-row log-sum-exp (log2 units) saved for the backward pass.
+
+Tiles are read through :func:`_tiles` / :func:`_load_tile`: TMA tensor descriptors on Hopper
+(fp16/bf16, aligned layouts), pointer loads elsewhere; the launcher picks (``TMA``).
 """
 
 import triton
@@ -33,6 +36,32 @@ def _load_rows(Base, idx, stride_n, stride_d, dims, n_ctx, MASKED: tl.constexpr)
         return tl.load(ptrs, mask=idx[:, None] < n_ctx, other=0.0)
     else:
         return tl.load(ptrs)
+
+
+@triton.jit
+def _tiles(Base, stride_n, n_ctx, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, TMA: tl.constexpr):
+    """How a kernel reads ``BLOCK``-row tiles of one ``(N, D)`` slice starting at ``Base``.
+
+    With ``TMA`` (Hopper and newer, row stride 16-byte aligned, unit column stride): a tensor
+    descriptor, so tiles arrive by the bulk tensor-copy engine, zero-filled past ``n_ctx``.
+    Otherwise the pointer itself, for :func:`_load_tile`'s pointer loads.
+    """
+    if TMA:
+        return tl.make_tensor_descriptor(Base, shape=[n_ctx, HEAD_DIM], strides=[stride_n, 1],
+                                         block_shape=[BLOCK, HEAD_DIM])
+    else:
+        return Base
+
+
+@triton.jit
+def _load_tile(src, start, stride_n, stride_d, n_ctx, BLOCK: tl.constexpr,
+               HEAD_DIM: tl.constexpr, MASKED: tl.constexpr, TMA: tl.constexpr):
+    """Rows ``start .. start + BLOCK`` of the slice behind ``src`` (from :func:`_tiles`)."""
+    if TMA:
+        return src.load([start, 0])
+    else:
+        return _load_rows(src, start + tl.arange(0, BLOCK), stride_n, stride_d,
+                          tl.arange(0, HEAD_DIM), n_ctx, MASKED)
 
 
 @triton.jit
@@ -58,26 +87,27 @@ def _keep(rows, cols, n_ctx, window, PRODUCT: tl.constexpr, CAUSAL: tl.constexpr
 @triton.jit
 def _fwd_pass(acc, l_i, m_i, q, K, V, sk_n, sk_d, sv_n, sv_d, rows, walk, n_ctx, window, qk_scale,
               PRODUCT: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
-              BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr):
+              BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr,
+              TMA: tl.constexpr):
     """Fold the key tiles of ``walk`` into the online-softmax state, with one product.
 
-    ``q``/``K`` are ``q1``/``K1`` for ``PRODUCT == INSIDE`` and ``q2``/``K2`` for ``OUTSIDE``.
-    ``MASKED`` tiles get the window, causal and sequence-end masks; the others none at all.
+    ``q``/``K`` are ``q1``/``K1`` for ``PRODUCT == INSIDE`` and ``q2``/``K2`` for ``OUTSIDE``
+    (``K``, ``V`` as :func:`_tiles` gives them). ``MASKED`` tiles get the window, causal and
+    sequence-end masks; the others none at all.
     """
     offs_n = tl.arange(0, BLOCK_N)
-    dims = tl.arange(0, HEAD_DIM)
     lo1, hi1, lo2, hi2 = walk
     n1 = _tile_count(lo1, hi1, BLOCK_N)
     for t in range(0, n1 + _tile_count(lo2, hi2, BLOCK_N)):
         start_n = tl.multiple_of(_nth_tile(t, lo1, n1, lo2, BLOCK_N), BLOCK_N)
-        cols = start_n + offs_n
-        k = _load_rows(K, cols, sk_n, sk_d, dims, n_ctx, MASKED)
-        v = _load_rows(V, cols, sv_n, sv_d, dims, n_ctx, MASKED)
-        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        k = _load_tile(K, start_n, sk_n, sk_d, n_ctx, BLOCK_N, HEAD_DIM, MASKED, TMA)
+        v = _load_tile(V, start_n, sv_n, sv_d, n_ctx, BLOCK_N, HEAD_DIM, MASKED, TMA)
+        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         if MASKED:
+            cols = start_n + offs_n
             scores = tl.where(_keep(rows, cols, n_ctx, window, PRODUCT, CAUSAL), scores,
                               float("-inf"))
-        acc, l_i, m_i = _softmax_step(acc, l_i, m_i, scores, v, DOT_PRECISION)
+        acc, l_i, m_i = _softmax_step(acc, l_i, m_i, scores, v, qk_scale, DOT_PRECISION)
     return acc, l_i, m_i
 
 
@@ -89,7 +119,7 @@ def _rerope_fwd_kernel(
     sv_b, sv_h, sv_n, sv_d, so_b, so_h, so_n, so_d,
     n_heads, group, n_ctx, window, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr,
 ):
     """Grid ``(cdiv(N, BLOCK_M), B * Hq)``. Writes ``Out`` and ``Lse`` (log2 units, ``(B·Hq, N)``)."""
     block = tl.program_id(0)
@@ -100,9 +130,9 @@ def _rerope_fwd_kernel(
     head = tl.program_id(1) % n_heads
     kv_head = head // group                      # grouped-query attention: shared K/V heads
     b64, h64, kv64 = batch.to(tl.int64), head.to(tl.int64), kv_head.to(tl.int64)
-    K1 += b64 * sk1_b + kv64 * sk1_h
-    K2 += b64 * sk2_b + kv64 * sk2_h
-    V += b64 * sv_b + kv64 * sv_h
+    K1 = _tiles(K1 + b64 * sk1_b + kv64 * sk1_h, sk1_n, n_ctx, BLOCK_N, HEAD_DIM, TMA)
+    K2 = _tiles(K2 + b64 * sk2_b + kv64 * sk2_h, sk2_n, n_ctx, BLOCK_N, HEAD_DIM, TMA)
+    V = _tiles(V + b64 * sv_b + kv64 * sv_h, sv_n, n_ctx, BLOCK_N, HEAD_DIM, TMA)
 
     rows = start_m + tl.arange(0, BLOCK_M)
     dims = tl.arange(0, HEAD_DIM)
@@ -114,26 +144,28 @@ def _rerope_fwd_kernel(
         start_m, BLOCK_M, BLOCK_N, n_ctx, window, CAUSAL, True)
 
     # every q2·k2 pass, then every q1·k1 pass: only one query block is live at a time
-    q2 = _load_rows(Q2 + b64 * sq2_b + h64 * sq2_h, rows, sq2_n, sq2_d, dims, n_ctx, True)
+    q2 = _load_tile(_tiles(Q2 + b64 * sq2_b + h64 * sq2_h, sq2_n, n_ctx, BLOCK_M, HEAD_DIM, TMA),
+                    start_m, sq2_n, sq2_d, n_ctx, BLOCK_M, HEAD_DIM, True, TMA)
     acc, l_i, m_i = _fwd_pass(acc, l_i, m_i, q2, K2, V, sk2_n, sk2_d, sv_n, sv_d, rows,
                               outside_clean, n_ctx, window, qk_scale,
-                              OUTSIDE, False, CAUSAL, BLOCK_N, HEAD_DIM, DOT_PRECISION)
+                              OUTSIDE, False, CAUSAL, BLOCK_N, HEAD_DIM, DOT_PRECISION, TMA)
     acc, l_i, m_i = _fwd_pass(acc, l_i, m_i, q2, K2, V, sk2_n, sk2_d, sv_n, sv_d, rows,
                               band, n_ctx, window, qk_scale,
-                              OUTSIDE, True, CAUSAL, BLOCK_N, HEAD_DIM, DOT_PRECISION)
+                              OUTSIDE, True, CAUSAL, BLOCK_N, HEAD_DIM, DOT_PRECISION, TMA)
     acc, l_i, m_i = _fwd_pass(acc, l_i, m_i, q2, K2, V, sk2_n, sk2_d, sv_n, sv_d, rows,
                               edge_outside, n_ctx, window, qk_scale,
-                              OUTSIDE, True, CAUSAL, BLOCK_N, HEAD_DIM, DOT_PRECISION)
-    q1 = _load_rows(Q1 + b64 * sq1_b + h64 * sq1_h, rows, sq1_n, sq1_d, dims, n_ctx, True)
+                              OUTSIDE, True, CAUSAL, BLOCK_N, HEAD_DIM, DOT_PRECISION, TMA)
+    q1 = _load_tile(_tiles(Q1 + b64 * sq1_b + h64 * sq1_h, sq1_n, n_ctx, BLOCK_M, HEAD_DIM, TMA),
+                    start_m, sq1_n, sq1_d, n_ctx, BLOCK_M, HEAD_DIM, True, TMA)
     acc, l_i, m_i = _fwd_pass(acc, l_i, m_i, q1, K1, V, sk1_n, sk1_d, sv_n, sv_d, rows,
                               inside_clean, n_ctx, window, qk_scale,
-                              INSIDE, False, CAUSAL, BLOCK_N, HEAD_DIM, DOT_PRECISION)
+                              INSIDE, False, CAUSAL, BLOCK_N, HEAD_DIM, DOT_PRECISION, TMA)
     acc, l_i, m_i = _fwd_pass(acc, l_i, m_i, q1, K1, V, sk1_n, sk1_d, sv_n, sv_d, rows,
                               band, n_ctx, window, qk_scale,
-                              INSIDE, True, CAUSAL, BLOCK_N, HEAD_DIM, DOT_PRECISION)
+                              INSIDE, True, CAUSAL, BLOCK_N, HEAD_DIM, DOT_PRECISION, TMA)
     acc, l_i, m_i = _fwd_pass(acc, l_i, m_i, q1, K1, V, sk1_n, sk1_d, sv_n, sv_d, rows,
                               edge_inside, n_ctx, window, qk_scale,
-                              INSIDE, True, CAUSAL, BLOCK_N, HEAD_DIM, DOT_PRECISION)
+                              INSIDE, True, CAUSAL, BLOCK_N, HEAD_DIM, DOT_PRECISION, TMA)
 
     row_stats = tl.program_id(1).to(tl.int64) * n_ctx
     tl.store(Lse + row_stats + rows, m_i + tl.math.log2(l_i), mask=rows < n_ctx)

@@ -58,14 +58,17 @@ def online_softmax_attention(q, k, v, block_n=16, causal=False, sm_scale=None, t
 
 
 @triton.jit
-def _softmax_step(acc, l_i, m_i, scores, v, DOT_PRECISION: tl.constexpr):
-    """Fold one tile of scores (already in log2 units, masked entries ``-inf``) into the state.
+def _softmax_step(acc, l_i, m_i, scores, v, qk_scale, DOT_PRECISION: tl.constexpr):
+    """Fold one tile of raw scores ``q · kᵀ`` (masked entries ``-inf``) into the state.
 
-    ``acc``: ``(BLOCK_M, D)`` fp32, ``l_i``/``m_i``: ``(BLOCK_M,)`` fp32, ``v``: ``(BLOCK_N, D)``.
+    ``acc``: ``(BLOCK_M, D)`` fp32, ``l_i``/``m_i``: ``(BLOCK_M,)`` fp32 in log2 units,
+    ``v``: ``(BLOCK_N, D)``. ``qk_scale = sm_scale · log2(e) > 0`` turns a raw score into log2
+    units; it is applied to the row maximum and then inside one fused multiply-add per score,
+    ``scores · qk_scale − m``, rather than in a separate pass over the tile.
     """
-    m_new = tl.maximum(m_i, tl.max(scores, 1))
+    m_new = tl.maximum(m_i, tl.max(scores, 1) * qk_scale)
     alpha = tl.math.exp2(m_i - m_new)
-    p = tl.math.exp2(scores - m_new[:, None])
+    p = tl.math.exp2(scores * qk_scale - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None]
     acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
@@ -97,12 +100,12 @@ def _plain_attention_fwd_kernel(
         cols = start_n + offs_n
         k = tl.load(K + base + cols[:, None] * stride_n + dims[None, :], mask=cols[:, None] < n_ctx)
         v = tl.load(V + base + cols[:, None] * stride_n + dims[None, :], mask=cols[:, None] < n_ctx)
-        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         keep = cols[None, :] < n_ctx
         if CAUSAL:
             keep = keep & (cols[None, :] <= rows[:, None])
         scores = tl.where(keep, scores, float("-inf"))
-        acc, l_i, m_i = _softmax_step(acc, l_i, m_i, scores, v, DOT_PRECISION)
+        acc, l_i, m_i = _softmax_step(acc, l_i, m_i, scores, v, qk_scale, DOT_PRECISION)
     out = acc / l_i[:, None]
     tl.store(Out + base + rows[:, None] * stride_n + dims[None, :], out.to(Out.dtype.element_ty),
              mask=rows[:, None] < n_ctx)

@@ -2,8 +2,10 @@
 
     python perf/merge_bench.py OUT.json IN1.json IN2.json ...
 
-`meta` is the first file's gpu/torch/triton/date, plus `runs`: every input's arguments and
-elapsed time. Rows are concatenated; a later file's row replaces an earlier one of the same case.
+`meta` is the last file's gpu/torch/triton/date, plus `runs`: every input's arguments and
+elapsed time (an input that is itself a merge contributes its own `runs`). Rows are concatenated;
+a later file's row replaces an earlier one of the same case, so `OUT.json OLD.json NEW.json`
+refreshes OLD with NEW's cases.
 """
 import json
 import sys
@@ -12,16 +14,17 @@ KEY = ("impl", "mode", "causal", "B", "H", "N", "D", "window", "dtype")
 
 
 def main(out, *inputs):
-    merged, meta = {}, None
+    merged, meta, runs = {}, None, []
     for path in inputs:
         with open(path) as f:
             data = json.load(f)
-        if meta is None:
-            meta = {k: data["meta"][k] for k in ("gpu", "torch", "triton", "date")}
-            meta["runs"] = []
-        meta["runs"].append({"args": data["meta"].get("args"), "elapsed_s": data["meta"].get("elapsed_s")})
+        meta = {k: data["meta"][k] for k in ("gpu", "torch", "triton", "date")}
+        runs += data["meta"].get("runs") or [{"args": data["meta"].get("args"),
+                                              "elapsed_s": data["meta"].get("elapsed_s"),
+                                              "date": data["meta"].get("date")}]
         for row in data["rows"]:
             merged[tuple(row[k] for k in KEY)] = row
+    meta["runs"] = runs
     with open(out, "w") as f:
         json.dump({"meta": meta, "rows": list(merged.values())}, f, indent=1)
     print(f"wrote {len(merged)} rows to {out}")

@@ -30,6 +30,43 @@ def test_matches_reference(case, gen):
                                    context=describe(gen, **asdict(case)))
 
 
+# Both ways of reading tiles: tensor descriptors (TMA on Hopper) and pointer loads. Under the
+# interpreter the default is pointers; KERNELS_TMA=1 (configs.TMA) forces descriptors wherever
+# the layout allows, and the interpreter then runs the descriptor code path.
+TMA_CASES = [Case(77, 15, dtype=F16), Case(77, 30, causal=False), Case(1, 1),
+             Case(24, 12, hq=4, hkv=1, d=64, dtype=F16),
+             Case(24, 7, batch=2, hq=2, hkv=2, causal=False, dtype=F16),
+             Case(40, 10, hq=2, hkv=2, layout="transposed", dtype=F16)]
+
+
+@pytest.mark.parametrize("case", TMA_CASES, ids=Case.id)
+@pytest.mark.parametrize("mode", ["0", "1"], ids=["pointers", "descriptors"])
+def test_both_load_paths(case, mode, gen, monkeypatch):
+    from kernels import attention, configs
+
+    monkeypatch.setattr(configs, "TMA", mode)
+    tensors, dout = make_inputs(gen, case.batch, case.hq, case.hkv, case.n, case.d, case.dtype,
+                                layout=case.layout)
+    assert attention._use_tma(*tensors, dout) == (mode == "1"), "the path under test is not taken"
+    check_kernel_against_reference(tensors, dout, case.window, case.causal, case.sm_scale,
+                                   context=describe(gen, tma=mode, **asdict(case)))
+
+
+def test_descriptor_layout_rules():
+    """TMA needs unit column stride, 16-byte aligned row/head strides and a 16-byte aligned start;
+    anything else falls back to pointer loads (sizes-1 dimensions' strides do not matter)."""
+    from kernels.attention import _tma_layout_ok
+
+    base = torch.zeros(2, 3, 40, 32, dtype=F16)
+    assert _tma_layout_ok(base)
+    assert _tma_layout_ok(base.transpose(1, 2).contiguous().transpose(1, 2))   # (B, N, H, D)
+    assert not _tma_layout_ok(base[..., ::2])                    # column stride 2
+    assert not _tma_layout_ok(torch.zeros(1, 1, 40, 36, dtype=F16)[..., :32])  # 72-byte rows
+    assert not _tma_layout_ok(torch.zeros(2 * 3 * 40 * 32 + 1, dtype=F16)[1:].view(2, 3, 40, 32))
+    assert _tma_layout_ok(torch.zeros(1, 1, 5, 16, dtype=F32).as_strided((1, 1, 5, 16),
+                                                                         (7, 3, 16, 1)))
+
+
 # --- the window boundary, made loud ---------------------------------------------------------
 
 

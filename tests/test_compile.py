@@ -100,6 +100,13 @@ def jobs(full=FULL):
     return todo
 
 
+def uses_tma(job):
+    """Whether a launch with this job's GPU, dtype and D reads through TMA descriptors (the
+    rule of ``kernels.attention._use_tma`` for contiguous tensors)."""
+    return (job["capability"][0] >= 9 and TORCH_DTYPES[job["dtype"]].itemsize == 2
+            and job["head_dim"] <= 128)
+
+
 def job_id(job):
     major, minor = job["capability"]
     return (f"{job['kernel']}-sm{major}{minor}-D{job['head_dim']}-{job['dtype']}-"
@@ -135,7 +142,8 @@ def _source(job):
             signature[name] = "i32"
             attrs[(index,)] = divisible
     constexprs.update(HEAD_DIM=job["head_dim"], BLOCK_M=job["BLOCK_M"], BLOCK_N=job["BLOCK_N"],
-                      CAUSAL=True, DOT_PRECISION=dot_precision(TORCH_DTYPES[job["dtype"]]))
+                      CAUSAL=True, DOT_PRECISION=dot_precision(TORCH_DTYPES[job["dtype"]]),
+                      TMA=uses_tma(job))
     missing = [p.name for p in fn.params if p.is_constexpr and p.name not in constexprs]
     if missing:
         raise RuntimeError(f"no value for constexpr parameters {missing} of {job['kernel']}")
