@@ -64,13 +64,15 @@ def _torch_scratch(size, alignment, stream):
 
 def _use_tma(*tensors):
     """Whether the kernels read tiles through TMA tensor descriptors (see ``configs.TMA``)."""
-    if configs.TMA == "0" or not all(_tma_layout_ok(t) for t in tensors):
+    if configs.TMA == "0":
         return False
     if configs.TMA != "1":
         t = tensors[0]
-        if (INTERPRET or torch.cuda.get_device_capability(t.device)[0] < 9
-                or t.element_size() != 2 or t.shape[-1] > 128):
+        if (INTERPRET or t.element_size() != 2 or t.shape[-1] > 128
+                or torch.cuda.get_device_capability(t.device)[0] < 9):
             return False
+    if not all(_tma_layout_ok(t) for t in tensors):    # the cheap checks first: this runs per call
+        return False
     if not INTERPRET:
         # descriptors built inside a kernel live in a small global scratch buffer that Triton
         # asks an allocator for; give it torch's unless the caller installed one
