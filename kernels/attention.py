@@ -42,6 +42,8 @@ def _launch(kernel, blocks_of, programs, args, **constexprs):
         _KERNELS[kernel][grid(configs.INTERPRETER_CONFIG)](
             *args, **constexprs, **configs.INTERPRETER_CONFIG)
     else:
+        if constexprs["TMA"]:
+            _ensure_scratch_allocator()
         capability = torch.cuda.get_device_capability(args[0].device)
         tuned = _autotuned(kernel, constexprs["HEAD_DIM"], capability, args[0].element_size())
         tuned[grid](*args, **constexprs)
@@ -62,24 +64,23 @@ def _torch_scratch(size, alignment, stream):
     return torch.empty(size, dtype=torch.int8, device="cuda")
 
 
+def _ensure_scratch_allocator():
+    """Descriptors built inside a kernel live in a small global scratch buffer that Triton asks
+    an allocator for: give it torch's, unless the caller installed one."""
+    from triton.runtime import _allocation
+    if _allocation._allocator.get() is _allocation._NULL_ALLOCATOR:
+        triton.set_allocator(_torch_scratch)
+
+
 def _use_tma(*tensors):
     """Whether the kernels read tiles through TMA tensor descriptors (see ``configs.TMA``)."""
     if configs.TMA == "0":
         return False
-    if configs.TMA != "1":
-        t = tensors[0]
-        if (INTERPRET or t.element_size() != 2 or t.shape[-1] > 128
-                or torch.cuda.get_device_capability(t.device)[0] < 9):
-            return False
-    if not all(_tma_layout_ok(t) for t in tensors):    # the cheap checks first: this runs per call
+    t = tensors[0]
+    if configs.TMA != "1" and (INTERPRET or not configs.tma_pays(
+            torch.cuda.get_device_capability(t.device), t.element_size(), t.shape[-1])):
         return False
-    if not INTERPRET:
-        # descriptors built inside a kernel live in a small global scratch buffer that Triton
-        # asks an allocator for; give it torch's unless the caller installed one
-        from triton.runtime import _allocation
-        if _allocation._allocator.get() is _allocation._NULL_ALLOCATOR:
-            triton.set_allocator(_torch_scratch)
-    return True
+    return all(_tma_layout_ok(t) for t in tensors)   # the cheap checks first: this runs per call
 
 
 def rerope_forward(q1, q2, k1, k2, v, window, causal, sm_scale):

@@ -18,6 +18,12 @@ AUTOTUNE = os.environ.get("KERNELS_AUTOTUNE", "1") != "0"
 # the layout allows, also under the interpreter (the tests use it to run both load paths on CPU).
 TMA = os.environ.get("KERNELS_TMA", "auto")
 
+
+def tma_pays(capability, elem_bytes, head_dim):
+    """The hardware/dtype half of ``TMA="auto"``: a Hopper-or-newer GPU, 16-bit inputs, D <= 128
+    (the launcher also needs a layout TMA accepts)."""
+    return capability[0] >= 9 and elem_bytes == 2 and head_dim <= 128
+
 # Largest dynamic shared memory one block may use (bytes), by compute capability.
 SHARED_MEMORY = {75: 65536, 80: 166912, 86: 101376, 89: 101376, 90: 232448}
 

@@ -28,6 +28,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "perf", "variants"))
 import kernels  # noqa: E402
 from kernels import attention, configs, reference  # noqa: E402
+from probe import bench, rel_err  # noqa: E402  (perf/probe.py, beside this script)
 
 SWEEP = {   # extra candidates tried with TMA (BLOCK_M, BLOCK_N, warps, stages)
     "fwd": {64: [(128, 64, 4, 3), (128, 64, 4, 4), (128, 128, 8, 2), (128, 128, 8, 3),
@@ -43,14 +44,6 @@ SWEEP = {   # extra candidates tried with TMA (BLOCK_M, BLOCK_N, warps, stages)
            128: [(64, 64, 4, 2), (128, 64, 8, 2), (128, 32, 8, 3), (64, 64, 4, 3),
                  (64, 32, 4, 2), (64, 64, 8, 2), (128, 64, 4, 2), (64, 128, 8, 2)]},
 }
-
-
-def bench(fn):
-    return triton.testing.do_bench(fn, warmup=25, rep=150, return_mode="median")
-
-
-def rel_err(a, b):
-    return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
 def inputs(d, n, h, seed):

@@ -101,10 +101,12 @@ def jobs(full=FULL):
 
 
 def uses_tma(job):
-    """Whether a launch with this job's GPU, dtype and D reads through TMA descriptors (the
-    rule of ``kernels.attention._use_tma`` for contiguous tensors)."""
-    return (job["capability"][0] >= 9 and TORCH_DTYPES[job["dtype"]].itemsize == 2
-            and job["head_dim"] <= 128)
+    """Whether a launch with this job's GPU, dtype and D reads through TMA descriptors (as
+    ``kernels.attention._use_tma`` decides for contiguous tensors)."""
+    from kernels import configs
+
+    return configs.tma_pays(job["capability"], TORCH_DTYPES[job["dtype"]].itemsize,
+                            job["head_dim"])
 
 
 def job_id(job):
