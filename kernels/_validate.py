@@ -4,13 +4,23 @@ Every check raises a ``TypeError`` (wrong kind of thing) or ``ValueError`` (righ
 value) whose message names the argument and says what was expected.
 """
 
+import math
 import numbers
+import sys
+import warnings
 
 import torch
 
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 REFERENCE_DTYPES = KERNEL_DTYPES + (torch.float64,)
 HEAD_DIMS = (16, 32, 64, 128, 256)
+
+# The kernels get the softmax scale as the fp32 number ``sm_scale·log2(e)`` (they use exp2) and
+# ``sm_scale`` itself (backward). Both must be normal fp32 numbers: a subnormal one is flushed to
+# zero on GPUs, and zero (or inf) turns every score into NaN. Hence the range below.
+SM_SCALE_MIN = torch.finfo(torch.float32).tiny                       # 2**-126 ≈ 1.18e-38
+SM_SCALE_MAX = torch.finfo(torch.float32).max / math.log2(math.e)    # ≈ 2.36e38
+_FLOAT_MAX = sys.float_info.max
 
 
 def check_window(window):
@@ -25,13 +35,22 @@ def check_flag(name, value):
         raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
 
 
-def check_sm_scale(sm_scale):
+def check_sm_scale(sm_scale, kernel=True):
+    """``sm_scale``: ``None`` or a finite positive number; for the kernels (``kernel=True``) also
+    within ``[SM_SCALE_MIN, SM_SCALE_MAX]``, where ``sm_scale·log2(e)`` is a normal fp32 number.
+    The float64 references (``kernel=False``) take any finite positive value."""
     if sm_scale is None:
         return
     if isinstance(sm_scale, bool) or not isinstance(sm_scale, numbers.Real):
         raise TypeError(f"sm_scale must be a float or None, got {type(sm_scale).__name__}")
-    if not (sm_scale > 0 and sm_scale < float("inf")):
+    if not 0 < sm_scale <= _FLOAT_MAX:
         raise ValueError(f"sm_scale must be a finite positive number, got {sm_scale}")
+    if kernel and not SM_SCALE_MIN <= sm_scale <= SM_SCALE_MAX:
+        raise ValueError(
+            f"sm_scale must be between {SM_SCALE_MIN:.4g} and {SM_SCALE_MAX:.4g} for the kernels, "
+            f"got {sm_scale:g}: they compute with sm_scale·log2(e) in fp32, which must be a "
+            "normal fp32 number (a smaller one flushes to zero, a larger one is inf; either "
+            "makes every score NaN)")
 
 
 def _check_rank4(name, t):
@@ -41,11 +60,13 @@ def _check_rank4(name, t):
         raise ValueError(f"{name} must have rank 4 (B, H, N, D), got shape {tuple(t.shape)}")
 
 
-def check_qkv(queries, keys, dtypes=KERNEL_DTYPES):
+def check_qkv(queries, keys, dtypes=KERNEL_DTYPES, fewer_queries=False):
     """Check named query and key/value tensors; return ``(B, Hq, Hkv, N, D)``.
 
     ``queries`` and ``keys`` are dicts ``{name: tensor}``: queries ``(B, Hq, N, D)``, keys and
-    values ``(B, Hkv, N, D)``, ``Hq % Hkv == 0``, one dtype and one device for all.
+    values ``(B, Hkv, N, D)``, ``Hq % Hkv == 0``, one dtype and one device for all. With
+    ``fewer_queries`` the keys may be longer, ``(B, Hkv, Nk, D)`` with ``Nk >= N`` (the queries
+    are the last ``N`` positions); then ``(B, Hq, Hkv, N, Nk, D)`` is returned.
     """
     named = {**queries, **keys}
     for name, t in named.items():
@@ -64,7 +85,7 @@ def check_qkv(queries, keys, dtypes=KERNEL_DTYPES):
     q_name, q = next(iter(queries.items()))
     k_name, k = next(iter(keys.items()))
     batch, hq, n, d = q.shape
-    hkv = k.shape[1]
+    hkv, n_keys = k.shape[1], k.shape[2]
     for name, t in queries.items():
         if t.shape != q.shape:
             raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {tuple(q.shape)} "
@@ -72,17 +93,21 @@ def check_qkv(queries, keys, dtypes=KERNEL_DTYPES):
     for name, t in keys.items():
         if t.shape[0] != batch:
             raise ValueError(f"{name} has batch {t.shape[0]}, expected {batch} like {q_name}")
-        if t.shape[2] != n:
-            raise ValueError(f"{name} has sequence length {t.shape[2]}, expected {n} like {q_name}")
+        want, like = (n_keys, k_name) if fewer_queries else (n, q_name)
+        if t.shape[2] != want:
+            raise ValueError(f"{name} has sequence length {t.shape[2]}, expected {want} like {like}")
         if t.shape[3] != d:
             raise ValueError(f"{name} has head dim {t.shape[3]}, expected {d} like {q_name}")
         if t.shape[1] != hkv:
             raise ValueError(f"{name} has {t.shape[1]} heads, expected {hkv} like {k_name}")
     if n < 1:
         raise ValueError(f"{q_name} must have sequence length N >= 1, got {n}")
+    if fewer_queries and n > n_keys:
+        raise ValueError(f"{q_name} has {n} queries but {k_name} has {n_keys} keys; the queries "
+                         "are the last positions of the keys' sequence, so Nq <= Nk is needed")
     if hkv < 1 or hq % hkv != 0:
         raise ValueError(f"query heads ({hq}) must be a multiple of key/value heads ({hkv})")
-    return batch, hq, hkv, n, d
+    return (batch, hq, hkv, n, n_keys, d) if fewer_queries else (batch, hq, hkv, n, d)
 
 
 def check_head_dim(d):
@@ -90,21 +115,66 @@ def check_head_dim(d):
         raise ValueError(f"head dim D={d} is not supported; expected one of {HEAD_DIMS}")
 
 
-def check_rope_args(q, k, window, base, leaky, logn_len):
-    """Checks for the RoPE/ReRoPE helpers (raw ``q``, ``k`` and the position settings)."""
-    check_qkv({"q": q}, {"k": k}, dtypes=REFERENCE_DTYPES)
+def check_rope_args(q, k, window, base, leaky, logn_len, rotated=False):
+    """Checks for the RoPE/ReRoPE helpers (``q``, ``k`` and the position settings)."""
+    check_qkv({"q": q}, {"k": k}, dtypes=REFERENCE_DTYPES, fewer_queries=True)
+    check_flag("rotated", rotated)
     if q.shape[-1] % 2:
         raise ValueError(f"q must have an even head dim for RoPE, got {q.shape[-1]}")
     check_window(window)
-    if isinstance(base, bool) or not isinstance(base, numbers.Real) or not base > 1:
-        raise ValueError(f"base must be a number > 1, got {base!r}")
+    if isinstance(base, bool) or not isinstance(base, numbers.Real):
+        raise TypeError(f"base must be a number > 1 (the RoPE base, e.g. 10000.0), got "
+                        f"{type(base).__name__} {base!r}")
+    if not 1 < base <= _FLOAT_MAX:
+        raise ValueError(f"base must be a finite number > 1 (the RoPE base), got {base!r}")
     if leaky is not None:
         if isinstance(leaky, bool) or not isinstance(leaky, numbers.Real):
             raise TypeError(f"leaky must be a float > 1 or None, got {type(leaky).__name__}")
-        if not (leaky > 1 and leaky < float("inf")):
+        if not 1 < leaky <= _FLOAT_MAX:
             raise ValueError(f"leaky must be a finite float > 1 (the Leaky ReRoPE factor), got {leaky}")
     if logn_len is not None:
         if isinstance(logn_len, bool) or not isinstance(logn_len, numbers.Real):
             raise TypeError(f"logn_len must be a number > 1 or None, got {type(logn_len).__name__}")
         if not logn_len > 1:
             raise ValueError(f"logn_len must be > 1 (a training length), got {logn_len}")
+
+
+# Query entries of this magnitude must survive the log-n scale without overflowing (a warning
+# otherwise): well above what normalised activations reach, far below any dtype's range.
+LOGN_WARN_ABS = 16.0
+
+
+def check_logn_overflow(logn_len, n_keys, dtype, name="q"):
+    """Refuse or warn where the log-n query scale overflows ``dtype``; return the largest scale.
+
+    Queries are scaled by ``max(1, log(i + 1) / log(logn_len))`` at positions ``i < n_keys``;
+    the largest factor, ``s = max(1, log(n_keys) / log(logn_len))``, is at the last position.
+    When the scaled queries are held in ``dtype`` (fp16: largest finite 65504):
+
+    * ``s > finfo(dtype).max``: even entries of magnitude 1 become inf: ``ValueError``;
+    * ``s · LOGN_WARN_ABS > finfo(dtype).max``: entries above ``finfo.max / s`` (< 16) become
+      inf: ``RuntimeWarning``.
+
+    A ``logn_len`` near 1 (e.g. 1.0001, a typo for a training length) is what gets here; with a
+    training length ``>= 2`` the scale is at most ``log2(n_keys)``. ``logn_len=None``: returns
+    1.0. Call after :func:`check_rope_args` (``logn_len`` already checked). ``name``: the query
+    argument's name in messages.
+    """
+    if logn_len is None or n_keys < 1:
+        return 1.0
+    largest = max(1.0, math.log(n_keys) / math.log(logn_len))
+    limit = torch.finfo(dtype).max
+    if largest > limit:
+        raise ValueError(
+            f"logn_len={logn_len!r} scales the queries {name} by up to {largest:.3g} (log(n)/"
+            f"log(logn_len) at position {n_keys - 1}), beyond the {dtype} range ({limit:g}): "
+            f"entries of {name} of magnitude {limit / largest:.2g} or more overflow to inf. "
+            "logn_len is the training length (e.g. 4096); use float32 inputs if such a scale "
+            "is really meant")
+    if largest * LOGN_WARN_ABS > limit:
+        warnings.warn(
+            f"logn_len={logn_len!r} scales the queries {name} by up to {largest:.3g} (log(n)/"
+            f"log(logn_len) at position {n_keys - 1}): entries of {name} above "
+            f"{limit / largest:.3g} in magnitude overflow {dtype} (largest {limit:g}) and give "
+            "NaN. logn_len is the training length (e.g. 4096)", RuntimeWarning, stacklevel=3)
+    return largest

@@ -1,42 +1,62 @@
-"""The public ops: launchers, the autograd function, ``rerope_attention`` and ``rerope``.
+"""The public ops: launchers, autograd, ``rerope_attention`` and ``rerope``.
 
-``rerope_attention`` takes the five tensors (see :mod:`kernels.rope`); ``rerope`` takes raw
-``q, k, v`` and builds them first. Both are differentiable. On a GPU every kernel is autotuned
-over :func:`kernels.configs.launch_configs`; under the CPU interpreter one fixed configuration
-runs (:mod:`kernels.runtime`).
+``rerope_attention`` takes the five tensors (see :mod:`kernels.rope`); ``rerope`` takes ``q, k,
+v`` as a model holds them, raw or already rotated, and rotates inside the kernels
+(:mod:`kernels.rotary`). Both run the same three kernels (forward, dK/dV, dQ) and are
+differentiable. On a GPU every kernel is autotuned over :func:`kernels.configs.launch_configs`;
+under the CPU interpreter one fixed configuration runs (:mod:`kernels.runtime`).
+
+Each op has two doors to the same launchers. Eagerly, a ``torch.autograd.Function``: the
+lightest path from Python to the kernels (short sequences are bound by host time). Under
+``torch.compile``, ops registered with ``torch.library`` (``torch.ops.kernels.*``, with fake
+implementations and autograd formulas), which the compiler treats as opaque instead of tracing
+into Triton; in eager mode they would cost 90 µs more per forward call (measured on the H200
+host, perf/runs/host_fused_v1.json).
 """
 
 import functools
+from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import triton
+from torch.autograd.function import once_differentiable
 
 from . import configs
-from ._validate import check_flag, check_head_dim, check_qkv, check_sm_scale, check_window
+from ._validate import (check_flag, check_head_dim, check_qkv, check_rope_args, check_sm_scale,
+                        check_window)
 from .backward import _bwd_delta_kernel, _bwd_dkdv_kernel, _bwd_dq_kernel
 from .forward import _rerope_fwd_kernel
 from .online_softmax import LOG2E
-from .rope import rerope_inputs
+from .rotary import logn_factor, rope_table, rotation_offset, rotation_plan
 from .runtime import INTERPRET, dot_precision, prepare_for_device
 
 _KERNELS = {"fwd": _rerope_fwd_kernel, "dkdv": _bwd_dkdv_kernel, "dq": _bwd_dq_kernel}
 
 
 @functools.lru_cache(maxsize=None)
-def _autotuned(kernel, head_dim, capability, elem_bytes):
-    """The kernel wrapped in ``triton.autotune`` over the configs that fit this GPU."""
+def _autotuned(kernel, head_dim, capability, elem_bytes, split):
+    """The kernel wrapped in ``triton.autotune`` over the configs that fit this GPU (for the
+    five-tensor or the fused form: ``split``).
+
+    The window is not part of the key: it moves work between regions, not the best tile shape.
+    """
     return triton.autotune(
-        configs=configs.launch_configs(kernel, head_dim, capability, elem_bytes),
-        key=["n_ctx", "window", "HEAD_DIM", "CAUSAL"],
+        configs=configs.launch_configs(kernel, head_dim, capability, elem_bytes, split),
+        key=["n_q", "n_k", "HEAD_DIM", "CAUSAL", "SPLIT", "LOGN"],
     )(_KERNELS[kernel])
 
 
-def _launch(kernel, blocks_of, programs, args, **constexprs):
-    """Launch ``kernel`` over ``(cdiv(N, meta[blocks_of]), programs)``."""
-    n_ctx = constexprs.pop("n_ctx")
+@functools.lru_cache(maxsize=None)
+def _capability(device):
+    return torch.cuda.get_device_capability(device)
+
+
+def _launch(kernel, blocks_of, rows, programs, args, **constexprs):
+    """Launch ``kernel`` over ``(cdiv(rows, meta[blocks_of]), programs)``."""
 
     def grid(meta):
-        return (triton.cdiv(n_ctx, meta[blocks_of]), programs)
+        return (triton.cdiv(rows, meta[blocks_of]), programs)
 
     if INTERPRET:
         _KERNELS[kernel][grid(configs.INTERPRETER_CONFIG)](
@@ -44,8 +64,9 @@ def _launch(kernel, blocks_of, programs, args, **constexprs):
     else:
         if constexprs["TMA"]:
             _ensure_scratch_allocator()
-        capability = torch.cuda.get_device_capability(args[0].device)
-        tuned = _autotuned(kernel, constexprs["HEAD_DIM"], capability, args[0].element_size())
+        capability = _capability(args[0].device)
+        tuned = _autotuned(kernel, constexprs["HEAD_DIM"], capability, args[0].element_size(),
+                           constexprs["SPLIT"])
         tuned[grid](*args, **constexprs)
 
 
@@ -54,10 +75,12 @@ def _strides(*tensors):
 
 
 def _tma_layout_ok(t):
-    """TMA needs a 16-byte aligned start, unit column stride and 16-byte aligned other strides."""
+    """TMA needs a 16-byte aligned start, unit column stride and a 16-byte aligned row stride
+    (always: the descriptor uses it even for one row); batch and head strides matter only where
+    there is more than one batch or head."""
     size = t.element_size()
-    return (t.data_ptr() % 16 == 0 and t.stride(-1) == 1
-            and all(s * size % 16 == 0 for s, n in zip(t.stride()[:-1], t.shape[:-1]) if n > 1))
+    return (t.data_ptr() % 16 == 0 and t.stride(-1) == 1 and t.stride(-2) * size % 16 == 0
+            and all(s * size % 16 == 0 for s, n in zip(t.stride()[:2], t.shape[:2]) if n > 1))
 
 
 def _torch_scratch(size, alignment, stream):
@@ -78,64 +101,220 @@ def _use_tma(*tensors):
         return False
     t = tensors[0]
     if configs.TMA != "1" and (INTERPRET or not configs.tma_pays(
-            torch.cuda.get_device_capability(t.device), t.element_size(), t.shape[-1])):
+            _capability(t.device), t.element_size(), t.shape[-1])):
         return False
     return all(_tma_layout_ok(t) for t in tensors)   # the cheap checks first: this runs per call
 
 
-def rerope_forward(q1, q2, k1, k2, v, window, causal, sm_scale):
-    """Run the forward kernel; returns ``(out, lse)`` (``lse`` in log2 units, ``(B·Hq, N)``)."""
-    batch, n_heads, n_ctx, head_dim = q1.shape
-    group = n_heads // k1.shape[1]
-    out = torch.empty_like(q1, memory_format=torch.contiguous_format)
-    lse = torch.empty(batch * n_heads, n_ctx, dtype=torch.float32, device=q1.device)
-    _launch("fwd", "BLOCK_M", batch * n_heads,
-            [q1, q2, k1, k2, v, out, lse, *_strides(q1, q2, k1, k2, v, out),
-             n_heads, group, n_ctx, window, sm_scale * LOG2E],
-            n_ctx=n_ctx, HEAD_DIM=head_dim, CAUSAL=causal, DOT_PRECISION=dot_precision(q1.dtype),
-            TMA=_use_tma(q1, q2, k1, k2, v))
+# --- how the kernels read q and k ----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Operands:
+    """What the kernels need to know about their operands, beyond the tensors.
+
+    ``split=False``: the five-tensor form (``q1, q2, k1, k2`` given). ``split=True``: ``q, k``
+    as a model holds them; ``tables`` are ``(inside table, inside offset, outside table,
+    outside offset)`` from :mod:`kernels.rotary` and ``flags`` the compile-time switches.
+    """
+
+    split: bool
+    tables: tuple
+    flags: dict
+    logn_factor: float = 0.0
+
+    def constexprs(self, head_dim):
+        return dict(SPLIT=self.split, TWO_DOTS=self.split and head_dim >= 32,
+                    LOGN=self.logn_factor != 0.0, **self.flags)
+
+
+_NO_ROTATION = dict(TURN_IN=False, SHIFT_IN=False, TURN_OUT=False, SHIFT_OUT=False)
+
+
+def _five_tensors(placeholder):
+    return Operands(split=False, tables=(placeholder,) * 4, flags=_NO_ROTATION)
+
+
+def _rotations(n_k, head_dim, base, window, leaky, logn_len, rotated, device):
+    """The :class:`Operands` of the fused form: tables are cached and shared across calls."""
+    inside, outside = rotation_plan(window, leaky, rotated)
+    tables = []
+    for rot in (inside, outside):
+        offset = rotation_offset(head_dim, base, rot.offset, device)
+        table = rope_table(n_k, head_dim, base, rot.speed, device) if rot.speed != 0 else offset
+        tables += [table, offset]
+    flags = dict(TURN_IN=inside.speed != 0, SHIFT_IN=inside.offset != 0,
+                 TURN_OUT=outside.speed != 0, SHIFT_OUT=outside.offset != 0)
+    return Operands(split=True, tables=tuple(tables), flags=flags,
+                    logn_factor=logn_factor(logn_len))
+
+
+# --- launchers -----------------------------------------------------------------------------------
+
+
+def rerope_forward(q1, q2, k1, k2, v, window, causal, sm_scale, operands=None):
+    """Run the forward kernel; returns ``(out, lse)`` (``lse`` in log2 units, ``(B·Hq, Nq)``).
+
+    ``operands=None``: the five-tensor form. Otherwise ``q1 is q2`` is ``q``, ``k1 is k2`` is
+    ``k`` and ``operands`` (:class:`Operands`) says how they are rotated.
+    """
+    batch, n_heads, n_q, head_dim = q1.shape
+    n_k = k1.shape[2]
+    out = torch.empty(q1.shape, dtype=q1.dtype, device=q1.device)
+    lse = torch.empty(batch * n_heads, n_q, dtype=torch.float32, device=q1.device)
+    operands = operands or _five_tensors(lse)
+    _launch("fwd", "BLOCK_M", n_q, batch * n_heads,
+            [q1, q2, k1, k2, v, out, lse, *operands.tables, *_strides(q1, q2, k1, k2, v, out),
+             n_heads, n_heads // k1.shape[1], n_q, n_k, window, sm_scale * LOG2E,
+             operands.logn_factor],
+            HEAD_DIM=head_dim, CAUSAL=causal, DOT_PRECISION=dot_precision(q1.dtype),
+            TMA=_use_tma(q1, q2, k1, k2, v), **operands.constexprs(head_dim))
     return out, lse
 
 
-def rerope_backward(dout, q1, q2, k1, k2, v, out, lse, window, causal, sm_scale):
-    """Run the three backward kernels; returns ``(dq1, dq2, dk1, dk2, dv)``."""
-    batch, n_heads, n_ctx, head_dim = q1.shape
-    n_kv_heads = k1.shape[1]
+def rerope_backward(dout, q1, q2, k1, k2, v, out, lse, window, causal, sm_scale, operands=None):
+    """Run the three backward kernels: ``(dq1, dq2, dk1, dk2, dv)`` in the five-tensor form,
+    ``(dq, dk, dv)`` with ``operands`` (see :func:`rerope_forward`)."""
+    batch, n_heads, n_q, head_dim = q1.shape
+    n_kv_heads, n_k = k1.shape[1], k1.shape[2]
     group = n_heads // n_kv_heads
     delta = torch.empty_like(lse)
-    _bwd_delta_kernel[(triton.cdiv(n_ctx, configs.DELTA_BLOCK_M), batch * n_heads)](
-        out, dout, delta, *_strides(out, dout), n_heads, n_ctx,
+    _bwd_delta_kernel[(triton.cdiv(n_q, configs.DELTA_BLOCK_M), batch * n_heads)](
+        out, dout, delta, *_strides(out, dout), n_heads, n_q,
         HEAD_DIM=head_dim, BLOCK_M=configs.DELTA_BLOCK_M)
-    dq1, dq2 = (torch.empty(q1.shape, dtype=q1.dtype, device=q1.device) for _ in range(2))
-    dk1, dk2, dv = (torch.empty(k1.shape, dtype=k1.dtype, device=k1.device) for _ in range(3))
+    split = operands is not None
+    operands = operands or _five_tensors(lse)
+    dq = [torch.empty(q1.shape, dtype=q1.dtype, device=q1.device) for _ in range(1 if split else 2)]
+    dk = [torch.empty(k1.shape, dtype=k1.dtype, device=k1.device) for _ in range(1 if split else 2)]
+    dv = torch.empty(k1.shape, dtype=k1.dtype, device=k1.device)
     strides = _strides(q1, q2, k1, k2, v, dout)
-    common = dict(n_ctx=n_ctx, HEAD_DIM=head_dim, CAUSAL=causal,
-                  DOT_PRECISION=dot_precision(q1.dtype), TMA=_use_tma(q1, q2, k1, k2, v, dout))
-    _launch("dkdv", "BLOCK_N", batch * n_kv_heads,
-            [q1, q2, k1, k2, v, dout, lse, delta, dk1, dk2, dv, *strides,
-             n_heads, n_kv_heads, group, n_ctx, window, sm_scale * LOG2E, sm_scale], **common)
-    _launch("dq", "BLOCK_M", batch * n_heads,
-            [q1, q2, k1, k2, v, dout, lse, delta, dq1, dq2, *strides,
-             n_heads, group, n_ctx, window, sm_scale * LOG2E, sm_scale], **common)
-    return dq1, dq2, dk1, dk2, dv
+    common = dict(HEAD_DIM=head_dim, CAUSAL=causal, DOT_PRECISION=dot_precision(q1.dtype),
+                  TMA=_use_tma(q1, q2, k1, k2, v, dout), **operands.constexprs(head_dim))
+    _launch("dkdv", "BLOCK_N", n_k, batch * n_kv_heads,
+            [q1, q2, k1, k2, v, dout, lse, delta, dk[0], dk[-1], dv, *operands.tables, *strides,
+             n_heads, n_kv_heads, group, n_q, n_k, window, sm_scale * LOG2E, sm_scale,
+             operands.logn_factor], **common)
+    _launch("dq", "BLOCK_M", n_q, batch * n_heads,
+            [q1, q2, k1, k2, v, dout, lse, delta, dq[0], dq[-1], *operands.tables, *strides,
+             n_heads, group, n_q, n_k, window, sm_scale * LOG2E, sm_scale,
+             operands.logn_factor], **common)
+    return (dq[0], dk[0], dv) if split else (dq[0], dq[1], dk[0], dk[1], dv)
 
 
-class ReRoPEAttention(torch.autograd.Function):
-    """Autograd wrapper: forward saves ``out`` and the log-sum-exp, backward runs the kernels."""
+# --- the ops, registered with torch.library --------------------------------------------------------
+
+
+@torch.library.custom_op("kernels::rerope_attention_fwd", mutates_args=())
+def _five_fwd(q1: torch.Tensor, q2: torch.Tensor, k1: torch.Tensor, k2: torch.Tensor,
+              v: torch.Tensor, window: int, causal: bool,
+              sm_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    return rerope_forward(q1, q2, k1, k2, v, window, causal, sm_scale)
+
+
+@torch.library.custom_op("kernels::rerope_attention_bwd", mutates_args=())
+def _five_bwd(dout: torch.Tensor, q1: torch.Tensor, q2: torch.Tensor, k1: torch.Tensor,
+              k2: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+              window: int, causal: bool, sm_scale: float) -> list[torch.Tensor]:
+    return list(rerope_backward(dout.contiguous(), q1, q2, k1, k2, v, out, lse, window, causal,
+                                sm_scale))
+
+
+@torch.library.custom_op("kernels::rerope_fwd", mutates_args=())
+def _fused_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int, causal: bool,
+               sm_scale: float, base: float, leaky: Optional[float], logn_len: Optional[float],
+               rotated: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    operands = _rotations(k.shape[2], q.shape[-1], base, window, leaky, logn_len, rotated,
+                          q.device)
+    return rerope_forward(q, q, k, k, v, window, causal, sm_scale, operands)
+
+
+@torch.library.custom_op("kernels::rerope_bwd", mutates_args=())
+def _fused_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               out: torch.Tensor, lse: torch.Tensor, window: int, causal: bool, sm_scale: float,
+               base: float, leaky: Optional[float], logn_len: Optional[float],
+               rotated: bool) -> list[torch.Tensor]:
+    operands = _rotations(k.shape[2], q.shape[-1], base, window, leaky, logn_len, rotated,
+                          q.device)
+    return list(rerope_backward(dout.contiguous(), q, q, k, k, v, out, lse, window, causal,
+                                sm_scale, operands))
+
+
+def _fake_fwd(q, *args, **kwargs):
+    b, h, n, _ = q.shape
+    return q.new_empty(q.shape), q.new_empty((b * h, n), dtype=torch.float32)
+
+
+for _op in (_five_fwd, _fused_fwd):
+    _op.register_fake(_fake_fwd)
+
+
+@_five_bwd.register_fake
+def _(dout, q1, q2, k1, k2, v, *args):
+    return [torch.empty_like(t) for t in (q1, q2, k1, k2, v)]
+
+
+@_fused_bwd.register_fake
+def _(dout, q, k, v, *args):
+    return [torch.empty_like(t) for t in (q, k, v)]
+
+
+def _setup_context(ctx, inputs, output):
+    """Save what the backward needs: the inputs (tensors first), ``out`` and the LSE."""
+    n_tensors = sum(isinstance(x, torch.Tensor) for x in inputs)
+    ctx.save_for_backward(*inputs[:n_tensors], *output)
+    ctx.settings = inputs[n_tensors:]
+
+
+def _five_grads(ctx, dout, dlse):
+    *tensors, out, lse = ctx.saved_tensors
+    return (*_five_bwd(dout, *tensors, out, lse, *ctx.settings), None, None, None)
+
+
+def _fused_grads(ctx, dout, dlse):
+    *tensors, out, lse = ctx.saved_tensors
+    return (*_fused_bwd(dout, *tensors, out, lse, *ctx.settings), *(None,) * 7)
+
+
+_five_fwd.register_autograd(_five_grads, setup_context=_setup_context)
+_fused_fwd.register_autograd(_fused_grads, setup_context=_setup_context)
+
+
+class _FiveTensorAttention(torch.autograd.Function):
+    """Eager autograd for the five-tensor op (see the module docstring)."""
 
     @staticmethod
     def forward(ctx, q1, q2, k1, k2, v, window, causal, sm_scale):
         out, lse = rerope_forward(q1, q2, k1, k2, v, window, causal, sm_scale)
         ctx.save_for_backward(q1, q2, k1, k2, v, out, lse)
-        ctx.window, ctx.causal, ctx.sm_scale = window, causal, sm_scale
+        ctx.settings = (window, causal, sm_scale)
         return out
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, dout):
-        q1, q2, k1, k2, v, out, lse = ctx.saved_tensors
-        grads = rerope_backward(dout, q1, q2, k1, k2, v, out, lse,
-                                ctx.window, ctx.causal, ctx.sm_scale)
-        return (*grads, None, None, None)
+        *tensors, out, lse = ctx.saved_tensors
+        return (*rerope_backward(dout, *tensors, out, lse, *ctx.settings), None, None, None)
+
+
+class _FusedAttention(torch.autograd.Function):
+    """Eager autograd for the fused-rotation op (see the module docstring)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, window, causal, sm_scale, base, leaky, logn_len, rotated):
+        operands = _rotations(k.shape[2], q.shape[-1], base, window, leaky, logn_len, rotated,
+                              q.device)
+        out, lse = rerope_forward(q, q, k, k, v, window, causal, sm_scale, operands)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.settings = (window, causal, sm_scale, operands)
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        window, causal, sm_scale, operands = ctx.settings
+        grads = rerope_backward(dout, q, q, k, k, v, out, lse, window, causal, sm_scale, operands)
+        return (*grads, *(None,) * 7)
 
 
 def rerope_attention(q1, q2, k1, k2, v, window, causal=True, sm_scale=None):
@@ -166,15 +345,45 @@ def rerope_attention(q1, q2, k1, k2, v, window, causal=True, sm_scale=None):
     # int32 index arithmetic never sees a huge window)
     window = min(int(window), q1.shape[2])
     (q1, q2, k1, k2, v), restore = prepare_for_device(q1, q2, k1, k2, v)
-    return restore(ReRoPEAttention.apply(q1, q2, k1, k2, v, window, causal, scale))
+    if torch.compiler.is_compiling():
+        return restore(_five_fwd(q1, q2, k1, k2, v, window, causal, scale)[0])
+    return restore(_FiveTensorAttention.apply(q1, q2, k1, k2, v, window, causal, scale))
 
 
-def rerope(q, k, v, window, causal=True, sm_scale=None, base=10000.0, leaky=None, logn_len=None):
-    """(Leaky) ReRoPE attention from raw, un-rotated ``q`` (``(B, Hq, N, D)``), ``k``, ``v``.
+def rerope(q, k, v, window, causal=True, sm_scale=None, base=10000.0, leaky=None, logn_len=None,
+           rotated=False):
+    """(Leaky) ReRoPE attention from ``q, k, v`` as a model holds them, rotation in the kernels.
 
-    Applies RoPE (Llama ``rotate_half`` convention, ``base``) and ReRoPE's window — Leaky ReRoPE
-    with factor ``leaky > 1`` if given; queries scaled by ``max(1, log(i+1)/log(logn_len))`` if
-    ``logn_len`` is given — then calls :func:`rerope_attention`. Differentiable in ``q, k, v``.
+    Args:
+        q: ``(B, Hq, Nq, D)`` queries at positions ``Nk - Nq … Nk - 1`` (``Nq <= Nk``: a whole
+            sequence, or the last chunk of one in chunked prefill).
+        k, v: ``(B, Hkv, Nk, D)`` keys and values at positions ``0 … Nk - 1``, ``Hq % Hkv == 0``
+            (grouped-query attention by indexing: K/V are never repeated in memory).
+        window: int ``>= 1``: pairs closer than ``window`` get ordinary RoPE, the rest relative
+            position ``window`` (ReRoPE) or ``window + (i - j - window) / leaky`` (Leaky).
+        causal: mask keys after the query (``j > i``). Without it, future keys beyond the window
+            get position ``+window``, like the far past.
+        sm_scale: score scale, ``1/sqrt(D)`` when ``None``.
+        base: RoPE base (Llama ``rotate_half`` convention: halves, not interleaved pairs).
+        leaky: ``None`` for ReRoPE, or the Leaky ReRoPE factor ``> 1``.
+        logn_len: if given, queries are scaled by ``max(1, log(i + 1) / log(logn_len))``.
+        rotated: ``False``: raw ``q, k``. ``True``: ``q, k`` already carry RoPE at their
+            positions, as a Hugging Face model and its KV cache hold them.
+
+    Returns ``(B, Hq, Nq, D)`` in the input dtype; differentiable in ``q, k, v``. fp16, bf16 or
+    fp32; ``D`` in 16, 32, 64, 128, 256; any strides. No rotated copy of ``q`` or ``k`` is ever
+    written: each kernel rotates tiles in registers (:mod:`kernels.rotary`).
     """
-    q1, q2, k1, k2 = rerope_inputs(q, k, window, base=base, leaky=leaky, logn_len=logn_len)
-    return rerope_attention(q1, q2, k1, k2, v, window, causal=causal, sm_scale=sm_scale)
+    check_qkv({"q": q}, {"k": k, "v": v}, fewer_queries=True)
+    check_head_dim(q.shape[-1])
+    check_rope_args(q, k, window, base, leaky, logn_len, rotated)
+    check_flag("causal", causal)
+    check_sm_scale(sm_scale)
+    scale = q.shape[-1] ** -0.5 if sm_scale is None else float(sm_scale)
+    window = min(int(window), k.shape[2])     # as in rerope_attention: >= Nk means plain RoPE
+    (q, k, v), restore = prepare_for_device(q, k, v)
+    settings = (window, causal, scale, float(base), None if leaky is None else float(leaky),
+                None if logn_len is None else float(logn_len), rotated)
+    if torch.compiler.is_compiling():
+        return restore(_fused_fwd(q, k, v, *settings)[0])
+    return restore(_FusedAttention.apply(q, k, v, *settings))

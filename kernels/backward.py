@@ -1,4 +1,4 @@
-"""The ReRoPE backward kernels. Chapter 5 of the book.
+"""The ReRoPE backward kernels. Chapters 5 and 7 of the book.
 
 With ``P = softmax(S)``, ``O = P V`` and upstream ``dO``:
 
@@ -13,22 +13,29 @@ outside, each ``dS_ij`` flows into exactly one pair of gradients:
 Three kernels, as in Triton's fused-attention tutorial, none with atomics (deterministic):
 
 1. ``_bwd_delta_kernel`` — ``δ = rowsum(dO ∘ O)``, one program per query block;
-2. ``_bwd_dkdv_kernel`` — one program per (key block, batch · kv head): keeps ``k1, k2, v`` on chip
-   and walks the query tiles of every query head of its group, accumulating ``dK1, dK2, dV``;
-3. ``_bwd_dq_kernel`` — one program per (query block, batch · query head): keeps ``q1, q2, dO``
-   on chip and walks the key tiles, accumulating ``dQ1, dQ2``.
+2. ``_bwd_dkdv_kernel`` — one program per (key block, batch · kv head): keeps its keys and ``v``
+   on chip and walks the query tiles of every query head of its group, accumulating ``dK, dV``;
+3. ``_bwd_dq_kernel`` — one program per (query block, batch · query head): keeps its queries and
+   ``dO`` on chip and walks the key tiles, accumulating ``dQ``.
 
 ``P`` is recomputed from the saved log-sum-exp. Both walks use the forward's schedule
-(:func:`kernels.regions._schedule`): ``q1·k1`` passes touch only the 1-tensors and their
-gradients, ``q2·k2`` passes only the 2-tensors — the band's ``dS`` is split by the same window
-mask that split its scores.
+(:func:`kernels.regions._schedule`) and its operands and mask (:mod:`kernels.forward`): inside
+passes touch only the inside product's operands, outside passes only the outside ones — the
+band's ``dS`` is split by the same window mask that split its scores.
+
+In the ``SPLIT`` form (``q, k`` as the model holds them, chapter 7) the products' operands are
+rotations of the same ``q`` and ``k``, so the chain rule runs on: a product's gradient is rotated
+back, ``dq = Rᵀ dq1``, and the two products' parts are summed in registers before one store —
+``dq, dk, dv`` come out directly, and nothing rotated is ever written.
 """
 
 import triton
 import triton.language as tl
 
-from .forward import _in_window, _keep, _load_rows, _load_tile, _tiles
+from .forward import (_halves, _keep, _load_rows, _load_tile, _operand, _scores, _split_halves,
+                      _tiles)
 from .regions import INSIDE, OUTSIDE, _nth_tile, _schedule, _tile_count
+from .rotary import _angles, _logn_scale, _unrotate
 
 
 @triton.jit
@@ -45,16 +52,87 @@ def _bwd_delta_kernel(Out, DO, Delta, so_b, so_h, so_n, so_d, sdo_b, sdo_h, sdo_
     tl.store(Delta + tl.program_id(1).to(tl.int64) * n_ctx + rows, delta, mask=rows < n_ctx)
 
 
+# --- shared by both kernels ----------------------------------------------------------------------
+
+
 @triton.jit
-def _dkdv_pass(dk, dv, k, v, Q, DO, Lse, Delta, sq_n, sq_d, sdo_n, sdo_d, keys, walk,
-               n_ctx, window, qk_scale,
+def _accumulate(acc_a, acc_b, weights, y_a, y_b, TWO_DOTS: tl.constexpr,
+                DOT_PRECISION: tl.constexpr):
+    """``acc += weights @ y`` for an operand as the ``_*_operand`` helpers return it (two halves
+    into two accumulators, or one whole tile)."""
+    acc_a = tl.dot(weights.to(y_a.dtype), y_a, acc_a, input_precision=DOT_PRECISION)
+    if TWO_DOTS:
+        acc_b = tl.dot(weights.to(y_b.dtype), y_b, acc_b, input_precision=DOT_PRECISION)
+    return acc_a, acc_b
+
+
+@triton.jit
+def _zeros(BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, TWO_DOTS: tl.constexpr):
+    """Fresh fp32 accumulators for one product's gradient, shaped like its operand."""
+    if TWO_DOTS:
+        return (tl.zeros([BLOCK, HEAD_DIM // 2], tl.float32),
+                tl.zeros([BLOCK, HEAD_DIM // 2], tl.float32))
+    else:
+        return tl.zeros([BLOCK, HEAD_DIM], tl.float32), tl.zeros([BLOCK, HEAD_DIM], tl.float32)
+
+
+@triton.jit
+def _as_halves(acc_a, acc_b, TWO_DOTS: tl.constexpr):
+    """An accumulator pair as two ``D/2`` halves (splitting a whole-width one)."""
+    if TWO_DOTS:
+        return acc_a, acc_b
+    else:
+        return _split_halves(acc_a)
+
+
+@triton.jit
+def _store_rows(Base, rows, n_rows, x, COL0: tl.constexpr, WIDTH: tl.constexpr,
+                ROW_STRIDE: tl.constexpr):
+    """Store ``x`` into columns ``COL0 .. COL0 + WIDTH`` of rows ``rows`` of a contiguous
+    ``(N, ROW_STRIDE)`` slice; rows ``>= n_rows`` are left alone."""
+    ptrs = Base + rows.to(tl.int64)[:, None] * ROW_STRIDE + COL0 + tl.arange(0, WIDTH)[None, :]
+    tl.store(ptrs, x.to(Base.dtype.element_ty), mask=rows[:, None] < n_rows)
+
+
+@triton.jit
+def _store_halves(Base, rows, n_rows, a, b, HEAD_DIM: tl.constexpr, ADD: tl.constexpr):
+    """Store the halves ``[a | b]`` of rows ``rows`` of a contiguous ``(N, HEAD_DIM)`` slice; with
+    ``ADD``, add them to what this program stored there before.
+
+    The fused form's gradient is a sum over the two products. Adding the second product's part
+    to the first one's stored value, instead of keeping the first in registers, holds register
+    pressure at plain attention's level (one more rounding to the gradient's dtype).
+    """
+    if ADD:
+        tl.debug_barrier()      # every thread's earlier stores are visible to the whole program
+        cols = tl.arange(0, HEAD_DIM // 2)[None, :]
+        ptrs = Base + rows.to(tl.int64)[:, None] * HEAD_DIM + cols
+        ok = rows[:, None] < n_rows
+        a = a + tl.load(ptrs, mask=ok, other=0.0).to(tl.float32)
+        b = b + tl.load(ptrs + HEAD_DIM // 2, mask=ok, other=0.0).to(tl.float32)
+    _store_rows(Base, rows, n_rows, a, 0, HEAD_DIM // 2, HEAD_DIM)
+    _store_rows(Base, rows, n_rows, b, HEAD_DIM // 2, HEAD_DIM // 2, HEAD_DIM)
+
+
+# --- dK, dV --------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _dkdv_pass(dk_a, dk_b, dv, k_a, k_b, v, Qa, Qb, DO, Lse, Delta, sq_n, sq_d, sdo_n, sdo_d,
+               keys, walk, n_q, q_offset, window, qk_scale, Table, Offset, logn_factor,
                PRODUCT: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
+               TURN: tl.constexpr, LOGN: tl.constexpr,
+               SPLIT: tl.constexpr, TWO_DOTS: tl.constexpr,
                BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr,
                TMA: tl.constexpr):
-    """Accumulate ``dK`` (of this product) and ``dV`` over the query tiles of ``walk``.
+    """Accumulate this product's ``dK`` and ``dV`` over the query tiles of ``walk``.
 
-    Works on transposed tiles (keys along dim 0, queries along dim 1) so that ``k``, ``v`` and
-    the accumulators stay put. ``k``/``Q`` are ``k1``/``Q1`` (``INSIDE``) or ``k2``/``Q2``.
+    Works on transposed tiles (keys along dim 0, queries along dim 1) so that the keys, ``v``
+    and the accumulators stay put. ``keys`` are measured like query rows (position minus
+    ``q_offset``). Each query tile is scaled by log-n and turned by ``R(speed · i)``
+    (``TURN``); the product's offset was moved onto the resident keys, which turns them by
+    ``R(speed · j − offset)`` once per program instead of every query tile by ``R(offset)``
+    (``R(a) x · R(b) y`` depends on ``b − a`` only).
     """
     offs_m = tl.arange(0, BLOCK_M)
     lo1, hi1, lo2, hi2 = walk
@@ -62,186 +140,276 @@ def _dkdv_pass(dk, dv, k, v, Q, DO, Lse, Delta, sq_n, sq_d, sdo_n, sdo_d, keys, 
     for t in range(0, n1 + _tile_count(lo2, hi2, BLOCK_M)):
         start_m = tl.multiple_of(_nth_tile(t, lo1, n1, lo2, BLOCK_M), BLOCK_M)
         queries = start_m + offs_m
-        q = _load_tile(Q, start_m, sq_n, sq_d, n_ctx, BLOCK_M, HEAD_DIM, MASKED, TMA)
-        do = _load_tile(DO, start_m, sdo_n, sdo_d, n_ctx, BLOCK_M, HEAD_DIM, MASKED, TMA)
+        q_a, q_b = _operand(Qa, Qb, start_m, sq_n, sq_d, n_q, queries + q_offset, Table, Offset,
+                            logn_factor, TURN, False, 1, LOGN, SPLIT, TWO_DOTS, BLOCK_M,
+                            HEAD_DIM, MASKED, TMA)
+        do = _load_tile(DO, start_m, sdo_n, sdo_d, n_q, BLOCK_M, HEAD_DIM, MASKED, TMA)
         if MASKED:
-            lse = tl.load(Lse + queries, mask=queries < n_ctx, other=0.0)
-            delta = tl.load(Delta + queries, mask=queries < n_ctx, other=0.0)
+            lse = tl.load(Lse + queries, mask=queries < n_q, other=0.0)
+            delta = tl.load(Delta + queries, mask=queries < n_q, other=0.0)
         else:
             lse = tl.load(Lse + queries)
             delta = tl.load(Delta + queries)
-        scores_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)
+        scores_t = _scores(k_a, k_b, q_a, q_b, TWO_DOTS, DOT_PRECISION)
         p_t = tl.math.exp2(scores_t * qk_scale - lse[None, :])       # Pᵀ: (BLOCK_N, BLOCK_M)
         if MASKED:
-            keep = _in_window(keys, queries, window)
-            if PRODUCT == OUTSIDE:
-                keep = ~keep
-            keep = keep & (queries[None, :] < n_ctx)
-            if CAUSAL:
-                keep = keep & (queries[None, :] >= keys[:, None])
-            p_t = tl.where(keep, p_t, 0.0)
+            q_rows = queries[None, :]
+            p_t = tl.where(_keep(q_rows, keys[:, None], q_rows < n_q, window, PRODUCT, CAUSAL),
+                           p_t, 0.0)
         dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
         dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
         ds_t = p_t * (dp_t - delta[None, :])
-        dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PRECISION)
-    return dk, dv
+        dk_a, dk_b = _accumulate(dk_a, dk_b, ds_t, q_a, q_b, TWO_DOTS, DOT_PRECISION)
+    return dk_a, dk_b, dv
 
 
 @triton.jit
 def _bwd_dkdv_kernel(
-    Q1, Q2, K1, K2, V, DO, Lse, Delta, DK1, DK2, DV,
+    Q1, Q2, K1, K2, V, DO, Lse, Delta, DK1, DK2, DV, TabIn, OffIn, TabOut, OffOut,
     sq1_b, sq1_h, sq1_n, sq1_d, sq2_b, sq2_h, sq2_n, sq2_d,
     sk1_b, sk1_h, sk1_n, sk1_d, sk2_b, sk2_h, sk2_n, sk2_d,
     sv_b, sv_h, sv_n, sv_d, sdo_b, sdo_h, sdo_n, sdo_d,
-    n_heads, n_kv_heads, group, n_ctx, window, qk_scale, sm_scale,
+    n_heads, n_kv_heads, group, n_q, n_k, window, qk_scale, sm_scale, logn_factor,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr,
+    SPLIT: tl.constexpr, TWO_DOTS: tl.constexpr, LOGN: tl.constexpr,
+    TURN_IN: tl.constexpr, SHIFT_IN: tl.constexpr, TURN_OUT: tl.constexpr,
+    SHIFT_OUT: tl.constexpr,
 ):
-    """Grid ``(cdiv(N, BLOCK_N), B * Hkv)``. ``DK1, DK2, DV`` are contiguous ``(B, Hkv, N, D)``."""
+    """Grid ``(cdiv(Nk, BLOCK_N), B * Hkv)``. Gradients are contiguous ``(B, Hkv, Nk, D)``:
+    ``DK1, DK2, DV`` in the five-tensor form; ``DK1`` (= dk) and ``DV`` with ``SPLIT``."""
     start_n = tl.program_id(0) * BLOCK_N
     batch = (tl.program_id(1) // n_kv_heads).to(tl.int64)
     kv_head = (tl.program_id(1) % n_kv_heads).to(tl.int64)
+    q_offset = n_k - n_q                  # queries are the last n_q positions
     keys = start_n + tl.arange(0, BLOCK_N)
-    dims = tl.arange(0, HEAD_DIM)
-    v = _load_tile(_tiles(V + batch * sv_b + kv_head * sv_h, sv_n, n_ctx, BLOCK_N, HEAD_DIM, TMA),
-                   start_n, sv_n, sv_d, n_ctx, BLOCK_N, HEAD_DIM, True, TMA)
+    keys_q = keys - q_offset              # key positions measured like query rows
+    v = _load_tile(_tiles(V + batch * sv_b + kv_head * sv_h, sv_n, n_k, BLOCK_N, HEAD_DIM, TMA),
+                   start_n, sv_n, sv_d, n_k, BLOCK_N, HEAD_DIM, True, TMA)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
     outside_clean, inside_clean, band, edge_inside, edge_outside = _schedule(
-        start_n, BLOCK_N, BLOCK_M, n_ctx, window, CAUSAL, False)
-    out_offset = tl.program_id(1).to(tl.int64) * n_ctx * HEAD_DIM
-    out_ptrs = keys[:, None] * HEAD_DIM + dims[None, :]
-    key_ok = keys[:, None] < n_ctx
+        start_n - q_offset, BLOCK_N, BLOCK_M, n_q, window, CAUSAL, False)
+    out_offset = tl.program_id(1).to(tl.int64) * n_k * HEAD_DIM
+    if SPLIT:                             # one q and one k serve both products
+        Q2, sq2_b, sq2_h, sq2_n, sq2_d = Q1, sq1_b, sq1_h, sq1_n, sq1_d
+        K2, sk2_b, sk2_h, sk2_n, sk2_d = K1, sk1_b, sk1_h, sk1_n, sk1_d
 
-    # phase 1: the q1·k1 passes give dK1 (and part of dV); store dK1 before phase 2 so that
-    # only two fp32 accumulators (dK, dV) are ever live, as in plain attention
-    k1 = _load_tile(_tiles(K1 + batch * sk1_b + kv_head * sk1_h, sk1_n, n_ctx, BLOCK_N, HEAD_DIM,
-                           TMA), start_n, sk1_n, sk1_d, n_ctx, BLOCK_N, HEAD_DIM, True, TMA)
-    dk = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
-    for g in range(group):                       # every query head that shares this K/V head
+    # phase 1: the inside passes give this product's dK (and part of dV); it is stored (five
+    # tensors) or rotated back and kept (SPLIT) before phase 2, so that only two fp32
+    # accumulators are being filled at any time, as in plain attention
+    Ka, Kb = _halves(K1 + batch * sk1_b + kv_head * sk1_h, sk1_n, sk1_d, n_k, BLOCK_N, HEAD_DIM,
+                     SPLIT, TMA)
+    k_a, k_b = _operand(Ka, Kb, start_n, sk1_n, sk1_d, n_k, keys, TabIn, OffIn, 0.0, TURN_IN,
+                        SHIFT_IN, -1, False, SPLIT, TWO_DOTS, BLOCK_N, HEAD_DIM, True, TMA)
+    dk_a, dk_b = _zeros(BLOCK_N, HEAD_DIM, TWO_DOTS)
+    for g in range(group):                # every query head that shares this K/V head
         head = kv_head * group + g
-        q1 = _tiles(Q1 + batch * sq1_b + head * sq1_h, sq1_n, n_ctx, BLOCK_M, HEAD_DIM, TMA)
-        do = _tiles(DO + batch * sdo_b + head * sdo_h, sdo_n, n_ctx, BLOCK_M, HEAD_DIM, TMA)
-        row_stats = (batch * n_heads + head) * n_ctx
+        Qa, Qb = _halves(Q1 + batch * sq1_b + head * sq1_h, sq1_n, sq1_d, n_q, BLOCK_M,
+                         HEAD_DIM, SPLIT, TMA)
+        do = _tiles(DO + batch * sdo_b + head * sdo_h, sdo_n, n_q, BLOCK_M, HEAD_DIM, TMA)
+        row_stats = (batch * n_heads + head) * n_q
         lse, delta = Lse + row_stats, Delta + row_stats
-        dk, dv = _dkdv_pass(dk, dv, k1, v, q1, do, lse, delta, sq1_n, sq1_d, sdo_n, sdo_d, keys,
-                            inside_clean, n_ctx, window, qk_scale,
-                            INSIDE, False, CAUSAL, BLOCK_M, HEAD_DIM, DOT_PRECISION, TMA)
-        dk, dv = _dkdv_pass(dk, dv, k1, v, q1, do, lse, delta, sq1_n, sq1_d, sdo_n, sdo_d, keys,
-                            band, n_ctx, window, qk_scale,
-                            INSIDE, True, CAUSAL, BLOCK_M, HEAD_DIM, DOT_PRECISION, TMA)
-        dk, dv = _dkdv_pass(dk, dv, k1, v, q1, do, lse, delta, sq1_n, sq1_d, sdo_n, sdo_d, keys,
-                            edge_inside, n_ctx, window, qk_scale,
-                            INSIDE, True, CAUSAL, BLOCK_M, HEAD_DIM, DOT_PRECISION, TMA)
-    tl.store(DK1 + out_offset + out_ptrs, (dk * sm_scale).to(DK1.dtype.element_ty), mask=key_ok)
+        dk_a, dk_b, dv = _dkdv_pass(dk_a, dk_b, dv, k_a, k_b, v, Qa, Qb, do, lse, delta, sq1_n,
+                                    sq1_d, sdo_n, sdo_d, keys_q, inside_clean, n_q, q_offset,
+                                    window, qk_scale, TabIn, OffIn, logn_factor,
+                                    INSIDE, False, CAUSAL, TURN_IN, LOGN, SPLIT,
+                                    TWO_DOTS, BLOCK_M, HEAD_DIM, DOT_PRECISION, TMA)
+        dk_a, dk_b, dv = _dkdv_pass(dk_a, dk_b, dv, k_a, k_b, v, Qa, Qb, do, lse, delta, sq1_n,
+                                    sq1_d, sdo_n, sdo_d, keys_q, band, n_q, q_offset,
+                                    window, qk_scale, TabIn, OffIn, logn_factor,
+                                    INSIDE, True, CAUSAL, TURN_IN, LOGN, SPLIT,
+                                    TWO_DOTS, BLOCK_M, HEAD_DIM, DOT_PRECISION, TMA)
+        dk_a, dk_b, dv = _dkdv_pass(dk_a, dk_b, dv, k_a, k_b, v, Qa, Qb, do, lse, delta, sq1_n,
+                                    sq1_d, sdo_n, sdo_d, keys_q, edge_inside, n_q, q_offset,
+                                    window, qk_scale, TabIn, OffIn, logn_factor,
+                                    INSIDE, True, CAUSAL, TURN_IN, LOGN, SPLIT,
+                                    TWO_DOTS, BLOCK_M, HEAD_DIM, DOT_PRECISION, TMA)
+    if SPLIT:
+        dk_a, dk_b = _as_halves(dk_a, dk_b, TWO_DOTS)
+        if TURN_IN or SHIFT_IN:
+            cos, sin = _angles(TabIn, keys, OffIn, TURN_IN, SHIFT_IN, -1, HEAD_DIM // 2)
+            dk_a, dk_b = _unrotate(dk_a, dk_b, cos, sin)
+        _store_halves(DK1 + out_offset, keys, n_k, dk_a * sm_scale, dk_b * sm_scale, HEAD_DIM,
+                      False)
+    else:
+        _store_rows(DK1 + out_offset, keys, n_k, dk_a * sm_scale, 0, HEAD_DIM, HEAD_DIM)
 
-    # phase 2: the q2·k2 passes give dK2 and the rest of dV
-    k2 = _load_tile(_tiles(K2 + batch * sk2_b + kv_head * sk2_h, sk2_n, n_ctx, BLOCK_N, HEAD_DIM,
-                           TMA), start_n, sk2_n, sk2_d, n_ctx, BLOCK_N, HEAD_DIM, True, TMA)
-    dk = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
+    # phase 2: the outside passes give the other product's dK and the rest of dV
+    Ka, Kb = _halves(K2 + batch * sk2_b + kv_head * sk2_h, sk2_n, sk2_d, n_k, BLOCK_N, HEAD_DIM,
+                     SPLIT, TMA)
+    k_a, k_b = _operand(Ka, Kb, start_n, sk2_n, sk2_d, n_k, keys, TabOut, OffOut, 0.0, TURN_OUT,
+                        SHIFT_OUT, -1, False, SPLIT, TWO_DOTS, BLOCK_N, HEAD_DIM, True, TMA)
+    dk_a, dk_b = _zeros(BLOCK_N, HEAD_DIM, TWO_DOTS)
     for g in range(group):
         head = kv_head * group + g
-        q2 = _tiles(Q2 + batch * sq2_b + head * sq2_h, sq2_n, n_ctx, BLOCK_M, HEAD_DIM, TMA)
-        do = _tiles(DO + batch * sdo_b + head * sdo_h, sdo_n, n_ctx, BLOCK_M, HEAD_DIM, TMA)
-        row_stats = (batch * n_heads + head) * n_ctx
+        Qa, Qb = _halves(Q2 + batch * sq2_b + head * sq2_h, sq2_n, sq2_d, n_q, BLOCK_M,
+                         HEAD_DIM, SPLIT, TMA)
+        do = _tiles(DO + batch * sdo_b + head * sdo_h, sdo_n, n_q, BLOCK_M, HEAD_DIM, TMA)
+        row_stats = (batch * n_heads + head) * n_q
         lse, delta = Lse + row_stats, Delta + row_stats
-        dk, dv = _dkdv_pass(dk, dv, k2, v, q2, do, lse, delta, sq2_n, sq2_d, sdo_n, sdo_d, keys,
-                            outside_clean, n_ctx, window, qk_scale,
-                            OUTSIDE, False, CAUSAL, BLOCK_M, HEAD_DIM, DOT_PRECISION, TMA)
-        dk, dv = _dkdv_pass(dk, dv, k2, v, q2, do, lse, delta, sq2_n, sq2_d, sdo_n, sdo_d, keys,
-                            band, n_ctx, window, qk_scale,
-                            OUTSIDE, True, CAUSAL, BLOCK_M, HEAD_DIM, DOT_PRECISION, TMA)
-        dk, dv = _dkdv_pass(dk, dv, k2, v, q2, do, lse, delta, sq2_n, sq2_d, sdo_n, sdo_d, keys,
-                            edge_outside, n_ctx, window, qk_scale,
-                            OUTSIDE, True, CAUSAL, BLOCK_M, HEAD_DIM, DOT_PRECISION, TMA)
-    tl.store(DK2 + out_offset + out_ptrs, (dk * sm_scale).to(DK2.dtype.element_ty), mask=key_ok)
-    tl.store(DV + out_offset + out_ptrs, dv.to(DV.dtype.element_ty), mask=key_ok)
+        dk_a, dk_b, dv = _dkdv_pass(dk_a, dk_b, dv, k_a, k_b, v, Qa, Qb, do, lse, delta, sq2_n,
+                                    sq2_d, sdo_n, sdo_d, keys_q, outside_clean, n_q, q_offset,
+                                    window, qk_scale, TabOut, OffOut, logn_factor,
+                                    OUTSIDE, False, CAUSAL, TURN_OUT, LOGN, SPLIT,
+                                    TWO_DOTS, BLOCK_M, HEAD_DIM, DOT_PRECISION, TMA)
+        dk_a, dk_b, dv = _dkdv_pass(dk_a, dk_b, dv, k_a, k_b, v, Qa, Qb, do, lse, delta, sq2_n,
+                                    sq2_d, sdo_n, sdo_d, keys_q, band, n_q, q_offset,
+                                    window, qk_scale, TabOut, OffOut, logn_factor,
+                                    OUTSIDE, True, CAUSAL, TURN_OUT, LOGN, SPLIT,
+                                    TWO_DOTS, BLOCK_M, HEAD_DIM, DOT_PRECISION, TMA)
+        dk_a, dk_b, dv = _dkdv_pass(dk_a, dk_b, dv, k_a, k_b, v, Qa, Qb, do, lse, delta, sq2_n,
+                                    sq2_d, sdo_n, sdo_d, keys_q, edge_outside, n_q, q_offset,
+                                    window, qk_scale, TabOut, OffOut, logn_factor,
+                                    OUTSIDE, True, CAUSAL, TURN_OUT, LOGN, SPLIT,
+                                    TWO_DOTS, BLOCK_M, HEAD_DIM, DOT_PRECISION, TMA)
+    if SPLIT:
+        dk_a, dk_b = _as_halves(dk_a, dk_b, TWO_DOTS)
+        if TURN_OUT or SHIFT_OUT:
+            cos, sin = _angles(TabOut, keys, OffOut, TURN_OUT, SHIFT_OUT, -1, HEAD_DIM // 2)
+            dk_a, dk_b = _unrotate(dk_a, dk_b, cos, sin)
+        _store_halves(DK1 + out_offset, keys, n_k, dk_a * sm_scale, dk_b * sm_scale, HEAD_DIM,
+                      True)
+    else:
+        _store_rows(DK2 + out_offset, keys, n_k, dk_a * sm_scale, 0, HEAD_DIM, HEAD_DIM)
+    _store_rows(DV + out_offset, keys, n_k, dv, 0, HEAD_DIM, HEAD_DIM)
+
+
+# --- dQ ------------------------------------------------------------------------------------------
 
 
 @triton.jit
-def _dq_pass(dq, q, do, lse, delta, K, V, sk_n, sk_d, sv_n, sv_d, rows, walk,
-             n_ctx, window, qk_scale,
+def _dq_pass(dq_a, dq_b, q_a, q_b, do, lse, delta, Ka, Kb, V, Table, sk_n, sk_d, sv_n, sv_d,
+             rows, walk, n_k, window, qk_scale,
              PRODUCT: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
+             TURN: tl.constexpr, SPLIT: tl.constexpr, TWO_DOTS: tl.constexpr,
              BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr,
              TMA: tl.constexpr):
-    """Accumulate ``dQ`` of this product (``dQ1`` with ``q1, K1``; ``dQ2`` with ``q2, K2``)."""
+    """Accumulate this product's ``dQ`` (shaped like its query operand) over ``walk``."""
     offs_n = tl.arange(0, BLOCK_N)
     lo1, hi1, lo2, hi2 = walk
     n1 = _tile_count(lo1, hi1, BLOCK_N)
     for t in range(0, n1 + _tile_count(lo2, hi2, BLOCK_N)):
         start_n = tl.multiple_of(_nth_tile(t, lo1, n1, lo2, BLOCK_N), BLOCK_N)
-        cols = start_n + offs_n
-        k = _load_tile(K, start_n, sk_n, sk_d, n_ctx, BLOCK_N, HEAD_DIM, MASKED, TMA)
-        v = _load_tile(V, start_n, sv_n, sv_d, n_ctx, BLOCK_N, HEAD_DIM, MASKED, TMA)
-        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        k_a, k_b = _operand(Ka, Kb, start_n, sk_n, sk_d, n_k, start_n + offs_n, Table, Table,
+                            0.0, TURN, False, 1, False, SPLIT, TWO_DOTS, BLOCK_N, HEAD_DIM,
+                            MASKED, TMA)
+        v = _load_tile(V, start_n, sv_n, sv_d, n_k, BLOCK_N, HEAD_DIM, MASKED, TMA)
+        scores = _scores(q_a, q_b, k_a, k_b, TWO_DOTS, DOT_PRECISION)
         p = tl.math.exp2(scores * qk_scale - lse[:, None])
         if MASKED:
-            p = tl.where(_keep(rows, cols, n_ctx, window, PRODUCT, CAUSAL), p, 0.0)
+            cols = (start_n + offs_n)[None, :]
+            p = tl.where(_keep(rows[:, None], cols, cols < n_k, window, PRODUCT, CAUSAL), p, 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
         ds = p * (dp - delta[:, None])
-        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
-    return dq
+        dq_a, dq_b = _accumulate(dq_a, dq_b, ds, k_a, k_b, TWO_DOTS, DOT_PRECISION)
+    return dq_a, dq_b
+
+
+@triton.jit
+def _store_dq(DQ, q_rows, positions, n_q, dq_a, dq_b, Table, Offset, sm_scale, logn_factor,
+              TURN: tl.constexpr, SHIFT: tl.constexpr, LOGN: tl.constexpr,
+              TWO_DOTS: tl.constexpr, HEAD_DIM: tl.constexpr, ADD: tl.constexpr):
+    """One product's ``dQ`` back to the raw queries — rotated back by the product's angle,
+    scaled by ``sm_scale`` and the log-n factor — stored (or added: ``ADD``) in halves."""
+    dq_a, dq_b = _as_halves(dq_a, dq_b, TWO_DOTS)
+    if TURN or SHIFT:
+        cos, sin = _angles(Table, positions, Offset, TURN, SHIFT, 1, HEAD_DIM // 2)
+        dq_a, dq_b = _unrotate(dq_a, dq_b, cos, sin)
+    scale = sm_scale
+    if LOGN:                              # the queries were scaled before rotation
+        scale = _logn_scale(positions, logn_factor)[:, None] * sm_scale
+    _store_halves(DQ, q_rows, n_q, dq_a * scale, dq_b * scale, HEAD_DIM, ADD)
 
 
 @triton.jit
 def _bwd_dq_kernel(
-    Q1, Q2, K1, K2, V, DO, Lse, Delta, DQ1, DQ2,
+    Q1, Q2, K1, K2, V, DO, Lse, Delta, DQ1, DQ2, TabIn, OffIn, TabOut, OffOut,
     sq1_b, sq1_h, sq1_n, sq1_d, sq2_b, sq2_h, sq2_n, sq2_d,
     sk1_b, sk1_h, sk1_n, sk1_d, sk2_b, sk2_h, sk2_n, sk2_d,
     sv_b, sv_h, sv_n, sv_d, sdo_b, sdo_h, sdo_n, sdo_d,
-    n_heads, group, n_ctx, window, qk_scale, sm_scale,
+    n_heads, group, n_q, n_k, window, qk_scale, sm_scale, logn_factor,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr,
+    SPLIT: tl.constexpr, TWO_DOTS: tl.constexpr, LOGN: tl.constexpr,
+    TURN_IN: tl.constexpr, SHIFT_IN: tl.constexpr, TURN_OUT: tl.constexpr,
+    SHIFT_OUT: tl.constexpr,
 ):
-    """Grid ``(cdiv(N, BLOCK_M), B * Hq)``. ``DQ1, DQ2`` are contiguous ``(B, Hq, N, D)``."""
+    """Grid ``(cdiv(Nq, BLOCK_M), B * Hq)``. Gradients are contiguous ``(B, Hq, Nq, D)``:
+    ``DQ1, DQ2`` in the five-tensor form; ``DQ1`` (= dq) with ``SPLIT``."""
     block = tl.program_id(0)
     if CAUSAL:   # the last query blocks have the most keys: start them first
         block = tl.num_programs(0) - 1 - block
     start_m = block * BLOCK_M
+    start_pos = n_k - n_q + start_m
     batch = (tl.program_id(1) // n_heads).to(tl.int64)
     head = (tl.program_id(1) % n_heads).to(tl.int64)
     kv_head = head // group
-    K1 = _tiles(K1 + batch * sk1_b + kv_head * sk1_h, sk1_n, n_ctx, BLOCK_N, HEAD_DIM, TMA)
-    K2 = _tiles(K2 + batch * sk2_b + kv_head * sk2_h, sk2_n, n_ctx, BLOCK_N, HEAD_DIM, TMA)
-    V = _tiles(V + batch * sv_b + kv_head * sv_h, sv_n, n_ctx, BLOCK_N, HEAD_DIM, TMA)
-    rows = start_m + tl.arange(0, BLOCK_M)
-    dims = tl.arange(0, HEAD_DIM)
-    do = _load_tile(_tiles(DO + batch * sdo_b + head * sdo_h, sdo_n, n_ctx, BLOCK_M, HEAD_DIM, TMA),
-                    start_m, sdo_n, sdo_d, n_ctx, BLOCK_M, HEAD_DIM, True, TMA)
-    row_stats = tl.program_id(1).to(tl.int64) * n_ctx
-    lse = tl.load(Lse + row_stats + rows, mask=rows < n_ctx, other=0.0)
-    delta = tl.load(Delta + row_stats + rows, mask=rows < n_ctx, other=0.0)
+    if SPLIT:                             # one q and one k serve both products
+        Q2, sq2_b, sq2_h, sq2_n, sq2_d = Q1, sq1_b, sq1_h, sq1_n, sq1_d
+        K2, sk2_b, sk2_h, sk2_n, sk2_d = K1, sk1_b, sk1_h, sk1_n, sk1_d
+    K1a, K1b = _halves(K1 + batch * sk1_b + kv_head * sk1_h, sk1_n, sk1_d, n_k, BLOCK_N,
+                       HEAD_DIM, SPLIT, TMA)
+    K2a, K2b = _halves(K2 + batch * sk2_b + kv_head * sk2_h, sk2_n, sk2_d, n_k, BLOCK_N,
+                       HEAD_DIM, SPLIT, TMA)
+    V = _tiles(V + batch * sv_b + kv_head * sv_h, sv_n, n_k, BLOCK_N, HEAD_DIM, TMA)
+    q_rows = start_m + tl.arange(0, BLOCK_M)
+    rows = start_pos + tl.arange(0, BLOCK_M)
+    do = _load_tile(_tiles(DO + batch * sdo_b + head * sdo_h, sdo_n, n_q, BLOCK_M, HEAD_DIM, TMA),
+                    start_m, sdo_n, sdo_d, n_q, BLOCK_M, HEAD_DIM, True, TMA)
+    row_stats = tl.program_id(1).to(tl.int64) * n_q
+    lse = tl.load(Lse + row_stats + q_rows, mask=q_rows < n_q, other=0.0)
+    delta = tl.load(Delta + row_stats + q_rows, mask=q_rows < n_q, other=0.0)
     outside_clean, inside_clean, band, edge_inside, edge_outside = _schedule(
-        start_m, BLOCK_M, BLOCK_N, n_ctx, window, CAUSAL, True)
-    out_offset = tl.program_id(1).to(tl.int64) * n_ctx * HEAD_DIM
-    out_ptrs = rows[:, None] * HEAD_DIM + dims[None, :]
-    row_ok = rows[:, None] < n_ctx
+        start_pos, BLOCK_M, BLOCK_N, n_k, window, CAUSAL, True)
+    out_offset = tl.program_id(1).to(tl.int64) * n_q * HEAD_DIM
 
-    # phase 1: dQ1 from the q1·k1 passes, stored before phase 2 (one accumulator live at a time)
-    q1 = _load_tile(_tiles(Q1 + batch * sq1_b + head * sq1_h, sq1_n, n_ctx, BLOCK_M, HEAD_DIM, TMA),
-                    start_m, sq1_n, sq1_d, n_ctx, BLOCK_M, HEAD_DIM, True, TMA)
-    dq = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    dq = _dq_pass(dq, q1, do, lse, delta, K1, V, sk1_n, sk1_d, sv_n, sv_d, rows, inside_clean,
-                  n_ctx, window, qk_scale,
-                  INSIDE, False, CAUSAL, BLOCK_N, HEAD_DIM, DOT_PRECISION, TMA)
-    dq = _dq_pass(dq, q1, do, lse, delta, K1, V, sk1_n, sk1_d, sv_n, sv_d, rows, band,
-                  n_ctx, window, qk_scale,
-                  INSIDE, True, CAUSAL, BLOCK_N, HEAD_DIM, DOT_PRECISION, TMA)
-    dq = _dq_pass(dq, q1, do, lse, delta, K1, V, sk1_n, sk1_d, sv_n, sv_d, rows, edge_inside,
-                  n_ctx, window, qk_scale,
-                  INSIDE, True, CAUSAL, BLOCK_N, HEAD_DIM, DOT_PRECISION, TMA)
-    tl.store(DQ1 + out_offset + out_ptrs, (dq * sm_scale).to(DQ1.dtype.element_ty), mask=row_ok)
+    # phase 1: the inside passes; dQ of this product is stored (five tensors) or rotated back
+    # and kept (SPLIT) before phase 2 (one accumulator being filled at a time)
+    Qa, Qb = _halves(Q1 + batch * sq1_b + head * sq1_h, sq1_n, sq1_d, n_q, BLOCK_M, HEAD_DIM,
+                     SPLIT, TMA)
+    q_a, q_b = _operand(Qa, Qb, start_m, sq1_n, sq1_d, n_q, rows, TabIn, OffIn, logn_factor,
+                        TURN_IN, SHIFT_IN, 1, LOGN, SPLIT, TWO_DOTS, BLOCK_M, HEAD_DIM, True,
+                        TMA)
+    dq_a, dq_b = _zeros(BLOCK_M, HEAD_DIM, TWO_DOTS)
+    dq_a, dq_b = _dq_pass(dq_a, dq_b, q_a, q_b, do, lse, delta, K1a, K1b, V, TabIn, sk1_n, sk1_d,
+                          sv_n, sv_d, rows, inside_clean, n_k, window, qk_scale,
+                          INSIDE, False, CAUSAL, TURN_IN, SPLIT, TWO_DOTS, BLOCK_N, HEAD_DIM,
+                          DOT_PRECISION, TMA)
+    dq_a, dq_b = _dq_pass(dq_a, dq_b, q_a, q_b, do, lse, delta, K1a, K1b, V, TabIn, sk1_n, sk1_d,
+                          sv_n, sv_d, rows, band, n_k, window, qk_scale,
+                          INSIDE, True, CAUSAL, TURN_IN, SPLIT, TWO_DOTS, BLOCK_N, HEAD_DIM,
+                          DOT_PRECISION, TMA)
+    dq_a, dq_b = _dq_pass(dq_a, dq_b, q_a, q_b, do, lse, delta, K1a, K1b, V, TabIn, sk1_n, sk1_d,
+                          sv_n, sv_d, rows, edge_inside, n_k, window, qk_scale,
+                          INSIDE, True, CAUSAL, TURN_IN, SPLIT, TWO_DOTS, BLOCK_N, HEAD_DIM,
+                          DOT_PRECISION, TMA)
+    if SPLIT:
+        _store_dq(DQ1 + out_offset, q_rows, rows, n_q, dq_a, dq_b, TabIn, OffIn, sm_scale,
+                  logn_factor, TURN_IN, SHIFT_IN, LOGN, TWO_DOTS, HEAD_DIM, False)
+    else:
+        _store_rows(DQ1 + out_offset, q_rows, n_q, dq_a * sm_scale, 0, HEAD_DIM, HEAD_DIM)
 
-    # phase 2: dQ2 from the q2·k2 passes
-    q2 = _load_tile(_tiles(Q2 + batch * sq2_b + head * sq2_h, sq2_n, n_ctx, BLOCK_M, HEAD_DIM, TMA),
-                    start_m, sq2_n, sq2_d, n_ctx, BLOCK_M, HEAD_DIM, True, TMA)
-    dq = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    dq = _dq_pass(dq, q2, do, lse, delta, K2, V, sk2_n, sk2_d, sv_n, sv_d, rows, outside_clean,
-                  n_ctx, window, qk_scale,
-                  OUTSIDE, False, CAUSAL, BLOCK_N, HEAD_DIM, DOT_PRECISION, TMA)
-    dq = _dq_pass(dq, q2, do, lse, delta, K2, V, sk2_n, sk2_d, sv_n, sv_d, rows, band,
-                  n_ctx, window, qk_scale,
-                  OUTSIDE, True, CAUSAL, BLOCK_N, HEAD_DIM, DOT_PRECISION, TMA)
-    dq = _dq_pass(dq, q2, do, lse, delta, K2, V, sk2_n, sk2_d, sv_n, sv_d, rows, edge_outside,
-                  n_ctx, window, qk_scale,
-                  OUTSIDE, True, CAUSAL, BLOCK_N, HEAD_DIM, DOT_PRECISION, TMA)
-    tl.store(DQ2 + out_offset + out_ptrs, (dq * sm_scale).to(DQ2.dtype.element_ty), mask=row_ok)
+    # phase 2: the outside passes
+    Qa, Qb = _halves(Q2 + batch * sq2_b + head * sq2_h, sq2_n, sq2_d, n_q, BLOCK_M, HEAD_DIM,
+                     SPLIT, TMA)
+    q_a, q_b = _operand(Qa, Qb, start_m, sq2_n, sq2_d, n_q, rows, TabOut, OffOut, logn_factor,
+                        TURN_OUT, SHIFT_OUT, 1, LOGN, SPLIT, TWO_DOTS, BLOCK_M, HEAD_DIM, True,
+                        TMA)
+    dq_a, dq_b = _zeros(BLOCK_M, HEAD_DIM, TWO_DOTS)
+    dq_a, dq_b = _dq_pass(dq_a, dq_b, q_a, q_b, do, lse, delta, K2a, K2b, V, TabOut, sk2_n,
+                          sk2_d, sv_n, sv_d, rows, outside_clean, n_k, window, qk_scale,
+                          OUTSIDE, False, CAUSAL, TURN_OUT, SPLIT, TWO_DOTS, BLOCK_N, HEAD_DIM,
+                          DOT_PRECISION, TMA)
+    dq_a, dq_b = _dq_pass(dq_a, dq_b, q_a, q_b, do, lse, delta, K2a, K2b, V, TabOut, sk2_n,
+                          sk2_d, sv_n, sv_d, rows, band, n_k, window, qk_scale,
+                          OUTSIDE, True, CAUSAL, TURN_OUT, SPLIT, TWO_DOTS, BLOCK_N, HEAD_DIM,
+                          DOT_PRECISION, TMA)
+    dq_a, dq_b = _dq_pass(dq_a, dq_b, q_a, q_b, do, lse, delta, K2a, K2b, V, TabOut, sk2_n,
+                          sk2_d, sv_n, sv_d, rows, edge_outside, n_k, window, qk_scale,
+                          OUTSIDE, True, CAUSAL, TURN_OUT, SPLIT, TWO_DOTS, BLOCK_N, HEAD_DIM,
+                          DOT_PRECISION, TMA)
+    if SPLIT:
+        _store_dq(DQ1 + out_offset, q_rows, rows, n_q, dq_a, dq_b, TabOut, OffOut, sm_scale,
+                  logn_factor, TURN_OUT, SHIFT_OUT, LOGN, TWO_DOTS, HEAD_DIM, True)
+    else:
+        _store_rows(DQ2 + out_offset, q_rows, n_q, dq_a * sm_scale, 0, HEAD_DIM, HEAD_DIM)

@@ -11,6 +11,11 @@ Each case is one implementation (``impl``), one mode (``fwd`` or ``fwd+bwd``) an
 ``(B, H, N, D, window, dtype, causal)``. The implementations:
 
 - ``rerope``: ours, ``kernels.rerope_attention`` on the five tensors ``q1, q2, k1, k2, v``.
+- ``rerope_raw`` and ``rerope_rotated``: ours from ``q, k, v`` as a model holds them,
+  ``kernels.rerope`` (rotation inside the kernels), raw or already RoPE-rotated.
+- ``rope_sdpa_cudnn``: what *plain* RoPE attention costs a user: rotate ``q, k`` in torch the way
+  Hugging Face models do (``q·cos + rotate_half(q)·sin`` with cos/sin tables built once, in the
+  input dtype), then SDPA's cuDNN backend. The bar ``rerope_raw`` has to clear.
 - ``naive``: ``kernels.reference.rerope_attention``, two full ``N × N`` score matrices.
 - ``flex_two_pass``: ReRoPE as two FlexAttention passes merged by log-sum-exp (defined below):
   the strongest alternative a user can write without a custom kernel.
@@ -61,7 +66,9 @@ except ImportError:  # older torch: only `return_lse=True`
 # What we compare, and on which shapes
 # ------------------------------------
 
-IMPLS = ("rerope", "naive", "flex_two_pass", "sdpa_flash", "sdpa_cudnn", "rope_inputs")
+IMPLS = ("rerope", "rerope_raw", "rerope_rotated", "naive", "flex_two_pass", "sdpa_flash",
+         "sdpa_cudnn", "rope_sdpa_cudnn", "rope_inputs")
+FROM_QKV = ("rerope_raw", "rerope_rotated")    # ReRoPE impls that take q, k, v
 MODES = ("fwd", "fwd+bwd")
 DTYPES = ("float16", "bfloat16")
 
@@ -278,6 +285,30 @@ def build_case(impl, shape, device="cuda"):
         q_raw, k_raw = randn_heads(), randn_heads()
         return (lambda: rerope_inputs(q_raw, k_raw, shape.window)), [q_raw, k_raw]
 
+    if impl in FROM_QKV:
+        import kernels
+        q, k, v = randn_heads(), randn_heads(), randn_heads()
+        rotated = impl == "rerope_rotated"
+
+        def rerope_from_qkv():
+            return kernels.rerope(q, k, v, shape.window, causal=shape.causal, rotated=rotated)
+        return rerope_from_qkv, [q, k, v]
+
+    if impl == "rope_sdpa_cudnn":
+        from kernels.rope import rotate_half, rope_frequencies
+        q, k, v = randn_heads(), randn_heads(), randn_heads()
+        angles = (torch.arange(shape.N, device=device, dtype=torch.float64)[:, None]
+                  * rope_frequencies(shape.D, device=device)[None, :])
+        angles = torch.cat((angles, angles), dim=-1)
+        cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)   # built once, as models do
+
+        def rope_then_cudnn():
+            q_rot = q * cos + rotate_half(q) * sin
+            k_rot = k * cos + rotate_half(k) * sin
+            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                return F.scaled_dot_product_attention(q_rot, k_rot, v, is_causal=shape.causal)
+        return rope_then_cudnn, [q, k, v]
+
     if impl in ("sdpa_flash", "sdpa_cudnn"):
         backend = SDPBackend.FLASH_ATTENTION if impl == "sdpa_flash" else SDPBackend.CUDNN_ATTENTION
         q_rot, k_rot, v = randn_heads(), randn_heads(), randn_heads()
@@ -390,7 +421,11 @@ def check_against_reference(impls, dtype, D, causal):
         upstream = torch.randn_like(out)
         grads = torch.autograd.grad(out, leaves, upstream)
         leaves64 = [t.detach().double().requires_grad_() for t in leaves]
-        expected = kernels.reference.rerope_attention(*leaves64, shape.window, causal=causal)
+        if impl in FROM_QKV:
+            expected = kernels.reference.rerope(*leaves64, shape.window, causal=causal,
+                                                rotated=impl == "rerope_rotated")
+        else:
+            expected = kernels.reference.rerope_attention(*leaves64, shape.window, causal=causal)
         expected_grads = torch.autograd.grad(expected, leaves64, upstream.double())
         error = max((got.double() - want).abs().max().item() / want.abs().max().item()
                     for got, want in zip((out, *grads), (expected, *expected_grads)))
@@ -629,7 +664,7 @@ def run_benchmark(args):
     print(f"kernels.bench on {meta['gpu']}: torch {meta['torch']}, triton {meta['triton']}",
           flush=True)
 
-    checked = [impl for impl in ("rerope", "flex_two_pass") if impl in args.impl]
+    checked = [impl for impl in ("rerope", *FROM_QKV, "flex_two_pass") if impl in args.impl]
     if checked and not args.skip_check:
         meta["checks"] = []
         for causal in args.causal:

@@ -47,6 +47,13 @@ _CANDIDATES = {
         256: [(64, 32, 8, 2), (32, 16, 4, 2)],
     },
 }
+# The fused-rotation form (``kernels.rerope``, ``split``) where its best differs: it holds the
+# rotation's operands in registers too, so at D=128 the backward prefers thinner tiles
+# (H200 sweep, perf/runs/sweep_fused.json: dK/dV 32x64 -21 %, dQ 64x32 -12 % of fwd+bwd).
+_FUSED_CANDIDATES = {
+    "dkdv": {128: [(32, 64, 4, 3), (32, 64, 4, 2), (32, 128, 8, 3), (64, 128, 8, 2)]},
+    "dq": {128: [(64, 32, 4, 3), (128, 64, 8, 2), (128, 32, 8, 3), (64, 64, 4, 2)]},
+}
 # Where no candidate fits (small GPUs, fp32, D=256): the first of these that fits, else the last.
 _FALLBACKS = [(32, 32, 4, 2), (16, 16, 4, 1)]
 
@@ -58,20 +65,25 @@ def _head_dim_class(head_dim):
     return 64 if head_dim <= 64 else head_dim
 
 
-def estimate_shared_memory(kernel, block_m, block_n, num_stages, head_dim, elem_bytes=2):
+def estimate_shared_memory(kernel, block_m, block_n, num_stages, head_dim, elem_bytes=2,
+                           split=False):
     """A conservative estimate of a configuration's shared memory (bytes).
 
     Every pass streams two tiles per pipeline stage: ``k, v`` (``BLOCK_N × D``) in the forward
     and dQ kernels, ``q, dO`` (``BLOCK_M × D``) in dK/dV. The blocks a program keeps (``q1, q2``;
     ``q1, q2, dO``; ``k1, k2, v``), one fp32 score tile for layout conversions and a few KB for
-    barriers come on top.
+    barriers come on top. The fused-rotation form (``split``) rotates each streamed ``k`` (or
+    ``q`` in dK/dV) tile in registers and stages the result for the tensor cores: one more tile.
     """
+    streamed_rows = block_m if kernel == "dkdv" else block_n
     if kernel == "dkdv":
         streamed = num_stages * 2 * block_m * head_dim * elem_bytes
         resident = 3 * block_n * head_dim * elem_bytes
     else:
         streamed = num_stages * 2 * block_n * head_dim * elem_bytes
         resident = (3 if kernel == "dq" else 2) * block_m * head_dim * elem_bytes
+    if split:
+        resident += streamed_rows * head_dim * elem_bytes
     scratch = block_m * block_n * 4 + 4096       # a score tile, barriers and alignment
     total = streamed + resident + scratch
     # fp32 runs its dots as 3xTF32, which stages split copies of the operands: measured up to
@@ -79,12 +91,15 @@ def estimate_shared_memory(kernel, block_m, block_n, num_stages, head_dim, elem_
     return int(total * 1.25) if elem_bytes == 4 else total
 
 
-def candidate_configs(kernel, head_dim):
-    """All candidate ``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` for a kernel and head dim."""
-    return list(_CANDIDATES[kernel][_head_dim_class(head_dim)])
+def candidate_configs(kernel, head_dim, split=False):
+    """All candidate ``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` for a kernel and head dim
+    (of the five-tensor form, or the fused-rotation one: ``split``)."""
+    head_dim = _head_dim_class(head_dim)
+    fused = _FUSED_CANDIDATES.get(kernel, {}).get(head_dim) if split else None
+    return list(fused or _CANDIDATES[kernel][head_dim])
 
 
-def launch_configs(kernel, head_dim, capability, elem_bytes=2):
+def launch_configs(kernel, head_dim, capability, elem_bytes=2, split=False):
     """The ``triton.Config`` list to autotune on a GPU of ``capability`` (e.g. ``(9, 0)``).
 
     Candidates whose estimated shared memory exceeds the GPU's are pruned; if none is left, the
@@ -96,9 +111,10 @@ def launch_configs(kernel, head_dim, capability, elem_bytes=2):
     limit = SHARED_MEMORY.get(10 * major + minor, SHARED_MEMORY[75] if major < 8 else SHARED_MEMORY[86])
 
     def fits(c):
-        return estimate_shared_memory(kernel, c[0], c[1], c[3], head_dim, elem_bytes) <= limit
+        return estimate_shared_memory(kernel, c[0], c[1], c[3], head_dim, elem_bytes,
+                                      split) <= limit
 
-    chosen = ([c for c in candidate_configs(kernel, head_dim) if fits(c)]
+    chosen = ([c for c in candidate_configs(kernel, head_dim, split) if fits(c)]
               or [next((c for c in _FALLBACKS if fits(c)), _FALLBACKS[-1])])
     return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s)
             for bm, bn, w, s in (chosen if AUTOTUNE else chosen[:1])]

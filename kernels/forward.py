@@ -1,17 +1,31 @@
-"""The ReRoPE forward kernel: tiled online softmax, one loop per region. Chapter 4 of the book.
+"""The ReRoPE forward kernel: tiled online softmax, one loop per region. Chapters 4 and 7.
 
 One program per (query block, batch · query head). It keeps a query block on chip and walks
 the key axis in ``BLOCK_N`` tiles, in six passes laid out by :func:`kernels.regions._schedule`
-(all ``q2 · k2`` passes first with ``q2`` loaded, then all ``q1 · k1`` passes with ``q1``):
+(all outside-the-window passes first, then all inside passes, so one query block is live):
 
-* ``q2 · k2`` over the tiles fully outside the window, and ``q1 · k1`` over those fully inside —
-  the long, hot loops: one product, no mask, no branch (the product is a compile-time constant);
-* ``q1 · k1`` and then ``q2 · k2`` over the thin band of tiles that straddle ``|i - j| = w``,
-  each masked to its side of the window;
+* the outside product over the tiles fully outside the window, and the inside product over
+  those fully inside — the long, hot loops: one product, no mask, no branch (the product is a
+  compile-time constant);
+* both products over the thin band of tiles that straddle ``|i - j| = w``, each masked to its
+  side of the window;
 * the same two over the few tiles that need the causal or end-of-sequence mask.
 
 The online softmax does not care in which order tiles arrive, so visiting a band tile twice,
 once per product, is exact.
+
+The kernel reads its operands in one of two forms (the compile-time flag ``SPLIT``):
+
+* **five tensors** (chapter 4): the inside product is ``q1 · k1``, the outside one ``q2 · k2``,
+  tensors the caller built;
+* **q and k as the model holds them** (chapter 7): raw, or already rotated by RoPE at their
+  positions. Each product rotates what it reads, in registers — the query block once per
+  program, each key tile as it arrives — by the angles of :mod:`kernels.rotary`, loading the
+  two halves of the head dim separately, so a score is two ``D/2``-wide products into one
+  accumulator. Nothing rotated is ever written to memory.
+
+Queries may be the last ``Nq`` of ``Nk`` positions (``Nq <= Nk``, chunked prefill): positions
+are absolute, query row ``r`` sits at ``Nk - Nq + r``.
 
 Numerics as FlashAttention-2: fp32 accumulators, scores turned into log2 units by
 ``qk_scale = sm_scale · log2(e)`` (inside one fused multiply-add) so every exponential is an
@@ -26,12 +40,17 @@ import triton.language as tl
 
 from .online_softmax import _softmax_step
 from .regions import INSIDE, OUTSIDE, _nth_tile, _schedule, _tile_count
+from .rotary import _angles, _logn_scale, _rotate
 
 
 @triton.jit
 def _load_rows(Base, idx, stride_n, stride_d, dims, n_ctx, MASKED: tl.constexpr):
-    """Load rows ``idx`` (all ``HEAD_DIM`` columns) of a ``(N, D)`` slice; zeros past ``n_ctx``."""
-    ptrs = Base + idx[:, None] * stride_n + dims[None, :] * stride_d
+    """Load rows ``idx`` (columns ``dims``) of a ``(N, D)`` slice; zeros past ``n_ctx``.
+
+    Row offsets are 64-bit: a strided view (a packed QKV buffer at long context, say) can put
+    rows more than 2³¹ elements apart.
+    """
+    ptrs = Base + idx.to(tl.int64)[:, None] * stride_n + dims[None, :] * stride_d
     if MASKED:
         return tl.load(ptrs, mask=idx[:, None] < n_ctx, other=0.0)
     else:
@@ -65,110 +84,227 @@ def _load_tile(src, start, stride_n, stride_d, n_ctx, BLOCK: tl.constexpr,
 
 
 @triton.jit
-def _in_window(rows, cols, window):
-    """``|i - j| < window`` for a tile (``rows`` along dim 0, ``cols`` along dim 1)."""
-    diff = rows[:, None] - cols[None, :]
-    return (diff < window) & (diff > -window)
+def _keep(q_pos, k_pos, valid, window, PRODUCT: tl.constexpr, CAUSAL: tl.constexpr):
+    """Which scores of a masked tile count for this product: valid, causal, on the product's side
+    of the window (``|i - j| < w`` inside).
 
-
-@triton.jit
-def _keep(rows, cols, n_ctx, window, PRODUCT: tl.constexpr, CAUSAL: tl.constexpr):
-    """Which scores of a masked tile count for this product: in range, causal, right side of
-    the window. ``rows``/``cols`` are query/key indices (dims 0/1)."""
-    keep = _in_window(rows, cols, window)
+    ``q_pos``/``k_pos`` are query/key positions broadcast to the tile, ``valid`` the in-range
+    entries: ``(BLOCK_M, 1)``, ``(1, BLOCK_N)`` in the forward and dQ kernels, where queries run
+    down the tile, and the transposed shapes in dK/dV — one mask for every kernel.
+    """
+    diff = q_pos - k_pos
+    keep = (diff < window) & (diff > -window)
     if PRODUCT == OUTSIDE:
         keep = ~keep
-    keep = keep & (cols[None, :] < n_ctx)
+    keep = keep & valid
     if CAUSAL:
-        keep = keep & (cols[None, :] <= rows[:, None])
+        keep = keep & (k_pos <= q_pos)
     return keep
 
 
+# --- operands: the five tensors as stored, or halves of q and k rotated in registers ------------
+
+
 @triton.jit
-def _fwd_pass(acc, l_i, m_i, q, K, V, sk_n, sk_d, sv_n, sv_d, rows, walk, n_ctx, window, qk_scale,
+def _halves(Base, stride_n, stride_d, n_rows, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr,
+            SPLIT: tl.constexpr, TMA: tl.constexpr):
+    """``(a, b)`` tile sources for :func:`_load_tile`: the two halves of the head dim
+    (``SPLIT``), or the whole row twice."""
+    if SPLIT:
+        return (_tiles(Base, stride_n, n_rows, BLOCK, HEAD_DIM // 2, TMA),
+                _tiles(Base + (HEAD_DIM // 2) * stride_d, stride_n, n_rows, BLOCK,
+                       HEAD_DIM // 2, TMA))
+    else:
+        whole = _tiles(Base, stride_n, n_rows, BLOCK, HEAD_DIM, TMA)
+        return whole, whole
+
+
+@triton.jit
+def _join_halves(a, b):
+    """``[a | b]`` along the last dimension."""
+    return tl.reshape(tl.permute(tl.join(a, b), (0, 2, 1)), (a.shape[0], 2 * a.shape[1]))
+
+
+@triton.jit
+def _split_halves(x):
+    """The inverse of :func:`_join_halves`: ``(x[:, :D/2], x[:, D/2:])``."""
+    return tl.split(tl.permute(tl.reshape(x, (x.shape[0], 2, x.shape[1] // 2)), (0, 2, 1)))
+
+
+@triton.jit
+def _pair(a, b, TWO_DOTS: tl.constexpr):
+    """Halves as the products take them: two halves (``TWO_DOTS``) or one joined tile twice
+    (``D/2 < 16``, below ``tl.dot``'s minimum width)."""
+    if TWO_DOTS:
+        return a, b
+    else:
+        whole = _join_halves(a, b)
+        return whole, whole
+
+
+@triton.jit
+def _operand(Xa, Xb, start, sx_n, sx_d, n_rows, positions, Table, Offset, logn_factor,
+             TURN: tl.constexpr, SHIFT: tl.constexpr, SHIFT_SIGN: tl.constexpr,
+             LOGN: tl.constexpr, SPLIT: tl.constexpr, TWO_DOTS: tl.constexpr,
+             BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, MASKED: tl.constexpr,
+             TMA: tl.constexpr):
+    """Rows ``start .. start + BLOCK`` of ``q`` or ``k`` (at ``positions``), ready for a product.
+
+    Five-tensor form: the tile as stored. ``SPLIT``: the two halves, scaled by log-n (``LOGN``,
+    queries only) and rotated in fp32 by :func:`kernels.rotary._angles` (``TURN``: by
+    ``speed · p``, ``SHIFT``: by ``± offset``), rounded once to the input dtype.
+    """
+    if SPLIT:
+        a = _load_tile(Xa, start, sx_n, sx_d, n_rows, BLOCK, HEAD_DIM // 2, MASKED, TMA)
+        b = _load_tile(Xb, start, sx_n, sx_d, n_rows, BLOCK, HEAD_DIM // 2, MASKED, TMA)
+        if LOGN or TURN or SHIFT:
+            a32, b32 = a.to(tl.float32), b.to(tl.float32)
+            if LOGN:
+                scale = _logn_scale(positions, logn_factor)[:, None]
+                a32, b32 = a32 * scale, b32 * scale
+            if TURN or SHIFT:
+                cos, sin = _angles(Table, positions, Offset, TURN, SHIFT, SHIFT_SIGN,
+                                   HEAD_DIM // 2)
+                a32, b32 = _rotate(a32, b32, cos, sin)
+            a, b = a32.to(a.dtype), b32.to(b.dtype)
+        return _pair(a, b, TWO_DOTS)
+    else:
+        whole = _load_tile(Xa, start, sx_n, sx_d, n_rows, BLOCK, HEAD_DIM, MASKED, TMA)
+        return whole, whole
+
+
+@triton.jit
+def _scores(x_a, x_b, y_a, y_b, TWO_DOTS: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """``x · yᵀ`` for operands as :func:`_operand` returns them: one dot, or two
+    ``D/2``-wide dots into one accumulator (so ``rotate_half`` needs no data movement)."""
+    s = tl.dot(x_a, tl.trans(y_a), input_precision=DOT_PRECISION)
+    if TWO_DOTS:
+        s = tl.dot(x_b, tl.trans(y_b), s, input_precision=DOT_PRECISION)
+    return s
+
+
+@triton.jit
+def _fwd_pass(acc, l_i, m_i, q_a, q_b, Ka, Kb, V, Table, sk_n, sk_d, sv_n, sv_d, rows, walk,
+              n_k, window, qk_scale,
               PRODUCT: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
+              TURN: tl.constexpr, SPLIT: tl.constexpr, TWO_DOTS: tl.constexpr,
               BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr,
               TMA: tl.constexpr):
     """Fold the key tiles of ``walk`` into the online-softmax state, with one product.
 
-    ``q``/``K`` are ``q1``/``K1`` for ``PRODUCT == INSIDE`` and ``q2``/``K2`` for ``OUTSIDE``
-    (``K``, ``V`` as :func:`_tiles` gives them). ``MASKED`` tiles get the window, causal and
-    sequence-end masks; the others none at all.
+    ``q_a, q_b`` is the product's query operand and ``Ka, Kb`` its key sources (``q1``/``K1``
+    for ``PRODUCT == INSIDE``, ``q2``/``K2`` for ``OUTSIDE`` in the five-tensor form); with
+    ``TURN`` each key tile is rotated by ``R(speed · j)`` from ``Table`` as it arrives.
+    ``MASKED`` tiles get the window, causal and sequence-end masks; the others none at all.
     """
     offs_n = tl.arange(0, BLOCK_N)
     lo1, hi1, lo2, hi2 = walk
     n1 = _tile_count(lo1, hi1, BLOCK_N)
     for t in range(0, n1 + _tile_count(lo2, hi2, BLOCK_N)):
         start_n = tl.multiple_of(_nth_tile(t, lo1, n1, lo2, BLOCK_N), BLOCK_N)
-        k = _load_tile(K, start_n, sk_n, sk_d, n_ctx, BLOCK_N, HEAD_DIM, MASKED, TMA)
-        v = _load_tile(V, start_n, sv_n, sv_d, n_ctx, BLOCK_N, HEAD_DIM, MASKED, TMA)
-        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        k_a, k_b = _operand(Ka, Kb, start_n, sk_n, sk_d, n_k, start_n + offs_n, Table, Table,
+                            0.0, TURN, False, 1, False, SPLIT, TWO_DOTS, BLOCK_N, HEAD_DIM,
+                            MASKED, TMA)
+        v = _load_tile(V, start_n, sv_n, sv_d, n_k, BLOCK_N, HEAD_DIM, MASKED, TMA)
+        scores = _scores(q_a, q_b, k_a, k_b, TWO_DOTS, DOT_PRECISION)
         if MASKED:
-            cols = start_n + offs_n
-            scores = tl.where(_keep(rows, cols, n_ctx, window, PRODUCT, CAUSAL), scores,
-                              float("-inf"))
+            cols = (start_n + offs_n)[None, :]
+            scores = tl.where(_keep(rows[:, None], cols, cols < n_k, window, PRODUCT, CAUSAL),
+                              scores, float("-inf"))
         acc, l_i, m_i = _softmax_step(acc, l_i, m_i, scores, v, qk_scale, DOT_PRECISION)
     return acc, l_i, m_i
 
 
 @triton.jit
 def _rerope_fwd_kernel(
-    Q1, Q2, K1, K2, V, Out, Lse,
+    Q1, Q2, K1, K2, V, Out, Lse, TabIn, OffIn, TabOut, OffOut,
     sq1_b, sq1_h, sq1_n, sq1_d, sq2_b, sq2_h, sq2_n, sq2_d,
     sk1_b, sk1_h, sk1_n, sk1_d, sk2_b, sk2_h, sk2_n, sk2_d,
     sv_b, sv_h, sv_n, sv_d, so_b, so_h, so_n, so_d,
-    n_heads, group, n_ctx, window, qk_scale,
+    n_heads, group, n_q, n_k, window, qk_scale, logn_factor,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr,
+    SPLIT: tl.constexpr, TWO_DOTS: tl.constexpr, LOGN: tl.constexpr,
+    TURN_IN: tl.constexpr, SHIFT_IN: tl.constexpr, TURN_OUT: tl.constexpr,
+    SHIFT_OUT: tl.constexpr,
 ):
-    """Grid ``(cdiv(N, BLOCK_M), B * Hq)``. Writes ``Out`` and ``Lse`` (log2 units, ``(B·Hq, N)``)."""
+    """Grid ``(cdiv(Nq, BLOCK_M), B * Hq)``. Writes ``Out`` and ``Lse`` (log2 units, ``(B·Hq, Nq)``).
+
+    Five-tensor form (``SPLIT`` off): ``Q1, Q2, K1, K2`` as given; the tables are not read.
+    ``SPLIT``: ``Q1``/``K1`` are the model's ``q``/``k`` (``Q2``/``K2`` are not read); the
+    inside product rotates by ``TabIn``/``OffIn``, the outside one by ``TabOut``/``OffOut``
+    (:mod:`kernels.rotary`: ``TURN_*`` where the product's speed is not 0, ``SHIFT_*`` where its
+    offset is not 0); ``LOGN`` scales the queries by log-n (``logn_factor``).
+    """
     block = tl.program_id(0)
     if CAUSAL:   # the last query blocks have the most keys: start them first
         block = tl.num_programs(0) - 1 - block
-    start_m = block * BLOCK_M
+    start_m = block * BLOCK_M                # a row of q; its position is n_k - n_q + row
+    start_pos = n_k - n_q + start_m
     batch = tl.program_id(1) // n_heads
     head = tl.program_id(1) % n_heads
-    kv_head = head // group                      # grouped-query attention: shared K/V heads
+    kv_head = head // group                  # grouped-query attention: shared K/V heads
     b64, h64, kv64 = batch.to(tl.int64), head.to(tl.int64), kv_head.to(tl.int64)
-    K1 = _tiles(K1 + b64 * sk1_b + kv64 * sk1_h, sk1_n, n_ctx, BLOCK_N, HEAD_DIM, TMA)
-    K2 = _tiles(K2 + b64 * sk2_b + kv64 * sk2_h, sk2_n, n_ctx, BLOCK_N, HEAD_DIM, TMA)
-    V = _tiles(V + b64 * sv_b + kv64 * sv_h, sv_n, n_ctx, BLOCK_N, HEAD_DIM, TMA)
+    K1a, K1b = _halves(K1 + b64 * sk1_b + kv64 * sk1_h, sk1_n, sk1_d, n_k, BLOCK_N, HEAD_DIM,
+                       SPLIT, TMA)
+    if SPLIT:                                # one k serves both products
+        K2a, K2b = K1a, K1b
+        Q2, sq2_b, sq2_h, sq2_n, sq2_d = Q1, sq1_b, sq1_h, sq1_n, sq1_d
+    else:
+        K2a, K2b = _halves(K2 + b64 * sk2_b + kv64 * sk2_h, sk2_n, sk2_d, n_k, BLOCK_N, HEAD_DIM,
+                           SPLIT, TMA)
+    V = _tiles(V + b64 * sv_b + kv64 * sv_h, sv_n, n_k, BLOCK_N, HEAD_DIM, TMA)
 
-    rows = start_m + tl.arange(0, BLOCK_M)
-    dims = tl.arange(0, HEAD_DIM)
-    # a finite start for the running max: a row may meet a fully masked tile first
-    m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
+    rows = start_pos + tl.arange(0, BLOCK_M)
+    # the running max starts at -inf; _softmax_step keeps a row that has seen only masked
+    # scores at exactly zero weight
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     outside_clean, inside_clean, band, edge_inside, edge_outside = _schedule(
-        start_m, BLOCK_M, BLOCK_N, n_ctx, window, CAUSAL, True)
+        start_pos, BLOCK_M, BLOCK_N, n_k, window, CAUSAL, True)
 
-    # every q2·k2 pass, then every q1·k1 pass: only one query block is live at a time
-    q2 = _load_tile(_tiles(Q2 + b64 * sq2_b + h64 * sq2_h, sq2_n, n_ctx, BLOCK_M, HEAD_DIM, TMA),
-                    start_m, sq2_n, sq2_d, n_ctx, BLOCK_M, HEAD_DIM, True, TMA)
-    acc, l_i, m_i = _fwd_pass(acc, l_i, m_i, q2, K2, V, sk2_n, sk2_d, sv_n, sv_d, rows,
-                              outside_clean, n_ctx, window, qk_scale,
-                              OUTSIDE, False, CAUSAL, BLOCK_N, HEAD_DIM, DOT_PRECISION, TMA)
-    acc, l_i, m_i = _fwd_pass(acc, l_i, m_i, q2, K2, V, sk2_n, sk2_d, sv_n, sv_d, rows,
-                              band, n_ctx, window, qk_scale,
-                              OUTSIDE, True, CAUSAL, BLOCK_N, HEAD_DIM, DOT_PRECISION, TMA)
-    acc, l_i, m_i = _fwd_pass(acc, l_i, m_i, q2, K2, V, sk2_n, sk2_d, sv_n, sv_d, rows,
-                              edge_outside, n_ctx, window, qk_scale,
-                              OUTSIDE, True, CAUSAL, BLOCK_N, HEAD_DIM, DOT_PRECISION, TMA)
-    q1 = _load_tile(_tiles(Q1 + b64 * sq1_b + h64 * sq1_h, sq1_n, n_ctx, BLOCK_M, HEAD_DIM, TMA),
-                    start_m, sq1_n, sq1_d, n_ctx, BLOCK_M, HEAD_DIM, True, TMA)
-    acc, l_i, m_i = _fwd_pass(acc, l_i, m_i, q1, K1, V, sk1_n, sk1_d, sv_n, sv_d, rows,
-                              inside_clean, n_ctx, window, qk_scale,
-                              INSIDE, False, CAUSAL, BLOCK_N, HEAD_DIM, DOT_PRECISION, TMA)
-    acc, l_i, m_i = _fwd_pass(acc, l_i, m_i, q1, K1, V, sk1_n, sk1_d, sv_n, sv_d, rows,
-                              band, n_ctx, window, qk_scale,
-                              INSIDE, True, CAUSAL, BLOCK_N, HEAD_DIM, DOT_PRECISION, TMA)
-    acc, l_i, m_i = _fwd_pass(acc, l_i, m_i, q1, K1, V, sk1_n, sk1_d, sv_n, sv_d, rows,
-                              edge_inside, n_ctx, window, qk_scale,
-                              INSIDE, True, CAUSAL, BLOCK_N, HEAD_DIM, DOT_PRECISION, TMA)
+    # every outside pass, then every inside pass: only one query operand is live at a time
+    Qa, Qb = _halves(Q2 + b64 * sq2_b + h64 * sq2_h, sq2_n, sq2_d, n_q, BLOCK_M, HEAD_DIM,
+                     SPLIT, TMA)
+    q_a, q_b = _operand(Qa, Qb, start_m, sq2_n, sq2_d, n_q, rows, TabOut, OffOut, logn_factor,
+                        TURN_OUT, SHIFT_OUT, 1, LOGN, SPLIT, TWO_DOTS, BLOCK_M, HEAD_DIM, True,
+                        TMA)
+    acc, l_i, m_i = _fwd_pass(acc, l_i, m_i, q_a, q_b, K2a, K2b, V, TabOut, sk2_n, sk2_d, sv_n,
+                              sv_d, rows, outside_clean, n_k, window, qk_scale,
+                              OUTSIDE, False, CAUSAL, TURN_OUT, SPLIT, TWO_DOTS, BLOCK_N,
+                              HEAD_DIM, DOT_PRECISION, TMA)
+    acc, l_i, m_i = _fwd_pass(acc, l_i, m_i, q_a, q_b, K2a, K2b, V, TabOut, sk2_n, sk2_d, sv_n,
+                              sv_d, rows, band, n_k, window, qk_scale,
+                              OUTSIDE, True, CAUSAL, TURN_OUT, SPLIT, TWO_DOTS, BLOCK_N,
+                              HEAD_DIM, DOT_PRECISION, TMA)
+    acc, l_i, m_i = _fwd_pass(acc, l_i, m_i, q_a, q_b, K2a, K2b, V, TabOut, sk2_n, sk2_d, sv_n,
+                              sv_d, rows, edge_outside, n_k, window, qk_scale,
+                              OUTSIDE, True, CAUSAL, TURN_OUT, SPLIT, TWO_DOTS, BLOCK_N,
+                              HEAD_DIM, DOT_PRECISION, TMA)
+    Qa, Qb = _halves(Q1 + b64 * sq1_b + h64 * sq1_h, sq1_n, sq1_d, n_q, BLOCK_M, HEAD_DIM,
+                     SPLIT, TMA)
+    q_a, q_b = _operand(Qa, Qb, start_m, sq1_n, sq1_d, n_q, rows, TabIn, OffIn, logn_factor,
+                        TURN_IN, SHIFT_IN, 1, LOGN, SPLIT, TWO_DOTS, BLOCK_M, HEAD_DIM, True,
+                        TMA)
+    acc, l_i, m_i = _fwd_pass(acc, l_i, m_i, q_a, q_b, K1a, K1b, V, TabIn, sk1_n, sk1_d, sv_n,
+                              sv_d, rows, inside_clean, n_k, window, qk_scale,
+                              INSIDE, False, CAUSAL, TURN_IN, SPLIT, TWO_DOTS, BLOCK_N,
+                              HEAD_DIM, DOT_PRECISION, TMA)
+    acc, l_i, m_i = _fwd_pass(acc, l_i, m_i, q_a, q_b, K1a, K1b, V, TabIn, sk1_n, sk1_d, sv_n,
+                              sv_d, rows, band, n_k, window, qk_scale,
+                              INSIDE, True, CAUSAL, TURN_IN, SPLIT, TWO_DOTS, BLOCK_N,
+                              HEAD_DIM, DOT_PRECISION, TMA)
+    acc, l_i, m_i = _fwd_pass(acc, l_i, m_i, q_a, q_b, K1a, K1b, V, TabIn, sk1_n, sk1_d, sv_n,
+                              sv_d, rows, edge_inside, n_k, window, qk_scale,
+                              INSIDE, True, CAUSAL, TURN_IN, SPLIT, TWO_DOTS, BLOCK_N,
+                              HEAD_DIM, DOT_PRECISION, TMA)
 
-    row_stats = tl.program_id(1).to(tl.int64) * n_ctx
-    tl.store(Lse + row_stats + rows, m_i + tl.math.log2(l_i), mask=rows < n_ctx)
+    q_rows = start_m + tl.arange(0, BLOCK_M)
+    tl.store(Lse + tl.program_id(1).to(tl.int64) * n_q + q_rows, m_i + tl.math.log2(l_i),
+             mask=q_rows < n_q)
     out = acc / l_i[:, None]
-    out_ptrs = Out + b64 * so_b + h64 * so_h + rows[:, None] * so_n + dims[None, :] * so_d
-    tl.store(out_ptrs, out.to(Out.dtype.element_ty), mask=rows[:, None] < n_ctx)
+    dims = tl.arange(0, HEAD_DIM)
+    out_ptrs = (Out + b64 * so_b + h64 * so_h + q_rows.to(tl.int64)[:, None] * so_n
+                + dims[None, :] * so_d)
+    tl.store(out_ptrs, out.to(Out.dtype.element_ty), mask=q_rows[:, None] < n_q)

@@ -65,10 +65,15 @@ def _softmax_step(acc, l_i, m_i, scores, v, qk_scale, DOT_PRECISION: tl.constexp
     ``v``: ``(BLOCK_N, D)``. ``qk_scale = sm_scale · log2(e) > 0`` turns a raw score into log2
     units; it is applied to the row maximum and then inside one fused multiply-add per score,
     ``scores · qk_scale − m``, rather than in a separate pass over the tile.
+
+    ``m_i`` starts at ``-inf``. A row whose scores so far are all masked keeps ``m = -inf``; it
+    is shifted by 0 instead (``-inf - -inf`` would be NaN), so its weights stay exactly 0 and a
+    row of very negative but finite scores (below -1e30, say) is still computed exactly.
     """
     m_new = tl.maximum(m_i, tl.max(scores, 1) * qk_scale)
-    alpha = tl.math.exp2(m_i - m_new)
-    p = tl.math.exp2(scores * qk_scale - m_new[:, None])
+    m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.math.exp2(m_i - m_shift)
+    p = tl.math.exp2(scores * qk_scale - m_shift[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None]
     acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)

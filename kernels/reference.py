@@ -13,7 +13,7 @@ import torch
 
 from ._validate import (REFERENCE_DTYPES, check_flag, check_qkv, check_rope_args, check_sm_scale,
                         check_window)
-from .rope import logn_scale, relative_positions, rerope_inputs, rope_frequencies
+from .rope import apply_rope, logn_scale, relative_positions, rerope_inputs, rope_frequencies
 
 
 def _expand_heads(t, group):
@@ -22,10 +22,14 @@ def _expand_heads(t, group):
 
 
 def _softmax_times_v(scores, v, causal):
-    """Causal mask (keys after the query get ``-inf``), softmax in float32 or better, ``@ v``."""
-    n = scores.shape[-1]
+    """Causal mask (keys after the query get ``-inf``), softmax in float32 or better, ``@ v``.
+
+    ``scores`` is ``(..., Nq, Nk)`` with the queries at the last ``Nq`` of the ``Nk`` positions.
+    """
+    n_queries, n_keys = scores.shape[-2:]
     if causal:
-        future = torch.ones(n, n, dtype=torch.bool, device=scores.device).triu(1)
+        future = torch.ones(n_queries, n_keys, dtype=torch.bool,
+                            device=scores.device).triu(n_keys - n_queries + 1)
         scores = scores.masked_fill(future, float("-inf"))
     softmax_dtype = torch.float64 if scores.dtype == torch.float64 else torch.float32
     probs = torch.softmax(scores, dim=-1, dtype=softmax_dtype)
@@ -36,50 +40,67 @@ def rerope_attention(q1, q2, k1, k2, v, window, causal=True, sm_scale=None):
     """ReRoPE attention from the five tensors, the naive way (two ``N × N`` matrices).
 
     Score ``(i, j)`` is ``sm_scale * q1_i · k1_j`` where ``|i - j| < window`` and
-    ``sm_scale * q2_i · k2_j`` elsewhere. Shapes ``(B, Hq, N, D)`` for ``q1, q2`` and
-    ``(B, Hkv, N, D)`` for ``k1, k2, v``. Returns ``(B, Hq, N, D)`` in the input dtype.
+    ``sm_scale * q2_i · k2_j`` elsewhere. Shapes ``(B, Hq, Nq, D)`` for ``q1, q2`` and
+    ``(B, Hkv, Nk, D)`` for ``k1, k2, v``, ``Nq <= Nk`` (the queries are the last ``Nq``
+    positions). Returns ``(B, Hq, Nq, D)`` in the input dtype.
     """
-    _, hq, hkv, n, d = check_qkv({"q1": q1, "q2": q2}, {"k1": k1, "k2": k2, "v": v},
-                                 dtypes=REFERENCE_DTYPES)
+    _, hq, hkv, n_queries, n_keys, d = check_qkv(
+        {"q1": q1, "q2": q2}, {"k1": k1, "k2": k2, "v": v}, dtypes=REFERENCE_DTYPES,
+        fewer_queries=True)
     check_window(window)
     check_flag("causal", causal)
-    check_sm_scale(sm_scale)
+    check_sm_scale(sm_scale, kernel=False)
+    window = min(window, n_keys)               # |i - j| <= Nk - 1: larger windows are the same
     scale = d ** -0.5 if sm_scale is None else sm_scale
     k1, k2, v = (_expand_heads(t, hq // hkv) for t in (k1, k2, v))
     scores_inside = (q1 @ k1.transpose(-1, -2)) * scale        # N × N, ordinary RoPE
     scores_outside = (q2 @ k2.transpose(-1, -2)) * scale       # N × N, position clamped at w
-    idx = torch.arange(n, device=q1.device)
-    in_window = (idx[:, None] - idx[None, :]).abs() < window
+    keys = torch.arange(n_keys, device=q1.device)
+    in_window = (keys[n_keys - n_queries:, None] - keys[None, :]).abs() < window
     return _softmax_times_v(torch.where(in_window, scores_inside, scores_outside), v, causal)
 
 
-def rerope(q, k, v, window, causal=True, sm_scale=None, base=10000.0, leaky=None, logn_len=None):
-    """(Leaky) ReRoPE attention from raw ``q, k, v``: build the five tensors, then the naive op."""
-    q1, q2, k1, k2 = rerope_inputs(q, k, window, base=base, leaky=leaky, logn_len=logn_len)
+def rerope(q, k, v, window, causal=True, sm_scale=None, base=10000.0, leaky=None, logn_len=None,
+           rotated=False):
+    """(Leaky) ReRoPE attention from ``q, k, v``: build the five tensors, then the naive op.
+
+    Arguments as :func:`kernels.rerope` (``q`` ``(B, Hq, Nq, D)``, ``k, v`` ``(B, Hkv, Nk, D)``,
+    ``Nq <= Nk``; ``rotated=True``: ``q, k`` already carry RoPE at their positions).
+    """
+    check_qkv({"q": q}, {"k": k, "v": v}, dtypes=REFERENCE_DTYPES, fewer_queries=True)
+    q1, q2, k1, k2 = rerope_inputs(q, k, window, base=base, leaky=leaky, logn_len=logn_len,
+                                   rotated=rotated)
     return rerope_attention(q1, q2, k1, k2, v, window, causal=causal, sm_scale=sm_scale)
 
 
 def rerope_from_relative_positions(q, k, v, window, causal=True, sm_scale=None, base=10000.0,
-                                   leaky=None, logn_len=None):
+                                   leaky=None, logn_len=None, rotated=False):
     """Independent oracle: each score straight from its ReRoPE relative position.
 
     With halves ``q = [a, b]``, ``k = [c, d]`` and frequencies ``θ_t``, RoPE's score at relative
     position ``r`` is ``Σ_t (a_t c_t + b_t d_t) cos(r θ_t) + (a_t d_t - b_t c_t) sin(r θ_t)``.
-    ``r`` comes from :func:`kernels.rope.relative_positions`. Computes in float64; returns the
-    input dtype. Memory ``O(B·H·N²)``, time ``O(B·H·N²·D)``: for small test sizes.
+    ``r`` comes from :func:`kernels.rope.relative_positions`. ``q`` ``(B, Hq, Nq, D)``, ``k, v``
+    ``(B, Hkv, Nk, D)``, ``Nq <= Nk``, queries at the last ``Nq`` positions; with ``rotated``,
+    ``q, k`` carry RoPE at their positions and are rotated back first (in float64). Computes in
+    float64; returns the input dtype. Memory ``O(B·H·Nq·Nk)``: for small test sizes.
     """
-    _, hq, hkv, n, d = check_qkv({"q": q}, {"k": k, "v": v}, dtypes=REFERENCE_DTYPES)
-    check_rope_args(q, k, window, base, leaky, logn_len)
-    check_sm_scale(sm_scale)
+    _, hq, hkv, n_queries, n_keys, d = check_qkv({"q": q}, {"k": k, "v": v},
+                                                 dtypes=REFERENCE_DTYPES, fewer_queries=True)
+    check_rope_args(q, k, window, base, leaky, logn_len, rotated)
+    check_sm_scale(sm_scale, kernel=False)
     check_flag("causal", causal)
-    if logn_len is not None:
-        q = q.double() * logn_scale(n, logn_len, device=q.device)[:, None]
-    scale = d ** -0.5 if sm_scale is None else sm_scale
     qd, kd = q.double(), _expand_heads(k, hq // hkv).double()
+    if rotated:
+        key_pos = torch.arange(n_keys, dtype=torch.float64, device=q.device)
+        qd = apply_rope(qd, -key_pos[n_keys - n_queries:], base)
+        kd = apply_rope(kd, -key_pos, base)
+    if logn_len is not None:
+        qd = qd * logn_scale(n_keys, logn_len, device=q.device)[n_keys - n_queries:, None]
+    scale = d ** -0.5 if sm_scale is None else sm_scale
     a, b = qd[..., : d // 2], qd[..., d // 2:]
     c, e = kd[..., : d // 2], kd[..., d // 2:]
-    rel = relative_positions(n, window, leaky=leaky, device=q.device)   # (N, N)
-    scores = torch.zeros(*q.shape[:2], n, n, dtype=torch.float64, device=q.device)
+    rel = relative_positions(n_queries, window, leaky=leaky, device=q.device, n_keys=n_keys)
+    scores = torch.zeros(*q.shape[:2], n_queries, n_keys, dtype=torch.float64, device=q.device)
     for t, theta in enumerate(rope_frequencies(d, base, device=q.device)):
         same = a[..., t, None] * c[..., None, :, t] + b[..., t, None] * e[..., None, :, t]
         cross = a[..., t, None] * e[..., None, :, t] - b[..., t, None] * c[..., None, :, t]

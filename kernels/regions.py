@@ -38,15 +38,19 @@ def _window_bounds(start, SELF_BLOCK: tl.constexpr, OTHER_BLOCK: tl.constexpr, w
     Returns ``(below_end, inside_start, inside_end, above_start)``, multiples of ``OTHER_BLOCK``
     in non-decreasing order. A tile ``[t, t + OTHER_BLOCK)`` is entirely outside the window if
     ``t + OTHER_BLOCK <= below_end`` or ``t >= above_start`` and entirely inside if
-    ``inside_start <= t < inside_end``. (Operands are kept non-negative before dividing.)
+    ``inside_start <= t < inside_end``. Operands are kept non-negative before dividing (integer
+    division rounds negatives differently on the GPU and in the interpreter; ``start`` is
+    negative in the dK/dV view of chunked prefill, see :func:`_masking_spans`).
     """
     # every pair below: t + OTHER_BLOCK - 1 <= start - window
     below_end = tl.maximum(start - window + 1, 0) // OTHER_BLOCK * OTHER_BLOCK
     # every pair inside: t >= start + SELF_BLOCK - window  and  t + OTHER_BLOCK <= start + window
     inside_start = tl.cdiv(tl.maximum(start + SELF_BLOCK - window, 0), OTHER_BLOCK) * OTHER_BLOCK
-    inside_end = tl.maximum((start + window) // OTHER_BLOCK * OTHER_BLOCK, inside_start)
+    inside_end = tl.maximum(tl.maximum(start + window, 0) // OTHER_BLOCK * OTHER_BLOCK,
+                            inside_start)
     # every pair above: t >= start + SELF_BLOCK - 1 + window
-    above_start = tl.cdiv(start + SELF_BLOCK - 1 + window, OTHER_BLOCK) * OTHER_BLOCK
+    above_start = tl.cdiv(tl.maximum(start + SELF_BLOCK - 1 + window, 0),
+                          OTHER_BLOCK) * OTHER_BLOCK
     return below_end, inside_start, inside_end, above_start
 
 
@@ -62,6 +66,8 @@ def _masking_spans(start, SELF_BLOCK: tl.constexpr, OTHER_BLOCK: tl.constexpr, n
     Query-owned programs (forward, dQ): keys ``j <= i`` survive, so the unmasked keys come first
     and the diagonal is the tail; the head is empty. Key-owned programs (dK/dV): queries
     ``i >= j`` survive, so the diagonal is the head, and the tail is the ragged last query tile.
+    Positions are measured so that the other axis starts at 0: ``start`` may be negative (keys
+    before the first query, in chunked prefill) and is kept non-negative before dividing.
     """
     full_tiles_end = n_ctx // OTHER_BLOCK * OTHER_BLOCK
     if SELF_IS_QUERY:
@@ -75,8 +81,8 @@ def _masking_spans(start, SELF_BLOCK: tl.constexpr, OTHER_BLOCK: tl.constexpr, n
             tail_hi = n_ctx
     else:
         if CAUSAL:
-            head_lo = start // OTHER_BLOCK * OTHER_BLOCK
-            mid_lo = tl.cdiv(start + SELF_BLOCK - 1, OTHER_BLOCK) * OTHER_BLOCK
+            head_lo = tl.maximum(start, 0) // OTHER_BLOCK * OTHER_BLOCK
+            mid_lo = tl.cdiv(tl.maximum(start + SELF_BLOCK - 1, 0), OTHER_BLOCK) * OTHER_BLOCK
         else:
             head_lo = 0
             mid_lo = 0

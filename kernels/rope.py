@@ -20,7 +20,7 @@ import math
 
 import torch
 
-from ._validate import check_rope_args
+from ._validate import check_logn_overflow, check_rope_args
 
 
 def rotate_half(x):
@@ -57,42 +57,56 @@ def logn_scale(seq_len, train_len, device=None):
     return torch.clamp(torch.log(positions + 1) / math.log(train_len), min=1.0)
 
 
-def rerope_inputs(q, k, window, base=10000.0, leaky=None, logn_len=None):
+def rerope_inputs(q, k, window, base=10000.0, leaky=None, logn_len=None, rotated=False):
     """Build the five-tensor form ``(q1, q2, k1, k2)`` of (Leaky) ReRoPE.
 
     Args:
-        q: raw queries ``(B, Hq, N, D)``; k: raw keys ``(B, Hkv, N, D)`` (un-rotated).
-        window: ReRoPE window ``w >= 1``: pairs with ``|i - j| < w`` use ordinary RoPE.
+        q: queries ``(B, Hq, Nq, D)``; k: keys ``(B, Hkv, Nk, D)``, ``Nq <= Nk``: the queries sit
+            at the last positions ``Nk - Nq … Nk - 1``, the keys at ``0 … Nk - 1``.
+        window: ReRoPE window ``w >= 1``: pairs with ``|i - j| < w`` use ordinary RoPE. Every
+            pair has ``|i - j| <= Nk - 1``, so any ``w >= Nk`` is the same (plain RoPE); such a
+            window is taken as ``Nk`` (``q2``, then never read, is built at ``Nk``).
         base: RoPE base.
         leaky: ``None`` for ReRoPE, or the Leaky ReRoPE factor ``κ > 1``.
         logn_len: if given, scale queries by ``max(1, log(i + 1) / log(logn_len))`` first.
+        rotated: ``q, k`` already carry RoPE at their positions (as a Hugging Face model and its
+            KV cache hold them); they are rotated back first (``R(-p) R(p) x = x``).
 
-    Returns ``(q1, q2, k1, k2)`` in the dtype of ``q``/``k``; differentiable.
+    Returns ``(q1, q2, k1, k2)`` in the dtype of ``q``/``k``; differentiable. A ``logn_len`` whose
+    scale overflows that dtype is refused or warned about (:func:`check_logn_overflow`).
     """
-    check_rope_args(q, k, window, base, leaky, logn_len)
-    n = q.shape[-2]
-    positions = torch.arange(n, dtype=torch.float64, device=q.device)
+    check_rope_args(q, k, window, base, leaky, logn_len, rotated)
+    n_queries, n_keys = q.shape[-2], k.shape[-2]
+    check_logn_overflow(logn_len, n_keys, q.dtype)
+    window = min(window, n_keys)               # any w >= Nk is plain RoPE (and float(w) is finite)
+    key_pos = torch.arange(n_keys, dtype=torch.float64, device=q.device)
+    query_pos = key_pos[n_keys - n_queries:]
+    if rotated:
+        q, k = apply_rope(q, -query_pos, base), apply_rope(k, -key_pos, base)
     if logn_len is not None:
-        scale = logn_scale(n, logn_len, device=q.device)[:, None]
+        scale = logn_scale(n_keys, logn_len, device=q.device)[n_keys - n_queries:, None]
         q = (q.to(torch.float64 if q.dtype == torch.float64 else torch.float32) * scale).to(q.dtype)
-    q1 = apply_rope(q, positions, base)
-    k1 = apply_rope(k, positions, base)
+    q1 = apply_rope(q, query_pos, base)
+    k1 = apply_rope(k, key_pos, base)
     if leaky is None:
-        q2 = apply_rope(q, torch.full_like(positions, float(window)), base)
+        q2 = apply_rope(q, torch.full_like(query_pos, float(window)), base)
         k2 = k
     else:
-        q2 = apply_rope(q, (positions + window * (leaky - 1)) / leaky, base)
-        k2 = apply_rope(k, positions / leaky, base)
+        q2 = apply_rope(q, (query_pos + window * (leaky - 1)) / leaky, base)
+        k2 = apply_rope(k, key_pos / leaky, base)
     return q1, q2, k1, k2
 
 
-def relative_positions(n, window, leaky=None, device=None):
-    """The ``(n, n)`` matrix of relative positions ReRoPE assigns to (query ``i``, key ``j``).
+def relative_positions(n, window, leaky=None, device=None, n_keys=None):
+    """The ``(n, n_keys)`` matrix of relative positions ReRoPE assigns to (query ``i``, key ``j``).
 
     ``i - j`` inside the window; ``w`` (ReRoPE) or ``w + (i - j - w) / leaky`` (Leaky) outside.
-    With ``window >= n`` it is plain RoPE's ``i - j``.
+    With ``window >= n_keys`` it is plain RoPE's ``i - j``. ``n_keys`` (default ``n``) keys sit at
+    positions ``0 … n_keys - 1`` and the ``n`` queries at the last ``n`` of them.
     """
-    idx = torch.arange(n, dtype=torch.float64, device=device)
-    rel = idx[:, None] - idx[None, :]
+    n_keys = n if n_keys is None else n_keys
+    window = min(window, n_keys)               # |i - j| <= n_keys - 1: larger windows are the same
+    keys = torch.arange(n_keys, dtype=torch.float64, device=device)
+    rel = keys[n_keys - n:, None] - keys[None, :]
     far = torch.full_like(rel, float(window)) if leaky is None else window + (rel - window) / leaky
     return torch.where(rel.abs() < window, rel, far)

@@ -257,15 +257,18 @@ def window_contrast_inputs(gen, batch, hq, hkv, n, d, dtype, strong, contrast=6.
 # --- launch configurations -----------------------------------------------------------------------
 
 
-def all_launch_configs(kernel, head_dim, capability, elem_bytes=2, launch_configs=None):
+def all_launch_configs(kernel, head_dim, capability, elem_bytes=2, launch_configs=None,
+                       split=False):
     """``configs.launch_configs`` (or the given function) with autotuning on: all fitting
-    configurations, whatever ``KERNELS_AUTOTUNE`` says."""
+    configurations (of the five-tensor form, or the fused one: ``split``), whatever
+    ``KERNELS_AUTOTUNE`` says."""
     from kernels import configs
 
     saved = getattr(configs, "AUTOTUNE", None)
     configs.AUTOTUNE = True
     try:
-        return (launch_configs or configs.launch_configs)(kernel, head_dim, capability, elem_bytes)
+        return (launch_configs or configs.launch_configs)(kernel, head_dim, capability,
+                                                          elem_bytes, split)
     finally:
         if saved is None:
             del configs.AUTOTUNE

@@ -51,22 +51,33 @@ WORKERS = 2
 TORCH_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 
 # integer arguments that are floats at launch, and pointers to fp32 row statistics
-FLOAT_ARGS = {"qk_scale", "sm_scale"}
-FP32_POINTERS = {"Lse", "Delta"}
+FLOAT_ARGS = {"qk_scale", "sm_scale", "logn_factor"}
+FP32_POINTERS = {"Lse", "Delta", "TabIn", "OffIn", "TabOut", "OffOut"}
+
+# The two forms the kernels read (``SPLIT``): the five tensors of ``rerope_attention``, and
+# ``q, k`` of ``rerope`` with every rotation switched on (Leaky ReRoPE from raw inputs rotates
+# both operands of both products) and log-n: the most the fused form ever does.
+FORMS = {
+    "five": dict(SPLIT=False, LOGN=False, TURN_IN=False, SHIFT_IN=False, TURN_OUT=False,
+                 SHIFT_OUT=False),
+    "fused": dict(SPLIT=True, LOGN=True, TURN_IN=True, SHIFT_IN=False, TURN_OUT=True,
+                  SHIFT_OUT=True),
+}
 
 
-def _configs(kernel, head_dim, cap, elem_bytes):
+def _configs(kernel, form, head_dim, cap, elem_bytes):
     """Every configuration ``launch_configs`` gives, with its shared-memory estimate."""
     from kernels import configs
     from rerope_testing import all_launch_configs
 
+    split = FORMS[form]["SPLIT"]
     out = []
-    for c in all_launch_configs(kernel, head_dim, cap, elem_bytes):
+    for c in all_launch_configs(kernel, head_dim, cap, elem_bytes, split=split):
         bm, bn = c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]
         out.append({"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": c.num_warps,
                     "num_stages": c.num_stages,
                     "estimate": configs.estimate_shared_memory(kernel, bm, bn, c.num_stages,
-                                                               head_dim, elem_bytes)})
+                                                               head_dim, elem_bytes, split)})
     return out
 
 
@@ -86,16 +97,17 @@ def jobs(full=FULL):
         limit = configs.SHARED_MEMORY[10 * cap[0] + cap[1]]
         head_dims = (64, 128, 256) if full and cap == (9, 0) else (64, 128)
         dtypes = ("fp16", "bf16", "fp32") if full and cap >= (8, 0) else ("fp16", "fp32")
-        found = [{"kernel": kernel, "capability": list(cap), "head_dim": head_dim,
-                  "dtype": dtype, "limit": limit, **c}
+        found = [{"kernel": kernel, "form": form, "capability": list(cap),
+                  "head_dim": head_dim, "dtype": dtype, "limit": limit, **c}
                  for head_dim in head_dims for dtype in dtypes for kernel in _KERNELS
-                 for c in _configs(kernel, head_dim, cap, TORCH_DTYPES[dtype].itemsize)]
+                 for form in FORMS
+                 for c in _configs(kernel, form, head_dim, cap, TORCH_DTYPES[dtype].itemsize)]
         if not full:
             riskiest = {}
             for job in sorted(found, key=lambda j: -j["estimate"] / j["limit"]):
-                riskiest.setdefault(job["kernel"], job)
+                riskiest.setdefault((job["kernel"], job["form"]), job)
             kernels = ("dkdv", "dq", "fwd") if cap == (8, 9) else ("dkdv", "dq")
-            found = [riskiest[kernel] for kernel in kernels]
+            found = [riskiest[kernel, form] for kernel in kernels for form in FORMS]
         todo += found
     return todo
 
@@ -111,7 +123,7 @@ def uses_tma(job):
 
 def job_id(job):
     major, minor = job["capability"]
-    return (f"{job['kernel']}-sm{major}{minor}-D{job['head_dim']}-{job['dtype']}-"
+    return (f"{job['kernel']}-{job['form']}-sm{major}{minor}-D{job['head_dim']}-{job['dtype']}-"
             f"{job['BLOCK_M']}x{job['BLOCK_N']}w{job['num_warps']}s{job['num_stages']}")
 
 
@@ -145,7 +157,8 @@ def _source(job):
             attrs[(index,)] = divisible
     constexprs.update(HEAD_DIM=job["head_dim"], BLOCK_M=job["BLOCK_M"], BLOCK_N=job["BLOCK_N"],
                       CAUSAL=True, DOT_PRECISION=dot_precision(TORCH_DTYPES[job["dtype"]]),
-                      TMA=uses_tma(job))
+                      TMA=uses_tma(job), TWO_DOTS=FORMS[job["form"]]["SPLIT"] and
+                      job["head_dim"] >= 32, **FORMS[job["form"]])
     missing = [p.name for p in fn.params if p.is_constexpr and p.name not in constexprs]
     if missing:
         raise RuntimeError(f"no value for constexpr parameters {missing} of {job['kernel']}")
@@ -285,6 +298,7 @@ def test_matrix_covers_every_kernel_and_capability():
     from kernels.attention import _KERNELS
 
     assert {j["kernel"] for j in JOBS} == set(_KERNELS)
+    assert {j["form"] for j in JOBS} == set(FORMS)
     assert {tuple(j["capability"]) for j in JOBS} == set(CAPABILITIES)
 
 

@@ -115,8 +115,8 @@ def forced_configs(index):
 
     original = configs.launch_configs
 
-    def one(kernel, head_dim, capability, elem_bytes=2):
-        found = all_launch_configs(kernel, head_dim, capability, elem_bytes, original)
+    def one(kernel, head_dim, capability, elem_bytes=2, split=False):
+        found = all_launch_configs(kernel, head_dim, capability, elem_bytes, original, split)
         return [found[index % len(found)]]
 
     attention._autotuned.cache_clear()

@@ -210,8 +210,9 @@ def block_shapes():
     """(block_self, block_other, self_is_query) of every launch configuration, plus the
     interpreter's 16 × 16."""
     shapes = {(16, 16, True), (16, 16, False)}
-    for kernel, by_dim in configs._CANDIDATES.items():
-        for candidates in by_dim.values():
+    for kernel in configs._CANDIDATES:
+        tables = (configs._CANDIDATES[kernel], configs._FUSED_CANDIDATES.get(kernel, {}))
+        for candidates in (c for table in tables for c in table.values()):
             for block_m, block_n, _, _ in candidates:
                 shapes.add((block_n, block_m, False) if kernel == "dkdv"
                            else (block_m, block_n, True))

@@ -1,0 +1,162 @@
+"""Rotation inside the kernels: RoPE applied to tiles in registers. Chapter 7 of the book.
+
+A model holds ``q, k`` either raw or already rotated by RoPE at their positions (a Hugging Face
+model and its KV cache hold them rotated). ReRoPE needs two products per pair, each with its
+own rotation; writing the rotated copies ``q1, q2, k1, k2`` to memory first costs more than the
+attention itself. Here every rotation is a *speed* and an *offset*: product ``P`` sees
+
+* the key at position ``j`` rotated by ``R(speed · j)``,
+* the query at position ``i`` rotated by ``R(speed · i + offset)``,
+
+so that its score is ReRoPE's. With ``c = 1`` for rotated inputs and ``0`` for raw ones
+(:func:`rotation_plan`):
+
+====================  ================  ==================
+product               speed             offset
+====================  ================  ==================
+inside the window     ``1 - c``         ``0``
+outside (ReRoPE)      ``-c``            ``w``
+outside (Leaky, κ)    ``1/κ - c``       ``w (κ - 1) / κ``
+====================  ================  ==================
+
+(``R(a) x · R(b) y`` depends on ``a - b`` only; e.g. rotated inputs outside the window:
+``R(w - i) R(i) q · R(-j) R(j) k = R(w) q · k``, ReRoPE's clamped score.) A speed of 0 means no
+key rotation at all: raw inputs need none outside the window, rotated inputs none inside.
+
+Angles come from a float64-accurate table of ``cos(speed · p · θ_t), sin(speed · p · θ_t)``
+(:func:`rope_table`, cached per speed, head dim, base and device, shared by every head, batch
+and layer), not from ``sin``/``cos`` of an fp32 angle, which at ``p ≈ 10⁵`` is off by 10⁻² rad.
+The kernels load the two halves of a head vector separately, so ``rotate_half`` is free:
+``R x = [a cos − b sin, b cos + a sin]`` for halves ``[a, b]``, and a score is two ``D/2``-wide
+products into one accumulator (:func:`_rotate`).
+"""
+
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from .rope import rope_frequencies
+
+_TABLES = {}
+_OFFSETS = {}
+
+
+def rope_table(n, head_dim, base, speed, device):
+    """``(capacity, D)`` float32: row ``p`` is ``[cos(speed·p·θ) | sin(speed·p·θ)]``.
+
+    ``capacity >= n + 256`` is a multiple of 4096, so a kernel may read whole tiles of rows
+    past ``n`` without masks. The table grows as longer sequences come and is shared by every
+    call with the same ``(head_dim, base, speed, device)``. Computed in float64, stored in float32.
+    """
+    key = (head_dim, float(base), float(speed), str(device))
+    table = _TABLES.get(key)
+    if table is None or table.shape[0] < n + 256:
+        capacity = -(-(n + 256) // 4096) * 4096
+        positions = torch.arange(capacity, dtype=torch.float64, device=device) * float(speed)
+        angles = positions[:, None] * rope_frequencies(head_dim, base, device=device)[None, :]
+        table = torch.cat((angles.cos(), angles.sin()), dim=-1).to(torch.float32).contiguous()
+        _TABLES[key] = table
+    return table
+
+
+def rotation_offset(head_dim, base, offset, device):
+    """``(D,)`` float32 ``[cos(offset·θ) | sin(offset·θ)]``: a query rotation shared by all rows."""
+    key = (head_dim, float(base), float(offset), str(device))
+    vector = _OFFSETS.get(key)
+    if vector is None:
+        angles = float(offset) * rope_frequencies(head_dim, base, device=device)
+        vector = torch.cat((angles.cos(), angles.sin())).to(torch.float32).contiguous()
+        _OFFSETS[key] = vector
+    return vector
+
+
+@dataclass(frozen=True)
+class Rotation:
+    """How one product rotates its operands: keys by ``R(speed·j)``, queries by
+    ``R(speed·i + offset)``."""
+
+    speed: float
+    offset: float
+
+    @property
+    def rotates_keys(self):
+        return self.speed != 0
+
+    @property
+    def rotates_queries(self):
+        return self.speed != 0 or self.offset != 0
+
+
+def rotation_plan(window, leaky=None, rotated=False):
+    """``(inside, outside)``: the :class:`Rotation` of each product (table in the module doc)."""
+    c = 1.0 if rotated else 0.0
+    inside = Rotation(speed=1.0 - c, offset=0.0)
+    if leaky is None:
+        outside = Rotation(speed=-c, offset=float(window))
+    else:
+        outside = Rotation(speed=1.0 / leaky - c, offset=window * (leaky - 1.0) / leaky)
+    return inside, outside
+
+
+def logn_factor(logn_len):
+    """The kernels' log-n argument: ``1 / log2(logn_len)`` (0 turns the scaling off).
+
+    A query at position ``i`` is scaled by ``max(1, log2(i + 1) · factor)``, which is
+    ``max(1, log(i + 1) / log(logn_len))``.
+    """
+    return 0.0 if logn_len is None else 1.0 / math.log2(logn_len)
+
+
+# --- in-kernel helpers ---------------------------------------------------------------------------
+
+
+@triton.jit
+def _rotate(x_a, x_b, cos, sin):
+    """``R x`` for the halves ``[x_a, x_b]`` of head vectors: ``[a cos − b sin, b cos + a sin]``."""
+    return x_a * cos - x_b * sin, x_b * cos + x_a * sin
+
+
+@triton.jit
+def _unrotate(x_a, x_b, cos, sin):
+    """``R⁻¹ x = Rᵀ x``: the chain rule through :func:`_rotate` (gradients back to the inputs)."""
+    return x_a * cos + x_b * sin, x_b * cos - x_a * sin
+
+
+@triton.jit
+def _table_rows(Table, positions, HALF: tl.constexpr):
+    """``(cos, sin)`` of ``speed · p · θ`` from :func:`rope_table` for ``positions`` × the ``D/2``
+    frequencies (the table is long enough for whole tiles: no masks)."""
+    row = Table + positions.to(tl.int64)[:, None] * (2 * HALF) + tl.arange(0, HALF)[None, :]
+    return tl.load(row), tl.load(row + HALF)
+
+
+@triton.jit
+def _angles(Table, positions, Offset, TURN: tl.constexpr, SHIFT: tl.constexpr,
+            SHIFT_SIGN: tl.constexpr, HALF: tl.constexpr):
+    """``(cos, sin)`` of ``(speed · p ± offset) · θ`` for ``positions`` × the ``D/2`` frequencies.
+
+    ``TURN``: a table row (the speed is not 0); ``SHIFT``: the offset, added (``SHIFT_SIGN`` 1)
+    or subtracted (-1), with the angle-addition formulas. At least one of the two is on.
+    """
+    if SHIFT:
+        freqs = tl.arange(0, HALF)
+        cos_o = tl.load(Offset + freqs)[None, :]
+        sin_o = tl.load(Offset + HALF + freqs)[None, :] * SHIFT_SIGN
+    if TURN:
+        cos_p, sin_p = _table_rows(Table, positions, HALF)
+        if SHIFT:
+            return cos_p * cos_o - sin_p * sin_o, sin_p * cos_o + cos_p * sin_o
+        else:
+            return cos_p, sin_p
+    else:
+        zero = tl.zeros([positions.shape[0], HALF], tl.float32)
+        return zero + cos_o, zero + sin_o
+
+
+@triton.jit
+def _logn_scale(positions, logn_factor):
+    """Per-query log-n scale ``max(1, log2(i + 1) · logn_factor)`` (fp32)."""
+    return tl.maximum(tl.math.log2(positions.to(tl.float32) + 1.0) * logn_factor, 1.0)

@@ -1,0 +1,223 @@
+"""``kernels.rerope``: rotation inside the kernels, against the float64 relative-position oracle.
+
+The oracle (``kernels.reference.rerope_from_relative_positions``) never builds rotated tensors:
+it scores every pair straight from ReRoPE's relative position, after rotating ``rotated=True``
+inputs back in float64. Forward and ``dq, dk, dv`` are compared with the tolerance table of
+``tests/conftest.py``; outputs are allocated poisoned (NaN), so an element a kernel forgets to
+write fails. Under the interpreter the tiles are 16 × 16, so ``N = 40 … 100`` crosses every
+kind of tile; chunked prefill puts ``Nq`` queries at the last positions of ``Nk`` keys, which
+makes the dK/dV kernel's query axis start before its first key block (negative offsets).
+"""
+
+from dataclasses import asdict, dataclass
+
+import pytest
+import torch
+
+import kernels
+from kernels import reference
+from rerope_testing import (F16, F32, _place, describe, error_stats, log_errors, poisoned_empty,
+                            randn, results_problems, tolerance)
+
+BF16 = torch.bfloat16
+NAMES = ("out", "dq", "dk", "dv")
+
+
+@dataclass(frozen=True)
+class FusedCase:
+    n_q: int
+    n_k: int
+    window: int
+    rotated: bool = False
+    causal: bool = True
+    dtype: torch.dtype = F32
+    d: int = 32
+    batch: int = 1
+    hq: int = 1
+    hkv: int = 1
+    leaky: float = None
+    logn_len: float = None
+    layout: str = "contiguous"
+
+    def id(self):
+        parts = [f"Nq{self.n_q}", f"Nk{self.n_k}", f"w{self.window}",
+                 "rotated" if self.rotated else "raw", "causal" if self.causal else "full",
+                 str(self.dtype).replace("torch.", ""), f"D{self.d}"]
+        if (self.batch, self.hq, self.hkv) != (1, 1, 1):
+            parts.append(f"B{self.batch}H{self.hq}kv{self.hkv}")
+        if self.leaky is not None:
+            parts.append(f"leaky{self.leaky}")
+        if self.logn_len is not None:
+            parts.append(f"logn{self.logn_len}")
+        if self.layout != "contiguous":
+            parts.append(self.layout)
+        return "-".join(parts)
+
+
+def C(n_q, n_k=None, window=9, **kw):
+    return FusedCase(n_q, n_q if n_k is None else n_k, window, **kw)
+
+
+CASES = [
+    # both conventions, causal and not, windows against the 16-wide tile grid
+    C(50, window=14), C(50, window=14, rotated=True), C(77, window=17, causal=False, dtype=F16),
+    C(77, window=17, causal=False, rotated=True, dtype=F16), C(50, window=16, rotated=True),
+    C(77, window=31, causal=False), C(50, window=33, rotated=True, causal=False, dtype=F16),
+    # window 1 (only the diagonal inside) and window >= N (plain RoPE)
+    C(40, window=1, rotated=True), C(40, window=1, causal=False, dtype=F16),
+    C(40, window=40), C(40, window=500, rotated=True, causal=False),
+    # chunked prefill: 1, 7, 33 queries at the end of 100 keys, both conventions
+    C(1, 100, 13), C(1, 100, 13, rotated=True), C(7, 100, 13), C(7, 100, 13, rotated=True,
+    dtype=F16), C(33, 100, 13, rotated=True), C(33, 100, 40, causal=False),
+    C(33, 100, 13, causal=False, rotated=True, dtype=F16), C(17, 60, 70, rotated=True),
+    # Leaky ReRoPE and log-n, both conventions
+    C(50, window=9, leaky=4.0), C(50, window=9, leaky=16.0, rotated=True, dtype=F16),
+    C(50, window=9, logn_len=8.0), C(40, window=9, logn_len=5.0, rotated=True, causal=False),
+    C(33, 70, 9, leaky=3.0, logn_len=8.0, rotated=True), C(33, 70, 9, leaky=3.0, logn_len=8.0),
+    # head dims: 16 (halves below tl.dot's minimum: joined), 64, 128
+    C(40, window=7, d=16), C(40, window=7, d=16, rotated=True, causal=False, dtype=F16),
+    C(40, window=9, d=64, dtype=F16), C(33, 50, 9, d=128, rotated=True, dtype=F16),
+    # grouped-query attention and batch
+    C(24, window=7, hq=4, hkv=1, rotated=True), C(24, 40, 7, batch=2, hq=4, hkv=2, dtype=F16),
+    # layouts: transposed views of (B, N, H, D) buffers, and poisoned strided views
+    C(40, window=10, hq=2, hkv=2, layout="transposed", rotated=True, dtype=F16),
+    C(24, 40, 10, batch=2, hq=2, hkv=1, layout="poisoned"),
+    # bf16 (computed in fp32 by the interpreter; real bf16 on a GPU)
+    C(40, window=9, dtype=BF16, rotated=True),
+]
+
+
+def fused_inputs(gen, case, device=None):
+    """Leaf ``q, k, v`` in ``case.layout`` and an upstream gradient, on the kernels' device."""
+    from rerope_testing import kernel_device
+
+    device = device or kernel_device()
+    shapes = [(case.batch, case.hq, case.n_q, case.d), (case.batch, case.hkv, case.n_k, case.d),
+              (case.batch, case.hkv, case.n_k, case.d)]
+    leaves = [_place(randn(gen, *s, dtype=case.dtype, device=device), case.layout)
+              .requires_grad_() for s in shapes]
+    dout = randn(gen, *shapes[0], dtype=case.dtype, device=device)
+    return leaves, dout
+
+
+def settings(case):
+    return dict(causal=case.causal, leaky=case.leaky, logn_len=case.logn_len,
+                rotated=case.rotated)
+
+
+def fused_results(leaves, dout, window, **kw):
+    for t in leaves:
+        t.grad = None
+    with poisoned_empty():
+        out = kernels.rerope(*leaves, window, **kw)
+        out.backward(dout)
+    return {"out": out.detach(), **{n: t.grad for n, t in zip(NAMES[1:], leaves)}}
+
+
+def oracle_results(leaves, dout, window, **kw):
+    ref = [t.detach().double().requires_grad_() for t in leaves]
+    out = reference.rerope_from_relative_positions(*ref, window, **kw)
+    out.backward(dout.double())
+    return {"out": out.detach(), **{n: t.grad for n, t in zip(NAMES[1:], ref)}}
+
+
+@pytest.mark.parametrize("case", CASES, ids=FusedCase.id)
+def test_matches_oracle(case, gen):
+    leaves, dout = fused_inputs(gen, case)
+    got = fused_results(leaves, dout, case.window, **settings(case))
+    want = oracle_results(leaves, dout, case.window, **settings(case))
+    assert {t.dtype for t in got.values()} == {case.dtype}
+    log_errors(case.dtype, {n: error_stats(got[n], want[n]) for n in NAMES})
+    problems = results_problems(got, want, tolerance(case.dtype))
+    assert not problems, describe(gen, **asdict(case)) + "\n" + "\n".join(problems)
+
+
+@pytest.mark.parametrize("rotated", [False, True], ids=["raw", "rotated"])
+@pytest.mark.parametrize("mode", ["0", "1"], ids=["pointers", "descriptors"])
+def test_both_load_paths(rotated, mode, gen, monkeypatch):
+    """The halves are read through two tensor descriptors (TMA) or two pointer loads."""
+    from kernels import attention, configs
+
+    monkeypatch.setattr(configs, "TMA", mode)
+    case = C(33, 60, 11, rotated=rotated, dtype=F16, hq=2, hkv=1)
+    leaves, dout = fused_inputs(gen, case)
+    assert attention._use_tma(*leaves, dout) == (mode == "1"), "the path under test is not taken"
+    got = fused_results(leaves, dout, case.window, **settings(case))
+    want = oracle_results(leaves, dout, case.window, **settings(case))
+    problems = results_problems(got, want, tolerance(case.dtype))
+    assert not problems, describe(gen, tma=mode, **asdict(case)) + "\n" + "\n".join(problems)
+
+
+@pytest.mark.parametrize("rotated", [False, True], ids=["raw", "rotated"])
+def test_chunked_prefill_is_the_tail_of_the_full_sequence(rotated, gen):
+    """Queries as the last ``Nq`` of ``Nk`` positions give exactly those rows of the full op."""
+    q, k, v = (randn(gen, 1, 2, 70, 32, dtype=F32) for _ in range(3))
+    full = kernels.rerope(q, k, v, 12, rotated=rotated)
+    tail = kernels.rerope(q[:, :, -23:], k, v, 12, rotated=rotated)
+    torch.testing.assert_close(tail, full[:, :, -23:], rtol=1e-5, atol=1e-6)
+
+
+def test_rotated_inputs_are_raw_inputs_rotated(gen):
+    """``rotated=True`` on RoPE-rotated ``q, k`` equals ``rotated=False`` on the raw ones."""
+    from kernels.rope import apply_rope
+
+    q, k, v = (randn(gen, 1, 2, 45, 32, dtype=F32) for _ in range(3))
+    pos = torch.arange(45, dtype=torch.float64)
+    raw = kernels.rerope(q, k, v, 10, leaky=8.0)
+    turned = kernels.rerope(apply_rope(q, pos), apply_rope(k, pos), v, 10, leaky=8.0,
+                            rotated=True)
+    torch.testing.assert_close(turned, raw, rtol=1e-5, atol=1e-5)
+
+
+def test_rotation_plan_products_match_relative_positions():
+    """The speed/offset table of ``kernels.rotary``: with keys turned by ``speed·j`` and queries
+    by ``speed·i + offset``, on inputs that already carry ``c·p`` (``c = 1`` if rotated), a
+    product sees relative position ``(speed + c)(i − j) + offset`` — ``i − j`` inside the
+    window, ``w`` (ReRoPE) or ``w + (i − j − w)/κ`` (Leaky) outside."""
+    from kernels.rotary import rotation_plan
+
+    w = 11
+    i, j = torch.meshgrid(torch.arange(60.0), torch.arange(60.0), indexing="ij")
+    for rotated in (False, True):
+        c = 1.0 if rotated else 0.0
+        for leaky in (None, 4.0):
+            inside, outside = rotation_plan(w, leaky, rotated)
+            far = torch.full_like(i, float(w)) if leaky is None else w + (i - j - w) / leaky
+            for rot, want in ((inside, i - j), (outside, far)):
+                seen = ((rot.speed + c) * i + rot.offset) - (rot.speed + c) * j
+                torch.testing.assert_close(seen, want)
+
+
+def test_tables_are_shared_and_long_enough():
+    from kernels.rotary import rope_table
+
+    a = rope_table(100, 32, 10000.0, 1.0, "cpu")
+    assert a.shape[0] >= 100 + 256 and a.shape[0] % 4096 == 0 and a.dtype == F32
+    assert rope_table(50, 32, 10000.0, 1.0, "cpu") is a            # cached, shared
+    angles = torch.arange(a.shape[0], dtype=torch.float64)[:, None] * \
+        kernels.rope.rope_frequencies(32)[None, :]
+    torch.testing.assert_close(a, torch.cat((angles.cos(), angles.sin()), -1).float())
+
+
+def test_no_grad_and_requires_grad_flags(gen):
+    q, k, v = (randn(gen, 1, 1, 20, 16, dtype=F32) for _ in range(3))
+    with torch.no_grad():
+        assert not kernels.rerope(q, k, v, 5).requires_grad
+    out = kernels.rerope(q.requires_grad_(), k, v, 5)
+    assert out.requires_grad and out.grad_fn is not None
+
+
+@pytest.mark.parametrize("bad, error, match", [
+    (dict(q_len=9, k_len=8), ValueError, "Nq <= Nk"),
+    (dict(rotated=1), TypeError, "rotated"),
+    (dict(d=24), ValueError, "head dim"),
+    (dict(dtype=torch.float64), TypeError, "q has unsupported dtype"),
+    (dict(window=0), ValueError, "window"),
+])
+def test_bad_input(bad, error, match):
+    d, dtype = bad.pop("d", 16), bad.pop("dtype", F32)
+    q_len, k_len = bad.pop("q_len", 8), bad.pop("k_len", 8)
+    q = torch.randn(1, 1, q_len, d, dtype=dtype)
+    k, v = (torch.randn(1, 1, k_len, d, dtype=dtype) for _ in range(2))
+    with pytest.raises(error, match=match):
+        kernels.rerope(q, k, v, bad.pop("window", 4), **bad)
