@@ -1,7 +1,9 @@
-# Two targets for a fresh Debian machine with python3:
+# Targets for a fresh Debian machine with python3:
 #   make book   set up .venv, then build the HTML book (_build/html); any warning fails it
 #   make test   make book, install Debian's chromium + chromedriver when missing, then run the
 #               unit tests, the notebooks (nbval) and the rendered-site test in one pytest run
+#   make test-floor  the oldest supported Triton (kernels/_compat.py) in a venv of its own,
+#               .venv-floor: the sm_75/80/89/90 cross-compile, a few interpreter cases
 # Setup runs once: .venv/.setup-stamp records it, and it reruns only when requirements.txt
 # changes. Override e.g. `make test PYTHON=python3.12 TORCH=torch==2.11.0`.
 
@@ -19,7 +21,16 @@ PIP   := $(BIN)/python -m pip --disable-pip-version-check install --progress-bar
 JB_FLAGS     ?= --all --warningiserror --keep-going
 PYTEST_FLAGS ?=
 
-.PHONY: book test setup browser clean
+# The floor job's venv: the oldest Triton the package supports (kernels/_compat.py, stated in
+# requirements.txt and README.md; tests/test_versions.py checks that all of them agree), numpy
+# below 2.4 (Triton < 3.7's interpreter needs it), the same CPU torch and pytest: nothing else.
+FLOOR_VENV   ?= .venv-floor
+FLOOR_TRITON ?= triton==3.4.0
+FLOOR_NUMPY  ?= numpy<2.4
+FLOOR_BIN    := $(FLOOR_VENV)/bin
+FLOOR_PINS   := "$(TORCH)" "$(FLOOR_TRITON)" "$(FLOOR_NUMPY)" pytest
+
+.PHONY: book test test-floor setup setup-floor browser clean
 
 book: $(STAMP)
 	$(BIN)/jupyter-book build $(JB_FLAGS) .
@@ -32,20 +43,44 @@ test: book browser
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests (exit 5): not a failure"; rc=0; fi; \
 	exit $$rc
 
+# The floor job: tests/test_versions.py (the version checks, a few forward + backward cases
+# in the interpreter, a TMA-path compile for sm_90) and tests/test_compile.py (the riskiest
+# configurations for sm_75/80/89/90): 2.5-5 minutes on two busy cores, plus 1.5 for a fresh
+# venv. The warning filtered is numpy's about the very conversion that numpy 2.4 refuses (why
+# numpy stays below 2.4 here), once per interpreted loop.
+test-floor: setup-floor
+	$(FLOOR_BIN)/python -m pytest tests/test_versions.py tests/test_compile.py \
+	    -W "ignore:Conversion of an array with ndim > 0 to a scalar:DeprecationWarning" \
+	    $(PYTEST_FLAGS)
+
 setup: $(STAMP)
 
-$(STAMP): requirements.txt
-	@if [ ! -x $(BIN)/python ]; then \
-	    $(PYTHON) -m venv $(VENV) || { \
+# A venv at $(1), with Debian's python3-venv installed first when `python -m venv` fails.
+define make-venv
+	@if [ ! -x $(1)/bin/python ]; then \
+	    $(PYTHON) -m venv $(1) || { \
 	        echo "python venv failed; installing Debian's python3-venv"; \
-	        rm -rf $(VENV); \
+	        rm -rf $(1); \
 	        $(SUDO) apt-get update && \
 	        $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y python3-venv && \
-	        $(PYTHON) -m venv $(VENV); }; \
+	        $(PYTHON) -m venv $(1); }; \
 	fi
+endef
+
+$(STAMP): requirements.txt
+	$(call make-venv,$(VENV))
 	$(PIP) "$(TORCH)"
 	$(PIP) -r requirements.txt
 	touch $@
+
+# Reinstalls only when the pins change (the stamp holds them).
+setup-floor:
+	$(call make-venv,$(FLOOR_VENV))
+	@if [ "$$(cat $(FLOOR_VENV)/.setup-stamp 2>/dev/null)" != '$(FLOOR_PINS)' ]; then \
+	    $(FLOOR_BIN)/python -m pip --disable-pip-version-check install --progress-bar off \
+	        $(FLOOR_PINS) && \
+	    echo '$(FLOOR_PINS)' > $(FLOOR_VENV)/.setup-stamp; \
+	else echo '$(FLOOR_VENV) is set up: $(FLOOR_PINS)'; fi
 
 browser:
 	@if [ -x /usr/bin/chromium ] && [ -x /usr/bin/chromedriver ]; then \

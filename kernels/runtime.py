@@ -10,16 +10,26 @@ or ``1`` yourself before importing ``kernels`` to force either mode.
 Two interpreter facts shape the launchers: bf16 arithmetic is wrong under the interpreter (numpy
 has no bf16), so bf16 inputs are computed in fp32 there and cast back; and the interpreter runs
 on CPU tensors, the compiled kernels on CUDA tensors.
+
+It also checks the installed versions (:func:`kernels._compat.check`): Triton >= 3.4, and under
+the interpreter Triton >= 3.7 or numpy < 2.4; anything older fails here with an ``ImportError``
+that names what was found and what is needed.
 """
 
 import os
 
 import torch
 
+from . import _compat
+
 if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+# Too old a Triton (or, under the interpreter, Triton < 3.7 with numpy >= 2.4) fails here, at
+# `import kernels`, with a message that names the versions (see kernels._compat).
+_compat.check(INTERPRET)
 
 
 def dot_precision(dtype):
