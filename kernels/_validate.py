@@ -118,9 +118,14 @@ def check_head_dim(d):
 def check_rope_args(q, k, window, base, leaky, logn_len, rotated=False):
     """Checks for the RoPE/ReRoPE helpers (``q``, ``k`` and the position settings)."""
     check_qkv({"q": q}, {"k": k}, dtypes=REFERENCE_DTYPES, fewer_queries=True)
-    check_flag("rotated", rotated)
     if q.shape[-1] % 2:
         raise ValueError(f"q must have an even head dim for RoPE, got {q.shape[-1]}")
+    check_rope_settings(window, base, leaky, logn_len, rotated)
+
+
+def check_rope_settings(window, base, leaky, logn_len, rotated=False):
+    """The position settings of :func:`check_rope_args`, for callers that checked the tensors."""
+    check_flag("rotated", rotated)
     check_window(window)
     if isinstance(base, bool) or not isinstance(base, numbers.Real):
         raise TypeError(f"base must be a number > 1 (the RoPE base, e.g. 10000.0), got "

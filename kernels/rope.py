@@ -78,7 +78,7 @@ def rerope_inputs(q, k, window, base=10000.0, leaky=None, logn_len=None, rotated
     check_rope_args(q, k, window, base, leaky, logn_len, rotated)
     n_queries, n_keys = q.shape[-2], k.shape[-2]
     check_logn_overflow(logn_len, n_keys, q.dtype)
-    window = min(window, n_keys)               # any w >= Nk is plain RoPE (and float(w) is finite)
+    window = min(window, n_keys)       # any w >= Nk is plain RoPE (and float(w) is finite)
     key_pos = torch.arange(n_keys, dtype=torch.float64, device=q.device)
     query_pos = key_pos[n_keys - n_queries:]
     if rotated:

@@ -118,13 +118,15 @@ def positions(n):
     return torch.arange(n, dtype=F64)
 
 
-@pytest.mark.parametrize("window", [1, 7, 1000])
+@pytest.mark.parametrize("window", [1, 7, 1000, 10 ** 400])
 def test_rerope_inputs(window, gen):
     q, k = randn(gen, 2, 4, 30, 32), randn(gen, 2, 2, 30, 32)
     q1, q2, k1, k2 = rope.rerope_inputs(q, k, window)
     assert torch.allclose(q1, rope.apply_rope(q, positions(30)), atol=0, rtol=0)
     assert torch.allclose(k1, rope.apply_rope(k, positions(30)), atol=0, rtol=0)
-    assert torch.allclose(q2, rotate_complex(q, torch.full((30,), float(window))), atol=1e-12)
+    # a window >= N (every |i - j| <= 29) is taken as N: q2 is never read then
+    at = float(min(window, 30))
+    assert torch.allclose(q2, rotate_complex(q, torch.full((30,), at)), atol=1e-12)
     assert torch.equal(k2, k)                                        # keys unrotated outside
 
 
@@ -192,6 +194,8 @@ def test_relative_positions_window_at_least_n_is_plain_rope():
     plain = idx[:, None] - idx[None, :]
     assert torch.equal(rope.relative_positions(12, 12), plain)
     assert torch.equal(rope.relative_positions(12, 500, leaky=3.0), plain)
+    assert torch.equal(rope.relative_positions(12, 10 ** 400), plain)   # no float holds it
+    assert torch.equal(rope.relative_positions(4, 10 ** 400, n_keys=12), plain[8:])
 
 
 @pytest.mark.parametrize("leaky", [None, 8.0])

@@ -107,8 +107,10 @@ def test_unsupported_head_dim(d):
 
 
 def test_odd_head_dim_for_rope():
-    with pytest.raises(ValueError, match=r"q must have an even head dim"):
+    with pytest.raises(ValueError, match=r"head dim"):       # the kernels' head-dim check first
         kernels.rerope(*raw(d=15), 4)
+    with pytest.raises(ValueError, match=r"q must have an even head dim"):
+        reference.rerope(*raw(d=15, device="cpu"), 4)
 
 
 def test_inputs_on_the_wrong_device_for_the_mode():
@@ -148,6 +150,8 @@ def test_causal_must_be_bool(causal):
 @pytest.mark.parametrize("sm_scale, error", [
     (0.0, ValueError), (-0.5, ValueError), (float("inf"), ValueError), (float("nan"), ValueError),
     ("0.1", TypeError), (True, TypeError), (torch.tensor(0.1), TypeError),
+    # outside the range where sm_scale·log2(e) is a normal fp32 number (issue 9, item 3)
+    (1e-46, ValueError), (1e-39, ValueError), (1e39, ValueError), (10 ** 400, ValueError),
 ], ids=repr)
 def test_bad_sm_scale(sm_scale, error):
     with pytest.raises(error, match=r"sm_scale must be"):
@@ -176,10 +180,15 @@ def test_bad_logn_len(logn_len, error):
         kernels.rerope(*raw(), 4, logn_len=logn_len)
 
 
-@pytest.mark.parametrize("base", [1.0, 0.5, -10000.0, "10000", True], ids=repr)
-def test_bad_base(base):
-    with pytest.raises(ValueError, match=r"base must be"):
+@pytest.mark.parametrize("base, error", [
+    (1.0, ValueError), (0.5, ValueError), (-10000.0, ValueError), (float("inf"), ValueError),
+    ("10000", TypeError), (True, TypeError), (None, TypeError),
+], ids=repr)
+def test_bad_base(base, error):
+    with pytest.raises(error, match=r"base must be"):
         kernels.rerope(*raw(), 4, base=base)
+    with pytest.raises(error, match=r"base must be"):
+        reference.rerope(*raw(device="cpu"), 4, base=base)
 
 
 def test_raw_op_names_its_arguments():
@@ -191,8 +200,20 @@ def test_raw_op_names_its_arguments():
         kernels.rerope(*raw(k=zeros(1, 1, 8, 16, dtype=torch.float16)), 4)
 
 
-@pytest.mark.parametrize("window", [np.int64(3), 3, 10 ** 9])
+@pytest.mark.parametrize("window", [np.int64(3), 3, 10 ** 9, 10 ** 400])
 def test_accepted_edge_values(window):
-    """Integer-like windows (numpy ints too), windows far beyond N, sm_scale as an int."""
+    """Integer-like windows (numpy ints too), windows far beyond N (beyond any float too),
+    sm_scale as an int."""
     out = kernels.rerope_attention(*five(n=5), window, sm_scale=1)
     assert out.shape == (1, 2, 5, 16) and torch.isfinite(out).all()
+    out = kernels.rerope(*raw(n=5), window, sm_scale=1)
+    assert out.shape == (1, 2, 5, 16) and torch.isfinite(out).all()
+
+
+def test_references_take_sm_scales_the_kernels_refuse():
+    """The float64 references compute any finite positive scale (tests/test_reliability.py
+    checks the values); the kernels' fp32 range does not apply to them."""
+    for sm_scale in (1e-46, 1e39):
+        out = reference.rerope_attention(*five(dtype=torch.float64, device="cpu"), 4,
+                                         sm_scale=sm_scale)
+        assert torch.isfinite(out).all()
