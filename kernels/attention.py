@@ -20,11 +20,10 @@ from typing import Optional
 
 import torch
 import triton
-from torch.autograd.function import once_differentiable
 
 from . import configs
-from ._validate import (check_flag, check_head_dim, check_qkv, check_rope_args, check_sm_scale,
-                        check_window)
+from ._validate import (check_flag, check_head_dim, check_logn_overflow, check_qkv,
+                        check_rope_settings, check_sm_scale, check_window)
 from .backward import _bwd_delta_kernel, _bwd_dkdv_kernel, _bwd_dq_kernel
 from .forward import _rerope_fwd_kernel
 from .online_softmax import LOG2E
@@ -32,6 +31,7 @@ from .rotary import logn_factor, rope_table, rotation_offset, rotation_plan
 from .runtime import INTERPRET, dot_precision, prepare_for_device
 
 _KERNELS = {"fwd": _rerope_fwd_kernel, "dkdv": _bwd_dkdv_kernel, "dq": _bwd_dq_kernel}
+DECODE_MAX_QUERIES = 16      # kernels.rerope sends shorter causal inference calls to decoding
 
 
 @functools.lru_cache(maxsize=None)
@@ -135,8 +135,22 @@ def _five_tensors(placeholder):
     return Operands(split=False, tables=(placeholder,) * 4, flags=_NO_ROTATION)
 
 
+_OPERANDS = {}
+
+
 def _rotations(n_k, head_dim, base, window, leaky, logn_len, rotated, device):
-    """The :class:`Operands` of the fused form: tables are cached and shared across calls."""
+    """The :class:`Operands` of the fused form, cached per setting (the tables themselves are
+    shared by every setting with the same speed: :func:`kernels.rotary.rope_table`)."""
+    key = (n_k, head_dim, base, window, leaky, logn_len, rotated, device)
+    operands = _OPERANDS.get(key)
+    if operands is None:
+        if len(_OPERANDS) > 256:          # many lengths seen: keep the cache small
+            _OPERANDS.clear()
+        operands = _OPERANDS[key] = _build_rotations(*key)
+    return operands
+
+
+def _build_rotations(n_k, head_dim, base, window, leaky, logn_len, rotated, device):
     inside, outside = rotation_plan(window, leaky, rotated)
     tables = []
     for rot in (inside, outside):
@@ -279,6 +293,30 @@ _five_fwd.register_autograd(_five_grads, setup_context=_setup_context)
 _fused_fwd.register_autograd(_fused_grads, setup_context=_setup_context)
 
 
+def _first_order_only(backward):
+    """Run a backward without building a graph; where a graph was asked for
+    (``create_graph=True``: a gradient penalty, say), return gradients whose own backward raises.
+
+    ``torch.autograd.function.once_differentiable`` does this only when the upstream gradient
+    requires grad; when it does not (``(g ** 2).sum()`` of ``g = grad(out.sum(), q,
+    create_graph=True)``), it returns detached gradients and the penalty's gradient is silently
+    dropped. Here the error is attached whenever grad mode is on.
+    """
+    def wrapper(ctx, *grad_outputs):
+        with torch.no_grad():
+            grads = backward(ctx, *grad_outputs)
+        if not torch.is_grad_enabled():
+            return grads
+        error = torch._C._functions.DelayedError(
+            b"kernels: the ReRoPE backward is not differentiable (no double backward, e.g. "
+            b"for gradient penalties); use kernels.reference for higher-order gradients",
+            len(grads))
+        tensors = [g.detach().requires_grad_() if g is not None else None for g in grads]
+        return error(*tensors)
+
+    return wrapper
+
+
 class _FiveTensorAttention(torch.autograd.Function):
     """Eager autograd for the five-tensor op (see the module docstring)."""
 
@@ -290,7 +328,7 @@ class _FiveTensorAttention(torch.autograd.Function):
         return out
 
     @staticmethod
-    @once_differentiable
+    @_first_order_only
     def backward(ctx, dout):
         *tensors, out, lse = ctx.saved_tensors
         return (*rerope_backward(dout, *tensors, out, lse, *ctx.settings), None, None, None)
@@ -309,7 +347,7 @@ class _FusedAttention(torch.autograd.Function):
         return out
 
     @staticmethod
-    @once_differentiable
+    @_first_order_only
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         window, causal, sm_scale, operands = ctx.settings
@@ -373,14 +411,26 @@ def rerope(q, k, v, window, causal=True, sm_scale=None, base=10000.0, leaky=None
     Returns ``(B, Hq, Nq, D)`` in the input dtype; differentiable in ``q, k, v``. fp16, bf16 or
     fp32; ``D`` in 16, 32, 64, 128, 256; any strides. No rotated copy of ``q`` or ``k`` is ever
     written: each kernel rotates tiles in registers (:mod:`kernels.rotary`).
+
+    A decode step — ``causal``, at most ``DECODE_MAX_QUERIES`` (16) queries, no gradient needed
+    (grad mode off, or no input requires grad) — goes to the split-KV kernel of
+    :func:`kernels.rerope_decode`, which spreads the keys over the whole GPU; the prefill kernels
+    would give each query head a single program.
     """
     check_qkv({"q": q}, {"k": k, "v": v}, fewer_queries=True)
     check_head_dim(q.shape[-1])
-    check_rope_args(q, k, window, base, leaky, logn_len, rotated)
+    check_rope_settings(window, base, leaky, logn_len, rotated)
+    check_logn_overflow(logn_len, k.shape[2], q.dtype)
     check_flag("causal", causal)
     check_sm_scale(sm_scale)
     scale = q.shape[-1] ** -0.5 if sm_scale is None else float(sm_scale)
     window = min(int(window), k.shape[2])     # as in rerope_attention: >= Nk means plain RoPE
+    if (causal and q.shape[2] <= DECODE_MAX_QUERIES and not torch.compiler.is_compiling()
+            and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad
+                                                  or v.requires_grad))):
+        from .decode import rerope_decode           # a decode step: split-KV (chapter 8)
+        return rerope_decode(q, k, v, window, sm_scale=sm_scale, base=base, leaky=leaky,
+                             logn_len=logn_len, rotated=rotated)
     (q, k, v), restore = prepare_for_device(q, k, v)
     settings = (window, causal, scale, float(base), None if leaky is None else float(leaky),
                 None if logn_len is None else float(logn_len), rotated)

@@ -157,6 +157,26 @@ def test_chunked_prefill_is_the_tail_of_the_full_sequence(rotated, gen):
     torch.testing.assert_close(tail, full[:, :, -23:], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("rotated", [False, True], ids=["raw", "rotated"])
+def test_decode_steps_go_to_the_split_kv_kernel(rotated, gen, monkeypatch):
+    """Few causal queries with no gradient wanted take the decode kernel; the result is the
+    prefill kernels' (and with a gradient wanted, the prefill kernels run)."""
+    from kernels import decode
+
+    q = randn(gen, 1, 4, 3, 32, dtype=F32)
+    k, v = (randn(gen, 1, 2, 70, 32, dtype=F32) for _ in range(2))
+    calls = []
+    real = decode.rerope_decode
+    monkeypatch.setattr(decode, "rerope_decode", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    with torch.no_grad():
+        routed = kernels.rerope(q, k, v, 12, rotated=rotated)
+    assert calls, "a 3-query causal call under no_grad did not take rerope_decode"
+    calls.clear()
+    prefill = kernels.rerope(q.requires_grad_(), k, v, 12, rotated=rotated)
+    assert not calls, "a call that needs gradients must take the prefill kernels"
+    torch.testing.assert_close(routed, prefill.detach(), rtol=1e-5, atol=1e-5)
+
+
 def test_rotated_inputs_are_raw_inputs_rotated(gen):
     """``rotated=True`` on RoPE-rotated ``q, k`` equals ``rotated=False`` on the raw ones."""
     from kernels.rope import apply_rope

@@ -195,3 +195,55 @@ def test_rerope_raw_inputs_on_gpu(gen):
     want = {"out": want, **{n: t.grad for n, t in zip(("dq", "dk", "dv"), ref_raw)}}
     problems = results_problems(got, want, tolerance(F16, "gpu"))
     assert not problems, "\n".join(problems)
+
+
+# --- the fused-rotation op (kernels.rerope) ------------------------------------------------------
+
+
+def _fused_check(case, gen, report, name, large=False):
+    """``kernels.rerope`` against the float64 relative-position oracle, or (``large``) against
+    ``reference.rerope`` in float32 on the GPU (the oracle's per-frequency graph would not fit)."""
+    from kernels import reference
+    from test_fused import fused_inputs, fused_results, oracle_results, settings
+
+    leaves, dout = fused_inputs(gen, case, device="cuda")
+    got = fused_results(leaves, dout, case.window, **settings(case))
+    if large:
+        ref = [t.detach().float().requires_grad_() for t in leaves]
+        out = reference.rerope(*ref, case.window, **settings(case))
+        out.backward(dout.float())
+        want = {"out": out.detach(), **{n: t.grad for n, t in zip(("dq", "dk", "dv"), ref)}}
+        del out, ref
+    else:
+        want = oracle_results(leaves, dout, case.window, **settings(case))
+    stats = {n: error_stats(got[n], want[n]) for n in got}
+    report(name, {"case": case.id(), "errors": stats})
+    problems = results_problems(got, want, tolerance(case.dtype, "gpu"))
+    assert not problems, describe(gen, **asdict(case)) + "\n" + "\n".join(problems)
+
+
+def _fused_cases():
+    from test_fused import CASES as FUSED_CASES
+
+    return FUSED_CASES
+
+
+@pytest.mark.parametrize("case", _fused_cases(), ids=lambda c: c.id())
+def test_fused_small_grid(case, gen, report, request):
+    """The CPU grid of ``tests/test_fused.py`` on the GPU, float64 oracle."""
+    _fused_check(case, gen, report, request.node.name)
+
+
+def _fused_large_cases():
+    from test_fused import FusedCase
+
+    return [FusedCase(n_q, 8192, 2048, rotated=rotated, dtype=dtype, d=d, hq=4, hkv=2, **kw)
+            for d in (64, 128) for dtype in (F16, BF16) for rotated in (False, True)
+            for n_q, kw in ((8192, {}), (1000, dict(leaky=16.0, logn_len=4096.0)))]
+
+
+@pytest.mark.parametrize("case", _fused_large_cases(), ids=lambda c: c.id())
+def test_fused_large(case, gen, report, request):
+    """N = 8192, W = 2048 (and a 1000-query chunk with Leaky + log-n); the reference at this
+    size is float32 (``reference.rerope``), four query heads, two K/V heads."""
+    _fused_check(case, gen, report, request.node.name, large=True)
