@@ -19,8 +19,9 @@ With no CUDA device, importing ``kernels`` switches Triton to its CPU interprete
 from . import runtime  # noqa: F401  (first: decides compiled vs interpreted before any @triton.jit)
 from . import reference, rope  # noqa: E402
 from .attention import rerope, rerope_attention  # noqa: E402
+from .decode import rerope_decode  # noqa: E402
 
-__all__ = ["rerope", "rerope_attention", "reference", "rope", "source"]
+__all__ = ["rerope", "rerope_attention", "rerope_decode", "reference", "rope", "source"]
 
 
 def source(obj):

@@ -1,0 +1,588 @@
+"""Decoding with a KV cache: split-KV ("flash-decoding") ReRoPE attention. Chapter 8 of the book.
+
+A decode step has one query (or a few speculative ones) per sequence against a long cache, so
+it does almost no arithmetic per byte: it is bound by reading K and V once from memory. Two
+things keep it there:
+
+* **Split-KV.** One program per (batch row, KV head) would leave most of a GPU idle at batch 1
+  (8 KV heads, 132 SMs). The keys of each row are cut into ``num_splits`` chunks; a program
+  folds one chunk for every query of one KV-head group (grouped-query attention: the group's
+  ``Hq / Hkv`` heads times ``Nq`` queries form the ``M`` rows of the tile, so each K/V tile is
+  loaded once for all of them) and writes a partial output and its log-sum-exp;
+  :func:`_decode_merge_kernel` combines the partials exactly (the online softmax's merge rule).
+* **One cache, rotated on the fly.** The kernel reads the cache the model already keeps — keys
+  RoPE-rotated at their positions (``rotated=True``, the Llama convention) or raw
+  (``rotated=False``) — and applies each product's rotation in registers, with the speeds and
+  offsets of :func:`kernels.rotary.rotation_plan` (no re-rotated copy, no second cache). With a
+  rotated cache the product inside the window needs no rotation at all (``q_rot · k_rot`` is
+  RoPE's score), and outside it the key is turned back by ``R(-j)``: ``R(w - i) q_rot ·
+  R(-j) k_rot = R(w) q · k``, ReRoPE's clamped score.
+
+Regions along a row's keys ``0 … L-1`` (queries at ``L-Nq … L-1``, causal): keys before
+``L - Nq - w + 1`` are outside the window for every query — nearly all of a long cache — and
+get the one-product loop with no mask at all; then at most a few masked tiles where the window
+edge falls (both products, each masked to its side); then the last ``w`` keys, inside for every
+query, with a mask only on the tiles that hold the window edge or the causal diagonal of the
+``Nq`` queries.
+
+Key angles come from :func:`kernels.rotary.rope_table`, without reading a table row per key
+(that would add as many bytes as the keys themselves): a tile starting at key ``j0`` needs
+``R(σ (j0 + r))`` for ``r < BLOCK_N``, and ``R(σ j0) R(σ r) k`` splits it in two. The kernel
+holds the table's first ``BLOCK_N`` rows in registers and turns each key by ``R(σ r)``, and turns
+the tile's ``BLOCK_M`` query rows by ``R(-σ j0)`` instead of the keys by ``R(σ j0)`` (one table
+row per tile): ``q · R(σ j0) R(σ r) k = R(-σ j0) q · R(σ r) k`` (``ANGLES = 3``; the other
+variants of :func:`_decode_pass` were measured too).
+"""
+
+import functools
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from ._validate import (check_head_dim, check_logn_overflow, check_qkv,
+                        check_rope_args, check_sm_scale)
+from .online_softmax import LOG2E, _softmax_step
+from .regions import INSIDE, OUTSIDE, _nth_tile, _tile_count
+from .rotary import (_logn_scale, _rotate, _table_rows, _unrotate, logn_factor,
+                     rope_table, rotation_offset, rotation_plan)
+from .runtime import INTERPRET, dot_precision, prepare_for_device
+
+MAX_QUERIES = 16          # Nq per row: one token, or a few speculative ones
+
+# Launch configuration. BLOCK_N keys per tile; BLOCK_M rows (group heads × queries) per program,
+# at least 16 (the smallest tl.dot), at most MAX_BLOCK_M (more rows: several programs per group).
+# The interpreter uses 16-key tiles so that short test caches still cross several tiles.
+# ANGLES: how a key tile gets its rotation angles (see _decode_pass). PROGRAMS_PER_SM: how many
+# programs of GPU_CONFIG are resident per SM (its ~255 registers per thread allow two), for the
+# splits rule (:func:`default_num_splits`). KERNELS_DECODE_CONFIG="BLOCK_N,ANGLES,num_warps,
+# num_stages,programs per SM" overrides both. Chosen on the H200 by
+# ``python -m kernels.bench_decode --tune`` (book/data/decode_h200.json, meta.tuning): 4 warps
+# beat 8 by 1.45x at 128k keys; ANGLES 3, 1 and 0 are within 2 % of each other, 32-key tiles
+# 25 % slower.
+GPU_CONFIG = dict(BLOCK_N=64, ANGLES=3, num_warps=4, num_stages=3)
+PROGRAMS_PER_SM = 2
+if os.environ.get("KERNELS_DECODE_CONFIG"):
+    _n, _a, _w, _s, PROGRAMS_PER_SM = (int(x) for x in
+                                       os.environ["KERNELS_DECODE_CONFIG"].split(","))
+    GPU_CONFIG = dict(BLOCK_N=_n, ANGLES=_a, num_warps=_w, num_stages=_s)
+INTERPRETER_CONFIG = dict(BLOCK_N=16, ANGLES=GPU_CONFIG["ANGLES"])
+MIN_BLOCK_M, MAX_BLOCK_M = 16, 64
+
+# The splits rule (see :func:`default_num_splits`).
+MIN_KEYS_PER_SPLIT = 256  # never cut a row into chunks shorter than this (merge overhead)
+MAX_SPLITS = 128
+
+
+# --- the split kernel -----------------------------------------------------------------------------
+
+
+@triton.jit
+def _scores(q_a, q_b, k_a, k_b, HALF: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """``q · kᵀ`` as two ``D/2``-wide products (``tl.dot`` needs ``D/2 >= 16``; D=16 sums)."""
+    if HALF >= 16:
+        scores = tl.dot(q_a, tl.trans(k_a), input_precision=DOT_PRECISION)
+        return tl.dot(q_b, tl.trans(k_b), scores, input_precision=DOT_PRECISION)
+    else:
+        return (tl.sum(q_a.to(tl.float32)[:, None, :] * k_a.to(tl.float32)[None, :, :], 2)
+                + tl.sum(q_b.to(tl.float32)[:, None, :] * k_b.to(tl.float32)[None, :, :], 2))
+
+
+@triton.jit
+def _decode_pass(acc, l_i, m_i, q_a, q_b, K, V, sk_n, sk_d, sv_n, sv_d, Table, cos_r, sin_r,
+                 positions, walk, n_keys, window, qk_scale,
+                 PRODUCT: tl.constexpr, MASKED: tl.constexpr, ROT_KEYS: tl.constexpr,
+                 BLOCK_N: tl.constexpr, HALF: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                 ANGLES: tl.constexpr):
+    """Fold the key tiles of ``walk`` (``(lo1, hi1, lo2, hi2)``) into the softmax state.
+
+    ``q_a, q_b``: the halves of the queries, already rotated for this product (fp32).
+    ``K, V`` point at row 0 of this (batch, KV head). With ``ROT_KEYS`` each key tile is turned
+    by ``R(σ j)``, its angles from the table (``ANGLES``): 0, ``cos_r, sin_r`` (``BLOCK_N × D/2``,
+    held in registers) give ``σ r θ`` for ``r < BLOCK_N`` and the table row of the tile's first
+    key ``σ j0 θ``, combined by angle addition; 1, the same with ``cos_r, sin_r`` re-read every
+    tile (cache hits: fewer registers); 2, one table row per key; 3 (the default), the keys
+    turned by ``R(σ r)`` only and the queries by ``R(-σ j0)`` instead,
+    ``q · R(σ j0) R(σ r) k = R(-σ j0) q · R(σ r) k``: ``BLOCK_M`` query rows per tile instead of
+    a second rotation of ``BLOCK_N`` key rows. ``MASKED`` tiles keep only keys ``j < n_keys``,
+    ``j <= i`` and on this product's side of the window; loads past ``n_keys``
+    read nothing (a poisoned cache stays unread).
+    """
+    offs_n = tl.arange(0, BLOCK_N)
+    halves = tl.arange(0, HALF)
+    dtype = K.dtype.element_ty
+    qd_a, qd_b = q_a.to(dtype), q_b.to(dtype)
+    lo1, hi1, lo2, hi2 = walk
+    n1 = _tile_count(lo1, hi1, BLOCK_N)
+    for t in range(0, n1 + _tile_count(lo2, hi2, BLOCK_N)):
+        start = tl.multiple_of(_nth_tile(t, lo1, n1, lo2, BLOCK_N), BLOCK_N)
+        cols = start + offs_n
+        k_ptrs = K + cols[:, None].to(tl.int64) * sk_n + halves[None, :] * sk_d
+        v_ptrs = V + cols[:, None].to(tl.int64) * sv_n + tl.arange(0, 2 * HALF)[None, :] * sv_d
+        if MASKED:
+            live = (cols < n_keys)[:, None]
+            k_a = tl.load(k_ptrs, mask=live, other=0.0)
+            k_b = tl.load(k_ptrs + HALF * sk_d, mask=live, other=0.0)
+            v = tl.load(v_ptrs, mask=live, other=0.0)
+        else:
+            k_a = tl.load(k_ptrs)
+            k_b = tl.load(k_ptrs + HALF * sk_d)
+            v = tl.load(v_ptrs)
+        if ROT_KEYS:
+            if ANGLES == 2:      # one table row per key
+                cos, sin = _table_rows(Table, cols, HALF)
+            else:                # row j0 and the first BLOCK_N rows
+                if ANGLES == 1:
+                    cos_r, sin_r = _table_rows(Table, offs_n, HALF)
+                row = Table + start.to(tl.int64) * (2 * HALF)
+                cos_0 = tl.load(row + halves)[None, :]
+                sin_0 = tl.load(row + HALF + halves)[None, :]
+                if ANGLES == 3:  # the queries take the tile's turn R(σ j0), inverted
+                    qt_a, qt_b = _unrotate(q_a, q_b, cos_0, sin_0)
+                    qd_a, qd_b = qt_a.to(dtype), qt_b.to(dtype)
+                    cos, sin = cos_r, sin_r
+                else:            # angle addition: cos(σ (j0 + r) θ), sin(σ (j0 + r) θ)
+                    cos = cos_r * cos_0 - sin_r * sin_0
+                    sin = sin_r * cos_0 + cos_r * sin_0
+            k_a, k_b = _rotate(k_a.to(tl.float32), k_b.to(tl.float32), cos, sin)
+            k_a, k_b = k_a.to(dtype), k_b.to(dtype)
+        scores = _scores(qd_a, qd_b, k_a, k_b, HALF, DOT_PRECISION)
+        if MASKED:
+            distance = positions[:, None] - cols[None, :]
+            if PRODUCT == INSIDE:
+                keep = (distance < window) & (distance >= 0)
+            else:
+                keep = distance >= window
+            keep = keep & (cols[None, :] < n_keys)
+            scores = tl.where(keep, scores, float("-inf"))
+        acc, l_i, m_i = _softmax_step(acc, l_i, m_i, scores, v, qk_scale, DOT_PRECISION)
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _query_halves(q_a, q_b, Table, Offset, positions, ROT_TABLE: tl.constexpr,
+                  HALF: tl.constexpr):
+    """The query halves (fp32) rotated by ``R(σ i + offset)`` for one product: the offset's
+    ``[cos | sin]`` vector, turned by the table rows of the positions when ``σ != 0``."""
+    freqs = tl.arange(0, HALF)
+    cos = tl.load(Offset + freqs)[None, :]
+    sin = tl.load(Offset + HALF + freqs)[None, :]
+    if ROT_TABLE:
+        cos_p, sin_p = _table_rows(Table, positions, HALF)
+        cos, sin = cos_p * cos - sin_p * sin, sin_p * cos + cos_p * sin
+    return _rotate(q_a, q_b, cos, sin)
+
+
+@triton.jit
+def _chunk_walks(n_keys, n_queries, window, split, num_splits, BLOCK_N: tl.constexpr):
+    """The keys of one split and how they are walked: ``(lo, c1, c2, c3, hi)``.
+
+    The row's ``n_keys`` keys are cut into ``num_splits`` tile-aligned chunks of equal length
+    (the last shorter, spare ones empty); this split owns ``[lo, hi)``, walked as
+    ``[lo, c1)`` outside the window for every query, one product, no mask |
+    ``[c1, c2)`` the window's edge: both products, masked |
+    ``[c2, c3)`` inside for every query and causal-visible to all, no mask |
+    ``[c3, hi)`` the causal edge of the ``Nq`` queries (and the ragged last tile), masked.
+    Queries sit at ``n_keys - n_queries …``; all operands stay non-negative before dividing.
+    """
+    chunk = tl.cdiv(tl.cdiv(n_keys, num_splits), BLOCK_N) * BLOCK_N
+    lo = split * chunk
+    hi = tl.maximum(tl.minimum(lo + chunk, n_keys), lo)
+    all_outside = n_keys - n_queries - window + 1   # keys below: outside for every query
+    some_inside = tl.maximum(n_keys - window, 0)    # keys from here on: inside for every query
+    all_visible = n_keys - n_queries + 1            # keys below: causal-visible to every query
+    c1 = tl.minimum(tl.maximum(tl.maximum(all_outside, 0) // BLOCK_N * BLOCK_N, lo), hi)
+    c2 = tl.minimum(tl.maximum(tl.cdiv(some_inside, BLOCK_N) * BLOCK_N, c1), hi)
+    c3 = tl.minimum(tl.maximum(all_visible // BLOCK_N * BLOCK_N, c2), hi)
+    return lo, c1, c2, c3, hi
+
+
+@triton.jit
+def _chunk_map_kernel(Out, n_keys, n_queries, window, num_splits, BLOCK_N: tl.constexpr):
+    """One program per split: write :func:`_chunk_walks` (the book draws it, tests check it)."""
+    split = tl.program_id(0)
+    lo, c1, c2, c3, hi = _chunk_walks(n_keys, n_queries, window, split, num_splits, BLOCK_N)
+    base = Out + split * 5
+    tl.store(base, lo)
+    tl.store(base + 1, c1)
+    tl.store(base + 2, c2)
+    tl.store(base + 3, c3)
+    tl.store(base + 4, hi)
+
+
+def chunk_map(n_keys, n_queries, window, num_splits, block_n):
+    """``(num_splits, 5)`` int tensor of ``(lo, c1, c2, c3, hi)`` per split, computed by the
+    kernel's own :func:`_chunk_walks` (see there for what the five cut points mean)."""
+    device = "cpu" if INTERPRET else "cuda"
+    out = torch.zeros(num_splits, 5, dtype=torch.int32, device=device)
+    _chunk_map_kernel[(num_splits,)](out, n_keys, n_queries, min(window, n_keys), num_splits,
+                                     BLOCK_N=block_n)
+    return out.cpu()
+
+
+@triton.jit
+def _decode_split_kernel(
+    Q, K, V, SeqLens, Out, Lse, TableIn, OffsetIn, TableOut, OffsetOut,
+    sq_b, sq_h, sq_n, sq_d, sk_b, sk_h, sk_n, sk_d, sv_b, sv_h, sv_n, sv_d,
+    so_s, so_b, so_h, so_n, so_d, sl_s, sl_b, sl_h, sl_n,
+    n_kv_heads, group, n_queries, n_max, num_splits, window, qk_scale, logn_factor,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    ROT_KEYS_IN: tl.constexpr, ROT_KEYS_OUT: tl.constexpr, LOGN: tl.constexpr,
+    WRITE_LSE: tl.constexpr, DOT_PRECISION: tl.constexpr, ANGLES: tl.constexpr,
+):
+    """Grid ``(B · Hkv, num_splits, cdiv(group · Nq, BLOCK_M))``: one chunk of one row's keys
+    for the ``BLOCK_M`` (head, query) rows of one KV-head group.
+
+    Writes the chunk's normalised output to ``Out`` (a partial ``(S, B, Hq, Nq, D)`` buffer, or
+    the final output when ``num_splits == 1``, then ``WRITE_LSE`` is off) and its log-sum-exp
+    (log2 units, ``-inf`` for a chunk with no visible key) to ``Lse``. A row whose
+    ``cache_seqlens`` entry is out of range (``< Nq`` or ``> Nmax``) gets NaN.
+    """
+    HALF: tl.constexpr = HEAD_DIM // 2
+    # the KV heads of one chunk side by side (they read the same rows of the angle table)
+    batch = tl.program_id(0) // n_kv_heads
+    kv_head = tl.program_id(0) % n_kv_heads
+    split = tl.program_id(1)
+    seq_len = tl.load(SeqLens + batch)
+    bad_length = (seq_len < n_queries) | (seq_len > n_max)
+    n_keys = tl.minimum(tl.maximum(seq_len, n_queries), n_max)
+
+    # rows of the tile: (head of the group, query); query n sits at position L - Nq + n
+    rows = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < group * n_queries
+    head = kv_head * group + rows // n_queries
+    query = rows % n_queries
+    positions = n_keys - n_queries + query
+
+    lo, c1, c2, c3, hi = _chunk_walks(n_keys, n_queries, window, split, num_splits, BLOCK_N)
+
+    b64 = batch.to(tl.int64)
+    K = K + b64 * sk_b + kv_head.to(tl.int64) * sk_h
+    V = V + b64 * sv_b + kv_head.to(tl.int64) * sv_h
+    halves = tl.arange(0, HALF)
+    q_ptrs = (Q + b64 * sq_b + head[:, None].to(tl.int64) * sq_h + query[:, None] * sq_n
+              + halves[None, :] * sq_d)
+    q_a = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0).to(tl.float32)
+    q_b = tl.load(q_ptrs + HALF * sq_d, mask=row_ok[:, None], other=0.0).to(tl.float32)
+    if LOGN:
+        scale = _logn_scale(positions, logn_factor)[:, None]
+        q_a, q_b = q_a * scale, q_b * scale
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    offs_r = tl.arange(0, BLOCK_N)
+
+    # outside the window: the long loop, then the masked tiles around the window edge
+    qo_a, qo_b = _query_halves(q_a, q_b, TableOut, OffsetOut, positions, ROT_KEYS_OUT,
+                               HALF)
+    cos_r = tl.zeros([BLOCK_N, HALF], tl.float32)      # placeholders unless ANGLES uses them
+    sin_r = tl.zeros([BLOCK_N, HALF], tl.float32)
+    if ROT_KEYS_OUT and (ANGLES == 0 or ANGLES == 3):
+        cos_r, sin_r = _table_rows(TableOut, offs_r, HALF)
+    acc, l_i, m_i = _decode_pass(acc, l_i, m_i, qo_a, qo_b, K, V, sk_n, sk_d, sv_n, sv_d,
+                                 TableOut, cos_r, sin_r, positions, (lo, c1, c1, c1), n_keys,
+                                 window, qk_scale, OUTSIDE, False, ROT_KEYS_OUT, BLOCK_N, HALF,
+                                 DOT_PRECISION, ANGLES)
+    acc, l_i, m_i = _decode_pass(acc, l_i, m_i, qo_a, qo_b, K, V, sk_n, sk_d, sv_n, sv_d,
+                                 TableOut, cos_r, sin_r, positions, (c1, c2, c2, c2), n_keys,
+                                 window, qk_scale, OUTSIDE, True, ROT_KEYS_OUT, BLOCK_N, HALF,
+                                 DOT_PRECISION, ANGLES)
+    # inside the window: the last `window` keys
+    qi_a, qi_b = _query_halves(q_a, q_b, TableIn, OffsetIn, positions, ROT_KEYS_IN,
+                               HALF)
+    if ROT_KEYS_IN and (ANGLES == 0 or ANGLES == 3):
+        cos_r, sin_r = _table_rows(TableIn, offs_r, HALF)
+    acc, l_i, m_i = _decode_pass(acc, l_i, m_i, qi_a, qi_b, K, V, sk_n, sk_d, sv_n, sv_d,
+                                 TableIn, cos_r, sin_r, positions, (c2, c3, c3, c3), n_keys,
+                                 window, qk_scale, INSIDE, False, ROT_KEYS_IN, BLOCK_N, HALF,
+                                 DOT_PRECISION, ANGLES)
+    acc, l_i, m_i = _decode_pass(acc, l_i, m_i, qi_a, qi_b, K, V, sk_n, sk_d, sv_n, sv_d,
+                                 TableIn, cos_r, sin_r, positions, (c1, c2, c3, hi), n_keys,
+                                 window, qk_scale, INSIDE, True, ROT_KEYS_IN, BLOCK_N, HALF,
+                                 DOT_PRECISION, ANGLES)
+
+    seen = l_i > 0.0
+    out = acc / tl.where(seen, l_i, 1.0)[:, None]
+    lse = tl.where(seen, m_i + tl.math.log2(tl.where(seen, l_i, 1.0)), float("-inf"))
+    if bad_length:                      # out-of-range cache_seqlens: poison the row's output
+        out = tl.full([BLOCK_M, HEAD_DIM], float("nan"), tl.float32)
+        lse = tl.zeros([BLOCK_M], tl.float32)
+    dims = tl.arange(0, HEAD_DIM)
+    s64 = split.to(tl.int64)
+    out_ptrs = (Out + s64 * so_s + b64 * so_b + head[:, None].to(tl.int64) * so_h
+                + query[:, None] * so_n + dims[None, :] * so_d)
+    tl.store(out_ptrs, out.to(Out.dtype.element_ty), mask=row_ok[:, None])
+    if WRITE_LSE:
+        tl.store(Lse + s64 * sl_s + b64 * sl_b + head.to(tl.int64) * sl_h + query * sl_n, lse,
+                 mask=row_ok)
+
+
+# --- the merge kernel ----------------------------------------------------------------------------
+
+
+@triton.jit
+def _decode_merge_kernel(Part, PartLse, Out, n_rows, num_splits, HEAD_DIM: tl.constexpr,
+                         SPLITS_BLOCK: tl.constexpr):
+    """Grid ``(B · Hq · Nq,)``: ``out = Σ_s 2^(lse_s − m) o_s / Σ_s 2^(lse_s − m)``.
+
+    ``Part`` ``(S, rows, D)`` fp32 and ``PartLse`` ``(S, rows)`` contiguous; ``Out`` ``(rows,
+    D)`` contiguous. Chunks without a visible key have ``lse = −inf`` and weigh nothing.
+    """
+    row = tl.program_id(0).to(tl.int64)
+    dims = tl.arange(0, HEAD_DIM)
+    splits = tl.arange(0, SPLITS_BLOCK)
+    m = tl.full([SPLITS_BLOCK], float("-inf"), tl.float32)
+    for s0 in range(0, num_splits, SPLITS_BLOCK):
+        lse = tl.load(PartLse + (s0 + splits) * n_rows + row, mask=s0 + splits < num_splits,
+                      other=float("-inf"))
+        m = tl.maximum(m, lse)
+    m_max = tl.max(m, 0)
+    total = tl.zeros([SPLITS_BLOCK], tl.float32)
+    acc = tl.zeros([HEAD_DIM], tl.float32)
+    for s0 in range(0, num_splits, SPLITS_BLOCK):
+        ok = s0 + splits < num_splits
+        lse = tl.load(PartLse + (s0 + splits) * n_rows + row, mask=ok, other=float("-inf"))
+        weight = tl.math.exp2(lse - m_max)
+        part = tl.load(Part + ((s0 + splits)[:, None] * n_rows + row) * HEAD_DIM + dims[None, :],
+                       mask=ok[:, None], other=0.0)
+        acc += tl.sum(weight[:, None] * part, 0)
+        total += weight
+    tl.store(Out + row * HEAD_DIM + dims, (acc / tl.sum(total, 0)).to(Out.dtype.element_ty))
+
+
+# --- the launcher ---------------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_index):
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def sm_count(device):
+    """Streaming multiprocessors of ``device`` (132 on an H200; 132 under the interpreter, so the
+    splits rule gives the same numbers there)."""
+    if INTERPRET or device.type != "cuda":
+        return 132
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def block_m(group, n_queries):
+    """Rows per program: the group's heads × queries, a power of two in [16, 64]."""
+    return min(max(MIN_BLOCK_M, triton.next_power_of_2(group * n_queries)), MAX_BLOCK_M)
+
+
+def default_num_splits(batch, kv_heads, group, n_queries, n_max, sms=132):
+    """How many chunks to cut each row's keys into: as many as fit in one wave of resident
+    programs (``PROGRAMS_PER_SM`` per SM; a partial second wave would leave SMs idle for its
+    whole duration), but chunks of at least ``MIN_KEYS_PER_SPLIT`` keys, at most ``MAX_SPLITS``.
+
+    From shapes only (``n_max``, never the data), so a CUDA graph replays it. Hq=32, Hkv=8,
+    Nq=1 on 132 SMs: batch 1, 128k keys: 33 splits (264 programs); batch 1, 4k: 16;
+    batch 8: 4; batch 33 and more: 1.
+    """
+    programs = batch * kv_heads * triton.cdiv(group * n_queries, block_m(group, n_queries))
+    fits = (PROGRAMS_PER_SM * sms) // programs
+    return max(1, min(fits, triton.cdiv(n_max, MIN_KEYS_PER_SPLIT), MAX_SPLITS))
+
+
+def _check_lengths_on_host(cache_seqlens, n_queries, n_max):
+    """``Nq <= cache_seqlens[b] <= Nmax`` for every row (CPU tensors only: no sync needed)."""
+    short = cache_seqlens < n_queries
+    if bool(short.any()):
+        row = int(short.nonzero()[0])
+        raise ValueError(
+            f"cache_seqlens[{row}] = {int(cache_seqlens[row])} is less than the number of "
+            f"queries Nq = {n_queries}: the queries sit at the last Nq positions of the cache, "
+            "so every row needs at least Nq cached keys")
+    long = cache_seqlens > n_max
+    if bool(long.any()):
+        row = int(long.nonzero()[0])
+        raise ValueError(f"cache_seqlens[{row}] = {int(cache_seqlens[row])} exceeds the cache "
+                         f"size Nmax = {n_max}")
+
+
+def _check_decode_args(q, k_cache, v_cache, window, cache_seqlens, sm_scale, base, leaky,
+                       logn_len, rotated, num_splits):
+    batch, hq, hkv, n_queries, n_max, d = check_qkv(
+        {"q": q}, {"k_cache": k_cache, "v_cache": v_cache}, fewer_queries=True)
+    check_head_dim(d)
+    check_rope_args(q, k_cache, window, base, leaky, logn_len, rotated)
+    check_sm_scale(sm_scale)
+    if n_queries > MAX_QUERIES:
+        raise ValueError(f"q has {n_queries} queries per row; rerope_decode takes 1 to "
+                         f"{MAX_QUERIES} (use kernels.rerope for a prefill)")
+    if num_splits is not None:
+        if isinstance(num_splits, bool) or not isinstance(num_splits, int):
+            raise TypeError(f"num_splits must be an int >= 1 or None, got "
+                            f"{type(num_splits).__name__} {num_splits!r}")
+        if num_splits < 1:
+            raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+    if cache_seqlens is not None:
+        if not isinstance(cache_seqlens, torch.Tensor):
+            raise TypeError(f"cache_seqlens must be an int32 tensor of shape ({batch},) or None, "
+                            f"got {type(cache_seqlens).__name__}")
+        if cache_seqlens.dtype != torch.int32:
+            raise TypeError(f"cache_seqlens must have dtype torch.int32, got {cache_seqlens.dtype}")
+        if tuple(cache_seqlens.shape) != (batch,):
+            raise ValueError(f"cache_seqlens must have shape ({batch},) (one length per batch "
+                             f"row), got {tuple(cache_seqlens.shape)}")
+        if cache_seqlens.device != q.device:
+            raise ValueError(f"cache_seqlens must be on q's device ({q.device}), got "
+                             f"{cache_seqlens.device}")
+    check_logn_overflow(logn_len, n_max, q.dtype)
+    return batch, hq, hkv, n_queries, n_max, d
+
+
+def rerope_decode(q, k_cache, v_cache, window, cache_seqlens=None, sm_scale=None, base=10000.0,
+                  leaky=None, logn_len=None, rotated=True, num_splits=None):
+    """(Leaky) ReRoPE attention of a few new queries against a KV cache (forward only).
+
+    The decode step of generation: each batch row's ``Nq`` newest tokens attend, causally, to the
+    row's cached keys, whose last ``Nq`` entries are those tokens themselves (append the new
+    ``k, v`` to the cache first, then count them in ``cache_seqlens``). Split-KV: the keys are
+    cut into ``num_splits`` chunks folded in parallel and merged by log-sum-exp. No host
+    synchronisation and no allocation that depends on data: the call can be captured in a CUDA
+    graph (call it once before capturing: the first call compiles and builds the RoPE table).
+
+    Arguments:
+        q: ``(batch_size, nheads, seqlen_q, headdim)``, the new queries; ``1 <= seqlen_q <= 16``
+            (one token, or a few speculative ones). Query ``n`` of row ``b`` sits at position
+            ``cache_seqlens[b] - seqlen_q + n``. RoPE-rotated at those positions if ``rotated``,
+            raw otherwise.
+        k_cache: ``(batch_size, nheads_k, seqlen_cache, headdim)``, the key cache; ``nheads`` a
+            multiple of ``nheads_k`` (grouped-query / multi-query attention; the cache is never
+            repeated in memory). Slot ``j`` holds the key of position ``j`` (RoPE-rotated at
+            ``j`` if ``rotated``). Any strides, e.g. a transposed view of a
+            ``(batch_size, seqlen_cache, nheads_k, headdim)`` buffer.
+        v_cache: ``(batch_size, nheads_k, seqlen_cache, headdim)``, the value cache.
+        window: int ``>= 1``, ReRoPE's window ``w``: relative positions ``i - j < w`` use plain
+            RoPE, the others are clamped to ``w`` (or grow as ``w + (i - j - w) / leaky``).
+        cache_seqlens: ``None`` (every row uses the whole cache) or an int32 tensor
+            ``(batch_size,)`` on ``q``'s device: the number of valid slots per row, between
+            ``seqlen_q`` and ``seqlen_cache``. Slots at and beyond it are never read. Values
+            out of range raise ``ValueError`` for CPU tensors; on a GPU they are not checked
+            (that would need a host sync) and the rows concerned come back as NaN.
+        sm_scale: float, the score scale; ``1 / sqrt(headdim)`` when ``None``.
+        base: float, the RoPE base (10000.0 for Llama 2).
+        leaky: ``None`` for ReRoPE, or Leaky ReRoPE's factor ``κ > 1``.
+        logn_len: ``None``, or a training length: queries are scaled by
+            ``max(1, log(i + 1) / log(logn_len))`` at their position ``i``.
+        rotated: bool; ``True`` (the default, the Llama/Hugging Face convention) if ``q`` and
+            ``k_cache`` carry RoPE at their positions, ``False`` if they are raw.
+        num_splits: ``None`` (chosen from the shapes, :func:`default_num_splits`) or an int
+            ``>= 1``: chunks per row. More splits than key tiles is allowed (the spare ones
+            are empty).
+
+    fp16, bf16 or fp32; ``headdim`` in 16, 32, 64, 128, 256. Returns ``out``:
+    ``(batch_size, nheads, seqlen_q, headdim)`` in ``q``'s dtype. Allocates the output and,
+    when ``num_splits > 1``, the fp32 partials ``(num_splits, batch_size, nheads, seqlen_q,
+    headdim)`` and their log-sum-exps.
+    """
+    plan = _plan(q, k_cache, v_cache, window, cache_seqlens, sm_scale, base, leaky, logn_len,
+                 rotated, num_splits)
+    if cache_seqlens is None:
+        cache_seqlens = plan.full_lengths
+    elif cache_seqlens.device.type == "cpu":       # free to read here; on a GPU it would sync
+        _check_lengths_on_host(cache_seqlens, plan.n_queries, plan.n_max)
+    cache_seqlens = cache_seqlens.contiguous()     # the kernel reads it with unit stride
+    (q, k_cache, v_cache), restore = prepare_for_device(q, k_cache, v_cache)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if plan.num_splits == 1:
+        part, lse, part_strides, lse_strides = out, out, (0, *out.stride()), (0, 0, 0, 0)
+    else:
+        part = torch.empty(plan.part_shape, dtype=torch.float32, device=q.device)
+        lse = torch.empty(plan.part_shape[:-1], dtype=torch.float32, device=q.device)
+        part_strides, lse_strides = part.stride(), lse.stride()
+    _decode_split_kernel[plan.grid](
+        q, k_cache, v_cache, cache_seqlens, part, lse, *plan.tables,
+        *q.stride(), *k_cache.stride(), *v_cache.stride(), *part_strides, *lse_strides,
+        *plan.scalars, **plan.constexprs)
+    if plan.num_splits > 1:
+        _decode_merge_kernel[plan.merge_grid](part, lse, out, *plan.merge_args,
+                                              **plan.merge_constexprs)
+    return restore(out)
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """Everything a call derives from its arguments' shapes and settings (not their data)."""
+
+    n_queries: int
+    n_max: int
+    num_splits: int
+    full_lengths: torch.Tensor
+    tables: tuple
+    part_shape: tuple
+    grid: tuple
+    scalars: tuple
+    constexprs: dict
+    merge_grid: tuple
+    merge_args: tuple
+    merge_constexprs: dict
+
+
+_PLANS = {}
+
+
+def _plan(q, k_cache, v_cache, window, cache_seqlens, sm_scale, base, leaky, logn_len, rotated,
+          num_splits):
+    """The call's :class:`_Plan`, checked and built once per distinct set of shapes, dtypes,
+    devices and settings: a decode loop pays the Python checks only on its first step."""
+    try:
+        key = (tuple((t.shape, t.dtype, t.device) for t in (q, k_cache, v_cache)),
+               None if cache_seqlens is None else
+               (type(cache_seqlens), cache_seqlens.shape, cache_seqlens.dtype,
+                cache_seqlens.device),
+               tuple((type(x), x) for x in (window, sm_scale, base, leaky, logn_len, rotated,
+                                            num_splits)),
+               INTERPRET, tuple(GPU_CONFIG.items()), PROGRAMS_PER_SM)
+        plan = _PLANS.get(key)
+    except (AttributeError, TypeError):    # not tensors, unhashable settings: checks will say
+        key, plan = None, None
+    if plan is None:
+        plan = _make_plan(q, k_cache, v_cache, window, cache_seqlens, sm_scale, base, leaky,
+                          logn_len, rotated, num_splits)
+        if key is not None:
+            _PLANS[key] = plan
+    return plan
+
+
+def _make_plan(q, k_cache, v_cache, window, cache_seqlens, sm_scale, base, leaky, logn_len,
+               rotated, num_splits):
+    batch, hq, hkv, n_queries, n_max, d = _check_decode_args(
+        q, k_cache, v_cache, window, cache_seqlens, sm_scale, base, leaky, logn_len, rotated,
+        num_splits)
+    group = hq // hkv
+    scale = d ** -0.5 if sm_scale is None else float(sm_scale)
+    window = min(int(window), n_max)       # every pair has i - j <= Nmax - 1
+    device = q.device
+    config = INTERPRETER_CONFIG if INTERPRET else GPU_CONFIG
+    rows_per_program = block_m(group, n_queries)
+    if num_splits is None:
+        num_splits = default_num_splits(batch, hkv, group, n_queries, n_max, sm_count(device))
+    inside, outside = rotation_plan(window, leaky, rotated)
+    tables = []
+    for rotation in (inside, outside):
+        offset = rotation_offset(d, base, rotation.offset, device)
+        table = (rope_table(n_max, d, base, rotation.speed, device) if rotation.rotates_keys
+                 else offset)
+        tables += [table, offset]
+    compute_dtype = torch.float32 if INTERPRET and q.dtype == torch.bfloat16 else q.dtype
+    n_rows = batch * hq * n_queries
+    return _Plan(
+        n_queries=n_queries, n_max=n_max, num_splits=num_splits,
+        full_lengths=torch.full((batch,), n_max, dtype=torch.int32, device=device),
+        tables=tuple(tables), part_shape=(num_splits, batch, hq, n_queries, d),
+        grid=(batch * hkv, num_splits, triton.cdiv(group * n_queries, rows_per_program)),
+        scalars=(hkv, group, n_queries, n_max, num_splits, window, scale * LOG2E,
+                 logn_factor(logn_len)),
+        constexprs=dict(HEAD_DIM=d, BLOCK_M=rows_per_program, ROT_KEYS_IN=inside.rotates_keys,
+                        ROT_KEYS_OUT=outside.rotates_keys, LOGN=logn_len is not None,
+                        WRITE_LSE=num_splits > 1, DOT_PRECISION=dot_precision(compute_dtype),
+                        **config),
+        merge_grid=(n_rows,), merge_args=(n_rows, num_splits),
+        merge_constexprs=dict(HEAD_DIM=d, SPLITS_BLOCK=min(triton.next_power_of_2(num_splits),
+                                                           16)))

@@ -1,0 +1,440 @@
+"""``kernels.rerope_decode``: split-KV decoding against the float64 oracle, and its bad input.
+
+CPU (Triton's interpreter, 16-key tiles): ``Nq`` 1, 2, 5 over caches of 1, 17, 100 and 300
+slots, ``cache_seqlens`` different per row (1 and ``Nmax`` among them), GQA groups 1, 2 and 4,
+rotated and raw caches, Leaky ReRoPE and log-n, windows below and above the cache length,
+``num_splits`` 1, 3 and more splits than key tiles. Every slot at or past a row's length is NaN
+(a kernel that reads one returns NaN), and every buffer the launcher allocates starts as NaN
+(``poisoned_empty``: an output element never written shows). The oracle is
+``reference.rerope_from_relative_positions`` in float64, per batch row on the valid keys only.
+
+A decode step must equal the matching rows of a prefill (``kernels.rerope`` and the reference).
+
+GPU (``-m gpu``, skipped without CUDA): the benchmark shapes at 128k keys against a float32
+reference computed per batch row and KV-head group; out-of-range ``cache_seqlens`` give NaN
+rows; a CUDA-graph replay with lengths updated in place equals eager calls.
+"""
+
+from dataclasses import asdict, dataclass
+
+import pytest
+import torch
+
+import kernels
+from kernels import decode, reference, rope
+from rerope_testing import (close_problems, describe, kernel_device, poisoned_empty, randn,
+                            tolerance)
+
+F16, F32, BF16 = torch.float16, torch.float32, torch.bfloat16
+
+
+@dataclass(frozen=True)
+class DecodeCase:
+    n_max: int
+    lengths: tuple
+    n_queries: int
+    window: int
+    hq: int = 2
+    hkv: int = 1
+    d: int = 32
+    dtype: torch.dtype = F32
+    rotated: bool = True
+    leaky: float = None
+    logn_len: float = None
+    num_splits: int = None
+    sm_scale: float = None
+    layout: str = "contiguous"
+
+    def id(self):
+        parts = [f"N{self.n_max}", "L" + "-".join(map(str, self.lengths)), f"q{self.n_queries}",
+                 f"w{self.window}", f"H{self.hq}kv{self.hkv}", f"D{self.d}",
+                 str(self.dtype).replace("torch.", ""), "rot" if self.rotated else "raw"]
+        for name in ("leaky", "logn_len", "num_splits", "sm_scale"):
+            if getattr(self, name) is not None:
+                parts.append(f"{name}{getattr(self, name):g}")
+        if self.layout != "contiguous":
+            parts.append(self.layout)
+        return "-".join(parts)
+
+
+CASES = [
+    # a cache of one key: one query, window 1 (only the diagonal) and beyond the cache
+    DecodeCase(1, (1,), 1, 1, hq=1),
+    DecodeCase(1, (1, 1), 1, 4, rotated=False, dtype=F16),
+    # 17 slots (one full 16-key tile and one key): lengths 17, 1, 9
+    DecodeCase(17, (17, 1, 9), 1, 5, hq=4, hkv=2),
+    DecodeCase(17, (2, 17), 2, 16, hq=4, hkv=1, rotated=False),
+    DecodeCase(17, (17, 5), 5, 3, leaky=4.0, num_splits=3),
+    # 100 slots
+    DecodeCase(100, (100, 5, 63), 5, 20, hq=4, hkv=2, num_splits=3, leaky=8.0),
+    DecodeCase(100, (100, 37), 5, 200, rotated=False, logn_len=16),      # window > cache
+    DecodeCase(100, (100, 1), 1, 7, dtype=BF16, num_splits=3),
+    DecodeCase(100, (64, 100), 2, 33, hq=4, hkv=1, dtype=F16, logn_len=8, rotated=False,
+               num_splits=1),
+    DecodeCase(100, (100, 48), 1, 10, hq=2, hkv=2, layout="transposed", sm_scale=1.0),
+    # 300 slots: the long unmasked loop outside the window
+    DecodeCase(300, (300, 123), 1, 64, num_splits=1),
+    DecodeCase(300, (300, 250), 2, 33, leaky=16.0, logn_len=32, num_splits=24),   # 19 tiles
+    DecodeCase(300, (300,), 5, 299, hq=4, hkv=1, dtype=F16, rotated=False),
+    DecodeCase(300, (17, 300), 5, 40, hq=4, hkv=2, num_splits=3, rotated=False, leaky=2.0),
+    # other head dims
+    DecodeCase(40, (40, 23), 2, 9, d=16, rotated=False),
+    DecodeCase(40, (40, 23), 1, 9, d=128, dtype=F16, num_splits=3),
+]
+
+
+def make_cache(gen, case, batch, device):
+    """``q, k_cache, v_cache, lengths``: every slot at or past a row's length is NaN."""
+    q = randn(gen, batch, case.hq, case.n_queries, case.d, dtype=case.dtype, device=device)
+    caches = []
+    for _ in range(2):
+        values = randn(gen, batch, case.hkv, case.n_max, case.d, dtype=case.dtype, device=device)
+        for b, length in enumerate(case.lengths):
+            values[b, :, length:] = float("nan")
+        if case.layout == "transposed":   # a (B, Nmax, Hkv, D) buffer, the flash-attn layout
+            values = values.transpose(1, 2).contiguous().transpose(1, 2)
+        caches.append(values)
+    lengths = torch.tensor(case.lengths, dtype=torch.int32, device=device)
+    return q, *caches, lengths
+
+
+def oracle(q, k_cache, v_cache, lengths, case, window=None):
+    """float64 ``rerope_from_relative_positions``, one batch row at a time on its valid keys."""
+    rows = []
+    for b, length in enumerate(lengths.tolist()):
+        rows.append(reference.rerope_from_relative_positions(
+            q[b:b + 1].double(), k_cache[b:b + 1, :, :length].double(),
+            v_cache[b:b + 1, :, :length].double(), case.window if window is None else window,
+            causal=True, sm_scale=case.sm_scale, leaky=case.leaky, logn_len=case.logn_len,
+            rotated=case.rotated))
+    return torch.cat(rows)
+
+
+def run_kernel(q, k_cache, v_cache, lengths, case, window=None):
+    with poisoned_empty(), torch.no_grad():
+        return kernels.rerope_decode(
+            q, k_cache, v_cache, case.window if window is None else window,
+            cache_seqlens=lengths, sm_scale=case.sm_scale, leaky=case.leaky,
+            logn_len=case.logn_len, rotated=case.rotated, num_splits=case.num_splits)
+
+
+@pytest.mark.parametrize("case", CASES, ids=DecodeCase.id)
+def test_decode_matches_oracle(case, gen):
+    q, k_cache, v_cache, lengths = make_cache(gen, case, len(case.lengths), kernel_device())
+    out = run_kernel(q, k_cache, v_cache, lengths, case)
+    assert out.dtype == case.dtype and out.shape == q.shape
+    want = oracle(q, k_cache, v_cache, lengths, case)
+    problems = close_problems("out", out, want, tolerance(case.dtype))
+    assert not problems, describe(gen, **asdict(case)) + "\n" + "\n".join(problems)
+
+
+def test_oracle_comparison_catches_a_window_off_by_one(gen):
+    """The check above is sharp: the kernel run with ``window + 1`` fails it."""
+    case = DecodeCase(100, (100, 60), 2, 20, hq=2, hkv=1, num_splits=3)
+    q, k_cache, v_cache, lengths = make_cache(gen, case, 2, kernel_device())
+    want = oracle(q, k_cache, v_cache, lengths, case)
+    assert not close_problems("out", run_kernel(q, k_cache, v_cache, lengths, case), want,
+                              tolerance(F32))
+    wrong = run_kernel(q, k_cache, v_cache, lengths, case, window=case.window + 1)
+    assert close_problems("out", wrong, want, tolerance(F32))
+
+
+@pytest.mark.parametrize("angles", [0, 1, 2, 3])
+def test_every_angle_variant(angles, gen, monkeypatch):
+    """Each way of getting a key tile's angles (``ANGLES``, see ``decode._decode_pass``) is
+    exact, for both conventions (the rotated cache turns keys outside, the raw one inside)."""
+    config = decode.GPU_CONFIG if kernel_device() == "cuda" else decode.INTERPRETER_CONFIG
+    monkeypatch.setitem(config, "ANGLES", angles)
+    for rotated in (True, False):
+        case = DecodeCase(100, (100, 41), 3, 20, hq=4, hkv=2, rotated=rotated, leaky=4.0,
+                          num_splits=3)
+        q, k_cache, v_cache, lengths = make_cache(gen, case, 2, kernel_device())
+        out = run_kernel(q, k_cache, v_cache, lengths, case)
+        problems = close_problems("out", out, oracle(q, k_cache, v_cache, lengths, case),
+                                  tolerance(F32))
+        assert not problems, f"ANGLES={angles} rotated={rotated}\n" + "\n".join(problems)
+
+
+def test_split_counts_agree(gen):
+    """One split, three, and more splits than key tiles give the same output."""
+    case = DecodeCase(300, (150,), 2, 50, hq=4, hkv=2, rotated=True)
+    q, k_cache, v_cache, lengths = make_cache(gen, case, 1, kernel_device())
+    outs = {s: run_kernel(q, k_cache, v_cache, lengths, DecodeCase(**{**asdict(case),
+                                                                     "num_splits": s}))
+            for s in (1, 3, 12)}     # 150 keys: 10 tiles
+    for s in (3, 12):
+        problems = close_problems(f"splits={s}", outs[s], outs[1], tolerance(F32))
+        assert not problems, "\n".join(problems)
+
+
+# --- a decode step is a row of the prefill ---------------------------------------------------
+
+
+@pytest.mark.parametrize("rotated, leaky, logn_len", [(False, None, None), (True, None, None),
+                                                     (True, 8.0, 16)],
+                         ids=["raw", "rotated", "rotated-leaky-logn"])
+def test_decode_equals_prefill_rows(rotated, leaky, logn_len, gen):
+    """Prefill ``N`` tokens with ``kernels.rerope``; decoding the tokens ``t - Nq … t - 1`` of
+    each row against the cache of its first ``t`` keys gives the same rows."""
+    device = kernel_device()
+    batch, hq, hkv, n, d, window, n_queries = 2, 2, 1, 40, 32, 12, 2
+    q, k, v = (randn(gen, batch, h, n, d, dtype=F32, device=device) for h in (hq, hkv, hkv))
+    kwargs = dict(leaky=leaky, logn_len=logn_len)
+    with torch.no_grad():
+        prefill = kernels.rerope(q, k, v, window, **kwargs)
+    prefill_oracle = reference.rerope(q.double(), k.double(), v.double(), window, **kwargs)
+    ends = [n, 30]                                     # row 0: the last tokens; row 1: earlier
+    if rotated:                                        # what a Llama model caches
+        positions = torch.arange(n, dtype=torch.float64, device=device)
+        q, k = rope.apply_rope(q, positions), rope.apply_rope(k, positions)
+    q_new = torch.stack([q[b, :, t - n_queries:t] for b, t in enumerate(ends)])
+    k_cache, v_cache = k.clone(), v.clone()
+    for b, t in enumerate(ends):                        # slots past the length: never read
+        k_cache[b, :, t:] = float("nan")
+        v_cache[b, :, t:] = float("nan")
+    with poisoned_empty(), torch.no_grad():
+        out = kernels.rerope_decode(q_new, k_cache, v_cache, window,
+                                    cache_seqlens=torch.tensor(ends, dtype=torch.int32,
+                                                               device=device),
+                                    rotated=rotated, num_splits=2, **kwargs)
+    for name, full in (("kernels.rerope", prefill), ("reference.rerope", prefill_oracle)):
+        want = torch.stack([full[b, :, t - n_queries:t] for b, t in enumerate(ends)])
+        problems = close_problems(f"decode vs {name}", out, want, tolerance(F32))
+        assert not problems, "\n".join(problems)
+
+
+# --- how a split walks its keys --------------------------------------------------------------
+
+
+def chunk_problems(bounds, n_keys, n_queries, window, block_n):
+    """Check ``decode.chunk_map`` against brute force: the splits partition ``[0, n_keys)`` in
+    order; unmasked walks hold only keys of their kind for every query; every visible pair is
+    seen by its product's walks."""
+    problems, expected_lo = [], 0
+    queries = range(n_keys - n_queries, n_keys)
+    for split, (lo, c1, c2, c3, hi) in enumerate(bounds.tolist()):
+        if not lo <= c1 <= c2 <= c3 <= hi:
+            problems.append(f"split {split}: cut points out of order {(lo, c1, c2, c3, hi)}")
+        if hi > lo:
+            if lo != expected_lo:
+                problems.append(f"split {split} starts at {lo}, expected {expected_lo}")
+            expected_lo = hi
+        for j in range(lo, hi):
+            distances = [p - j for p in queries]
+            if j < c1 and not all(d >= window for d in distances):
+                problems.append(f"split {split}: key {j} in the unmasked outside walk")
+            if c2 <= j < c3 and not all(0 <= d < window for d in distances):
+                problems.append(f"split {split}: key {j} in the unmasked inside walk")
+            if any(0 <= d < window for d in distances) and j < c1:
+                problems.append(f"split {split}: key {j} inside for a query but never inside")
+            if any(d >= window for d in distances) and j >= c2:
+                problems.append(f"split {split}: key {j} outside for a query but never outside")
+        for start in range(lo, c1, block_n):
+            if start % block_n or start + block_n > n_keys:
+                problems.append(f"split {split}: unmasked tile at {start} is ragged")
+    if expected_lo != n_keys:
+        problems.append(f"the splits cover [0, {expected_lo}), not [0, {n_keys})")
+    return problems
+
+
+@pytest.mark.parametrize("n_keys", [1, 17, 64, 100, 300])
+def test_chunk_walks(n_keys):
+    for n_queries in (1, 2, 5):
+        for window in (1, 3, 16, 40, 299):
+            for num_splits in (1, 3, 25):
+                if n_queries > n_keys:
+                    continue
+                bounds = decode.chunk_map(n_keys, n_queries, window, num_splits, 16)
+                problems = chunk_problems(bounds, n_keys, n_queries, min(window, n_keys), 16)
+                assert not problems, (f"n_keys={n_keys} Nq={n_queries} w={window} "
+                                      f"splits={num_splits}:\n" + "\n".join(problems[:10]))
+
+
+# --- the splits rule --------------------------------------------------------------------------
+
+
+def test_default_num_splits():
+    """The documented numbers: one wave of two programs per SM (132 SMs) at batch 1, fewer
+    splits at batch 8, chunks of >= MIN_KEYS_PER_SPLIT keys, never more than MAX_SPLITS."""
+    rule = decode.default_num_splits
+    assert rule(1, 8, 4, 1, 131072, 132) == 33
+    assert rule(8, 8, 4, 1, 131072, 132) == 4
+    assert rule(33, 8, 4, 1, 131072, 132) == 1
+    assert rule(1, 8, 4, 1, 4096, 132) == 16
+    assert rule(1, 1, 1, 1, 10 ** 7, 132) == decode.MAX_SPLITS
+    assert rule(64, 8, 4, 1, 131072, 132) == 1
+    assert rule(1, 8, 4, 1, 1, 132) == 1
+    for batch in (1, 3, 8, 32):
+        for n_max in (1, 300, 4096, 131072):
+            splits = rule(batch, 8, 4, 1, n_max, 132)
+            assert 1 <= splits <= decode.MAX_SPLITS
+            assert splits == 1 or splits * batch * 8 <= decode.PROGRAMS_PER_SM * 132
+            assert splits == 1 or n_max / splits >= decode.MIN_KEYS_PER_SPLIT / 2
+
+
+# --- bad input ----------------------------------------------------------------------------------
+
+
+def _inputs(batch=2, hq=4, hkv=2, n_queries=2, n_max=20, d=32, dtype=F32):
+    device = kernel_device()
+    q = torch.randn(batch, hq, n_queries, d, dtype=dtype, device=device)
+    k = torch.randn(batch, hkv, n_max, d, dtype=dtype, device=device)
+    return q, k, torch.randn_like(k)
+
+
+def _lengths(*values):
+    return torch.tensor(values, dtype=torch.int32, device=kernel_device())
+
+
+BAD_INPUTS = [
+    # (what, build the call's arguments, exception, words in the message)
+    ("too many queries", lambda: (_inputs(n_queries=17, n_max=40), {}), ValueError, "1 to 16"),
+    ("more queries than cache", lambda: (_inputs(n_queries=3, n_max=2), {}), ValueError,
+     "Nq <= Nk"),
+    ("heads not a multiple", lambda: (_inputs(hq=3, hkv=2), {}), ValueError, "multiple"),
+    ("head dims differ", lambda: ((_inputs()[0], *_inputs(d=64)[1:]), {}), ValueError, "head dim"),
+    ("unsupported head dim", lambda: (_inputs(d=48), {}), ValueError, "head dim"),
+    ("k and v heads differ", lambda: ((*_inputs()[:2], _inputs(hkv=1)[2]), {}), ValueError,
+     "heads"),
+    ("dtypes differ", lambda: ((*_inputs()[:2], _inputs(dtype=F16)[2]), {}), TypeError, "dtype"),
+    ("lengths int64", lambda: (_inputs(), dict(cache_seqlens=_lengths(5, 6).long())), TypeError,
+     "int32"),
+    ("lengths a list", lambda: (_inputs(), dict(cache_seqlens=[5, 6])), TypeError, "tensor"),
+    ("lengths wrong shape", lambda: (_inputs(), dict(cache_seqlens=_lengths(5, 6, 7))),
+     ValueError, "shape (2,)"),
+    ("lengths 2-D", lambda: (_inputs(), dict(cache_seqlens=_lengths(5, 6)[None])), ValueError,
+     "shape (2,)"),
+    ("lengths other device", lambda: (_inputs(), dict(
+        cache_seqlens=torch.zeros(2, dtype=torch.int32, device="meta"))), ValueError, "device"),
+    ("length below Nq", lambda: (_inputs(), dict(cache_seqlens=_lengths(20, 1))), ValueError,
+     "cache_seqlens[1] = 1"),
+    ("length above Nmax", lambda: (_inputs(), dict(cache_seqlens=_lengths(21, 5))), ValueError,
+     "exceeds"),
+    ("num_splits 0", lambda: (_inputs(), dict(num_splits=0)), ValueError, "num_splits"),
+    ("num_splits float", lambda: (_inputs(), dict(num_splits=2.0)), TypeError, "num_splits"),
+    ("window 0", lambda: (_inputs(), dict(window=0)), ValueError, "window"),
+    ("rotated not bool", lambda: (_inputs(), dict(rotated="yes")), TypeError, "rotated"),
+    ("leaky <= 1", lambda: (_inputs(), dict(leaky=1.0)), ValueError, "leaky"),
+    ("rank 3 q", lambda: ((_inputs()[0][0], *_inputs()[1:]), {}), ValueError, "rank 4"),
+]
+
+
+@pytest.mark.parametrize("what, build, error, words", BAD_INPUTS, ids=[b[0] for b in BAD_INPUTS])
+def test_bad_input(what, build, error, words):
+    (q, k_cache, v_cache), kwargs = build()
+    kwargs = {"window": 4, **kwargs}
+    if kernel_device() == "cuda" and what.startswith("length "):
+        pytest.skip("lengths are not read on the host on a GPU (NaN rows instead: test_gpu_*)")
+    with pytest.raises(error) as raised:
+        kernels.rerope_decode(q, k_cache, v_cache, **kwargs)
+    assert words in str(raised.value), f"{what}: message {str(raised.value)!r} lacks {words!r}"
+
+
+def test_out_of_range_lengths_give_nan_rows(monkeypatch, gen):
+    """Where lengths are not checked on the host (a GPU), the kernel poisons the rows with an
+    out-of-range length and computes the others normally. Here the host check is switched off
+    to exercise that path on any device."""
+    monkeypatch.setattr(decode, "_check_lengths_on_host", lambda *args: None)
+    case = DecodeCase(20, (20, 1, 21, 9), 2, 4, hq=2, hkv=1, num_splits=2)
+    q, k_cache, v_cache, _ = make_cache(gen, DecodeCase(**{**asdict(case), "lengths": (20,) * 4}),
+                                        4, kernel_device())
+    lengths = _lengths(*case.lengths)
+    for splits in (1, 2):
+        out = run_kernel(q, k_cache, v_cache, lengths, DecodeCase(**{**asdict(case),
+                                                                    "num_splits": splits}))
+        assert out[1].isnan().all() and out[2].isnan().all(), "bad rows must be NaN"
+        good = DecodeCase(**{**asdict(case), "lengths": (20, 9)})
+        want = oracle(q[[0, 3]], k_cache[[0, 3]], v_cache[[0, 3]], _lengths(20, 9), good)
+        problems = close_problems("good rows", out[[0, 3]], want, tolerance(F32))
+        assert not problems, "\n".join(problems)
+
+
+# --- GPU ------------------------------------------------------------------------------------------
+
+needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.fixture
+def full_precision_reference():
+    was = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32 = was
+
+
+def float32_reference(q, k_cache, v_cache, lengths, window, leaky=None, logn_len=None,
+                      rotated=True, kv_chunk=2):
+    """``reference.rerope`` in float32, one batch row and ``kv_chunk`` KV heads at a time."""
+    group = q.shape[1] // k_cache.shape[1]
+    rows = []
+    for b, length in enumerate(lengths.tolist()):
+        heads = []
+        for h0 in range(0, k_cache.shape[1], kv_chunk):
+            kv = slice(h0, h0 + kv_chunk)
+            qs = slice(h0 * group, (h0 + kv_chunk) * group)
+            heads.append(reference.rerope(
+                q[b:b + 1, qs].float(), k_cache[b:b + 1, kv, :length].float(),
+                v_cache[b:b + 1, kv, :length].float(), window, leaky=leaky, logn_len=logn_len,
+                rotated=rotated))
+        rows.append(torch.cat(heads, dim=1))
+    return torch.cat(rows)
+
+
+GPU_CASES = [   # (batch, n_queries, window, rotated, leaky, logn_len, lengths)
+    (1, 1, 2048, True, None, None, None),
+    (8, 1, 2048, True, None, None, None),
+    (1, 1, 512, True, None, None, None),
+    (8, 4, 512, True, None, None, (131072, 1000, 65537, 4, 131071, 77777, 2048, 130000)),
+    (1, 1, 2048, False, 16.0, 4096, None),
+]
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("batch, n_queries, window, rotated, leaky, logn_len, lengths", GPU_CASES)
+@pytest.mark.usefixtures("full_precision_reference")
+def test_gpu_128k(batch, n_queries, window, rotated, leaky, logn_len, lengths, gen):
+    n_max, hq, hkv, d = 131072, 32, 8, 128
+    q = randn(gen, batch, hq, n_queries, d, dtype=BF16, device="cuda")
+    k_cache = torch.randn(batch, hkv, n_max, d, device="cuda", dtype=BF16)
+    v_cache = torch.randn_like(k_cache)
+    lengths = torch.tensor(lengths or (n_max,) * batch, dtype=torch.int32, device="cuda")
+    with poisoned_empty(), torch.no_grad():
+        out = kernels.rerope_decode(q, k_cache, v_cache, window, cache_seqlens=lengths,
+                                    leaky=leaky, logn_len=logn_len, rotated=rotated)
+    want = float32_reference(q, k_cache, v_cache, lengths, window, leaky, logn_len, rotated)
+    problems = close_problems("out", out, want, tolerance(BF16, "gpu"))
+    stats = (out.float() - want).abs().max().item()
+    print(f"\nB={batch} Nq={n_queries} w={window} rotated={rotated}: max|err| {stats:.3e}")
+    assert not problems, "\n".join(problems)
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_gpu_out_of_range_lengths_and_graph_replay(gen):
+    """On a GPU: out-of-range lengths give NaN rows (no host check); a CUDA graph captured once
+    replays correctly after the lengths change in place."""
+    case = DecodeCase(300, (300, 0, 301, 77), 1, 40, hq=4, hkv=2, dtype=F16)
+    q, k_cache, v_cache, _ = make_cache(gen, DecodeCase(**{**asdict(case), "lengths": (300,) * 4}),
+                                        4, "cuda")
+    lengths = torch.tensor(case.lengths, dtype=torch.int32, device="cuda")
+    out = kernels.rerope_decode(q, k_cache, v_cache, case.window, cache_seqlens=lengths)
+    assert out[1].isnan().all() and out[2].isnan().all()
+    assert torch.isfinite(out[[0, 3]]).all()
+
+    lengths.copy_(torch.tensor([300, 5, 150, 77], dtype=torch.int32))
+    static = dict(cache_seqlens=lengths, num_splits=4)
+    kernels.rerope_decode(q, k_cache, v_cache, case.window, **static)          # warm-up
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = kernels.rerope_decode(q, k_cache, v_cache, case.window, **static)
+    for new in ([300, 5, 150, 77], [12, 299, 1, 200]):
+        lengths.copy_(torch.tensor(new, dtype=torch.int32))
+        graph.replay()
+        eager = kernels.rerope_decode(q, k_cache, v_cache, case.window, **static)
+        torch.cuda.synchronize()
+        assert torch.equal(captured, eager), f"graph replay differs from eager at lengths {new}"
+        want = oracle(q, k_cache, v_cache, lengths.cpu(), DecodeCase(**{**asdict(case),
+                                                                       "lengths": tuple(new)}))
+        problems = close_problems("replay", captured, want, tolerance(F16, "gpu"))
+        assert not problems, "\n".join(problems)
