@@ -1,0 +1,48 @@
+#!/bin/bash
+# The session's closing device call (carry .whl): GPU tests of the fused op and the decode
+# kernel, the benchmark rows of kernels.rerope (fp16 N sweep, bf16 at N=8192) merged into
+# book/data/bench_h200.json, then the notebooks named in $NOTEBOOKS executed on the GPU in
+# three parallel groups. Everything comes back as one archive, $OUT/final.tgz, plus logs.
+set -o pipefail
+export PYTHONUNBUFFERED=1 KERNELS_AUTOTUNE=0
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" /tmp/warm /tmp/logs
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site PATH=/tmp/site/bin:$PATH || exit 1
+python3 -m ipykernel install --user --name python3 >/dev/null 2>&1
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/final.log"
+start=$(date +%s)
+IMPLS=rerope,rerope_raw,rerope_rotated,sdpa_cudnn,rope_sdpa_cudnn,rope_inputs
+# 1. GPU tests and cache warm-up, in parallel
+GPU_TEST_REPORT=$OUT/gpu_tests.json timeout ${TEST_TIMEOUT:-200} python3 -m pytest \
+    tests/test_gpu.py tests/test_decode.py -m gpu -q -p no:cacheprovider -n 4 \
+    -k "${GPU_TEST_FILTER:-fused_large or decode}" > /tmp/logs/gpu_tests.log 2>&1 &
+for dtype in float16 bfloat16; do
+    timeout ${WARM_TIMEOUT:-150} python3 -m kernels.bench --skip-check --reps 1 \
+        --impl rerope,rerope_raw,rerope_rotated --dtype $dtype --causal true \
+        --out /tmp/warm/$dtype.json > /tmp/warm/$dtype.log 2>&1 &
+done
+wait
+tail -n 25 /tmp/logs/gpu_tests.log | tee -a "$OUT/final.log"
+echo "tests + warm-up done in $(( $(date +%s) - start )) s" | tee -a "$OUT/final.log"
+# 2. the benchmark rows
+timeout ${BENCH_TIMEOUT:-150} python3 -m kernels.bench --reps 10 --impl $IMPLS --causal true \
+    --dtype float16 --out /tmp/bench_f16.json > /tmp/logs/bench_f16.log 2>&1
+timeout 60 python3 -m kernels.bench --skip-check --reps 10 --impl $IMPLS --causal true \
+    --dtype bfloat16 --n 8192 --out /tmp/bench_bf16.json > /tmp/logs/bench_bf16.log 2>&1
+grep -E "check|N=8192|N=2048" /tmp/logs/bench_f16.log | tee -a "$OUT/final.log"
+python3 perf/merge_bench.py book/data/bench_h200.json book/data/bench_h200.json \
+    /tmp/bench_f16.json /tmp/bench_bf16.json | tee -a "$OUT/final.log"
+echo "bench done in $(( $(date +%s) - start )) s" | tee -a "$OUT/final.log"
+# 3. the notebooks, three groups in parallel
+set -- $NOTEBOOKS
+groups=("" "" "")
+i=0; for nb in "$@"; do groups[$((i % 3))]="${groups[$((i % 3))]} $nb"; i=$((i + 1)); done
+for g in 0 1 2; do
+    [ -n "${groups[$g]}" ] && timeout ${NB_TIMEOUT:-240} python3 tools/execute_notebooks.py \
+        ${groups[$g]} > /tmp/logs/nb_$g.log 2>&1 &
+done
+wait
+cat /tmp/logs/nb_*.log | grep -v "without encryption" | tail -n 40 | tee -a "$OUT/final.log"
+echo "all done in $(( $(date +%s) - start )) s" | tee -a "$OUT/final.log"
+tar czf "$OUT/final.tgz" book/*.ipynb book/data/bench_h200.json /tmp/bench_f16.json \
+    /tmp/bench_bf16.json /tmp/logs 2>/dev/null
