@@ -13,7 +13,12 @@ else:                                        # a checkout: walk up to the reposi
         ROOT = os.path.dirname(ROOT)
 sys.path.insert(0, ROOT)
 import torch
-import kernels
+try:
+    import kernels
+except ImportError as error:                 # too old a torch/Triton (Colab): one line, what to do
+    if type(error).__name__ != "UnsupportedVersionError":
+        raise
+    raise SystemExit(f"Setup stopped: {error}") from None
 GPU = torch.cuda.is_available()              # no GPU: Triton's CPU interpreter and small sizes
 DEVICE = "cuda" if GPU else "cpu"
 print("kernels from", os.path.relpath(kernels.__file__, ROOT), "| GPU" if GPU else "| CPU interpreter")

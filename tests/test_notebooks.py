@@ -83,6 +83,9 @@ def test_first_code_cell_is_the_bootstrap(page):
     tags = cell.get("metadata", {}).get("tags", [])
     assert "nbval-ignore-output" in tags, (
         f"{page}: the setup cell prints CPU vs GPU; tag it nbval-ignore-output (tags: {tags})")
+    assert "hide-cell" in tags, (
+        f"{page}: tag the setup cell hide-cell, so that the page opens with its content "
+        f"(tags: {tags})")
 
 
 def test_bootstrap_repository_matches_config():
@@ -139,6 +142,36 @@ def test_has_exercises(page):
                 for line in text(cell["source"]).splitlines()]
     assert any(re.match(r"#+\s+Exercises\b", line) for line in headings), (
         f"{page}: no 'Exercises' heading")
+
+
+@pytest.mark.parametrize("page", CHAPTERS)
+def test_exercise_solutions_are_hidden_and_checked(page):
+    """Every solution cell (a code cell right after an answer cell that defines the same thing)
+    is collapsed on the site (hide-input / hide-cell) and compared by nbval (no ignore tag)."""
+    nb = load(page)
+    cells = nb["cells"]
+    for index, cell in enumerate(cells[1:], 1):
+        previous = cells[index - 1]
+        if cell["cell_type"] != "code" or previous["cell_type"] != "code":
+            continue
+        if not text(previous["source"]).lstrip().startswith("# Your answer"):
+            continue
+        tags = cell.get("metadata", {}).get("tags", [])
+        assert {"hide-input", "hide-cell"} & set(tags), (
+            f"{page}: cell {index} follows an answer cell but is not hidden (tags: {tags})")
+        assert not {"nbval-ignore-output", "nbval-skip"} & set(tags), (
+            f"{page}: solution cell {index} must be checked by nbval (tags: {tags})")
+        assert "correct" in "".join(text(o.get("text", "")) for o in cell.get("outputs", [])), (
+            f"{page}: solution cell {index} does not print the checker's 'correct'")
+
+
+@pytest.mark.parametrize("page", [p for p in CHAPTERS if int(Path(p).name[:2]) >= 3])
+def test_has_a_triton_exercise(page):
+    """From chapter 3 on, an exercise asks for Triton code and a kernels.exercises checker runs it."""
+    nb = load(page)
+    sources = [text(cell["source"]) for _, cell in code_cells(nb)]
+    assert any("@triton.jit" in s and "exercises.check_" in s for s in sources), (
+        f"{page}: no Triton exercise (a @triton.jit answer passed to a kernels.exercises checker)")
 
 
 @pytest.mark.parametrize("number, page", [p for p in NUMBERED if p.values[0] in SOURCE_CHAPTERS])

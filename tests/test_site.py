@@ -2,10 +2,13 @@
 
 Needs a built book (`jupyter-book build .`, done by `make test`) and Debian's chromium and
 chromedriver; skipped with the reason otherwise. One screenshot per page goes to
-_build/screenshots/ for review.
+_build/screenshots/ for review. Chromium runs with no network, so the formulas checked here are
+rendered by the MathJax copy inside the site (sphinx-mathjax-offline), as a reader offline sees them.
 """
 
+import json
 import shutil
+import time
 import tempfile
 from pathlib import Path
 
@@ -68,12 +71,35 @@ def text_of(driver, css):
     return [el.get_attribute("textContent") for el in driver.find_elements("css selector", css)]
 
 
+# Formulas on the page (MyST puts each in a span/div of class "math") and those MathJax has
+# typeset (one mjx-container each).
+COUNT_MATH = "return document.querySelectorAll('span.math, div.math').length"
+COUNT_TYPESET = "return document.querySelectorAll('.math mjx-container, mjx-container').length"
+# The visible prose, without code: raw TeX delimiters left in it mean MathJax did not run.
+VISIBLE_PROSE = """
+const main = document.querySelector('main') || document.body;
+const copy = main.cloneNode(true);
+copy.querySelectorAll('pre, code, script, style, .cell_input, .cell_output').forEach(e => e.remove());
+return copy.innerText;
+"""
+
+
+def wait_for_mathjax(driver, timeout=60):
+    """Until every formula of the page is typeset (or the timeout): the number typeset."""
+    wanted = driver.execute_script(COUNT_MATH)
+    deadline = time.monotonic() + timeout
+    while driver.execute_script(COUNT_TYPESET) < wanted and time.monotonic() < deadline:
+        time.sleep(0.25)
+    return wanted, driver.execute_script(COUNT_TYPESET)
+
+
 @pytest.mark.parametrize("page", PAGES)
 def test_page(browser, page):
     html = HTML / f"{page}.html"
     assert html.is_file(), f"{page} is in _toc.yml but {html} was not built"
     browser.set_window_size(1280, 800)
     browser.get(html.as_uri())
+    formulas, typeset = wait_for_mathjax(browser)
 
     # Screenshot first, so a failing page can still be looked at: the window grows to fit
     # the whole page (capped at 8000 px).
@@ -98,6 +124,36 @@ def test_page(browser, page):
             if not browser.execute_script("return arguments[0].naturalWidth > 0", img)
         ]
         assert not broken, f"{page}: figures that do not load: {broken}"
+
+        # where the outputs came from, near the top (tools/book_provenance.py)
+        run = json.loads((ROOT / f"{page}.ipynb").read_text(encoding="utf-8"))["metadata"]["rerope_run"]
+        lines = text_of(browser, "p.rerope-run")
+        assert lines, f"{page}: no provenance line (p.rerope-run) under the title"
+        for value in (run["device"], run["torch"], run["triton"]):
+            assert value in lines[0], f"{page}: provenance line {lines[0]!r} lacks {value!r}"
+        before_cells = browser.execute_script(
+            "const p = document.querySelector('p.rerope-run'),"
+            " c = document.querySelector('div.cell');"
+            " return !!c && !!(p.compareDocumentPosition(c) & Node.DOCUMENT_POSITION_FOLLOWING);")
+        assert before_cells, f"{page}: the provenance line must come before the first cell"
+
+        # the setup cell (the first code cell) is collapsed: its source is not on screen
+        first = browser.find_elements("css selector", "div.cell")[0]
+        assert "tag_hide-cell" in first.get_attribute("class"), (
+            f"{page}: the first cell (setup) is not tagged hide-cell")
+        assert not first.find_element("css selector", ".cell_input").is_displayed(), (
+            f"{page}: the setup cell's source is shown; it should be collapsed")
+
+    assert "mathjax/tex-chtml.js" in browser.page_source and (HTML / "_static" / "mathjax"
+                                                              / "tex-chtml.js").is_file(), (
+        f"{page}: MathJax is not loaded from the site's own copy (_static/mathjax)")
+    assert typeset >= formulas, (
+        f"{page}: {formulas} formulas, only {typeset} typeset by MathJax (mjx-container)")
+    prose = browser.execute_script(VISIBLE_PROSE)
+    for delimiter in ("\\(", "\\)", "\\[", "$$"):
+        assert delimiter not in prose, (
+            f"{page}: raw TeX {delimiter!r} in the visible text: "
+            f"{prose[max(0, prose.index(delimiter) - 80):prose.index(delimiter) + 80]!r}")
 
     tracebacks = text_of(browser, "div.cell_output .output.traceback")
     assert not tracebacks, f"{page}: a cell output is a traceback:\n{tracebacks[0][:2000]}"
