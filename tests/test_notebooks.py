@@ -17,8 +17,9 @@ import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 BOOTSTRAP = ROOT / "book" / "_bootstrap.py"
-# Chapters from this number on are about measurements, not code: they need not print source.
-SOURCE_CHAPTERS = range(1, 6)
+# The chapters that build or explain code print the package's source; 6 (speed) and 10 (the
+# extrapolation experiment) are about measurements.
+SOURCE_CHAPTERS = {1, 2, 3, 4, 5, 7, 8, 9}
 
 
 def toc_chapters():
@@ -51,7 +52,10 @@ def outputs(nb):
 
 
 def test_toc_lists_the_chapters():
-    assert len(CHAPTERS) == 6, f"_toc.yml lists {len(CHAPTERS)} chapters: {CHAPTERS}"
+    """At least the six chapters that build the kernel, numbered 01, 02, … in _toc.yml order."""
+    numbers = [int(Path(page).name[:2]) for page in CHAPTERS]
+    assert len(CHAPTERS) >= 6 and numbers == list(range(1, len(CHAPTERS) + 1)), (
+        f"_toc.yml lists {CHAPTERS}")
 
 
 @pytest.mark.parametrize("page", CHAPTERS)

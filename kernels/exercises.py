@@ -1,0 +1,738 @@
+"""Checkers for the book's Triton exercises, and the palette of its tile figures.
+
+Every exercise of chapters 3 to 6 that asks for Triton code is checked here, in the style of
+Triton-Puzzles: the reader writes a ``@triton.jit`` function or kernel, a checker runs it (through
+the CPU interpreter on a machine with no GPU, compiled on a GPU) on small shapes, compares it with
+the package's own kernel or reference, and returns a one-line verdict that says *where* the
+answer is wrong: which key tile, which rows, which quantity. ``"correct"`` means it passed.
+
+The harness kernels below are small on purpose: they are the book's own code, shown with
+:func:`kernels.source`, and they use only the stable building blocks of the package
+(:func:`kernels.online_softmax._softmax_step`, :func:`kernels.regions._schedule`, the references),
+never the internals of :mod:`kernels.forward` or :mod:`kernels.backward`.
+
+Inputs are fp16 on both machines (the interpreter computes fp16 ``tl.dot`` correctly; bf16 it
+does not), so a checker's verdict reads the same on a CPU and on a GPU.
+
+=========================  ==========  ========================================================
+checker                    chapter     what the reader writes
+=========================  ==========  ========================================================
+:func:`check_softmax_step`       3     ``_softmax_step``, safe for ``m = -inf``
+:func:`check_causal_mask`        3     the causal mask and the loop end of the plain kernel
+:func:`check_masked_pass`        4     one masked pass (band / diagonal) of the ReRoPE forward
+:func:`check_window_bounds`      4     the cut points of an asymmetric window (plain Python)
+:func:`check_delta_kernel`       5     the δ kernel, ``rowsum(dO ∘ O)``
+:func:`check_ds_routing`         5     the routing of ``dS`` to ``dQ1`` / ``dQ2``
+:func:`check_rope_kernel`        6     a RoPE rotation kernel (the five-tensor interface's cost)
+:func:`check_turn_tile`          7     a tile's halves turned by ``R(speed·p ± offset)`` in registers
+:func:`check_turn_back_tile`     7     the transpose, for gradients (``dq = Rᵀ dq_rot``)
+:func:`check_logn_kernel`       10     the log-n query scale, ``max(1, log(i + 1) / log(L))``
+=========================  ==========  ========================================================
+"""
+
+import contextlib
+import warnings
+
+import numpy as np
+import torch
+import triton
+import triton.language as tl
+
+from . import reference
+from .online_softmax import LOG2E, _softmax_step, plain_attention
+from .regions import (INSIDE, INSIDE_CLEAN, INSIDE_MASKED, OUTSIDE, OUTSIDE_CLEAN,
+                      OUTSIDE_MASKED, _schedule, tile_map)
+from .rope import apply_rope
+from .runtime import INTERPRET
+
+# One palette for the tile classes, in every figure of chapters 4, 5 and 6.
+TILE_COLOURS = {
+    "skipped": "#eeeeee",        # fully masked: never visited
+    "outside": "#4c72b0",        # q2·k2 only, no mask (blue)
+    "inside": "#55a868",         # q1·k1 only, no mask (green)
+    "band": "#c44e52",           # both products, each masked to its side of the window (red)
+    "edge_inside": "#dd8452",    # masked q1·k1 only: the causal diagonal, the ragged end (orange)
+    "edge_outside": "#8172b3",   # masked q2·k2 only (purple)
+}
+
+CORRECT = "correct"
+
+
+@contextlib.contextmanager
+def _quiet():
+    """Silence numpy's warnings while a reader's kernel runs under the interpreter: a wrong
+    answer may divide 0 by 0, and the verdict, not a RuntimeWarning, should say so."""
+    with warnings.catch_warnings(), np.errstate(all="ignore"):
+        warnings.simplefilter("ignore", RuntimeWarning)
+        yield
+
+
+def _device():
+    return "cpu" if INTERPRET else "cuda"
+
+
+def _randn(gen, *shape, scale=1.0):
+    """fp16 normal samples drawn on the CPU from ``gen``, moved to the kernels' device."""
+    return (scale * torch.randn(*shape, generator=gen, dtype=torch.float64)).half().to(_device())
+
+
+def _spans(indices):
+    """``[0, 1, 2, 5, 7, 8]`` -> ``"0–2, 5, 7–8"``: a short list of rows for a message."""
+    indices = sorted(int(i) for i in indices)
+    parts, start = [], None
+    for a, b in zip(indices, indices[1:] + [None]):
+        start = a if start is None else start
+        if b != a + 1:
+            parts.append(f"{start}" if start == a else f"{start}–{a}")
+            start = None
+    return ", ".join(parts[:6]) + (", …" if len(parts) > 6 else "")
+
+
+def _bad_rows(got, want, atol, rtol=0.0):
+    """Indices along dim -2 (rows) where ``got`` and ``want`` differ (NaN counts as a difference)."""
+    got, want = got.double().cpu(), want.double().cpu()
+    bad = ~((got - want).abs() <= atol + rtol * want.abs())
+    while bad.dim() > 1:
+        bad = bad.any(-1)
+    return bad.nonzero().flatten().tolist()
+
+
+# --- chapter 3: the online-softmax step ----------------------------------------------------------
+
+@triton.jit
+def _step_trace_kernel(Q, K, V, TraceM, TraceL, TraceAcc, n_ctx, qk_scale, m_start, shift,
+                       STEP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       HEAD_DIM: tl.constexpr):
+    """Attention of one head that records the online-softmax state after every key tile.
+
+    ``STEP`` is a ``@triton.jit`` function with the signature of ``_softmax_step``. Row ``i``
+    sees the keys ``j >= shift · i`` (``shift = 0``: all of them), so with ``shift > 0`` the
+    later rows meet fully masked tiles first. The state starts at ``m = m_start``, ``l = 0``,
+    ``acc = 0``; after key tile ``t`` the rows' ``m``, ``l`` (``(n_tiles, N)``) and ``acc``
+    (``(n_tiles, N, D)``) are stored.
+    """
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    dims = tl.arange(0, HEAD_DIM)
+    row_ok = rows < n_ctx
+    q = tl.load(Q + rows[:, None] * HEAD_DIM + dims[None, :], mask=row_ok[:, None], other=0.0)
+    m_i = tl.zeros([BLOCK_M], tl.float32) + m_start
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    for t in range(0, tl.cdiv(n_ctx, BLOCK_N)):
+        cols = t * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_ok = cols < n_ctx
+        k = tl.load(K + cols[:, None] * HEAD_DIM + dims[None, :], mask=col_ok[:, None], other=0.0)
+        v = tl.load(V + cols[:, None] * HEAD_DIM + dims[None, :], mask=col_ok[:, None], other=0.0)
+        visible = col_ok[None, :] & (cols[None, :] >= shift * rows[:, None])
+        scores = tl.where(visible, tl.dot(q, tl.trans(k)), float("-inf"))
+        acc, l_i, m_i = STEP(acc, l_i, m_i, scores, v, qk_scale, "tf32")
+        tl.store(TraceM + t * n_ctx + rows, m_i, mask=row_ok)
+        tl.store(TraceL + t * n_ctx + rows, l_i, mask=row_ok)
+        tl.store(TraceAcc + (t * n_ctx + rows[:, None]) * HEAD_DIM + dims[None, :], acc,
+                 mask=row_ok[:, None])
+
+
+def _step_trace(step, q, k, v, block_m, block_n, m_start, shift):
+    n, d = q.shape
+    n_tiles = triton.cdiv(n, block_n)
+    trace_m = torch.full((n_tiles, n), float("nan"), device=q.device)
+    trace_l = torch.full_like(trace_m, float("nan"))
+    trace_acc = torch.full((n_tiles, n, d), float("nan"), device=q.device)
+    with _quiet():
+        _step_trace_kernel[(triton.cdiv(n, block_m),)](
+            q, k, v, trace_m, trace_l, trace_acc, n, d ** -0.5 * LOG2E, m_start, shift, STEP=step,
+            BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=d)
+    return trace_m.cpu(), trace_l.cpu(), trace_acc.cpu()
+
+
+def check_softmax_step(step):
+    """Chapter 3: ``step`` must be ``_softmax_step`` made safe for ``m = -inf``.
+
+    Runs attention over key tiles with ``step`` starting from ``m = -inf``, and with the
+    package's :func:`kernels.online_softmax._softmax_step` starting from ``m = -1e30`` (a finite
+    start needs no guard); same kernel, same fp16 inputs. Two cases: every key
+    visible, with a row maximum that arrives late; and row ``i`` seeing keys ``j >= i`` only, so
+    that rows meet fully masked tiles before their first key. After every tile: no NaN; rows that
+    have seen a key must have the package's ``(m, l, acc)``; rows that have not, ``l = 0`` and
+    ``acc = 0``. The first difference is reported: the tile, the quantity and the rows.
+    """
+    gen = torch.Generator().manual_seed(3)
+    n, d, block_m, block_n = 40, 16, 16, 16          # ragged: the last key tile is part empty
+    q = _randn(gen, n, d, scale=2.0)                 # sharp scores: the running max moves
+    k, v = _randn(gen, n, d), _randn(gen, n, d)
+    k[33] = 4.0 * q[5]                               # row 5's largest score arrives late
+    for shift in (0, 1):
+        case = "every key visible" if shift == 0 else "row i sees keys j >= i"
+        mine = _step_trace(step, q, k, v, block_m, block_n, float("-inf"), shift)
+        want = _step_trace(_softmax_step, q, k, v, block_m, block_n, -1.0e30, shift)
+        for t in range(want[0].shape[0]):
+            keys = f"{case}, after key tile {t} (keys {t * block_n}–{min((t + 1) * block_n, n) - 1})"
+            nan_rows = (mine[0][t].isnan() | mine[1][t].isnan()
+                        | mine[2][t].isnan().any(-1)).nonzero().flatten().tolist()
+            if nan_rows:
+                return (f"{keys}: NaN in rows {_spans(nan_rows)}. A row whose scores so far are "
+                        "all -inf has m = -inf, and exp2(-inf - (-inf)) is NaN: a fully masked "
+                        "tile must leave its state unchanged")
+            seen = torch.arange(n)[:, None] * shift <= min((t + 1) * block_n, n) - 1
+            seen = seen[:, 0]
+            for name, got, expected in zip(("m", "l", "acc"), mine, want):
+                got, expected = got[t].clone(), expected[t].clone()
+                if name == "m":                         # unseen rows: -inf (yours) vs -1e30
+                    got[~seen], expected[~seen] = 0.0, 0.0
+                scale = expected.abs().max().item()
+                rows = _bad_rows(got, expected, atol=1e-3 * scale, rtol=1e-3)
+                if rows:
+                    r = rows[0]
+                    detail = (f"row {r}: got {got[r].item():.4g}, expected {expected[r].item():.4g}"
+                              if name != "acc" else f"row {r}: largest error "
+                              f"{(got[r] - expected[r]).abs().max().item():.3g}")
+                    hint = {"m": " (m is in log2 units: the row max of scores · qk_scale)",
+                            "l": " (l is the sum of 2^(scores·qk_scale − m), rescaled by α; "
+                                 "0 until a row sees a key)",
+                            "acc": " (acc is rescaled by α, then gets P·V)"}[name]
+                    return (f"wrong in the case {keys}: {name} differs in rows {_spans(rows)}; "
+                            f"{detail}{hint}")
+    return CORRECT
+
+
+# --- chapter 3: the causal mask of the plain kernel ---------------------------------------------
+
+@triton.jit
+def _plain_exercise_kernel(Q, K, V, Out, Visits, n_ctx, qk_scale,
+                           MASK: tl.constexpr, KEY_END: tl.constexpr, BLOCK_M: tl.constexpr,
+                           BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """The plain kernel of chapter 3 with its two causal pieces supplied by the caller.
+
+    ``KEY_END(start_m, BLOCK_M, n_ctx)`` is where the key loop stops, ``MASK(scores, rows, cols,
+    n_ctx)`` returns the score tile with every entry that must not count set to ``-inf``. One
+    head, contiguous ``(N, D)``; ``Visits[program]`` counts the key tiles the program walked.
+    """
+    start_m = tl.program_id(0) * BLOCK_M
+    rows = start_m + tl.arange(0, BLOCK_M)
+    dims = tl.arange(0, HEAD_DIM)
+    q = tl.load(Q + rows[:, None] * HEAD_DIM + dims[None, :], mask=rows[:, None] < n_ctx,
+                other=0.0)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    visits = tl.program_id(0) * 0          # an int32 counter
+    for start_n in range(0, KEY_END(start_m, BLOCK_M, n_ctx), BLOCK_N):
+        cols = start_n + tl.arange(0, BLOCK_N)
+        k = tl.load(K + cols[:, None] * HEAD_DIM + dims[None, :], mask=cols[:, None] < n_ctx,
+                    other=0.0)
+        v = tl.load(V + cols[:, None] * HEAD_DIM + dims[None, :], mask=cols[:, None] < n_ctx,
+                    other=0.0)
+        scores = MASK(tl.dot(q, tl.trans(k)), rows, cols, n_ctx)
+        acc, l_i, m_i = _softmax_step(acc, l_i, m_i, scores, v, qk_scale, "tf32")
+        visits += 1
+    tl.store(Out + rows[:, None] * HEAD_DIM + dims[None, :], acc / l_i[:, None],
+             mask=rows[:, None] < n_ctx)
+    tl.store(Visits + tl.program_id(0), visits)
+
+
+def check_causal_mask(mask, key_end):
+    """Chapter 3: causal plain attention from the reader's ``mask`` and ``key_end``.
+
+    Compares with the package's ``plain_attention(causal=True)`` row by row, and the number of key
+    tiles each program walks with the fewest that suffice (a loop that runs into tiles above the
+    diagonal is correct but wasteful: reported as such).
+    """
+    gen = torch.Generator().manual_seed(4)
+    for n, block_m, block_n in ((40, 16, 16), (40, 32, 16), (48, 16, 32)):
+        d = 16
+        q, k, v = (_randn(gen, n, d) for _ in range(3))
+        out = torch.full((n, d), float("nan"), dtype=torch.float32, device=q.device)
+        n_programs = triton.cdiv(n, block_m)
+        visits = torch.zeros(n_programs, dtype=torch.int32, device=q.device)
+        with _quiet():
+            _plain_exercise_kernel[(n_programs,)](
+                q, k, v, out, visits, n, d ** -0.5 * LOG2E, MASK=mask, KEY_END=key_end,
+                BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=d)
+        want = plain_attention(q[None, None], k[None, None], v[None, None], causal=True,
+                               block_m=block_m, block_n=block_n)[0, 0]
+        shape = f"N={n}, {block_m}-row query blocks, {block_n}-key tiles"
+        rows = _bad_rows(out, want, atol=2e-3, rtol=2e-3)
+        if rows:
+            return (f"{shape}: output rows {_spans(rows)} differ from plain_attention(causal=True)"
+                    " (causal: row i attends to the keys 0 … i, and to none past N − 1)")
+        fewest = [triton.cdiv(min((p + 1) * block_m, n), block_n) for p in range(n_programs)]
+        for p, (walked, need) in enumerate(zip(visits.cpu().tolist(), fewest)):
+            if walked != need:
+                return (f"{shape}: right output, but program {p} (rows {p * block_m}–"
+                        f"{min((p + 1) * block_m, n) - 1}) walks {walked} key tiles where "
+                        f"{need} suffice: the tiles above the diagonal are fully masked")
+    return CORRECT
+
+
+# --- chapter 4: one masked pass of the ReRoPE forward -------------------------------------------
+
+@triton.jit
+def _clean_pass(acc, l_i, m_i, q, K, V, lo, hi, qk_scale, BLOCK_N: tl.constexpr,
+                HEAD_DIM: tl.constexpr):
+    """An unmasked pass over the key tiles ``[lo, hi)``: no window, causal or length mask."""
+    dims = tl.arange(0, HEAD_DIM)
+    for start_n in range(lo, hi, BLOCK_N):
+        cols = start_n + tl.arange(0, BLOCK_N)
+        k = tl.load(K + cols[:, None] * HEAD_DIM + dims[None, :])
+        v = tl.load(V + cols[:, None] * HEAD_DIM + dims[None, :])
+        acc, l_i, m_i = _softmax_step(acc, l_i, m_i, tl.dot(q, tl.trans(k)), v, qk_scale, "tf32")
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _reference_masked_pass(acc, l_i, m_i, q, K, V, rows, lo, hi, n_ctx, window, qk_scale,
+                           PRODUCT: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr,
+                           HEAD_DIM: tl.constexpr):
+    """What :func:`check_masked_pass` compares with, to tell band tiles from edge tiles."""
+    dims = tl.arange(0, HEAD_DIM)
+    for start_n in range(lo, hi, BLOCK_N):
+        cols = start_n + tl.arange(0, BLOCK_N)
+        k = tl.load(K + cols[:, None] * HEAD_DIM + dims[None, :], mask=cols[:, None] < n_ctx,
+                    other=0.0)
+        v = tl.load(V + cols[:, None] * HEAD_DIM + dims[None, :], mask=cols[:, None] < n_ctx,
+                    other=0.0)
+        distance = rows[:, None] - cols[None, :]
+        keep = (distance < window) & (distance > -window)
+        if PRODUCT == OUTSIDE:
+            keep = ~keep
+        keep = keep & (cols[None, :] < n_ctx)
+        if CAUSAL:
+            keep = keep & (distance >= 0)
+        scores = tl.where(keep, tl.dot(q, tl.trans(k)), float("-inf"))
+        acc, l_i, m_i = _softmax_step(acc, l_i, m_i, scores, v, qk_scale, "tf32")
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _rerope_exercise_fwd_kernel(Q1, Q2, K1, K2, V, Out, n_ctx, window, qk_scale,
+                                MASKED_PASS: tl.constexpr, BAND_PASS: tl.constexpr,
+                                CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr,
+                                BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """A teaching ReRoPE forward: one head, contiguous ``(N, D)`` tensors, the six passes of
+    :func:`kernels.regions._schedule`. The unmasked passes are :func:`_clean_pass`; the masked
+    ones call ``BAND_PASS`` on the band walk and ``MASKED_PASS`` on the two edge walks, each
+    once per tile range ``[lo, hi)`` of the walk."""
+    start_m = tl.program_id(0) * BLOCK_M
+    rows = start_m + tl.arange(0, BLOCK_M)
+    dims = tl.arange(0, HEAD_DIM)
+    outside_clean, inside_clean, band, edge_inside, edge_outside = _schedule(
+        start_m, BLOCK_M, BLOCK_N, n_ctx, window, CAUSAL, True)
+    m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)   # finite: a row may meet only masked entries
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    q_ptrs = rows[:, None] * HEAD_DIM + dims[None, :]
+    q = tl.load(Q2 + q_ptrs, mask=rows[:, None] < n_ctx, other=0.0)       # the q2·k2 phase
+    lo1, hi1, lo2, hi2 = outside_clean
+    acc, l_i, m_i = _clean_pass(acc, l_i, m_i, q, K2, V, lo1, hi1, qk_scale, BLOCK_N, HEAD_DIM)
+    acc, l_i, m_i = _clean_pass(acc, l_i, m_i, q, K2, V, lo2, hi2, qk_scale, BLOCK_N, HEAD_DIM)
+    lo1, hi1, lo2, hi2 = band
+    acc, l_i, m_i = BAND_PASS(acc, l_i, m_i, q, K2, V, rows, lo1, hi1, n_ctx, window,
+                              qk_scale, OUTSIDE, CAUSAL, BLOCK_N, HEAD_DIM)
+    acc, l_i, m_i = BAND_PASS(acc, l_i, m_i, q, K2, V, rows, lo2, hi2, n_ctx, window,
+                              qk_scale, OUTSIDE, CAUSAL, BLOCK_N, HEAD_DIM)
+    lo1, hi1, lo2, hi2 = edge_outside
+    acc, l_i, m_i = MASKED_PASS(acc, l_i, m_i, q, K2, V, rows, lo1, hi1, n_ctx, window,
+                                qk_scale, OUTSIDE, CAUSAL, BLOCK_N, HEAD_DIM)
+    acc, l_i, m_i = MASKED_PASS(acc, l_i, m_i, q, K2, V, rows, lo2, hi2, n_ctx, window,
+                                qk_scale, OUTSIDE, CAUSAL, BLOCK_N, HEAD_DIM)
+    q = tl.load(Q1 + q_ptrs, mask=rows[:, None] < n_ctx, other=0.0)       # the q1·k1 phase
+    lo1, hi1, lo2, hi2 = inside_clean
+    acc, l_i, m_i = _clean_pass(acc, l_i, m_i, q, K1, V, lo1, hi1, qk_scale, BLOCK_N, HEAD_DIM)
+    lo1, hi1, lo2, hi2 = band
+    acc, l_i, m_i = BAND_PASS(acc, l_i, m_i, q, K1, V, rows, lo1, hi1, n_ctx, window,
+                              qk_scale, INSIDE, CAUSAL, BLOCK_N, HEAD_DIM)
+    acc, l_i, m_i = BAND_PASS(acc, l_i, m_i, q, K1, V, rows, lo2, hi2, n_ctx, window,
+                              qk_scale, INSIDE, CAUSAL, BLOCK_N, HEAD_DIM)
+    lo1, hi1, lo2, hi2 = edge_inside
+    acc, l_i, m_i = MASKED_PASS(acc, l_i, m_i, q, K1, V, rows, lo1, hi1, n_ctx, window,
+                                qk_scale, INSIDE, CAUSAL, BLOCK_N, HEAD_DIM)
+    acc, l_i, m_i = MASKED_PASS(acc, l_i, m_i, q, K1, V, rows, lo2, hi2, n_ctx, window,
+                                qk_scale, INSIDE, CAUSAL, BLOCK_N, HEAD_DIM)
+    tl.store(Out + q_ptrs, acc / l_i[:, None], mask=rows[:, None] < n_ctx)
+
+
+def _exercise_forward(masked_pass, band_pass, five, window, causal, block_m, block_n):
+    n, d = five[0].shape
+    out = torch.full((n, d), float("nan"), dtype=torch.float32, device=five[0].device)
+    with _quiet():
+        _rerope_exercise_fwd_kernel[(triton.cdiv(n, block_m),)](
+            *five, out, n, window, d ** -0.5 * LOG2E, MASKED_PASS=masked_pass,
+            BAND_PASS=band_pass, CAUSAL=causal, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=d)
+    return out
+
+
+def _masked_tiles(n, window, block_m, block_n, causal, program):
+    """The key tiles one program visits with a masked pass, by kind, from the kernels' map."""
+    flags = tile_map(n, window, block_m, block_n, causal=causal)[program]
+    band = [c for c, f in enumerate(flags.tolist())
+            if (f & (INSIDE_CLEAN | INSIDE_MASKED)) and (f & (OUTSIDE_CLEAN | OUTSIDE_MASKED))]
+    edge = [c for c, f in enumerate(flags.tolist())
+            if f & (INSIDE_MASKED | OUTSIDE_MASKED) and c not in band]
+    def keys(tiles):
+        return ", ".join(f"[{c * block_n}, {(c + 1) * block_n})" for c in tiles) or "none"
+    return f"band tiles {keys(band)}; diagonal/end tiles {keys(edge)}"
+
+
+def check_masked_pass(masked_pass):
+    """Chapter 4: ``masked_pass`` as the masked passes of a ReRoPE forward.
+
+    Runs :func:`_rerope_exercise_fwd_kernel` with the reader's pass on the band and edge walks,
+    compares with the float64 naive reference (:func:`kernels.reference.rerope_attention`) on the
+    same fp16 inputs, and, if rows are wrong, runs again with the reader's pass on the band only
+    and on the edges only, to say which kind of tile it gets wrong.
+    """
+    gen = torch.Generator().manual_seed(5)
+    cases = [(40, 13, True, 16, 16),      # the window cuts through tiles, ragged end
+             (40, 13, False, 16, 16),     # non-causal: bands on both sides of the diagonal
+             (48, 20, True, 32, 16),      # query blocks taller than key tiles
+             (40, 1, True, 16, 16)]       # only i = j is inside
+    for n, window, causal, block_m, block_n in cases:
+        d = 16
+        five = [_randn(gen, n, d) for _ in range(5)]
+        want = reference.rerope_attention(*(t.double()[None, None] for t in five), window,
+                                          causal=causal)[0, 0]
+        got = _exercise_forward(masked_pass, masked_pass, five, window, causal, block_m, block_n)
+        rows = _bad_rows(got, want, atol=5e-3, rtol=5e-3)
+        if not rows:
+            continue
+        shape = (f"N={n}, w={window}, {'causal' if causal else 'non-causal'}, "
+                 f"{block_m}x{block_n} tiles")
+        band_only = _exercise_forward(_reference_masked_pass, masked_pass, five, window, causal,
+                                      block_m, block_n)
+        edges_only = _exercise_forward(masked_pass, _reference_masked_pass, five, window, causal,
+                                       block_m, block_n)
+        wrong_on = [name for name, out in (("band", band_only), ("diagonal/end", edges_only))
+                    if _bad_rows(out, want, atol=5e-3, rtol=5e-3)]
+        program = rows[0] // block_m
+        return (f"{shape}: rows {_spans(rows)} are wrong; wrong on the "
+                f"{' and '.join(wrong_on) or 'combined'} walks. Program {program} (rows "
+                f"{program * block_m}–{min((program + 1) * block_m, n) - 1}) visits "
+                + _masked_tiles(n, window, block_m, block_n, causal, program))
+    return CORRECT
+
+
+def check_window_bounds(window_bounds):
+    """Chapter 4: cut points of an *asymmetric* window, checked against brute force.
+
+    ``window_bounds(start, self_block, other_block, before, after)`` must return
+    ``(below_end, inside_start, inside_end, above_start)`` for a window where pair ``(i, j)`` is
+    inside iff ``-after < i - j < before``. Each tile of keys ``[t, t + other_block)`` against
+    the query rows ``[start, start + self_block)`` is classified by the bounds and by looking at
+    all its pairs; the first disagreement is reported. With ``before == after == w`` this is
+    :func:`kernels.regions._window_bounds`.
+    """
+    for before, after, self_block, other_block in ((13, 13, 16, 16), (17, 5, 32, 16),
+                                                   (5, 17, 16, 32), (1, 1, 16, 16),
+                                                   (40, 9, 64, 16), (3, 30, 16, 16)):
+        n = 192
+        for start in range(0, n, self_block):
+            bounds = window_bounds(start, self_block, other_block, before, after)
+            if bounds is None:
+                return "not solved yet: my_window_bounds returned None"
+            below_end, inside_start, inside_end, above_start = (int(b) for b in bounds)
+            if any(b % other_block for b in (below_end, inside_start, inside_end, above_start)):
+                return (f"start {start}: bounds {tuple(bounds)} are not all multiples of "
+                        f"{other_block}")
+            i = torch.arange(start, start + self_block)[:, None]
+            for t in range(0, n, other_block):
+                distance = i - torch.arange(t, t + other_block)[None, :]
+                inside = (distance < before) & (distance > -after)
+                truth = "inside" if inside.all() else "outside" if not inside.any() else "band"
+                said = ("outside" if t + other_block <= below_end or t >= above_start else
+                        "inside" if inside_start <= t < inside_end else "band")
+                # "band" for a tile that is all one kind is safe (masked), only slower;
+                # the checker asks for the tightest cut points, like the kernels'.
+                if said != truth:
+                    return (f"before={before}, after={after}, query rows [{start}, "
+                            f"{start + self_block}), keys [{t}, {t + other_block}): your bounds "
+                            f"{tuple(int(b) for b in bounds)} make it {said!r}; its pairs make "
+                            f"it {truth!r} (i - j from {int(distance.min())} to "
+                            f"{int(distance.max())})")
+    return CORRECT
+
+
+# --- chapter 5: δ and the routing of dS ---------------------------------------------------------
+
+def check_delta_kernel(delta_kernel):
+    """Chapter 5: ``delta_kernel(Out, DO, Delta, n_ctx, BLOCK_M, HEAD_DIM)`` must store
+    ``Delta[bh, i] = Σ_d O[bh, i, d] · dO[bh, i, d]`` in fp32.
+
+    Launched with grid ``(cdiv(N, BLOCK_M), B·H)`` on contiguous fp16 ``(B·H, N, D)`` tensors;
+    ``Delta`` (``(B·H, N)`` fp32) starts as NaN, so rows never written show up. Compared with the
+    formula in float64, per (head, row).
+    """
+    gen = torch.Generator().manual_seed(6)
+    for bh, n, d, block_m in ((3, 40, 32, 16), (2, 64, 16, 32), (1, 7, 64, 16)):
+        o, do = _randn(gen, bh, n, d), _randn(gen, bh, n, d)
+        delta = torch.full((bh, n), float("nan"), dtype=torch.float32, device=o.device)
+        with _quiet():
+            delta_kernel[(triton.cdiv(n, block_m), bh)](o, do, delta, n, BLOCK_M=block_m,
+                                                         HEAD_DIM=d)
+        want = (o.double() * do.double()).sum(-1)
+        got = delta.double().cpu()
+        for head in range(bh):
+            never = got[head].isnan().nonzero().flatten().tolist()
+            if never:
+                return (f"B·H={bh}, N={n}, D={d}, BLOCK_M={block_m}: head {head}, rows "
+                        f"{_spans(never)} were never written (program "
+                        f"({never[0] // block_m}, {head}) owns row {never[0]})")
+            rows = _bad_rows(got[head][:, None], want[head][:, None].cpu(), atol=1e-3, rtol=1e-3)
+            if rows:
+                r = rows[0]
+                return (f"B·H={bh}, N={n}, D={d}, BLOCK_M={block_m}: head {head}, rows "
+                        f"{_spans(rows)} are wrong; row {r}: got {got[head, r].item():.4g}, "
+                        f"expected {want[head, r].item():.4g}")
+    return CORRECT
+
+
+@triton.jit
+def _dq_exercise_kernel(Q1, Q2, K1, K2, V, DO, Lse, Delta, DQ1, DQ2, n_ctx, window, qk_scale,
+                        sm_scale, ROUTE: tl.constexpr, CAUSAL: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """dQ1 and dQ2 of one head, one program per query block, every key tile visited once with
+    both products (no region schedule: the routing is what is being checked).
+
+    ``ROUTE(ds, rows, cols, window)`` returns ``(ds_inside, ds_outside)``: the parts of the
+    ``dS`` tile that flow into ``dQ1 = τ·dS_in·K1`` and ``dQ2 = τ·dS_out·K2``.
+    """
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    dims = tl.arange(0, HEAD_DIM)
+    row_ok = rows < n_ctx
+    ptrs = rows[:, None] * HEAD_DIM + dims[None, :]
+    q1 = tl.load(Q1 + ptrs, mask=row_ok[:, None], other=0.0)
+    q2 = tl.load(Q2 + ptrs, mask=row_ok[:, None], other=0.0)
+    do = tl.load(DO + ptrs, mask=row_ok[:, None], other=0.0)
+    lse = tl.load(Lse + rows, mask=row_ok, other=0.0)
+    delta = tl.load(Delta + rows, mask=row_ok, other=0.0)
+    dq1 = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    dq2 = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    for start_n in range(0, n_ctx, BLOCK_N):
+        cols = start_n + tl.arange(0, BLOCK_N)
+        col_ok = cols[:, None] < n_ctx
+        kp = cols[:, None] * HEAD_DIM + dims[None, :]
+        k1 = tl.load(K1 + kp, mask=col_ok, other=0.0)
+        k2 = tl.load(K2 + kp, mask=col_ok, other=0.0)
+        v = tl.load(V + kp, mask=col_ok, other=0.0)
+        distance = rows[:, None] - cols[None, :]
+        in_window = (distance < window) & (distance > -window)
+        scores = tl.where(in_window, tl.dot(q1, tl.trans(k1)), tl.dot(q2, tl.trans(k2)))
+        valid = (cols[None, :] < n_ctx) & row_ok[:, None]
+        if CAUSAL:
+            valid = valid & (distance >= 0)
+        p = tl.where(valid, tl.math.exp2(scores * qk_scale - lse[:, None]), 0.0)
+        ds = p * (tl.dot(do, tl.trans(v)) - delta[:, None])
+        ds_inside, ds_outside = ROUTE(ds, rows, cols, window)
+        dq1 = tl.dot(ds_inside.to(k1.dtype), k1, dq1)
+        dq2 = tl.dot(ds_outside.to(k2.dtype), k2, dq2)
+    tl.store(DQ1 + ptrs, dq1 * sm_scale, mask=row_ok[:, None])
+    tl.store(DQ2 + ptrs, dq2 * sm_scale, mask=row_ok[:, None])
+
+
+def check_ds_routing(route):
+    """Chapter 5: ``route(ds, rows, cols, window) -> (ds_inside, ds_outside)``.
+
+    Runs :func:`_dq_exercise_kernel` with it and compares ``dQ1``, ``dQ2`` with autograd through
+    the float64 reference on the same fp16 inputs; reports the gradient, the rows, and the key
+    tiles those rows' program saw on both sides of the window.
+    """
+    gen = torch.Generator().manual_seed(7)
+    for n, window, causal, block_m, block_n in ((40, 13, True, 16, 16), (40, 9, False, 16, 16),
+                                                (48, 20, True, 32, 16)):
+        d = 16
+        five = [_randn(gen, n, d) for _ in range(5)]
+        dout = _randn(gen, n, d)
+        leaves = [t.double()[None, None].requires_grad_() for t in five]
+        out = reference.rerope_attention(*leaves, window, causal=causal)
+        want_dq1, want_dq2 = torch.autograd.grad(out, leaves[:2], dout.double()[None, None])
+        # the forward's saved statistics, in the kernels' units: lse in log2, δ = rowsum(dO ∘ O)
+        idx = torch.arange(n, device=five[0].device)
+        s = torch.where((idx[:, None] - idx[None, :]).abs() < window,
+                        five[0].double() @ five[2].double().T,
+                        five[1].double() @ five[3].double().T) * d ** -0.5
+        if causal:
+            s = s.masked_fill(idx[None, :] > idx[:, None], float("-inf"))
+        lse = (torch.logsumexp(s, -1) * LOG2E).float()
+        delta = (dout.double() * out.detach()[0, 0]).sum(-1).float()
+        dq1 = torch.full((n, d), float("nan"), dtype=torch.float32, device=five[0].device)
+        dq2 = torch.full_like(dq1, float("nan"))
+        with _quiet():
+            _dq_exercise_kernel[(triton.cdiv(n, block_m),)](
+                *five, dout, lse, delta, dq1, dq2, n, window, d ** -0.5 * LOG2E, d ** -0.5,
+                ROUTE=route, CAUSAL=causal, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=d)
+        for name, got, want in (("dQ1", dq1, want_dq1[0, 0]), ("dQ2", dq2, want_dq2[0, 0])):
+            scale = want.abs().max().item()
+            rows = _bad_rows(got, want, atol=1e-2 * scale, rtol=1e-2)
+            if rows:
+                program = rows[0] // block_m
+                return (f"N={n}, w={window}, {'causal' if causal else 'non-causal'}, "
+                        f"{block_m}x{block_n} tiles: {name} is wrong in rows {_spans(rows)}. "
+                        f"Program {program} visits "
+                        + _masked_tiles(n, window, block_m, block_n, causal, program)
+                        + f"; {name} must get dS where |i − j| "
+                        + ("< w" if name == "dQ1" else ">= w") + " and nothing else")
+    return CORRECT
+
+
+# --- chapter 6: a RoPE kernel -------------------------------------------------------------------
+
+def rope_tables(n, head_dim, base=10000.0, device=None):
+    """``cos``, ``sin`` of the angles ``p θ_t`` for positions ``p < n``: fp32 ``(n, D/2)``."""
+    from .rope import rope_frequencies
+
+    angles = torch.arange(n, dtype=torch.float64)[:, None] * rope_frequencies(head_dim, base)[None]
+    return angles.cos().float().to(device), angles.sin().float().to(device)
+
+
+def check_rope_kernel(rope_kernel):
+    """Chapter 6: ``rope_kernel(X, Cos, Sin, Out, n_ctx, BLOCK_N, HEAD_DIM)`` must write
+    ``R(p) x`` for every row ``p`` of every head.
+
+    ``X`` and ``Out`` are contiguous ``(B·H, N, D)``, ``Cos``/``Sin`` are :func:`rope_tables`;
+    the grid is ``(cdiv(N, BLOCK_N), B·H)``. ``Out`` starts as NaN. Compared with
+    :func:`kernels.rope.apply_rope`; reports the head, the positions and the half of the vector.
+    """
+    gen = torch.Generator().manual_seed(8)
+    for bh, n, d, block_n, dtype in ((2, 40, 32, 16, torch.float16), (3, 70, 64, 32, torch.float32),
+                                     (1, 5, 16, 16, torch.float16)):
+        x = _randn(gen, bh, n, d).to(dtype)
+        cos, sin = rope_tables(n, d, device=x.device)
+        out = torch.full_like(x, float("nan"))
+        with _quiet():
+            rope_kernel[(triton.cdiv(n, block_n), bh)](x, cos, sin, out, n, BLOCK_N=block_n,
+                                                       HEAD_DIM=d)
+        want = apply_rope(x.double(), torch.arange(n, dtype=torch.float64, device=x.device))
+        tol = 2e-3 if dtype == torch.float16 else 1e-5
+        for head in range(bh):
+            for half, cols in (("first", slice(0, d // 2)), ("second", slice(d // 2, d))):
+                rows = _bad_rows(out[head, :, cols], want[head, :, cols], atol=tol, rtol=tol)
+                if rows:
+                    never = out[head, rows[0], cols].isnan().any().item()
+                    return (f"B·H={bh}, N={n}, D={d}, {str(dtype)[6:]}, BLOCK_N={block_n}: head "
+                            f"{head}, positions {_spans(rows)}, the {half} half (coordinates "
+                            f"{cols.start}–{cols.stop - 1}) "
+                            + ("was never written" if never else "is wrong"))
+    return CORRECT
+
+
+# --- chapter 7: turning a tile in registers -----------------------------------------------------
+
+@triton.jit
+def _turn_tile_kernel(X, Out, Table, Offset, n_rows, offset_sign, TURN: tl.constexpr,
+                      BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """Rows of a contiguous ``(N, D)`` tensor passed through the reader's ``TURN``, half by half.
+
+    Row ``p`` of ``Table`` (:func:`kernels.rotary.rope_table`) is ``[cos | sin]`` of
+    ``speed · p · θ``, ``Offset`` (:func:`kernels.rotary.rotation_offset`) is ``[cos | sin]`` of
+    ``offset · θ`` and its sines are multiplied by ``offset_sign`` (±1), as in
+    :func:`kernels.rotary._angles`. ``TURN(x_a, x_b, cos_p, sin_p, cos_o, sin_o)`` gets the fp32
+    halves ``(BLOCK, D/2)`` of the rows, the table entries of their positions ``(BLOCK, D/2)``
+    and the offset's ``(1, D/2)``, and returns the two halves it turned; they are stored in fp32.
+    """
+    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    freqs = tl.arange(0, HEAD_DIM // 2)[None, :]
+    ok = rows[:, None] < n_rows
+    first = rows[:, None] * HEAD_DIM + freqs
+    x_a = tl.load(X + first, mask=ok, other=0.0).to(tl.float32)
+    x_b = tl.load(X + first + HEAD_DIM // 2, mask=ok, other=0.0).to(tl.float32)
+    table = Table + rows[:, None] * HEAD_DIM + freqs      # the table has rows past n_rows
+    cos_p, sin_p = tl.load(table), tl.load(table + HEAD_DIM // 2)
+    cos_o = tl.load(Offset + freqs)
+    sin_o = tl.load(Offset + HEAD_DIM // 2 + freqs) * offset_sign
+    out_a, out_b = TURN(x_a, x_b, cos_p, sin_p, cos_o, sin_o)
+    tl.store(Out + first, out_a, mask=ok)
+    tl.store(Out + first + HEAD_DIM // 2, out_b, mask=ok)
+
+
+# (what the case is, speed, offset, sign of the offset, N, D, BLOCK): the turns the kernels make
+_TURN_CASES = (
+    ("queries and keys inside the window, raw inputs: R(p)", 1.0, 0.0, 1, 40, 32, 16),
+    ("queries outside the window, ReRoPE, raw inputs: R(w)", 0.0, 13.0, 1, 40, 32, 16),
+    ("queries outside the window, ReRoPE, rotated inputs: R(w - i)", -1.0, 13.0, 1, 70, 16, 32),
+    ("resident keys of dK/dV, Leaky (κ = 4), rotated inputs: R((1/κ - 1) j - w (κ - 1)/κ)",
+     -0.75, 9.75, -1, 40, 32, 16),
+    ("queries outside the window, Leaky (κ = 4), raw inputs, long context: R(i/κ + w (κ - 1)/κ)",
+     0.25, 1536.0, 1, 3000, 64, 64),
+)
+
+
+def _check_turn(turn, back):
+    from .rotary import rope_table, rotation_offset
+
+    gen = torch.Generator().manual_seed(9)
+    for what, speed, offset, sign, n, d, block in _TURN_CASES:
+        x = _randn(gen, n, d)
+        table = rope_table(n, d, 10000.0, speed, x.device)
+        shift = rotation_offset(d, 10000.0, offset, x.device)
+        out = torch.full((n, d), float("nan"), dtype=torch.float32, device=x.device)
+        with _quiet():
+            _turn_tile_kernel[(triton.cdiv(n, block),)](x, out, table, shift, n, float(sign),
+                                                        TURN=turn, BLOCK=block, HEAD_DIM=d)
+        angle = speed * torch.arange(n, dtype=torch.float64) + sign * offset   # in units of θ_t
+        want = apply_rope(x.double().cpu(), -angle if back else angle)
+        got = out.double().cpu()
+        bad = ~((got - want).abs() <= 1e-4)                # NaN (never written) counts
+        if bad.any():
+            halves = [name for name, cols in (("first", slice(0, d // 2)),
+                                             ("second", slice(d // 2, d))) if bad[:, cols].any()]
+            by_freq = bad[:, : d // 2] | bad[:, d // 2:]            # (N, D/2): pair t
+            never = got.isnan().all().item()
+            sign_text = "+" if sign > 0 else "-"
+            return (f"{what} (speed {speed:g}, offset {sign_text}{offset:g}; N={n}, D={d}, "
+                    f"BLOCK={block}): "
+                    + ("nothing was written" if never else
+                       f"wrong at positions {_spans(by_freq.any(1).nonzero().flatten().tolist())}"
+                       f", frequencies t = {_spans(by_freq.any(0).nonzero().flatten().tolist())}"
+                       f", in {'both halves' if len(halves) > 1 else f'the {halves[0]} half'}"))
+    return CORRECT
+
+
+def check_turn_tile(turn):
+    """Chapter 7: ``turn(x_a, x_b, cos_p, sin_p, cos_o, sin_o)`` must return the halves of
+    ``R(α + β) x``, where ``cos_p, sin_p`` are ``cos α, sin α`` of a table row (``α = speed · p ·
+    θ_t``) and ``cos_o, sin_o`` those of the offset ``β = ± offset · θ_t``.
+
+    Runs :func:`_turn_tile_kernel` with it on fp16 rows, for the turns the kernels make (the
+    products of :func:`kernels.rotary.rotation_plan`, and the dK/dV kernel's keys with the offset
+    subtracted), and compares with :func:`kernels.rope.apply_rope` in float64 at the angles
+    ``speed · p ± offset``; reports the case, the positions and the frequencies that are wrong.
+    """
+    return _check_turn(turn, back=False)
+
+
+def check_turn_back_tile(turn_back):
+    """Chapter 7: ``turn_back`` (the arguments of :func:`check_turn_tile`) must return the halves
+    of ``R(α + β)ᵀ g = R(-α - β) g``: a gradient with respect to a turned operand, brought back to
+    the unturned one. Same cases and report as :func:`check_turn_tile`."""
+    return _check_turn(turn_back, back=True)
+
+
+# --- chapter 10: the log-n query scale -----------------------------------------------------------
+
+
+def check_logn_kernel(logn_kernel):
+    """Chapter 10: ``logn_kernel(Q, Out, n_q, n_k, logn_factor, BLOCK: tl.constexpr, HEAD_DIM:
+    tl.constexpr)`` must write ``Out = Q · max(1, log2(i + 1) · logn_factor)`` row by row, one
+    program per ``BLOCK`` rows of a contiguous ``(n_q, HEAD_DIM)`` slice, where row ``r`` is the
+    query at position ``i = n_k - n_q + r`` and ``logn_factor = 1 / log2(train_len)``.
+
+    Compared with :func:`kernels.rope.logn_scale` (float64) for a whole sequence, a chunk at the
+    end of a longer one, and a ragged last block; reports the case and the wrong rows.
+    """
+    from .rope import logn_scale
+
+    gen = torch.Generator().manual_seed(10)
+    for what, n_q, n_k, train_len, block in (("a whole sequence", 100, 100, 16, 32),
+                                             ("the last 37 queries of 300", 37, 300, 64, 16),
+                                             ("training length 256, 4096 positions", 50, 4096,
+                                              256, 64)):
+        q = _randn(gen, n_q, 32)
+        out = torch.full((n_q, 32), float("nan"), dtype=torch.float32, device=q.device)
+        with _quiet():
+            logn_kernel[(triton.cdiv(n_q, block),)](q, out, n_q, n_k, 1.0 / np.log2(train_len),
+                                                    BLOCK=block, HEAD_DIM=32)
+        want = q.double().cpu() * logn_scale(n_k, train_len)[n_k - n_q:, None]
+        bad = _bad_rows(out, want, atol=1e-3, rtol=1e-3)
+        if bad:
+            return (f"{what} (n_q={n_q}, n_k={n_k}, train_len={train_len}, BLOCK={block}): "
+                    f"rows {_spans(bad)} wrong (row r is position n_k - n_q + r)")
+    return CORRECT
