@@ -164,6 +164,56 @@ def _dkdv_pass(dk_a, dk_b, dv, k_a, k_b, v, Qa, Qb, DO, Lse, Delta, sq_n, sq_d, 
 
 
 @triton.jit
+def _dkdv_product(dv, v, K, sk_n, sk_d, Q, sq_b, sq_h, sq_n, sq_d, DO, sdo_b, sdo_h, sdo_n,
+                  sdo_d, Lse, Delta, DK, batch, kv_head, start_n, keys, keys_q, clean, band,
+                  edge, n_heads, group, n_q, n_k, q_offset, window, qk_scale, sm_scale, Table,
+                  Offset, logn_factor, PRODUCT: tl.constexpr, CAUSAL: tl.constexpr,
+                  TURN: tl.constexpr, SHIFT: tl.constexpr, LOGN: tl.constexpr,
+                  SPLIT: tl.constexpr, TWO_DOTS: tl.constexpr, ADD: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+                  DOT_PRECISION: tl.constexpr, TMA: tl.constexpr):
+    """Everything one product gives a key block: its key operand (``K`` is the block's
+    ``(N, D)`` slice; turned by ``R(speed·j − offset)``), its three walks for every query head
+    of the group, then its ``dK`` stored at ``DK`` (turned back to the input keys in the
+    ``SPLIT`` form; ``ADD``: added to the other product's). Returns ``dV`` so far."""
+    Ka, Kb = _halves(K, sk_n, sk_d, n_k, BLOCK_N, HEAD_DIM, SPLIT, TMA)
+    k_a, k_b = _operand(Ka, Kb, start_n, sk_n, sk_d, n_k, keys, Table, Offset, 0.0, TURN, SHIFT,
+                        -1, False, SPLIT, TWO_DOTS, BLOCK_N, HEAD_DIM, True, TMA)
+    dk_a, dk_b = _zeros(BLOCK_N, HEAD_DIM, TWO_DOTS)
+    for g in range(group):                # every query head that shares this K/V head
+        head = kv_head * group + g
+        Qa, Qb = _halves(Q + batch * sq_b + head * sq_h, sq_n, sq_d, n_q, BLOCK_M, HEAD_DIM,
+                         SPLIT, TMA)
+        do = _tiles(DO + batch * sdo_b + head * sdo_h, sdo_n, n_q, BLOCK_M, HEAD_DIM, TMA)
+        row_stats = (batch * n_heads + head) * n_q
+        lse, delta = Lse + row_stats, Delta + row_stats
+        dk_a, dk_b, dv = _dkdv_pass(dk_a, dk_b, dv, k_a, k_b, v, Qa, Qb, do, lse, delta, sq_n,
+                                    sq_d, sdo_n, sdo_d, keys_q, clean, n_q, q_offset, window,
+                                    qk_scale, Table, Offset, logn_factor, PRODUCT, False, CAUSAL,
+                                    TURN, LOGN, SPLIT, TWO_DOTS, BLOCK_M, HEAD_DIM,
+                                    DOT_PRECISION, TMA)
+        dk_a, dk_b, dv = _dkdv_pass(dk_a, dk_b, dv, k_a, k_b, v, Qa, Qb, do, lse, delta, sq_n,
+                                    sq_d, sdo_n, sdo_d, keys_q, band, n_q, q_offset, window,
+                                    qk_scale, Table, Offset, logn_factor, PRODUCT, True, CAUSAL,
+                                    TURN, LOGN, SPLIT, TWO_DOTS, BLOCK_M, HEAD_DIM,
+                                    DOT_PRECISION, TMA)
+        dk_a, dk_b, dv = _dkdv_pass(dk_a, dk_b, dv, k_a, k_b, v, Qa, Qb, do, lse, delta, sq_n,
+                                    sq_d, sdo_n, sdo_d, keys_q, edge, n_q, q_offset, window,
+                                    qk_scale, Table, Offset, logn_factor, PRODUCT, True, CAUSAL,
+                                    TURN, LOGN, SPLIT, TWO_DOTS, BLOCK_M, HEAD_DIM,
+                                    DOT_PRECISION, TMA)
+    if SPLIT:
+        dk_a, dk_b = _as_halves(dk_a, dk_b, TWO_DOTS)
+        if TURN or SHIFT:
+            cos, sin = _angles(Table, keys, Offset, TURN, SHIFT, -1, HEAD_DIM // 2)
+            dk_a, dk_b = _unrotate(dk_a, dk_b, cos, sin)
+        _store_halves(DK, keys, n_k, dk_a * sm_scale, dk_b * sm_scale, HEAD_DIM, ADD)
+    else:
+        _store_rows(DK, keys, n_k, dk_a * sm_scale, 0, HEAD_DIM, HEAD_DIM)
+    return dv
+
+
+@triton.jit
 def _bwd_dkdv_kernel(
     Q1, Q2, K1, K2, V, DO, Lse, Delta, DK1, DK2, DV, TabIn, OffIn, TabOut, OffOut,
     sq1_b, sq1_h, sq1_n, sq1_d, sq2_b, sq2_h, sq2_n, sq2_d,
@@ -194,83 +244,24 @@ def _bwd_dkdv_kernel(
         Q2, sq2_b, sq2_h, sq2_n, sq2_d = Q1, sq1_b, sq1_h, sq1_n, sq1_d
         K2, sk2_b, sk2_h, sk2_n, sk2_d = K1, sk1_b, sk1_h, sk1_n, sk1_d
 
-    # phase 1: the inside passes give this product's dK (and part of dV); it is stored (five
-    # tensors) or rotated back and kept (SPLIT) before phase 2, so that only two fp32
-    # accumulators are being filled at any time, as in plain attention
-    Ka, Kb = _halves(K1 + batch * sk1_b + kv_head * sk1_h, sk1_n, sk1_d, n_k, BLOCK_N, HEAD_DIM,
-                     SPLIT, TMA)
-    k_a, k_b = _operand(Ka, Kb, start_n, sk1_n, sk1_d, n_k, keys, TabIn, OffIn, 0.0, TURN_IN,
-                        SHIFT_IN, -1, False, SPLIT, TWO_DOTS, BLOCK_N, HEAD_DIM, True, TMA)
-    dk_a, dk_b = _zeros(BLOCK_N, HEAD_DIM, TWO_DOTS)
-    for g in range(group):                # every query head that shares this K/V head
-        head = kv_head * group + g
-        Qa, Qb = _halves(Q1 + batch * sq1_b + head * sq1_h, sq1_n, sq1_d, n_q, BLOCK_M,
-                         HEAD_DIM, SPLIT, TMA)
-        do = _tiles(DO + batch * sdo_b + head * sdo_h, sdo_n, n_q, BLOCK_M, HEAD_DIM, TMA)
-        row_stats = (batch * n_heads + head) * n_q
-        lse, delta = Lse + row_stats, Delta + row_stats
-        dk_a, dk_b, dv = _dkdv_pass(dk_a, dk_b, dv, k_a, k_b, v, Qa, Qb, do, lse, delta, sq1_n,
-                                    sq1_d, sdo_n, sdo_d, keys_q, inside_clean, n_q, q_offset,
-                                    window, qk_scale, TabIn, OffIn, logn_factor,
-                                    INSIDE, False, CAUSAL, TURN_IN, LOGN, SPLIT,
-                                    TWO_DOTS, BLOCK_M, HEAD_DIM, DOT_PRECISION, TMA)
-        dk_a, dk_b, dv = _dkdv_pass(dk_a, dk_b, dv, k_a, k_b, v, Qa, Qb, do, lse, delta, sq1_n,
-                                    sq1_d, sdo_n, sdo_d, keys_q, band, n_q, q_offset,
-                                    window, qk_scale, TabIn, OffIn, logn_factor,
-                                    INSIDE, True, CAUSAL, TURN_IN, LOGN, SPLIT,
-                                    TWO_DOTS, BLOCK_M, HEAD_DIM, DOT_PRECISION, TMA)
-        dk_a, dk_b, dv = _dkdv_pass(dk_a, dk_b, dv, k_a, k_b, v, Qa, Qb, do, lse, delta, sq1_n,
-                                    sq1_d, sdo_n, sdo_d, keys_q, edge_inside, n_q, q_offset,
-                                    window, qk_scale, TabIn, OffIn, logn_factor,
-                                    INSIDE, True, CAUSAL, TURN_IN, LOGN, SPLIT,
-                                    TWO_DOTS, BLOCK_M, HEAD_DIM, DOT_PRECISION, TMA)
-    if SPLIT:
-        dk_a, dk_b = _as_halves(dk_a, dk_b, TWO_DOTS)
-        if TURN_IN or SHIFT_IN:
-            cos, sin = _angles(TabIn, keys, OffIn, TURN_IN, SHIFT_IN, -1, HEAD_DIM // 2)
-            dk_a, dk_b = _unrotate(dk_a, dk_b, cos, sin)
-        _store_halves(DK1 + out_offset, keys, n_k, dk_a * sm_scale, dk_b * sm_scale, HEAD_DIM,
-                      False)
-    else:
-        _store_rows(DK1 + out_offset, keys, n_k, dk_a * sm_scale, 0, HEAD_DIM, HEAD_DIM)
-
-    # phase 2: the outside passes give the other product's dK and the rest of dV
-    Ka, Kb = _halves(K2 + batch * sk2_b + kv_head * sk2_h, sk2_n, sk2_d, n_k, BLOCK_N, HEAD_DIM,
-                     SPLIT, TMA)
-    k_a, k_b = _operand(Ka, Kb, start_n, sk2_n, sk2_d, n_k, keys, TabOut, OffOut, 0.0, TURN_OUT,
-                        SHIFT_OUT, -1, False, SPLIT, TWO_DOTS, BLOCK_N, HEAD_DIM, True, TMA)
-    dk_a, dk_b = _zeros(BLOCK_N, HEAD_DIM, TWO_DOTS)
-    for g in range(group):
-        head = kv_head * group + g
-        Qa, Qb = _halves(Q2 + batch * sq2_b + head * sq2_h, sq2_n, sq2_d, n_q, BLOCK_M,
-                         HEAD_DIM, SPLIT, TMA)
-        do = _tiles(DO + batch * sdo_b + head * sdo_h, sdo_n, n_q, BLOCK_M, HEAD_DIM, TMA)
-        row_stats = (batch * n_heads + head) * n_q
-        lse, delta = Lse + row_stats, Delta + row_stats
-        dk_a, dk_b, dv = _dkdv_pass(dk_a, dk_b, dv, k_a, k_b, v, Qa, Qb, do, lse, delta, sq2_n,
-                                    sq2_d, sdo_n, sdo_d, keys_q, outside_clean, n_q, q_offset,
-                                    window, qk_scale, TabOut, OffOut, logn_factor,
-                                    OUTSIDE, False, CAUSAL, TURN_OUT, LOGN, SPLIT,
-                                    TWO_DOTS, BLOCK_M, HEAD_DIM, DOT_PRECISION, TMA)
-        dk_a, dk_b, dv = _dkdv_pass(dk_a, dk_b, dv, k_a, k_b, v, Qa, Qb, do, lse, delta, sq2_n,
-                                    sq2_d, sdo_n, sdo_d, keys_q, band, n_q, q_offset,
-                                    window, qk_scale, TabOut, OffOut, logn_factor,
-                                    OUTSIDE, True, CAUSAL, TURN_OUT, LOGN, SPLIT,
-                                    TWO_DOTS, BLOCK_M, HEAD_DIM, DOT_PRECISION, TMA)
-        dk_a, dk_b, dv = _dkdv_pass(dk_a, dk_b, dv, k_a, k_b, v, Qa, Qb, do, lse, delta, sq2_n,
-                                    sq2_d, sdo_n, sdo_d, keys_q, edge_outside, n_q, q_offset,
-                                    window, qk_scale, TabOut, OffOut, logn_factor,
-                                    OUTSIDE, True, CAUSAL, TURN_OUT, LOGN, SPLIT,
-                                    TWO_DOTS, BLOCK_M, HEAD_DIM, DOT_PRECISION, TMA)
-    if SPLIT:
-        dk_a, dk_b = _as_halves(dk_a, dk_b, TWO_DOTS)
-        if TURN_OUT or SHIFT_OUT:
-            cos, sin = _angles(TabOut, keys, OffOut, TURN_OUT, SHIFT_OUT, -1, HEAD_DIM // 2)
-            dk_a, dk_b = _unrotate(dk_a, dk_b, cos, sin)
-        _store_halves(DK1 + out_offset, keys, n_k, dk_a * sm_scale, dk_b * sm_scale, HEAD_DIM,
-                      True)
-    else:
-        _store_rows(DK2 + out_offset, keys, n_k, dk_a * sm_scale, 0, HEAD_DIM, HEAD_DIM)
+    # the inside passes give that product's dK (and part of dV), stored before the outside
+    # passes give the other's (added to it in the SPLIT form): only two fp32 accumulators are
+    # filled at any time, as in plain attention
+    DK = DK1 + out_offset
+    dv = _dkdv_product(dv, v, K1 + batch * sk1_b + kv_head * sk1_h, sk1_n, sk1_d, Q1, sq1_b,
+                       sq1_h, sq1_n, sq1_d, DO, sdo_b, sdo_h, sdo_n, sdo_d, Lse, Delta, DK,
+                       batch, kv_head, start_n, keys, keys_q, inside_clean, band, edge_inside,
+                       n_heads, group, n_q, n_k, q_offset, window, qk_scale, sm_scale, TabIn,
+                       OffIn, logn_factor, INSIDE, CAUSAL, TURN_IN, SHIFT_IN, LOGN, SPLIT,
+                       TWO_DOTS, False, BLOCK_M, BLOCK_N, HEAD_DIM, DOT_PRECISION, TMA)
+    if not SPLIT:
+        DK = DK2 + out_offset
+    dv = _dkdv_product(dv, v, K2 + batch * sk2_b + kv_head * sk2_h, sk2_n, sk2_d, Q2, sq2_b,
+                       sq2_h, sq2_n, sq2_d, DO, sdo_b, sdo_h, sdo_n, sdo_d, Lse, Delta, DK,
+                       batch, kv_head, start_n, keys, keys_q, outside_clean, band, edge_outside,
+                       n_heads, group, n_q, n_k, q_offset, window, qk_scale, sm_scale, TabOut,
+                       OffOut, logn_factor, OUTSIDE, CAUSAL, TURN_OUT, SHIFT_OUT, LOGN, SPLIT,
+                       TWO_DOTS, SPLIT, BLOCK_M, BLOCK_N, HEAD_DIM, DOT_PRECISION, TMA)
     _store_rows(DV + out_offset, keys, n_k, dv, 0, HEAD_DIM, HEAD_DIM)
 
 
@@ -322,6 +313,37 @@ def _store_dq(DQ, q_rows, positions, n_q, dq_a, dq_b, Table, Offset, sm_scale, l
 
 
 @triton.jit
+def _dq_product(do, lse, delta, Q, sq_n, sq_d, start_m, n_q, rows, q_rows, Ka, Kb, sk_n, sk_d, V,
+                sv_n, sv_d, Table, Offset, logn_factor, sm_scale, DQ, clean, band, edge, n_k,
+                window, qk_scale, PRODUCT: tl.constexpr, CAUSAL: tl.constexpr,
+                TURN: tl.constexpr, SHIFT: tl.constexpr, LOGN: tl.constexpr,
+                SPLIT: tl.constexpr, TWO_DOTS: tl.constexpr, ADD: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+                DOT_PRECISION: tl.constexpr, TMA: tl.constexpr):
+    """Everything one product gives a query block's ``dQ``: its query operand (``Q`` is the
+    block's ``(N, D)`` slice), its three walks, then the store at ``DQ`` (turned back to the
+    input queries in the ``SPLIT`` form; ``ADD``: added to the other product's)."""
+    Qa, Qb = _halves(Q, sq_n, sq_d, n_q, BLOCK_M, HEAD_DIM, SPLIT, TMA)
+    q_a, q_b = _operand(Qa, Qb, start_m, sq_n, sq_d, n_q, rows, Table, Offset, logn_factor, TURN,
+                        SHIFT, 1, LOGN, SPLIT, TWO_DOTS, BLOCK_M, HEAD_DIM, True, TMA)
+    dq_a, dq_b = _zeros(BLOCK_M, HEAD_DIM, TWO_DOTS)
+    dq_a, dq_b = _dq_pass(dq_a, dq_b, q_a, q_b, do, lse, delta, Ka, Kb, V, Table, sk_n, sk_d,
+                          sv_n, sv_d, rows, clean, n_k, window, qk_scale, PRODUCT, False, CAUSAL,
+                          TURN, SPLIT, TWO_DOTS, BLOCK_N, HEAD_DIM, DOT_PRECISION, TMA)
+    dq_a, dq_b = _dq_pass(dq_a, dq_b, q_a, q_b, do, lse, delta, Ka, Kb, V, Table, sk_n, sk_d,
+                          sv_n, sv_d, rows, band, n_k, window, qk_scale, PRODUCT, True, CAUSAL,
+                          TURN, SPLIT, TWO_DOTS, BLOCK_N, HEAD_DIM, DOT_PRECISION, TMA)
+    dq_a, dq_b = _dq_pass(dq_a, dq_b, q_a, q_b, do, lse, delta, Ka, Kb, V, Table, sk_n, sk_d,
+                          sv_n, sv_d, rows, edge, n_k, window, qk_scale, PRODUCT, True, CAUSAL,
+                          TURN, SPLIT, TWO_DOTS, BLOCK_N, HEAD_DIM, DOT_PRECISION, TMA)
+    if SPLIT:
+        _store_dq(DQ, q_rows, rows, n_q, dq_a, dq_b, Table, Offset, sm_scale, logn_factor, TURN,
+                  SHIFT, LOGN, TWO_DOTS, HEAD_DIM, ADD)
+    else:
+        _store_rows(DQ, q_rows, n_q, dq_a * sm_scale, 0, HEAD_DIM, HEAD_DIM)
+
+
+@triton.jit
 def _bwd_dq_kernel(
     Q1, Q2, K1, K2, V, DO, Lse, Delta, DQ1, DQ2, TabIn, OffIn, TabOut, OffOut,
     sq1_b, sq1_h, sq1_n, sq1_d, sq2_b, sq2_h, sq2_n, sq2_d,
@@ -363,53 +385,18 @@ def _bwd_dq_kernel(
         start_pos, BLOCK_M, BLOCK_N, n_k, window, CAUSAL, True)
     out_offset = tl.program_id(1).to(tl.int64) * n_q * HEAD_DIM
 
-    # phase 1: the inside passes; dQ of this product is stored (five tensors) or rotated back
-    # and kept (SPLIT) before phase 2 (one accumulator being filled at a time)
-    Qa, Qb = _halves(Q1 + batch * sq1_b + head * sq1_h, sq1_n, sq1_d, n_q, BLOCK_M, HEAD_DIM,
-                     SPLIT, TMA)
-    q_a, q_b = _operand(Qa, Qb, start_m, sq1_n, sq1_d, n_q, rows, TabIn, OffIn, logn_factor,
-                        TURN_IN, SHIFT_IN, 1, LOGN, SPLIT, TWO_DOTS, BLOCK_M, HEAD_DIM, True,
-                        TMA)
-    dq_a, dq_b = _zeros(BLOCK_M, HEAD_DIM, TWO_DOTS)
-    dq_a, dq_b = _dq_pass(dq_a, dq_b, q_a, q_b, do, lse, delta, K1a, K1b, V, TabIn, sk1_n, sk1_d,
-                          sv_n, sv_d, rows, inside_clean, n_k, window, qk_scale,
-                          INSIDE, False, CAUSAL, TURN_IN, SPLIT, TWO_DOTS, BLOCK_N, HEAD_DIM,
-                          DOT_PRECISION, TMA)
-    dq_a, dq_b = _dq_pass(dq_a, dq_b, q_a, q_b, do, lse, delta, K1a, K1b, V, TabIn, sk1_n, sk1_d,
-                          sv_n, sv_d, rows, band, n_k, window, qk_scale,
-                          INSIDE, True, CAUSAL, TURN_IN, SPLIT, TWO_DOTS, BLOCK_N, HEAD_DIM,
-                          DOT_PRECISION, TMA)
-    dq_a, dq_b = _dq_pass(dq_a, dq_b, q_a, q_b, do, lse, delta, K1a, K1b, V, TabIn, sk1_n, sk1_d,
-                          sv_n, sv_d, rows, edge_inside, n_k, window, qk_scale,
-                          INSIDE, True, CAUSAL, TURN_IN, SPLIT, TWO_DOTS, BLOCK_N, HEAD_DIM,
-                          DOT_PRECISION, TMA)
-    if SPLIT:
-        _store_dq(DQ1 + out_offset, q_rows, rows, n_q, dq_a, dq_b, TabIn, OffIn, sm_scale,
-                  logn_factor, TURN_IN, SHIFT_IN, LOGN, TWO_DOTS, HEAD_DIM, False)
-    else:
-        _store_rows(DQ1 + out_offset, q_rows, n_q, dq_a * sm_scale, 0, HEAD_DIM, HEAD_DIM)
-
-    # phase 2: the outside passes
-    Qa, Qb = _halves(Q2 + batch * sq2_b + head * sq2_h, sq2_n, sq2_d, n_q, BLOCK_M, HEAD_DIM,
-                     SPLIT, TMA)
-    q_a, q_b = _operand(Qa, Qb, start_m, sq2_n, sq2_d, n_q, rows, TabOut, OffOut, logn_factor,
-                        TURN_OUT, SHIFT_OUT, 1, LOGN, SPLIT, TWO_DOTS, BLOCK_M, HEAD_DIM, True,
-                        TMA)
-    dq_a, dq_b = _zeros(BLOCK_M, HEAD_DIM, TWO_DOTS)
-    dq_a, dq_b = _dq_pass(dq_a, dq_b, q_a, q_b, do, lse, delta, K2a, K2b, V, TabOut, sk2_n,
-                          sk2_d, sv_n, sv_d, rows, outside_clean, n_k, window, qk_scale,
-                          OUTSIDE, False, CAUSAL, TURN_OUT, SPLIT, TWO_DOTS, BLOCK_N, HEAD_DIM,
-                          DOT_PRECISION, TMA)
-    dq_a, dq_b = _dq_pass(dq_a, dq_b, q_a, q_b, do, lse, delta, K2a, K2b, V, TabOut, sk2_n,
-                          sk2_d, sv_n, sv_d, rows, band, n_k, window, qk_scale,
-                          OUTSIDE, True, CAUSAL, TURN_OUT, SPLIT, TWO_DOTS, BLOCK_N, HEAD_DIM,
-                          DOT_PRECISION, TMA)
-    dq_a, dq_b = _dq_pass(dq_a, dq_b, q_a, q_b, do, lse, delta, K2a, K2b, V, TabOut, sk2_n,
-                          sk2_d, sv_n, sv_d, rows, edge_outside, n_k, window, qk_scale,
-                          OUTSIDE, True, CAUSAL, TURN_OUT, SPLIT, TWO_DOTS, BLOCK_N, HEAD_DIM,
-                          DOT_PRECISION, TMA)
-    if SPLIT:
-        _store_dq(DQ1 + out_offset, q_rows, rows, n_q, dq_a, dq_b, TabOut, OffOut, sm_scale,
-                  logn_factor, TURN_OUT, SHIFT_OUT, LOGN, TWO_DOTS, HEAD_DIM, True)
-    else:
-        _store_rows(DQ2 + out_offset, q_rows, n_q, dq_a * sm_scale, 0, HEAD_DIM, HEAD_DIM)
+    # the inside passes, then the outside ones: each product's dQ is stored (five tensors) or
+    # turned back and added to the other's (SPLIT) before the next (one accumulator at a time)
+    DQ = DQ1 + out_offset
+    _dq_product(do, lse, delta, Q1 + batch * sq1_b + head * sq1_h, sq1_n, sq1_d, start_m, n_q,
+                rows, q_rows, K1a, K1b, sk1_n, sk1_d, V, sv_n, sv_d, TabIn, OffIn, logn_factor,
+                sm_scale, DQ, inside_clean, band, edge_inside, n_k, window, qk_scale, INSIDE,
+                CAUSAL, TURN_IN, SHIFT_IN, LOGN, SPLIT, TWO_DOTS, False, BLOCK_M, BLOCK_N,
+                HEAD_DIM, DOT_PRECISION, TMA)
+    if not SPLIT:
+        DQ = DQ2 + out_offset
+    _dq_product(do, lse, delta, Q2 + batch * sq2_b + head * sq2_h, sq2_n, sq2_d, start_m, n_q,
+                rows, q_rows, K2a, K2b, sk2_n, sk2_d, V, sv_n, sv_d, TabOut, OffOut,
+                logn_factor, sm_scale, DQ, outside_clean, band, edge_outside, n_k, window,
+                qk_scale, OUTSIDE, CAUSAL, TURN_OUT, SHIFT_OUT, LOGN, SPLIT, TWO_DOTS, SPLIT,
+                BLOCK_M, BLOCK_N, HEAD_DIM, DOT_PRECISION, TMA)

@@ -216,6 +216,31 @@ def _fwd_pass(acc, l_i, m_i, q_a, q_b, Ka, Kb, V, Table, sk_n, sk_d, sv_n, sv_d,
 
 
 @triton.jit
+def _fwd_product(acc, l_i, m_i, Q, sq_n, sq_d, start_m, n_q, rows, Ka, Kb, sk_n, sk_d, V, sv_n,
+                 sv_d, Table, Offset, logn_factor, clean, band, edge, n_k, window, qk_scale,
+                 PRODUCT: tl.constexpr, CAUSAL: tl.constexpr, TURN: tl.constexpr,
+                 SHIFT: tl.constexpr, LOGN: tl.constexpr, SPLIT: tl.constexpr,
+                 TWO_DOTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr):
+    """Everything one product adds to a query block: its query operand (``Q`` is the block's
+    ``(N, D)`` slice), then its three walks — the tiles entirely on its side of the window
+    (no mask), the band, its masked edge tiles."""
+    Qa, Qb = _halves(Q, sq_n, sq_d, n_q, BLOCK_M, HEAD_DIM, SPLIT, TMA)
+    q_a, q_b = _operand(Qa, Qb, start_m, sq_n, sq_d, n_q, rows, Table, Offset, logn_factor, TURN,
+                        SHIFT, 1, LOGN, SPLIT, TWO_DOTS, BLOCK_M, HEAD_DIM, True, TMA)
+    acc, l_i, m_i = _fwd_pass(acc, l_i, m_i, q_a, q_b, Ka, Kb, V, Table, sk_n, sk_d, sv_n, sv_d,
+                              rows, clean, n_k, window, qk_scale, PRODUCT, False, CAUSAL, TURN,
+                              SPLIT, TWO_DOTS, BLOCK_N, HEAD_DIM, DOT_PRECISION, TMA)
+    acc, l_i, m_i = _fwd_pass(acc, l_i, m_i, q_a, q_b, Ka, Kb, V, Table, sk_n, sk_d, sv_n, sv_d,
+                              rows, band, n_k, window, qk_scale, PRODUCT, True, CAUSAL, TURN,
+                              SPLIT, TWO_DOTS, BLOCK_N, HEAD_DIM, DOT_PRECISION, TMA)
+    acc, l_i, m_i = _fwd_pass(acc, l_i, m_i, q_a, q_b, Ka, Kb, V, Table, sk_n, sk_d, sv_n, sv_d,
+                              rows, edge, n_k, window, qk_scale, PRODUCT, True, CAUSAL, TURN,
+                              SPLIT, TWO_DOTS, BLOCK_N, HEAD_DIM, DOT_PRECISION, TMA)
+    return acc, l_i, m_i
+
+
+@triton.jit
 def _rerope_fwd_kernel(
     Q1, Q2, K1, K2, V, Out, Lse, TabIn, OffIn, TabOut, OffOut,
     sq1_b, sq1_h, sq1_n, sq1_d, sq2_b, sq2_h, sq2_n, sq2_d,
@@ -265,40 +290,18 @@ def _rerope_fwd_kernel(
         start_pos, BLOCK_M, BLOCK_N, n_k, window, CAUSAL, True)
 
     # every outside pass, then every inside pass: only one query operand is live at a time
-    Qa, Qb = _halves(Q2 + b64 * sq2_b + h64 * sq2_h, sq2_n, sq2_d, n_q, BLOCK_M, HEAD_DIM,
-                     SPLIT, TMA)
-    q_a, q_b = _operand(Qa, Qb, start_m, sq2_n, sq2_d, n_q, rows, TabOut, OffOut, logn_factor,
-                        TURN_OUT, SHIFT_OUT, 1, LOGN, SPLIT, TWO_DOTS, BLOCK_M, HEAD_DIM, True,
-                        TMA)
-    acc, l_i, m_i = _fwd_pass(acc, l_i, m_i, q_a, q_b, K2a, K2b, V, TabOut, sk2_n, sk2_d, sv_n,
-                              sv_d, rows, outside_clean, n_k, window, qk_scale,
-                              OUTSIDE, False, CAUSAL, TURN_OUT, SPLIT, TWO_DOTS, BLOCK_N,
-                              HEAD_DIM, DOT_PRECISION, TMA)
-    acc, l_i, m_i = _fwd_pass(acc, l_i, m_i, q_a, q_b, K2a, K2b, V, TabOut, sk2_n, sk2_d, sv_n,
-                              sv_d, rows, band, n_k, window, qk_scale,
-                              OUTSIDE, True, CAUSAL, TURN_OUT, SPLIT, TWO_DOTS, BLOCK_N,
-                              HEAD_DIM, DOT_PRECISION, TMA)
-    acc, l_i, m_i = _fwd_pass(acc, l_i, m_i, q_a, q_b, K2a, K2b, V, TabOut, sk2_n, sk2_d, sv_n,
-                              sv_d, rows, edge_outside, n_k, window, qk_scale,
-                              OUTSIDE, True, CAUSAL, TURN_OUT, SPLIT, TWO_DOTS, BLOCK_N,
-                              HEAD_DIM, DOT_PRECISION, TMA)
-    Qa, Qb = _halves(Q1 + b64 * sq1_b + h64 * sq1_h, sq1_n, sq1_d, n_q, BLOCK_M, HEAD_DIM,
-                     SPLIT, TMA)
-    q_a, q_b = _operand(Qa, Qb, start_m, sq1_n, sq1_d, n_q, rows, TabIn, OffIn, logn_factor,
-                        TURN_IN, SHIFT_IN, 1, LOGN, SPLIT, TWO_DOTS, BLOCK_M, HEAD_DIM, True,
-                        TMA)
-    acc, l_i, m_i = _fwd_pass(acc, l_i, m_i, q_a, q_b, K1a, K1b, V, TabIn, sk1_n, sk1_d, sv_n,
-                              sv_d, rows, inside_clean, n_k, window, qk_scale,
-                              INSIDE, False, CAUSAL, TURN_IN, SPLIT, TWO_DOTS, BLOCK_N,
-                              HEAD_DIM, DOT_PRECISION, TMA)
-    acc, l_i, m_i = _fwd_pass(acc, l_i, m_i, q_a, q_b, K1a, K1b, V, TabIn, sk1_n, sk1_d, sv_n,
-                              sv_d, rows, band, n_k, window, qk_scale,
-                              INSIDE, True, CAUSAL, TURN_IN, SPLIT, TWO_DOTS, BLOCK_N,
-                              HEAD_DIM, DOT_PRECISION, TMA)
-    acc, l_i, m_i = _fwd_pass(acc, l_i, m_i, q_a, q_b, K1a, K1b, V, TabIn, sk1_n, sk1_d, sv_n,
-                              sv_d, rows, edge_inside, n_k, window, qk_scale,
-                              INSIDE, True, CAUSAL, TURN_IN, SPLIT, TWO_DOTS, BLOCK_N,
-                              HEAD_DIM, DOT_PRECISION, TMA)
+    acc, l_i, m_i = _fwd_product(acc, l_i, m_i, Q2 + b64 * sq2_b + h64 * sq2_h, sq2_n, sq2_d,
+                                 start_m, n_q, rows, K2a, K2b, sk2_n, sk2_d, V, sv_n, sv_d,
+                                 TabOut, OffOut, logn_factor, outside_clean, band, edge_outside,
+                                 n_k, window, qk_scale, OUTSIDE, CAUSAL, TURN_OUT, SHIFT_OUT,
+                                 LOGN, SPLIT, TWO_DOTS, BLOCK_M, BLOCK_N, HEAD_DIM,
+                                 DOT_PRECISION, TMA)
+    acc, l_i, m_i = _fwd_product(acc, l_i, m_i, Q1 + b64 * sq1_b + h64 * sq1_h, sq1_n, sq1_d,
+                                 start_m, n_q, rows, K1a, K1b, sk1_n, sk1_d, V, sv_n, sv_d,
+                                 TabIn, OffIn, logn_factor, inside_clean, band, edge_inside,
+                                 n_k, window, qk_scale, INSIDE, CAUSAL, TURN_IN, SHIFT_IN,
+                                 LOGN, SPLIT, TWO_DOTS, BLOCK_M, BLOCK_N, HEAD_DIM,
+                                 DOT_PRECISION, TMA)
 
     q_rows = start_m + tl.arange(0, BLOCK_M)
     tl.store(Lse + tl.program_id(1).to(tl.int64) * n_q + q_rows, m_i + tl.math.log2(l_i),
