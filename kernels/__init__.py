@@ -6,11 +6,18 @@ Read in the order the book teaches:
 2. :mod:`kernels.reference`       the naive two-matrix method, the tests' oracle (chapter 2)
 3. :mod:`kernels.online_softmax`  the online-softmax recurrence, plain attention in Triton (3)
 4. :mod:`kernels.regions`         outside / band / inside tiles, shared by every kernel (4)
-5. :mod:`kernels.forward`         the ReRoPE forward kernel (4)
-6. :mod:`kernels.backward`        the three backward kernels (5)
-7. :mod:`kernels.configs`         launch configurations, pruned by shared memory (6)
-8. :mod:`kernels.attention`       launchers, autograd, the public ops
-9. :mod:`kernels.bench`           the benchmark, ``python -m kernels.bench`` (6)
+5. :mod:`kernels.rotary`          RoPE turned in registers: speeds, offsets, the cos/sin table (7)
+6. :mod:`kernels.forward`         the ReRoPE forward kernel, five tensors or q, k (4, 7)
+7. :mod:`kernels.backward`        the three backward kernels (5, 7)
+8. :mod:`kernels.configs`         launch configurations, pruned by shared memory (6)
+9. :mod:`kernels.attention`       launchers, autograd, the public ops
+10. :mod:`kernels.bench`          the benchmark, ``python -m kernels.bench`` (6)
+11. :mod:`kernels.decode`         split-KV decoding against a KV cache (8);
+    :mod:`kernels.bench_decode`   its benchmark
+12. :mod:`kernels.exercises`      the checkers of the book's Triton exercises
+
+:mod:`kernels.hf` (``import kernels.hf``, not loaded by ``import kernels``): ReRoPE in a Hugging
+Face transformers model, ``kernels.hf.enable_rerope(model, window)`` (chapter 9).
 
 With no CUDA device, importing ``kernels`` switches Triton to its CPU interpreter
 (``TRITON_INTERPRET=1``, see :mod:`kernels.runtime`), so the same code runs on CPU tensors.
