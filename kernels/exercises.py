@@ -26,6 +26,8 @@ checker                    chapter     what the reader writes
 :func:`check_rope_kernel`        6     a RoPE rotation kernel (the five-tensor interface's cost)
 :func:`check_turn_tile`          7     a tile's halves turned by ``R(speed·p ± offset)`` in registers
 :func:`check_turn_back_tile`     7     the transpose, for gradients (``dq = Rᵀ dq_rot``)
+:func:`check_merge_kernel`       8     the split-KV merge of partial outputs by their LSEs
+:func:`check_positions_kernel`   9     positions from a left-padded mask, as ``generate`` gives
 :func:`check_logn_kernel`       10     the log-n query scale, ``max(1, log(i + 1) / log(L))``
 =========================  ==========  ========================================================
 """
@@ -735,4 +737,92 @@ def check_logn_kernel(logn_kernel):
         if bad:
             return (f"{what} (n_q={n_q}, n_k={n_k}, train_len={train_len}, BLOCK={block}): "
                     f"rows {_spans(bad)} wrong (row r is position n_k - n_q + r)")
+    return CORRECT
+
+
+# --- chapter 9: positions from a padding mask -----------------------------------------------------
+
+
+def reference_positions(mask):
+    """What transformers' ``generate`` computes from a 2D padding mask ``(B, N)`` (0/1):
+    ``cumsum(mask) - 1`` along each row, 0 where ``mask`` is 0."""
+    positions = mask.long().cumsum(-1) - 1
+    return positions.masked_fill(mask == 0, 0)
+
+
+def check_positions_kernel(positions_kernel):
+    """Chapter 9: ``positions_kernel(Mask, Positions, n, BLOCK: tl.constexpr)``, one program per
+    batch row of a contiguous int32 ``(B, n)`` mask, ``n <= BLOCK``, must write the int32
+    positions of :func:`reference_positions`.
+
+    Cases: left padding of different lengths, a row with no padding, a row of padding only,
+    right padding, and a ragged ``n < BLOCK``.
+    """
+    device = "cpu" if INTERPRET else "cuda"
+    cases = (("left padding", [[0, 0, 0, 1, 1, 1, 1, 1], [0, 1, 1, 1, 1, 1, 1, 1]], 8),
+             ("a row without padding", [[1] * 8, [0] * 5 + [1] * 3], 8),
+             ("a row of padding only", [[0] * 8, [0, 0, 1, 1, 1, 1, 1, 1]], 8),
+             ("right padding (a single forward)", [[1, 1, 1, 1, 1, 0, 0, 0]], 8),
+             ("n = 13, BLOCK = 16", [[0] * 4 + [1] * 9, [1] * 13], 16))
+    for what, rows, block in cases:
+        mask = torch.tensor(rows, dtype=torch.int32, device=device)
+        n = mask.shape[1]
+        out = torch.full(mask.shape, -7, dtype=torch.int32, device=device)
+        with _quiet():
+            positions_kernel[(mask.shape[0],)](mask, out, n, BLOCK=block)
+        want = reference_positions(mask.cpu())
+        got = out.cpu().long()
+        for row in range(mask.shape[0]):
+            bad = (got[row] != want[row]).nonzero().flatten().tolist()
+            if bad:
+                return (f"{what} (mask row {rows[row]}): slots {_spans(bad)} wrong, got "
+                        f"{got[row, bad[:4]].tolist()}, want {want[row, bad[:4]].tolist()}")
+    return CORRECT
+
+
+
+# --- chapter 8: merging split-KV partials ---------------------------------------------------------
+
+
+def _merge_reference(part, lse):
+    """What the merge must give: ``Σ_s 2^(lse_s − M) part_s / Σ_s 2^(lse_s − M)`` per row."""
+    weights = torch.exp2(lse.double() - lse.double().amax(0, keepdim=True))   # (S, rows)
+    weights = torch.nan_to_num(weights, nan=0.0)                              # empty splits
+    return (weights[..., None] * part.double()).sum(0) / weights.sum(0)[:, None]
+
+
+def check_merge_kernel(merge_kernel):
+    """Chapter 8: ``merge_kernel(Part, Lse, Out, n_splits, HEAD_DIM: tl.constexpr,
+    SPLITS: tl.constexpr)``, one program per output row, must combine the ``n_splits`` partial
+    outputs of split-KV decoding — ``Part`` a contiguous fp32 ``(n_splits, rows, HEAD_DIM)``,
+    each already normalised within its split, ``Lse`` fp32 ``(n_splits, rows)``, the splits'
+    log-sum-exps in log2 units, ``-inf`` for a split that saw no key — into ``Out`` fp32
+    ``(rows, HEAD_DIM)``. ``SPLITS`` is a power of two ``>= n_splits``.
+
+    Cases: one split, three splits of which one is empty, eight splits whose log-sum-exps lie
+    up to 300 apart (a merge that exponentiates without subtracting the maximum overflows fp32).
+    Reports the case and the wrong rows.
+    """
+    gen = torch.Generator().manual_seed(8)
+    for what, n_splits, splits, spread, empty in (("one split", 1, 1, 0.0, None),
+                                                  ("three splits, the last one empty", 3, 4,
+                                                   4.0, 2),
+                                                  ("eight splits, log-sum-exps 300 apart", 8, 8,
+                                                   300.0, None)):
+        rows, d = 12, 32
+        part = torch.randn(n_splits, rows, d, generator=gen, dtype=torch.float64).float()
+        lse = (spread * torch.rand(n_splits, rows, generator=gen, dtype=torch.float64)).float()
+        if empty is not None:
+            lse[empty] = float("-inf")
+            part[empty] = 0.0
+        part, lse = part.to(_device()), lse.to(_device())
+        out = torch.full((rows, d), float("nan"), dtype=torch.float32, device=part.device)
+        with _quiet():
+            merge_kernel[(rows,)](part, lse, out, n_splits, HEAD_DIM=d, SPLITS=splits)
+        bad = _bad_rows(out, _merge_reference(part.cpu(), lse.cpu()), atol=1e-4, rtol=1e-4)
+        if bad:
+            return (f"{what} (n_splits={n_splits}, SPLITS={splits}): rows {_spans(bad)} wrong "
+                    "(NaN or inf: an empty split's 2^(-inf - M), or 2^lse without the maximum "
+                    "subtracted)" if out.isnan().any() or out.isinf().any() else
+                    f"{what} (n_splits={n_splits}, SPLITS={splits}): rows {_spans(bad)} wrong")
     return CORRECT

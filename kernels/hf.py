@@ -1,0 +1,443 @@
+"""ReRoPE in a Hugging Face ``transformers`` model, through transformers' own attention registry.
+
+Chapter 9 of the book. One call switches every attention layer of a Llama-style model::
+
+    import kernels.hf
+    model = kernels.hf.enable_rerope(model, window=512)     # leaky=, logn_len= as kernels.rerope
+    model.generate(input_ids, max_new_tokens=100)                # prefill and decode run ReRoPE
+    kernels.hf.disable_rerope(model)                             # back to what it ran before
+
+No model class or method is replaced. transformers looks attention up by name
+(``config._attn_implementation``) in two registries: ``AttentionInterface`` (the function that
+attends) and ``AttentionMaskInterface`` (the function that builds the mask handed to it, called
+once per forward). :func:`enable_rerope` registers one of each under a name that spells the
+settings (e.g. ``rerope_w512``) and calls ``model.set_attn_implementation(name)``.
+
+What the model hands the attention function (transformers 5.x, Llama / Mistral / Qwen2):
+``query`` ``(B, Hq, Nq, D)`` and ``key, value`` ``(B, Hkv, Nk, D)``, RoPE already applied at each
+token's position, ``key, value`` the whole dynamic KV cache (rotated keys, one slot per token in
+order, the new tokens last); ``attention_mask`` is what our mask function returned; ``scaling``
+the score scale; ``position_ids`` ``(B or 1, Nq)`` in ``kwargs``. It returns
+``(out (B, Nq, Hq, D), None)``. Rotated inputs are all ReRoPE needs (see
+:mod:`kernels.rotary`): inside the window ``q_rot · k_rot`` is RoPE's score as is; outside it
+the kernels turn the pair to the clamped position in registers. So prefill runs
+``kernels.rerope(..., rotated=True)``, a generation step ``kernels.rerope_decode`` on the
+model's own cache: no second cache, no re-rotation of the cache.
+
+Positions. The kernels take key slot ``j`` as position ``j`` and the queries as the last ``Nq``
+slots. ReRoPE's scores depend only on differences of positions, so a row whose tokens sit at
+``j + c`` for a constant ``c`` is fine; log-n scaling (absolute positions) is then done here from
+``position_ids``. Padding: a row's real tokens must be contiguous in the cache (left padding,
+as ``generate`` wants for decoder-only models, or right padding in a single forward); such rows
+run one kernel call each on their slice. Anything else — padding between tokens (right-padded
+prompts in ``generate``), packed sequences, sliding-window or static caches, custom 4D masks,
+positions that do not step by one along the cache — raises a ``ValueError``: never a silently
+wrong result. ``torch.compile`` of the model is not supported (the mask function reads the
+padding mask on the host, once per forward, as transformers' own sdpa mask does).
+
+transformers is imported inside the functions, so ``import kernels`` stays light.
+"""
+
+import functools
+import math
+import numbers
+import weakref
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from ._validate import HEAD_DIMS, check_rope_settings
+from .attention import rerope
+from .decode import MAX_QUERIES, rerope_decode
+
+# Model types whose attention layers are verified to match what this module expects
+# (``rotate_half`` RoPE applied before the registry call, the dynamic cache updated with the
+# rotated keys, ``position_ids`` passed through): tests/test_hf.py runs each one.
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+_PREFIX = "rerope_w"
+_PREVIOUS = weakref.WeakKeyDictionary()   # model -> attention implementation before ReRoPE
+
+
+@dataclass(frozen=True)
+class Settings:
+    """One registered ReRoPE implementation: its window and options (as :func:`kernels.rerope`)."""
+
+    window: int
+    leaky: Optional[float] = None
+    logn_len: Optional[float] = None
+
+    @property
+    def name(self):
+        """The registry name, e.g. ``rerope_w512``, ``rerope_w512_leaky16.0_logn4096.0``."""
+        name = f"{_PREFIX}{self.window}"
+        if self.leaky is not None:
+            name += f"_leaky{self.leaky!r}"
+        if self.logn_len is not None:
+            name += f"_logn{self.logn_len!r}"
+        return name
+
+
+# --- the public calls ---------------------------------------------------------------------------
+
+
+def enable_rerope(model, window, leaky=None, logn_len=None):
+    """Switch every attention layer of ``model`` to (Leaky) ReRoPE; returns ``model``.
+
+    Args:
+        model: a transformers ``PreTrainedModel`` of a Llama-style architecture (``model_type``
+            in :data:`SUPPORTED_MODEL_TYPES`), with default RoPE (no linear / dynamic / YaRN /
+            llama3 scaling), full causal attention (no sliding window), a head dim in
+            ``16, 32, 64, 128, 256`` and fp16, bf16 or fp32 weights.
+        window: int ``>= 1``, ReRoPE's window ``w``: relative positions below ``w`` keep RoPE,
+            the rest are clamped to ``w`` (or grow as ``w + (d - w) / leaky``).
+        leaky: ``None`` (ReRoPE) or Leaky ReRoPE's factor ``> 1``.
+        logn_len: ``None`` or the training length: queries are scaled by
+            ``max(1, log(i + 1) / log(logn_len))`` at their position ``i``.
+
+    The RoPE base is read from the config (``rope_parameters["rope_theta"]``, or ``rope_theta``).
+    The switch is made on ``model.config``: models built from the same config object switch
+    together. Undo with :func:`disable_rerope`. Prefill (and training: the op is
+    differentiable) runs :func:`kernels.rerope`, generation steps of up to 16 new tokens
+    :func:`kernels.rerope_decode`, both with ``rotated=True`` on the model's own cache.
+    """
+    config = _check_model(model)
+    check_rope_settings(window, _rope_base(config), leaky, logn_len)
+    settings = Settings(int(window), None if leaky is None else float(leaky),
+                        None if logn_len is None else float(logn_len))
+    _register(settings)
+    current = config._attn_implementation
+    if not _is_rerope(current):
+        _PREVIOUS[model] = current
+    _set_implementation(model, settings.name)
+    return model
+
+
+def disable_rerope(model):
+    """Undo :func:`enable_rerope`: back to the attention implementation ``model`` had before
+    (``"sdpa"`` if that is unknown, e.g. for a model loaded with a ReRoPE name). Returns
+    ``model``; ``ValueError`` if ReRoPE is not enabled on it."""
+    config = getattr(model, "config", None)
+    current = getattr(config, "_attn_implementation", None)
+    if not _is_rerope(current):
+        raise ValueError(f"ReRoPE is not enabled on this model (its attention implementation "
+                         f"is {current!r}); call kernels.hf.enable_rerope(model, window) first")
+    _set_implementation(model, _PREVIOUS.pop(model, None) or "sdpa")
+    return model
+
+
+def is_rerope_enabled(model):
+    """Whether ``model`` currently runs a ReRoPE implementation of this module."""
+    return _is_rerope(getattr(getattr(model, "config", None), "_attn_implementation", None))
+
+
+def _is_rerope(name):
+    return isinstance(name, str) and name.startswith(_PREFIX)
+
+
+def _set_implementation(model, name):
+    model.set_attn_implementation(name)
+    if model.config._attn_implementation != name:      # transformers only logs a warning then
+        raise RuntimeError(
+            f"{type(model).__name__} did not switch to the attention implementation {name!r} "
+            f"(it still runs {model.config._attn_implementation!r}): transformers refuses to "
+            "switch models whose code does not dispatch through ALL_ATTENTION_FUNCTIONS")
+
+
+# --- what a model must be -----------------------------------------------------------------------
+
+
+def _check_model(model):
+    """The checks of :func:`enable_rerope`; returns ``model.config``."""
+    try:
+        from transformers import PreTrainedModel
+    except ImportError as error:
+        raise ImportError("kernels.hf needs Hugging Face transformers (pip install "
+                          "'transformers>=5.24,<6'); never the PyPI package named 'kernels'"
+                          ) from error
+    if not isinstance(model, PreTrainedModel):
+        raise TypeError(f"model must be a transformers PreTrainedModel, got {type(model).__name__}")
+    config = model.config
+    model_type = getattr(config, "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(
+            f"model has model_type {model_type!r}, which is not a supported Llama-style model "
+            f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)}): ReRoPE here needs rotate_half RoPE "
+            "applied before transformers' attention registry and a dynamic KV cache of rotated "
+            "keys. Another architecture with that layout can be added to "
+            "kernels.hf.SUPPORTED_MODEL_TYPES after checking it against tests/test_hf.py")
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None and any(t != "full_attention" for t in layer_types):
+        raise ValueError(f"config.layer_types has {sorted(set(layer_types))}: sliding-window or "
+                         "other non-full attention layers are not supported with ReRoPE")
+    if layer_types is None and getattr(config, "sliding_window", None) is not None:
+        raise ValueError(f"config.sliding_window = {config.sliding_window}: sliding-window "
+                         "attention is not supported with ReRoPE (set config.sliding_window = "
+                         "None before building the model)")
+    if not getattr(config, "is_causal", True):
+        raise ValueError("config.is_causal is False: ReRoPE here supports causal attention only")
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    if head_dim not in HEAD_DIMS:
+        raise ValueError(f"the model's head dim is {head_dim}; the kernels take {HEAD_DIMS}")
+    _rope_base(config)
+    return config
+
+
+def _rope_base(config):
+    """RoPE's base from ``config``; ``ValueError`` unless the RoPE is the default kind.
+
+    transformers 5 keeps ``config.rope_parameters = {"rope_type": ..., "rope_theta": ...}``;
+    4.x kept ``config.rope_theta`` and ``config.rope_scaling`` (``None`` for default RoPE).
+    """
+    params = getattr(config, "rope_parameters", None)
+    if params is None:
+        params = dict(getattr(config, "rope_scaling", None) or {})
+        params.setdefault("rope_theta", getattr(config, "rope_theta", None))
+    if not isinstance(params, dict) or any(isinstance(v, dict) for v in params.values()):
+        raise ValueError(f"config.rope_parameters = {params!r}: per-layer-type RoPE parameters "
+                         "are not supported; expected one dict with rope_type and rope_theta")
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type != "default":
+        raise ValueError(
+            f"the model's RoPE has rope_type {rope_type!r} (config.rope_parameters = {params!r}): "
+            "linear, dynamic NTK, YaRN, llama3 and other scalings change RoPE's angles, which "
+            "the ReRoPE kernels do not implement; only rope_type 'default' is supported")
+    partial = params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))
+    if partial not in (None, 1, 1.0):
+        raise ValueError(f"partial_rotary_factor = {partial}: RoPE on part of the head dim is "
+                         "not supported, the kernels rotate every dimension")
+    base = params.get("rope_theta")
+    if isinstance(base, bool) or not isinstance(base, numbers.Real):
+        raise ValueError(f"the config has no usable rope_theta (RoPE base): got {base!r}")
+    return float(base)
+
+
+# --- the registry -------------------------------------------------------------------------------
+
+
+def _register(settings):
+    """Register the attention and mask functions of ``settings`` under ``settings.name``."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(settings.name,
+                                functools.partial(rerope_attention_forward, settings))
+    AttentionMaskInterface.register(settings.name, rerope_mask)
+
+
+@dataclass(frozen=True)
+class PaddedRows:
+    """What :func:`rerope_mask` hands the attention layers when some tokens are padding: the
+    slots ``[starts[b], ends[b])`` of row ``b`` hold its real tokens (possibly none)."""
+
+    starts: tuple
+    ends: tuple
+    n_keys: int
+
+
+def rerope_mask(batch_size, q_length=None, kv_length=None, q_offset=0, kv_offset=0,
+                mask_function=None, attention_mask=None, cache_position=None, **kwargs):
+    """The mask function registered with ``AttentionMaskInterface``, called once per forward.
+
+    transformers calls it with keywords, as it calls ``sdpa_mask``: ``q_length`` new tokens after
+    ``q_offset`` cached ones (earlier 5.x releases, 5.0 among them, passed ``cache_position``,
+    their positions, instead), ``kv_length`` key slots from ``kv_offset``, and
+    ``attention_mask`` the 2D padding mask ``(B, kv_length)`` or ``None``. Returns ``None`` when
+    no token is padding (the kernels' causal mask is all there is), else a :class:`PaddedRows`.
+    Raises ``ValueError`` for what the kernels cannot express: any mask pattern other than
+    causal (packed sequences, sliding windows, bidirectional or custom overlays), a cache other
+    than a dynamic one, padding between a row's tokens.
+    """
+    from transformers.masking_utils import causal_mask_function
+
+    if mask_function is not None and mask_function is not causal_mask_function:
+        raise ValueError(
+            f"the model asked for a mask other than plain causal "
+            f"({getattr(mask_function, '__name__', mask_function)}): "
+            "packed sequences (position_ids restarting within a row), sliding windows, "
+            "bidirectional attention and custom mask overlays are not supported with ReRoPE")
+    if q_length is None:                                  # the cache_position convention
+        q_length = len(cache_position)
+        q_offset = int(cache_position[0]) if q_length else 0
+    if int(q_offset) + q_length != kv_length or kv_offset != 0:
+        raise ValueError(
+            f"the cache layout is not supported: {q_length} new tokens after {int(q_offset)} "
+            f"cached ones, but {kv_length} key slots from offset {kv_offset}. ReRoPE needs a "
+            "dynamic cache (transformers' default DynamicCache) whose slots are the tokens in "
+            "order; static, sliding-window and offloaded-static caches are not supported")
+    if attention_mask is None:
+        return None
+    if attention_mask.dim() != 2 or attention_mask.shape[0] != batch_size:
+        raise ValueError(f"attention_mask must be a 2D padding mask (batch, tokens), got shape "
+                         f"{tuple(attention_mask.shape)}; custom 4D masks are not supported")
+    if attention_mask.shape[1] < kv_length:
+        raise ValueError(f"attention_mask covers {attention_mask.shape[1]} tokens, but the cache "
+                         f"and the input hold {kv_length}")
+    valid = attention_mask[:, :kv_length].bool()
+    if bool(valid.all()):                   # one host sync per forward, as for sdpa's mask
+        return None
+    valid = valid.cpu()
+    counts = valid.sum(1)
+    starts = valid.int().argmax(1)          # the first real slot (0 for an empty row)
+    ends = starts + counts
+    slots = torch.arange(kv_length)
+    contiguous = (slots >= starts[:, None]) & (slots < ends[:, None])
+    broken = (contiguous != valid).any(1)
+    if bool(broken.any()):
+        row = int(broken.nonzero()[0])
+        raise ValueError(
+            f"attention_mask row {row} has padding between real tokens: ReRoPE here needs each "
+            "row's tokens contiguous in the cache. Right-padded prompts in generate() do this "
+            "(the new tokens land after the padding): pad on the left instead "
+            "(tokenizer.padding_side = 'left')")
+    return PaddedRows(tuple(starts.tolist()), tuple(ends.tolist()), kv_length)
+
+
+def rerope_attention_forward(settings, module, query, key, value, attention_mask, dropout=0.0,
+                             scaling=None, is_causal=None, **kwargs):
+    """The attention function registered with ``AttentionInterface`` (bound to ``settings``).
+
+    Args:
+        module: the model's attention layer (``module.config`` gives RoPE's base).
+        query: ``(B, Hq, Nq, D)``, RoPE-rotated at each token's position.
+        key, value: ``(B, Hkv, Nk, D)``, the whole KV cache (keys rotated), ``Nk >= Nq``, the
+            new tokens in the last ``Nq`` slots; ``Hq % Hkv == 0`` (never repeated here).
+        attention_mask: ``None`` or :class:`PaddedRows`, from :func:`rerope_mask`.
+        dropout: must be 0 (the kernels have no dropout).
+        scaling: the score scale (``1/sqrt(D)`` when ``None``).
+        kwargs: ``position_ids`` ``(B or 1, Nq)``; ``sliding_window`` / ``softcap`` /
+            ``s_aux`` must be absent or ``None``.
+
+    Returns ``(out (B, Nq, Hq, D), None)``; rows' padding queries get zeros.
+    """
+    _check_call(module, attention_mask, dropout, is_causal, kwargs)
+    base = _rope_base(module.config)
+    n_q, n_k = query.shape[2], key.shape[2]
+    rows = attention_mask
+    offsets = _position_offsets(kwargs.get("position_ids"), rows, query.shape[0], n_q, n_k)
+    if rows is None:
+        query, logn_len = _logn_here(query, settings, offsets, kwargs, kernel_offset=0)
+        out = _attend(query, key, value, settings.window, scaling, base, settings.leaky, logn_len)
+    else:
+        if rows.n_keys != n_k or len(rows.starts) != query.shape[0]:
+            raise ValueError(f"the padding mask was made for {len(rows.starts)} rows of "
+                             f"{rows.n_keys} keys, but the layer got {query.shape[0]} rows of "
+                             f"{n_k} keys")
+        out = query.new_zeros(query.shape)
+        first_query = n_k - n_q                       # slot of query 0
+        for b, (start, end) in enumerate(zip(rows.starts, rows.ends)):
+            lo = max(start, first_query)              # the row's real queries: slots [lo, end)
+            if lo >= end:
+                continue
+            q_b = query[b:b + 1, :, lo - first_query:end - first_query]
+            q_b, logn_len = _logn_here(q_b, settings, offsets[b:b + 1], kwargs,
+                                       kernel_offset=-start,
+                                       rows=(b, lo - first_query, end - first_query))
+            out[b:b + 1, :, lo - first_query:end - first_query] = _attend(
+                q_b, key[b:b + 1, :, start:end], value[b:b + 1, :, start:end], settings.window,
+                scaling, base, settings.leaky, logn_len)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _check_call(module, attention_mask, dropout, is_causal, kwargs):
+    if attention_mask is not None and not isinstance(attention_mask, PaddedRows):
+        raise ValueError(
+            f"the ReRoPE attention got an attention_mask of type {type(attention_mask).__name__}, "
+            "not one made by kernels.hf.rerope_mask: custom (4D) masks are not supported; pass "
+            "a 2D padding mask (batch, tokens) to the model instead")
+    if dropout:
+        raise ValueError(f"attention dropout {dropout} is not supported by the ReRoPE kernels "
+                         "(set config.attention_dropout = 0.0, or call model.eval())")
+    if is_causal is False or not getattr(module, "is_causal", True):
+        raise ValueError("non-causal attention is not supported with ReRoPE here")
+    for name in ("sliding_window", "softcap", "s_aux"):
+        if kwargs.get(name) is not None:
+            raise ValueError(f"the attention layer passed {name}={kwargs[name]!r}, which the "
+                             "ReRoPE kernels do not support")
+
+
+def _attend(q, k, v, window, scaling, base, leaky, logn_len):
+    """One kernel call: ``kernels.rerope_decode`` for a generation step (few new queries against
+    a longer cache, no gradient needed), else ``kernels.rerope``; both on rotated inputs."""
+    n_q, n_k = q.shape[2], k.shape[2]
+    needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    if n_q <= MAX_QUERIES and n_q < n_k and not needs_grad:
+        return rerope_decode(q, k, v, window, sm_scale=scaling, base=base, leaky=leaky,
+                             logn_len=logn_len, rotated=True)
+    return rerope(q, k, v, window, causal=True, sm_scale=scaling, base=base, leaky=leaky,
+                  logn_len=logn_len, rotated=True)
+
+
+# --- positions ----------------------------------------------------------------------------------
+
+_checked = {"position_ids": None, "rows": None, "shape": None, "offsets": None}
+
+
+def _position_offsets(position_ids, rows, batch, n_q, n_k):
+    """Per row, the constant ``c_b`` with position = slot + ``c_b`` for its real queries (list of
+    ints; ``None`` for a row without real queries, or all rows when ``position_ids`` is
+    ``None``). ``ValueError`` if a row's positions do not step by one along its slots.
+
+    One host sync per forward: every layer gets the same ``position_ids`` object, and the
+    result is kept for it.
+    """
+    if position_ids is None:
+        return [None] * batch
+    last = _checked["position_ids"]
+    if (last is not None and last() is position_ids and _checked["rows"] is rows
+            and _checked["shape"] == (batch, n_q, n_k)):
+        return _checked["offsets"]
+    if (position_ids.dim() != 2 or position_ids.shape[-1] != n_q
+            or position_ids.shape[0] not in (1, batch)):
+        raise ValueError(f"position_ids must have shape ({batch} or 1, {n_q}), got "
+                         f"{tuple(position_ids.shape)} (multi-dimensional RoPE positions are "
+                         "not supported)")
+    slots = torch.arange(n_k - n_q, n_k, device=position_ids.device)
+    offset = position_ids.expand(batch, n_q).long() - slots
+    if rows is None:
+        real = torch.ones(batch, n_q, dtype=torch.bool)
+    else:
+        starts, ends = torch.tensor(rows.starts), torch.tensor(rows.ends)
+        real = (slots.cpu() >= starts[:, None]) & (slots.cpu() < ends[:, None])
+    real = real.to(position_ids.device)
+    huge = torch.iinfo(torch.long).max
+    low = torch.where(real, offset, huge).amin(1)
+    high = torch.where(real, offset, -huge).amax(1)
+    low, high = torch.stack([low, high]).tolist()
+    offsets = []
+    for b in range(batch):
+        if low[b] == huge:                 # no real query in this row
+            offsets.append(None)
+        elif low[b] != high[b]:
+            raise ValueError(
+                f"position_ids of row {b} do not step by one along the cache (position - slot "
+                f"ranges from {low[b]} to {high[b]}): ReRoPE here needs each row's tokens at "
+                "consecutive positions in cache order (packed sequences or custom "
+                "position_ids are not supported)")
+        else:
+            offsets.append(low[b])
+    _checked.update(position_ids=weakref.ref(position_ids), rows=rows, shape=(batch, n_q, n_k),
+                    offsets=offsets)
+    return offsets
+
+
+def _logn_here(q, settings, offsets, kwargs, kernel_offset, rows=None):
+    """Log-n scaling needs absolute positions, and the kernels take slot ``j`` of the keys they
+    are given as position ``j``: the model's position ``slot + c`` matches that when ``c`` is
+    ``kernel_offset`` (``0`` for the whole cache, ``-start`` for a padded row's slice from
+    ``start``). Otherwise scale the queries here from ``position_ids`` (a scalar per query
+    commutes with the rotation) and tell the kernel not to. ``rows``: ``(b, lo, hi)``, the
+    batch row and query indices ``q`` was sliced from. Returns ``(q, logn_len for the kernel)``.
+    """
+    if settings.logn_len is None:
+        return q, None
+    if all(c is None or c == kernel_offset for c in offsets):
+        return q, settings.logn_len
+    positions = kwargs["position_ids"]
+    if rows is not None:
+        b, lo, hi = rows
+        positions = positions[b if positions.shape[0] > 1 else 0][None, lo:hi]
+    factor = torch.clamp(torch.log(positions.double() + 1) / math.log(settings.logn_len), min=1.0)
+    scaled = q.to(torch.float32) * factor.to(torch.float32)[:, None, :, None]
+    return scaled.to(q.dtype), None

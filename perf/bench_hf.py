@@ -1,0 +1,289 @@
+"""A 1B-sized Llama in transformers: prefill and per-token generation, ReRoPE against stock SDPA.
+
+Run on a CUDA GPU from the repository root (about 2-3 minutes on an H200)::
+
+    KERNELS_AUTOTUNE=0 python3 perf/bench_hf.py --out book/data/hf_h200.json
+
+The model: a random-weight ``LlamaForCausalLM`` shaped like Llama 3.2 1B (16 layers, hidden
+2048, 32 heads, 8 KV heads, head dim 64, MLP 8192, vocab 128256, tied embeddings; default RoPE,
+base 500000), bf16. Two phases, each for ``stock_sdpa`` (the model as built,
+``attn_implementation="sdpa"``) and ``rerope`` (``kernels.hf.enable_rerope(model, window)``):
+
+* ``prefill``: one forward over ``context`` tokens, batch 1, building the dynamic cache, logits
+  of the last token only (``logits_to_keep=1``): ``ms`` and ``tokens_per_s`` = context / time;
+* ``decode``: after such a prefill, ``--steps`` greedy generation steps of one token each (a
+  plain Python loop of ``model(next_token, cache=...)``, what ``generate`` does per step), the
+  cache growing from ``context``: ``ms`` per token and ``tokens_per_s``.
+
+The attention's share: the same attention op alone at the same shapes (``kernels.rerope`` /
+``kernels.rerope_decode`` on rotated inputs, ``F.scaled_dot_product_attention`` with
+``enable_gqa``), timed with CUDA events, times 16 layers: ``attention_ms``; ``rest_ms`` =
+``ms - attention_ms``. A correctness check first: with a window covering the sequence,
+ReRoPE's logits equal the stock model's (bf16); and on a small bf16 model, ``generate`` with
+the cache against recomputation without it, and a left-padded batch against each prompt alone
+(:func:`generate_check`). JSON::
+
+    {"meta": {...}, "rows": [{"impl", "phase", "context", "ms", "tokens_per_s",
+                              "attention_ms", "rest_ms", "window"}]}
+"""
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import sys
+import time
+import traceback
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import kernels  # noqa: E402  (this repository's package, first on sys.path)
+import kernels.hf  # noqa: E402
+
+LAYERS, HIDDEN, HEADS, KV_HEADS, HEAD_DIM, MLP, VOCAB, BASE = 16, 2048, 32, 8, 64, 8192, 128256, 5e5
+DEVICE = "cuda"
+
+
+def use_tiny_model():
+    """``--tiny``: a 2-layer model on the CPU (Triton's interpreter), to test this script."""
+    global LAYERS, HIDDEN, HEADS, KV_HEADS, HEAD_DIM, MLP, VOCAB, DEVICE
+    LAYERS, HIDDEN, HEADS, KV_HEADS, HEAD_DIM, MLP, VOCAB, DEVICE = 2, 64, 4, 2, 16, 128, 97, "cpu"
+
+
+def sync():
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
+def cache_keyword(model):
+    """The forward's name for the KV cache: ``cache`` (transformers >= 5.2x) or
+    ``past_key_values`` (before)."""
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def build_model(dtype):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=MLP,
+                         num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+                         num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM,
+                         max_position_embeddings=131072, rope_theta=BASE,
+                         tie_word_embeddings=True, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    with torch.device(DEVICE):
+        model = LlamaForCausalLM(config).to(dtype).eval()
+    return model
+
+
+def wall_ms(fn, reps):
+    """Median wall-clock ms of ``fn()`` (synchronised before and after each run)."""
+    times = []
+    for _ in range(reps):
+        sync()
+        start = time.perf_counter()
+        fn()
+        sync()
+        times.append((time.perf_counter() - start) * 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def event_ms(fn, reps=20):
+    """Median GPU ms of ``fn()`` by CUDA events (after two warm-up calls)."""
+    fn(), fn()
+    if DEVICE != "cuda":
+        return wall_ms(fn, 2)
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
+def prefill(model, ids):
+    with torch.no_grad():
+        return model(ids, use_cache=True, logits_to_keep=1)
+
+
+def decode_ms(model, ids, steps):
+    """ms per generated token: ``steps`` greedy steps after a prefill of ``ids``."""
+    keyword = cache_keyword(model)
+    with torch.no_grad():
+        out = prefill(model, ids)
+        cache = getattr(out, "cache", None) or out.past_key_values
+        token = out.logits[:, -1:].argmax(-1)
+        for _ in range(3):                              # warm-up steps (compile, tables)
+            out = model(token, use_cache=True, **{keyword: cache})
+            token = out.logits[:, -1:].argmax(-1)
+        sync()
+        start = time.perf_counter()
+        for _ in range(steps):
+            out = model(token, use_cache=True, **{keyword: cache})
+            token = out.logits[:, -1:].argmax(-1)
+        sync()
+        return (time.perf_counter() - start) * 1e3 / steps
+
+
+def attention_alone_ms(impl, phase, context, window, dtype):
+    """16 layers' worth of the attention op alone at the model's shapes."""
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
+    n_q = context if phase == "prefill" else 1
+    q = torch.randn(1, HEADS, n_q, HEAD_DIM, device=DEVICE, dtype=dtype, generator=gen)
+    k, v = (torch.randn(1, KV_HEADS, context, HEAD_DIM, device=DEVICE, dtype=dtype, generator=gen)
+            for _ in range(2))
+    if impl == "stock_sdpa":
+        def run():
+            return F.scaled_dot_product_attention(q, k, v, is_causal=phase == "prefill",
+                                                  enable_gqa=True)
+    elif phase == "prefill":
+        def run():
+            return kernels.rerope(q, k, v, window, base=BASE, rotated=True)
+    else:
+        def run():
+            return kernels.rerope_decode(q, k, v, window, base=BASE, rotated=True)
+    return LAYERS * event_ms(run)
+
+
+def check(model, window_note, n=1024):
+    """Max |logit difference| of ReRoPE (window = n) against stock on ``n`` tokens, bf16."""
+    ids = torch.randint(0, VOCAB, (1, n), device=DEVICE,
+                        generator=torch.Generator(DEVICE).manual_seed(1))
+    with torch.no_grad():
+        stock = model(ids, logits_to_keep=64).logits.float()
+        kernels.hf.enable_rerope(model, window=n)
+        ours = model(ids, logits_to_keep=64).logits.float()
+        kernels.hf.disable_rerope(model)
+    return {"tokens": n, "max_abs_logit_diff": (ours - stock).abs().max().item(),
+            "max_abs_logit": stock.abs().max().item(), "note": window_note}
+
+
+def generate_check(window=16, prompt_len=24, new_tokens=40):
+    """On the GPU, a small bf16 model (head dim 64, the benchmark's kernels): greedy ``generate``
+    with the cache against recomputing every step without one, and a left-padded batch of two
+    prompts against each alone. Returns how many generated tokens agree (bf16: a near-tie of two
+    logits may flip one argmax between the decode and the prefill kernel)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=97, hidden_size=256, intermediate_size=512,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         head_dim=64, rope_theta=BASE, initializer_range=0.15,
+                         bos_token_id=None, eos_token_id=None, pad_token_id=0)
+    torch.manual_seed(0)
+    with torch.device(DEVICE):
+        model = LlamaForCausalLM(config).to(torch.bfloat16).eval()
+    kernels.hf.enable_rerope(model, window=window)
+    gen = torch.Generator(DEVICE).manual_seed(3)
+    prompt = torch.randint(1, 97, (1, prompt_len), device=DEVICE, generator=gen)
+    with torch.no_grad():
+        cached = model.generate(prompt, max_new_tokens=new_tokens, do_sample=False)
+        ids = prompt
+        for _ in range(new_tokens):
+            logits = model(ids, use_cache=False).logits[:, -1]
+            ids = torch.cat([ids, logits.argmax(-1, keepdim=True)], dim=1)
+        short = torch.randint(1, 97, (1, prompt_len // 2), device=DEVICE, generator=gen)
+        batch = torch.zeros(2, prompt_len, dtype=torch.long, device=DEVICE)
+        mask = torch.zeros_like(batch)
+        batch[0], mask[0] = prompt[0], 1
+        batch[1, prompt_len // 2:], mask[1, prompt_len // 2:] = short[0], 1
+        padded = model.generate(batch, attention_mask=mask, max_new_tokens=new_tokens,
+                                do_sample=False)[:, prompt_len:]
+        alone = model.generate(short, max_new_tokens=new_tokens,
+                               do_sample=False)[:, short.shape[1]:]
+    return {"window": window, "prompt": prompt_len, "new_tokens": new_tokens,
+            "cache_vs_recompute_equal": int((cached[0, prompt_len:] == ids[0, prompt_len:]).sum()),
+            "left_padded_vs_alone_equal": [int((padded[0] == cached[0, prompt_len:]).sum()),
+                                           int((padded[1] == alone[0]).sum())]}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--context", type=int, default=32768)
+    parser.add_argument("--window", type=int, default=2048)
+    parser.add_argument("--steps", type=int, default=32)
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--check-tokens", type=int, default=1024)
+    parser.add_argument("--out", default="book/data/hf_h200.json")
+    parser.add_argument("--tiny", action="store_true", help="a 2-layer model on the CPU")
+    args = parser.parse_args()
+    if args.tiny:
+        use_tiny_model()
+
+    import transformers
+    import triton
+
+    dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
+    meta = {"gpu": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu (interpreter)",
+            "torch": torch.__version__,
+            "triton": triton.__version__, "transformers": transformers.__version__,
+            "python": platform.python_version(), "date": datetime.date.today().isoformat(),
+            "autotune": os.environ.get("KERNELS_AUTOTUNE", "1") != "0",
+            "model": dict(layers=LAYERS, hidden=HIDDEN, heads=HEADS, kv_heads=KV_HEADS,
+                          head_dim=HEAD_DIM, mlp=MLP, vocab=VOCAB, rope_theta=BASE,
+                          dtype=str(dtype).replace("torch.", ""), weights="random"),
+            "window": args.window, "decode_steps": args.steps, "errors": []}
+    rows = []
+
+    def save():
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump({"meta": meta, "rows": rows}, f, indent=1)
+
+    t0 = time.time()
+    model = build_model(dtype)
+    print(f"model built in {time.time() - t0:.0f} s; transformers {transformers.__version__}",
+          flush=True)
+    try:
+        meta["generate_check"] = generate_check()
+        print("generate check", meta["generate_check"], flush=True)
+    except Exception:
+        meta["errors"].append(traceback.format_exc())
+        print(meta["errors"][-1], flush=True)
+    try:
+        meta["check"] = check(model, "window = tokens: ReRoPE must equal RoPE",
+                              args.check_tokens)
+        print("check", meta["check"], flush=True)
+    except Exception:
+        meta["errors"].append(traceback.format_exc())
+        print(meta["errors"][-1], flush=True)
+    ids = torch.randint(0, VOCAB, (1, args.context), device=DEVICE,
+                        generator=torch.Generator(DEVICE).manual_seed(2))
+    for impl in ("stock_sdpa", "rerope"):
+        try:
+            if impl == "rerope":
+                kernels.hf.enable_rerope(model, window=args.window)
+            prefill(model, ids)                                    # warm-up (and compile)
+            phases = {"prefill": wall_ms(lambda: prefill(model, ids), args.reps),
+                      "decode": decode_ms(model, ids, args.steps)}
+            for phase, ms in phases.items():
+                attention = attention_alone_ms(impl, phase, args.context, args.window, dtype)
+                tokens = args.context if phase == "prefill" else 1
+                rows.append(dict(impl=impl, phase=phase, context=args.context, ms=round(ms, 3),
+                                 tokens_per_s=round(tokens / ms * 1e3, 1),
+                                 attention_ms=round(attention, 3),
+                                 rest_ms=round(ms - attention, 3),
+                                 window=args.window if impl == "rerope" else None))
+                print(f"{time.time() - t0:5.0f} s  {rows[-1]}", flush=True)
+        except Exception:
+            meta["errors"].append(f"{impl}: {traceback.format_exc()}")
+            print(meta["errors"][-1], flush=True)
+        save()
+    by = {(r["impl"], r["phase"]): r["ms"] for r in rows}
+    for phase in ("prefill", "decode"):
+        if ("rerope", phase) in by and ("stock_sdpa", phase) in by:
+            meta[f"{phase}_ratio"] = round(by["rerope", phase] / by["stock_sdpa", phase], 3)
+    meta["seconds"] = round(time.time() - t0)
+    save()
+    print(json.dumps(meta, indent=1))
+
+
+if __name__ == "__main__":
+    main()

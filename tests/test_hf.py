@@ -1,0 +1,411 @@
+"""``kernels.hf``: ReRoPE in Hugging Face transformers models through the attention registry.
+
+CPU, no downloads: tiny models (2 layers, hidden 64, 4 heads) built from configs with random
+weights, fp32, the kernels in Triton's interpreter. What is checked:
+
+* window >= sequence length: the stock model's logits (sdpa), for Llama with GQA and MHA,
+  Mistral, Qwen2 and Qwen3 (those the installed transformers has);
+* window < length: the logits of a model whose attention (our own registered function)
+  un-rotates the model's rotated q, k in float64 and runs ``kernels.reference.rerope`` on every
+  layer; ReRoPE, Leaky ReRoPE and log-n, GQA and MHA, a non-default RoPE base;
+* ``generate`` with the cache (greedy, window smaller than the final length) gives exactly the
+  tokens of recomputing every step from scratch without a cache (the prefill path), and the
+  steps really ran ``kernels.rerope_decode``;
+* padded batches: left-padded ``generate`` equals each prompt generated alone; a right-padded
+  forward equals each row alone; right-padded ``generate`` (padding between tokens) raises;
+* ``disable_rerope`` restores stock behaviour; bad input raises a clear error;
+* importing transformers with this repository first on ``sys.path``: transformers probes for
+  the Hugging Face package also named ``kernels`` and must not take ours for it.
+"""
+
+import copy
+import math
+
+import pytest
+import torch
+
+transformers = pytest.importorskip(
+    "transformers", reason="Hugging Face transformers is not installed (pip install "
+    "'transformers>=5,<6'); kernels.hf needs it")
+
+import kernels  # noqa: E402
+import kernels.hf as hf  # noqa: E402
+from kernels import reference  # noqa: E402
+
+from transformers import AttentionInterface, LlamaConfig  # noqa: E402
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask  # noqa: E402
+
+VOCAB = 97
+
+
+def tiny_config(kind="llama", kv_heads=2, head_dim=16, rope_theta=10000.0, heads=4, **overrides):
+    """A 2-layer, hidden-64 config of ``kind`` (4 heads unless told); a fresh object every call
+    (models built from one config object share their attention implementation). Weights drawn
+    with std 0.15 (not 0.02) so that attention is far from uniform and positions matter."""
+    config_class = {"llama": LlamaConfig,
+                    "mistral": getattr(transformers, "MistralConfig", None),
+                    "qwen2": getattr(transformers, "Qwen2Config", None),
+                    "qwen3": getattr(transformers, "Qwen3Config", None)}[kind]
+    if config_class is None:
+        pytest.skip(f"this transformers ({transformers.__version__}) has no {kind} model")
+    settings = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                    num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
+                    max_position_embeddings=512, rope_theta=rope_theta, bos_token_id=None,
+                    eos_token_id=None, pad_token_id=0, initializer_range=0.15)
+    if kind == "mistral":
+        settings["sliding_window"] = None
+    settings.update(overrides)
+    return config_class(**settings)
+
+
+def build(config, seed=0):
+    """A model of ``config`` with seeded random weights, in eval mode."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(copy.deepcopy(config)).eval()
+
+
+def logits_of(model, ids, **kwargs):
+    with torch.no_grad():
+        return model(ids, **kwargs).logits
+
+
+def max_error(actual, expected):
+    return (actual - expected).abs().max().item()
+
+
+# --- the reference model: float64 kernels.reference.rerope on un-rotated q, k, every layer ------
+
+
+def unrotate(x, positions, base):
+    """Undo the model's RoPE (rotate_half convention) in float64: ``R(-p) x`` per position.
+    ``x`` ``(B, H, N, D)``, ``positions`` ``(1 or B, N)``."""
+    d = x.shape[-1]
+    theta = base ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)
+    angles = -positions.double()[:, None, :, None] * torch.cat([theta, theta])
+    x = x.double()
+    halves = torch.cat([-x[..., d // 2:], x[..., : d // 2]], dim=-1)
+    return x * torch.cos(angles) + halves * torch.sin(angles)
+
+
+def register_reference(window, base, leaky=None, logn_len=None):
+    """Register an attention implementation that runs ``kernels.reference.rerope`` in float64
+    on the un-rotated inputs; returns its name. Positions come from ``position_ids`` (keys at
+    the queries' positions when there is no cache, else at 0 … Nk-1); log-n is applied here at
+    those positions, so that shifted position ids are judged too."""
+    name = f"test_reference_w{window}_b{base}_l{leaky}_n{logn_len}"
+
+    def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
+                  **kwargs):
+        assert attention_mask is None, "the reference model takes unpadded inputs only"
+        n_q, n_k = query.shape[2], key.shape[2]
+        positions = kwargs["position_ids"][:1]
+        key_positions = positions if n_q == n_k else torch.arange(n_k)[None]
+        assert n_q == n_k or torch.equal(positions[0], torch.arange(n_k - n_q, n_k))
+        q_raw = unrotate(query, positions, base)
+        if logn_len is not None:
+            scale = torch.clamp(torch.log(positions.double() + 1) / math.log(logn_len), min=1.0)
+            q_raw = q_raw * scale[:, None, :, None]
+        k_raw = unrotate(key, key_positions, base)
+        out = reference.rerope(q_raw, k_raw, value.double(), window, sm_scale=scaling, base=base,
+                               leaky=leaky)
+        return out.to(query.dtype).transpose(1, 2).contiguous(), None
+
+    AttentionInterface.register(name, attention)
+    AttentionMaskInterface.register(name, sdpa_mask)
+    return name
+
+
+# --- the name clash ---------------------------------------------------------------------------
+
+
+def test_transformers_does_not_take_this_repo_for_hub_kernels():
+    """transformers asks whether the Hugging Face ``kernels`` package is installed
+    (``is_kernels_available``); with this repository first on ``sys.path`` it finds our
+    ``kernels``, which has no ``__version__`` in its range, so the answer must stay False and
+    the hub-kernel integration must import without touching our package's names."""
+    import sys
+
+    from transformers.utils import import_utils
+
+    assert sys.modules["kernels"] is kernels and kernels.__file__.endswith("kernels/__init__.py")
+    assert import_utils.is_kernels_available() is False
+    import transformers.integrations.hub_kernels as hub_kernels
+
+    assert not hasattr(hub_kernels, "get_kernel_hub")   # bound only when it found HF kernels
+    model = build(tiny_config())                     # a model forward with both imported
+    assert logits_of(model, torch.arange(5)[None]).shape == (1, 5, VOCAB)
+
+
+# --- prefill: stock logits, reference logits ----------------------------------------------------
+
+STOCK_CASES = {
+    "llama-gqa": dict(kind="llama", kv_heads=2),
+    "llama-mha-d32": dict(kind="llama", kv_heads=4, head_dim=32),
+    "mistral": dict(kind="mistral", kv_heads=2),
+    "qwen2": dict(kind="qwen2", kv_heads=2),
+    "qwen3": dict(kind="qwen3", kv_heads=2),
+}
+
+
+@pytest.mark.parametrize("case", list(STOCK_CASES), ids=list(STOCK_CASES))
+def test_window_covering_the_sequence_gives_the_stock_logits(case):
+    config = tiny_config(**STOCK_CASES[case])
+    model = build(config)
+    batch = 2 if case == "llama-gqa" else 1
+    ids = torch.randint(0, VOCAB, (batch, 21), generator=torch.Generator().manual_seed(1))
+    stock = logits_of(model, ids)
+    hf.enable_rerope(model, window=21)
+    assert model.config._attn_implementation == "rerope_w21"
+    assert max_error(logits_of(model, ids), stock) < 1e-4
+
+
+REFERENCE_CASES = {
+    "llama-gqa-base1000": (dict(kv_heads=2, rope_theta=1000.0), dict()),
+    "llama-mha-d32-leaky": (dict(kv_heads=4, head_dim=32), dict(leaky=4.0)),
+    "llama-gqa-leaky-logn": (dict(kv_heads=2), dict(leaky=2.0, logn_len=8)),
+    "qwen2-logn": (dict(kind="qwen2", kv_heads=2), dict(logn_len=6)),
+}
+
+
+@pytest.mark.parametrize("case", list(REFERENCE_CASES), ids=list(REFERENCE_CASES))
+def test_short_window_matches_the_reference_model(case):
+    config_args, options = REFERENCE_CASES[case]
+    config = tiny_config(**config_args)
+    window, n = 5, 23
+    batch = 2 if case == "llama-gqa-base1000" else 1
+    ids = torch.randint(0, VOCAB, (batch, n), generator=torch.Generator().manual_seed(2))
+    expected_model = build(config)
+    stock = logits_of(expected_model, ids)
+    expected_model.set_attn_implementation(
+        register_reference(window, config.rope_parameters["rope_theta"], **options))
+    expected = logits_of(expected_model, ids)
+    model = hf.enable_rerope(build(config), window, **options)
+    actual = logits_of(model, ids)
+    assert max_error(actual, expected) < 1e-4
+    assert max_error(expected, stock) > 0.1, "ReRoPE should change these logits"
+
+
+
+def test_shifted_positions_with_logn_match_the_reference_model():
+    """position_ids starting at 40 (not 0): ReRoPE's scores do not change, log-n's scale does;
+    kernels.hf then scales the queries itself from position_ids."""
+    config = tiny_config(kv_heads=2)
+    window, n, logn_len = 5, 19, 8
+    ids = torch.randint(0, VOCAB, (1, n), generator=torch.Generator().manual_seed(11))
+    positions = torch.arange(40, 40 + n)[None]
+    expected_model = build(config)
+    expected_model.set_attn_implementation(register_reference(window, 10000.0, logn_len=logn_len))
+    expected = logits_of(expected_model, ids, position_ids=positions)
+    model = hf.enable_rerope(build(config), window, logn_len=logn_len)
+    assert max_error(logits_of(model, ids, position_ids=positions), expected) < 1e-4
+    assert max_error(logits_of(model, ids), expected) > 1e-2, "log-n should see the shift"
+
+
+# --- generation with the cache ------------------------------------------------------------------
+
+
+def greedy_by_recomputation(model, ids, new_tokens):
+    """Greedy decoding with every step recomputed from scratch, without a cache (prefill path)."""
+    for _ in range(new_tokens):
+        logits = logits_of(model, ids, use_cache=False)[:, -1]
+        ids = torch.cat([ids, logits.argmax(-1, keepdim=True)], dim=1)
+    return ids
+
+
+def test_generate_with_the_cache_equals_recomputation(monkeypatch):
+    """20 new tokens after a 5-token prompt, window 6, GQA (2 query heads, 1 KV head: the
+    interpreter's cost grows with heads): the cache path runs the decode kernel on the model's
+    rotated cache; its tokens equal those of recomputing each step."""
+    model = build(tiny_config(heads=2, kv_heads=1))
+    prompt = torch.randint(0, VOCAB, (1, 5), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        stock = model.generate(prompt, max_new_tokens=20, do_sample=False)
+    hf.enable_rerope(model, window=6)
+    decode_calls = []
+
+    def counted_decode(*args, **kwargs):
+        decode_calls.append(args[0].shape)
+        return kernels.rerope_decode(*args, **kwargs)
+
+    monkeypatch.setattr(hf, "rerope_decode", counted_decode)
+    with torch.no_grad():
+        cached = model.generate(prompt, max_new_tokens=20, do_sample=False)
+    assert len(decode_calls) == 2 * 19 and all(s[2] == 1 for s in decode_calls)
+    assert cached.shape == (1, 25)
+    assert torch.equal(cached, greedy_by_recomputation(model, prompt, 20))
+    assert not torch.equal(cached, stock), "past the window ReRoPE should change the tokens"
+
+
+def test_left_padded_generate_equals_each_prompt_alone():
+    """A batch of prompts of lengths 7 and 4, padded on the left, with log-n: each row's new
+    tokens are those of generating its prompt alone (no padding)."""
+    model = hf.enable_rerope(build(tiny_config(kv_heads=2)), window=4, logn_len=5)
+    gen = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(1, VOCAB, (1, n), generator=gen) for n in (7, 4)]
+    ids = torch.zeros(2, 7, dtype=torch.long)
+    mask = torch.zeros(2, 7, dtype=torch.long)
+    for row, p in enumerate(prompts):
+        ids[row, 7 - p.shape[1]:], mask[row, 7 - p.shape[1]:] = p[0], 1
+    with torch.no_grad():
+        batched = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
+        for row, p in enumerate(prompts):
+            alone = model.generate(p, max_new_tokens=6, do_sample=False)
+            assert torch.equal(batched[row, 7:], alone[0, p.shape[1]:]), f"row {row}"
+
+
+def test_right_padded_forward_equals_each_row_alone():
+    model = hf.enable_rerope(build(tiny_config(kv_heads=2)), window=4, leaky=3.0)
+    ids = torch.randint(1, VOCAB, (2, 9), generator=torch.Generator().manual_seed(5))
+    mask = torch.ones(2, 9, dtype=torch.long)
+    mask[1, 6:] = 0
+    padded = logits_of(model, ids, attention_mask=mask)
+    assert max_error(padded[0], logits_of(model, ids[:1])[0]) < 1e-5
+    assert max_error(padded[1, :6], logits_of(model, ids[1:, :6])[0]) < 1e-5
+
+
+def test_right_padded_generate_raises():
+    """generate appends new tokens after the padding of a right-padded row: its tokens are no
+    longer contiguous in the cache, which the kernels cannot express."""
+    model = hf.enable_rerope(build(tiny_config(kv_heads=2)), window=4)
+    ids = torch.randint(1, VOCAB, (2, 5), generator=torch.Generator().manual_seed(6))
+    mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]])
+    with torch.no_grad(), pytest.raises(ValueError, match="padding between real tokens.*left"):
+        model.generate(ids, attention_mask=mask, max_new_tokens=2, do_sample=False)
+
+
+def test_positions_that_skip_along_the_cache_raise():
+    model = hf.enable_rerope(build(tiny_config()), window=4)
+    ids = torch.randint(0, VOCAB, (1, 6), generator=torch.Generator().manual_seed(7))
+    with pytest.raises(ValueError, match="position_ids of row 0 do not step by one"):
+        logits_of(model, ids, position_ids=torch.tensor([[0, 1, 2, 5, 6, 7]]))
+
+
+# --- switching back, shared configs -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("start", ["sdpa", "eager"])
+def test_disable_restores_the_stock_model(start):
+    config = tiny_config(attn_implementation=start)
+    model = build(config)
+    ids = torch.randint(0, VOCAB, (1, 12), generator=torch.Generator().manual_seed(8))
+    stock = logits_of(model, ids)
+    hf.enable_rerope(model, window=3)
+    assert hf.is_rerope_enabled(model)
+    assert max_error(logits_of(model, ids), stock) > 1e-3
+    hf.enable_rerope(model, window=4)                 # switching settings keeps the original
+    assert hf.disable_rerope(model) is model
+    assert model.config._attn_implementation == start and not hf.is_rerope_enabled(model)
+    assert torch.equal(logits_of(model, ids), stock)
+    with pytest.raises(ValueError, match="ReRoPE is not enabled"):
+        hf.disable_rerope(model)
+
+
+# --- bad input ------------------------------------------------------------------------------------
+
+
+def test_bad_input_raises_clear_errors():
+    model = build(tiny_config())
+    for window, error, message in ((0, ValueError, "window must be >= 1"),
+                                   (-3, ValueError, "window must be >= 1"),
+                                   (2.5, TypeError, "window must be an int"),
+                                   ("8", TypeError, "window must be an int")):
+        with pytest.raises(error, match=message):
+            hf.enable_rerope(model, window)
+    with pytest.raises(ValueError, match="leaky must be a finite float > 1"):
+        hf.enable_rerope(model, 4, leaky=1.0)
+    with pytest.raises(ValueError, match="logn_len must be > 1"):
+        hf.enable_rerope(model, 4, logn_len=1)
+    assert model.config._attn_implementation == "sdpa"       # nothing switched on failure
+    with pytest.raises(TypeError, match="must be a transformers PreTrainedModel"):
+        hf.enable_rerope(torch.nn.Linear(4, 4), 4)
+
+
+def test_models_that_are_not_llama_style_raise():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=VOCAB))
+    with pytest.raises(ValueError, match="model_type 'gpt2'.*not a supported Llama-style"):
+        hf.enable_rerope(gpt2, 4)
+
+
+@pytest.mark.parametrize("rope", [
+    {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0},
+    {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0},
+    {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+     "original_max_position_embeddings": 128, "rope_theta": 10000.0},
+], ids=["linear", "dynamic", "llama3"])
+def test_rope_scaling_raises(rope):
+    model = build(tiny_config(rope_parameters=rope))
+    expected = f"rope_type '{rope['rope_type']}'.*only rope_type 'default'"
+    with pytest.raises(ValueError, match=expected):
+        hf.enable_rerope(model, 4)
+
+
+def test_unsupported_attention_layouts_raise():
+    with pytest.raises(ValueError, match="sliding_window = 16"):
+        hf.enable_rerope(build(tiny_config("mistral", sliding_window=16)), 4)
+    with pytest.raises(ValueError, match="head dim is 8"):
+        hf.enable_rerope(build(tiny_config(head_dim=8)), 4)
+    model = hf.enable_rerope(build(tiny_config()), 4)
+    ids = torch.randint(0, VOCAB, (1, 6), generator=torch.Generator().manual_seed(9))
+    custom = torch.ones(1, 1, 6, 6, dtype=torch.bool).tril()
+    with pytest.raises(ValueError, match="custom \\(4D\\) masks are not supported"):
+        logits_of(model, ids, attention_mask=custom)
+    from transformers import StaticCache
+
+    cache = StaticCache(config=model.config, max_cache_len=16)
+    with pytest.raises(ValueError, match="dynamic cache"):
+        logits_of(model, ids, cache=cache, use_cache=True)
+
+
+def test_training_mode_needs_no_dropout_and_backpropagates():
+    """In train mode the prefill op is differentiable; attention dropout is refused."""
+    model = hf.enable_rerope(build(tiny_config(attention_dropout=0.1)), window=3)
+    ids = torch.randint(0, VOCAB, (1, 8), generator=torch.Generator().manual_seed(10))
+    model.train()
+    with pytest.raises(ValueError, match="attention dropout 0.1"):
+        model(ids)
+    model.config.attention_dropout = 0.0
+    for layer in model.model.layers:
+        layer.self_attn.attention_dropout = 0.0
+    loss = model(ids, labels=ids).loss
+    loss.backward()
+    grad = model.model.layers[0].self_attn.q_proj.weight.grad
+    assert grad is not None and torch.isfinite(grad).all() and grad.abs().max() > 0
+    assert math.isfinite(loss.item())
+
+
+# --- chapter 9's Triton exercise ------------------------------------------------------------------
+
+
+def test_positions_exercise_checker():
+    """The checker accepts a right kernel and names the slots a wrong one gets wrong (here:
+    padding left at -1 instead of 0)."""
+    import triton
+    import triton.language as tl
+
+    from kernels import exercises
+
+    @triton.jit
+    def positions(Mask, Positions, n, BLOCK: tl.constexpr, PAD_AT_ZERO: tl.constexpr):
+        row = tl.program_id(0)
+        slots = tl.arange(0, BLOCK)
+        live = slots < n
+        mask = tl.load(Mask + row * n + slots, mask=live, other=0)
+        result = tl.cumsum(mask, 0) - 1
+        if PAD_AT_ZERO:
+            result = tl.where(mask != 0, result, 0)
+        tl.store(Positions + row * n + slots, result, mask=live)
+
+    class Bound:                       # the checker launches kernel[grid](mask, out, n, BLOCK=)
+        def __init__(self, pad_at_zero):
+            self.pad_at_zero = pad_at_zero
+
+        def __getitem__(self, grid):
+            return lambda *args, **kw: positions[grid](*args, PAD_AT_ZERO=self.pad_at_zero, **kw)
+
+    assert exercises.check_positions_kernel(Bound(True)) == "correct"
+    verdict = exercises.check_positions_kernel(Bound(False))
+    assert verdict.startswith("left padding") and "slots 0–2 wrong, got [-1, -1, -1]" in verdict
