@@ -155,10 +155,10 @@ def _build_rotations(n_k, head_dim, base, window, leaky, logn_len, rotated, devi
     tables = []
     for rot in (inside, outside):
         offset = rotation_offset(head_dim, base, rot.offset, device)
-        table = rope_table(n_k, head_dim, base, rot.speed, device) if rot.speed != 0 else offset
+        table = rope_table(n_k, head_dim, base, rot.speed, device) if rot.rotates_keys else offset
         tables += [table, offset]
-    flags = dict(TURN_IN=inside.speed != 0, SHIFT_IN=inside.offset != 0,
-                 TURN_OUT=outside.speed != 0, SHIFT_OUT=outside.offset != 0)
+    flags = dict(TURN_IN=inside.rotates_keys, SHIFT_IN=inside.offset != 0,
+                 TURN_OUT=outside.rotates_keys, SHIFT_OUT=outside.offset != 0)
     return Operands(split=True, tables=tuple(tables), flags=flags,
                     logn_factor=logn_factor(logn_len))
 
