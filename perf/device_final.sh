@@ -1,8 +1,11 @@
 #!/bin/bash
-# The session's closing device call (carry .whl): GPU tests of the fused op and the decode
-# kernel, the benchmark rows of kernels.rerope (fp16 N sweep, bf16 at N=8192) merged into
-# book/data/bench_h200.json, then the notebooks named in $NOTEBOOKS executed on the GPU in
-# three parallel groups. Everything comes back as one archive, $OUT/final.tgz, plus logs.
+# A session's closing device call (carry .whl): GPU tests of the fused op and the decode kernel
+# ($GPU_TEST_FILTER), the benchmark rows of kernels.rerope (fp16 N sweep, bf16 at N=8192) merged
+# into book/data/bench_h200.json, optionally (HF_BENCH=1) the Hugging Face benchmark, then the
+# notebooks named in $NOTEBOOKS executed on the GPU in three parallel groups. Everything comes
+# back as one archive, $OUT/final.tgz, plus logs. Still to run (issues 11 and 13):
+#   HF_BENCH=1 NOTEBOOKS="book/06_speed.ipynb book/07_fused_rotation.ipynb \
+#     book/08_decoding.ipynb book/09_huggingface.ipynb" bash perf/device_final.sh
 set -o pipefail
 export PYTHONUNBUFFERED=1 KERNELS_AUTOTUNE=0
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" /tmp/warm /tmp/logs
@@ -33,6 +36,12 @@ grep -E "check|N=8192|N=2048" /tmp/logs/bench_f16.log | tee -a "$OUT/final.log"
 python3 perf/merge_bench.py book/data/bench_h200.json book/data/bench_h200.json \
     /tmp/bench_f16.json /tmp/bench_bf16.json | tee -a "$OUT/final.log"
 echo "bench done in $(( $(date +%s) - start )) s" | tee -a "$OUT/final.log"
+# 2b. optional (HF_BENCH=1): the Hugging Face model benchmark of issue 11 into book/data/
+if [ -n "$HF_BENCH" ]; then
+    python3 -m pip show transformers | head -2 | tee -a "$OUT/final.log"
+    timeout ${HF_TIMEOUT:-280} python3 perf/bench_hf.py --out book/data/hf_h200.json 2>&1 \
+        | tail -n 30 | tee -a "$OUT/final.log"
+fi
 # 3. the notebooks, three groups in parallel
 set -- $NOTEBOOKS
 groups=("" "" "")
@@ -44,5 +53,5 @@ done
 wait
 cat /tmp/logs/nb_*.log | grep -v "without encryption" | tail -n 40 | tee -a "$OUT/final.log"
 echo "all done in $(( $(date +%s) - start )) s" | tee -a "$OUT/final.log"
-tar czf "$OUT/final.tgz" book/*.ipynb book/data/bench_h200.json /tmp/bench_f16.json \
-    /tmp/bench_bf16.json /tmp/logs 2>/dev/null
+tar czf "$OUT/final.tgz" book/*.ipynb book/data/bench_h200.json book/data/hf_h200.json \
+    /tmp/bench_f16.json /tmp/bench_bf16.json /tmp/logs $OUT/gpu_tests*.json 2>/dev/null

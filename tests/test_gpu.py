@@ -56,10 +56,15 @@ def full_precision_reference():
 
 @pytest.fixture(scope="module")
 def report():
-    """Errors per test and tensor; written to ``$GPU_TEST_REPORT`` after every test."""
+    """Errors per test and tensor; written to ``$GPU_TEST_REPORT`` after every test (one file
+    per pytest-xdist worker, ``NAME.gw0.json`` …, so that parallel workers do not overwrite each
+    other's records)."""
     records = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
                "triton": __import__("triton").__version__, "tests": {}}
     path = os.environ.get("GPU_TEST_REPORT")
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if path and worker:
+        path = f"{os.path.splitext(path)[0]}.{worker}.json"
 
     def add(name, entry):
         records["tests"][name] = entry
