@@ -457,22 +457,29 @@ def make_row(impl, mode, shape, ms=None, peak_bytes=None, skipped=None):
     return row
 
 
-def write_results(path, rows, meta):
-    """Write ``{"meta": meta, "rows": rows}`` to ``path``, atomically (never half a file)."""
+def write_results(path, rows, meta, **extra):
+    """Write ``{"meta": meta, "rows": rows, **extra}`` to ``path``, atomically (never half a
+    file). ``kernels.bench_decode`` adds its launch-configuration ``sweep`` this way."""
     temporary = f"{path}.tmp"
     with open(temporary, "w") as file:
-        json.dump({"meta": meta, "rows": rows}, file, indent=1)
+        json.dump({"meta": meta, "rows": rows, **extra}, file, indent=1)
         file.write("\n")
     os.replace(temporary, path)
 
 
-def load_results(path):
-    """The rows of a results file written by this module (a list of dicts)."""
+def read_results(path, what="benchmark results"):
+    """The whole results file (a dict with a ``rows`` list); ``ValueError`` naming ``what`` if
+    ``path`` holds something else."""
     with open(path) as file:
         results = json.load(file)
     if not isinstance(results, dict) or not isinstance(results.get("rows"), list):
-        raise ValueError(f"{path}: not a benchmark results file (no 'rows' list)")
-    return results["rows"]
+        raise ValueError(f"{path}: not a {what} file (no 'rows' list)")
+    return results
+
+
+def load_results(path):
+    """The rows of a results file written by this module (a list of dicts)."""
+    return read_results(path)["rows"]
 
 
 def select_rows(rows, **where):

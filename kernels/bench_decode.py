@@ -38,8 +38,6 @@ no GPU.
 import argparse
 import datetime
 import gc
-import json
-import os
 import statistics
 import sys
 import time
@@ -438,20 +436,17 @@ def tune(bandwidth, window=2048):
 
 
 def write_results(path, rows, meta, sweep=()):
-    """Write ``{"meta", "rows", "sweep"}`` to ``path`` atomically."""
-    temporary = f"{path}.tmp"
-    with open(temporary, "w") as file:
-        json.dump({"meta": meta, "rows": rows, "sweep": list(sweep)}, file, indent=1)
-        file.write("\n")
-    os.replace(temporary, path)
+    """Write ``{"meta", "rows", "sweep"}`` to ``path`` atomically (via ``bench.write_results``)."""
+    from .bench import write_results as write
+
+    write(path, rows, meta, sweep=list(sweep))
 
 
 def load_results(path):
     """``(meta, rows)`` of a results file written by this module."""
-    with open(path) as file:
-        results = json.load(file)
-    if not isinstance(results, dict) or not isinstance(results.get("rows"), list):
-        raise ValueError(f"{path}: not a decode benchmark file (no 'rows' list)")
+    from .bench import read_results
+
+    results = read_results(path, what="decode benchmark")
     return results["meta"], results["rows"]
 
 
