@@ -27,7 +27,7 @@ from ._validate import (check_flag, check_head_dim, check_logn_overflow, check_q
 from .backward import _bwd_delta_kernel, _bwd_dkdv_kernel, _bwd_dq_kernel
 from .forward import _rerope_fwd_kernel
 from .online_softmax import LOG2E
-from .rotary import logn_factor, rope_table, rotation_offset, rotation_plan
+from .rotary import logn_factor, rope_table, rotation_offset, rotation_plan, turn_keys
 from .runtime import INTERPRET, dot_precision, prepare_for_device
 
 _KERNELS = {"fwd": _rerope_fwd_kernel, "dkdv": _bwd_dkdv_kernel, "dq": _bwd_dq_kernel}
@@ -165,24 +165,48 @@ def _build_rotations(n_k, head_dim, base, window, leaky, logn_len, rotated, devi
 
 # --- launchers -----------------------------------------------------------------------------------
 
+PRETURN_MIN_KEYS = 4096      # from this many keys on, the forward pre-turns keys (see below)
 
-def rerope_forward(q1, q2, k1, k2, v, window, causal, sm_scale, operands=None):
+
+def preturn_keys(n_k):
+    """Whether the fused forward turns a product's keys once, before the kernel, rather than
+    every key tile in every query block that reads it (:func:`kernels.rotary.turn_keys`).
+
+    Pre-turning costs one more launch and one pass over ``k`` (``Hkv`` heads: small under
+    grouped-query attention); turning in registers costs elementwise work and a trip of the
+    turned tile through shared memory per (query block, key tile) of that product — most of
+    the key axis for rotated inputs, whose outside product turns keys. Measured on the H200
+    (book/data/preturn_h200.json, chapter 7): from ``PRETURN_MIN_KEYS`` keys on, pre-turning is faster.
+    """
+    return n_k >= PRETURN_MIN_KEYS
+
+
+def rerope_forward(q1, q2, k1, k2, v, window, causal, sm_scale, operands=None, preturn=None):
     """Run the forward kernel; returns ``(out, lse)`` (``lse`` in log2 units, ``(B·Hq, Nq)``).
 
     ``operands=None``: the five-tensor form. Otherwise ``q1 is q2`` is ``q``, ``k1 is k2`` is
-    ``k`` and ``operands`` (:class:`Operands`) says how they are rotated.
+    ``k`` and ``operands`` (:class:`Operands`) says how they are rotated; ``preturn`` whether
+    the products that turn keys get them turned once first (``None``: :func:`preturn_keys`).
     """
     batch, n_heads, n_q, head_dim = q1.shape
     n_k = k1.shape[2]
     out = torch.empty(q1.shape, dtype=q1.dtype, device=q1.device)
     lse = torch.empty(batch * n_heads, n_q, dtype=torch.float32, device=q1.device)
     operands = operands or _five_tensors(lse)
+    turn_keys_in, turn_keys_out = operands.flags["TURN_IN"], operands.flags["TURN_OUT"]
+    if (turn_keys_in or turn_keys_out) and (preturn_keys(n_k) if preturn is None else preturn):
+        if turn_keys_in:
+            k1 = turn_keys(k1, operands.tables[0])
+        if turn_keys_out:
+            k2 = turn_keys(k2, operands.tables[2])
+        turn_keys_in = turn_keys_out = False
     _launch("fwd", "BLOCK_M", n_q, batch * n_heads,
             [q1, q2, k1, k2, v, out, lse, *operands.tables, *_strides(q1, q2, k1, k2, v, out),
              n_heads, n_heads // k1.shape[1], n_q, n_k, window, sm_scale * LOG2E,
              operands.logn_factor],
             HEAD_DIM=head_dim, CAUSAL=causal, DOT_PRECISION=dot_precision(q1.dtype),
-            TMA=_use_tma(q1, q2, k1, k2, v), **operands.constexprs(head_dim))
+            TMA=_use_tma(q1, q2, k1, k2, v), TURN_K_IN=turn_keys_in, TURN_K_OUT=turn_keys_out,
+            **operands.constexprs(head_dim))
     return out, lse
 
 

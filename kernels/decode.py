@@ -222,7 +222,10 @@ def chunk_map(n_keys, n_queries, window, num_splits, block_n):
     return out.cpu()
 
 
-@triton.jit
+# ``n_max`` (the cache length) grows by one per generated token in a Hugging Face model's
+# dynamic cache; Triton would otherwise compile a second variant the first time it is a
+# multiple of 16, in the middle of generation.
+@triton.jit(do_not_specialize=["n_max"])
 def _decode_split_kernel(
     Q, K, V, SeqLens, Out, Lse, TableIn, OffsetIn, TableOut, OffsetOut,
     sq_b, sq_h, sq_n, sq_d, sk_b, sk_h, sk_n, sk_d, sv_b, sv_h, sv_n, sv_d,
@@ -530,7 +533,8 @@ _PLANS = {}
 def _plan(q, k_cache, v_cache, window, cache_seqlens, sm_scale, base, leaky, logn_len, rotated,
           num_splits):
     """The call's :class:`_Plan`, checked and built once per distinct set of shapes, dtypes,
-    devices and settings: a decode loop pays the Python checks only on its first step."""
+    devices and settings: a decode loop over a fixed-size cache pays the Python checks only on
+    its first step (a growing cache, as in a Hugging Face model, once per step, not per layer)."""
     try:
         key = (tuple((t.shape, t.dtype, t.device) for t in (q, k_cache, v_cache)),
                None if cache_seqlens is None else
@@ -546,6 +550,8 @@ def _plan(q, k_cache, v_cache, window, cache_seqlens, sm_scale, base, leaky, log
         plan = _make_plan(q, k_cache, v_cache, window, cache_seqlens, sm_scale, base, leaky,
                           logn_len, rotated, num_splits)
         if key is not None:
+            if len(_PLANS) >= 64:     # a growing cache makes a new shape every step: stay small
+                _PLANS.clear()
             _PLANS[key] = plan
     return plan
 

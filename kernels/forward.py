@@ -219,23 +219,25 @@ def _fwd_pass(acc, l_i, m_i, q_a, q_b, Ka, Kb, V, Table, sk_n, sk_d, sv_n, sv_d,
 def _fwd_product(acc, l_i, m_i, Q, sq_n, sq_d, start_m, n_q, rows, Ka, Kb, sk_n, sk_d, V, sv_n,
                  sv_d, Table, Offset, logn_factor, clean, band, edge, n_k, window, qk_scale,
                  PRODUCT: tl.constexpr, CAUSAL: tl.constexpr, TURN: tl.constexpr,
-                 SHIFT: tl.constexpr, LOGN: tl.constexpr, SPLIT: tl.constexpr,
-                 TWO_DOTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr):
+                 SHIFT: tl.constexpr, TURN_KEYS: tl.constexpr, LOGN: tl.constexpr,
+                 SPLIT: tl.constexpr, TWO_DOTS: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                 TMA: tl.constexpr):
     """Everything one product adds to a query block: its query operand (``Q`` is the block's
     ``(N, D)`` slice), then its three walks — the tiles entirely on its side of the window
-    (no mask), the band, its masked edge tiles."""
+    (no mask), the band, its masked edge tiles. ``TURN_KEYS``: each key tile is turned as it
+    arrives (off when the launcher pre-turned this product's keys, or its speed is 0)."""
     Qa, Qb = _halves(Q, sq_n, sq_d, n_q, BLOCK_M, HEAD_DIM, SPLIT, TMA)
     q_a, q_b = _operand(Qa, Qb, start_m, sq_n, sq_d, n_q, rows, Table, Offset, logn_factor, TURN,
                         SHIFT, 1, LOGN, SPLIT, TWO_DOTS, BLOCK_M, HEAD_DIM, True, TMA)
     acc, l_i, m_i = _fwd_pass(acc, l_i, m_i, q_a, q_b, Ka, Kb, V, Table, sk_n, sk_d, sv_n, sv_d,
-                              rows, clean, n_k, window, qk_scale, PRODUCT, False, CAUSAL, TURN,
+                              rows, clean, n_k, window, qk_scale, PRODUCT, False, CAUSAL, TURN_KEYS,
                               SPLIT, TWO_DOTS, BLOCK_N, HEAD_DIM, DOT_PRECISION, TMA)
     acc, l_i, m_i = _fwd_pass(acc, l_i, m_i, q_a, q_b, Ka, Kb, V, Table, sk_n, sk_d, sv_n, sv_d,
-                              rows, band, n_k, window, qk_scale, PRODUCT, True, CAUSAL, TURN,
+                              rows, band, n_k, window, qk_scale, PRODUCT, True, CAUSAL, TURN_KEYS,
                               SPLIT, TWO_DOTS, BLOCK_N, HEAD_DIM, DOT_PRECISION, TMA)
     acc, l_i, m_i = _fwd_pass(acc, l_i, m_i, q_a, q_b, Ka, Kb, V, Table, sk_n, sk_d, sv_n, sv_d,
-                              rows, edge, n_k, window, qk_scale, PRODUCT, True, CAUSAL, TURN,
+                              rows, edge, n_k, window, qk_scale, PRODUCT, True, CAUSAL, TURN_KEYS,
                               SPLIT, TWO_DOTS, BLOCK_N, HEAD_DIM, DOT_PRECISION, TMA)
     return acc, l_i, m_i
 
@@ -251,15 +253,18 @@ def _rerope_fwd_kernel(
     CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr,
     SPLIT: tl.constexpr, TWO_DOTS: tl.constexpr, LOGN: tl.constexpr,
     TURN_IN: tl.constexpr, SHIFT_IN: tl.constexpr, TURN_OUT: tl.constexpr,
-    SHIFT_OUT: tl.constexpr,
+    SHIFT_OUT: tl.constexpr, TURN_K_IN: tl.constexpr, TURN_K_OUT: tl.constexpr,
 ):
     """Grid ``(cdiv(Nq, BLOCK_M), B * Hq)``. Writes ``Out`` and ``Lse`` (log2 units, ``(B·Hq, Nq)``).
 
     Five-tensor form (``SPLIT`` off): ``Q1, Q2, K1, K2`` as given; the tables are not read.
-    ``SPLIT``: ``Q1``/``K1`` are the model's ``q``/``k`` (``Q2``/``K2`` are not read); the
+    ``SPLIT``: ``Q1``/``K1`` are the model's ``q``/``k`` (``Q2`` is not read); the
     inside product rotates by ``TabIn``/``OffIn``, the outside one by ``TabOut``/``OffOut``
     (:mod:`kernels.rotary`: ``TURN_*`` where the product's speed is not 0, ``SHIFT_*`` where its
-    offset is not 0); ``LOGN`` scales the queries by log-n (``logn_factor``).
+    offset is not 0); ``LOGN`` scales the queries by log-n (``logn_factor``). ``TURN_K_IN`` /
+    ``TURN_K_OUT``: the product turns its key tiles here; where it is off although ``TURN_*``
+    is on, the launcher passed that product's keys already turned (``K1`` / ``K2``, see
+    :func:`kernels.rotary.turn_keys`), otherwise ``K1`` is ``k`` for both products.
     """
     block = tl.program_id(0)
     if CAUSAL:   # the last query blocks have the most keys: start them first
@@ -272,9 +277,10 @@ def _rerope_fwd_kernel(
     b64, h64, kv64 = batch.to(tl.int64), head.to(tl.int64), kv_head.to(tl.int64)
     K1a, K1b = _halves(K1 + b64 * sk1_b + kv64 * sk1_h, sk1_n, sk1_d, n_k, BLOCK_N, HEAD_DIM,
                        SPLIT, TMA)
-    if SPLIT:                                # one k serves both products
-        K2a, K2b = K1a, K1b
+    if SPLIT:                                # one q serves both products
         Q2, sq2_b, sq2_h, sq2_n, sq2_d = Q1, sq1_b, sq1_h, sq1_n, sq1_d
+    if SPLIT and TURN_K_IN == TURN_IN and TURN_K_OUT == TURN_OUT:     # and one k
+        K2a, K2b = K1a, K1b
     else:
         K2a, K2b = _halves(K2 + b64 * sk2_b + kv64 * sk2_h, sk2_n, sk2_d, n_k, BLOCK_N, HEAD_DIM,
                            SPLIT, TMA)
@@ -294,13 +300,13 @@ def _rerope_fwd_kernel(
                                  start_m, n_q, rows, K2a, K2b, sk2_n, sk2_d, V, sv_n, sv_d,
                                  TabOut, OffOut, logn_factor, outside_clean, band, edge_outside,
                                  n_k, window, qk_scale, OUTSIDE, CAUSAL, TURN_OUT, SHIFT_OUT,
-                                 LOGN, SPLIT, TWO_DOTS, BLOCK_M, BLOCK_N, HEAD_DIM,
+                                 TURN_K_OUT, LOGN, SPLIT, TWO_DOTS, BLOCK_M, BLOCK_N, HEAD_DIM,
                                  DOT_PRECISION, TMA)
     acc, l_i, m_i = _fwd_product(acc, l_i, m_i, Q1 + b64 * sq1_b + h64 * sq1_h, sq1_n, sq1_d,
                                  start_m, n_q, rows, K1a, K1b, sk1_n, sk1_d, V, sv_n, sv_d,
                                  TabIn, OffIn, logn_factor, inside_clean, band, edge_inside,
                                  n_k, window, qk_scale, INSIDE, CAUSAL, TURN_IN, SHIFT_IN,
-                                 LOGN, SPLIT, TWO_DOTS, BLOCK_M, BLOCK_N, HEAD_DIM,
+                                 TURN_K_IN, LOGN, SPLIT, TWO_DOTS, BLOCK_M, BLOCK_N, HEAD_DIM,
                                  DOT_PRECISION, TMA)
 
     q_rows = start_m + tl.arange(0, BLOCK_M)

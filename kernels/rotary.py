@@ -157,6 +157,42 @@ def _angles(Table, positions, Offset, TURN: tl.constexpr, SHIFT: tl.constexpr,
 
 
 @triton.jit
+def _turn_keys_kernel(K, Out, Table, sk_b, sk_h, sk_n, sk_d, n_heads, n_k,
+                      HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr):
+    """Grid ``(cdiv(Nk, BLOCK), B · Hkv)``: rows ``j`` of one key head turned by ``R(speed · j)``
+    from ``Table``, in fp32, rounded once to ``Out``'s dtype (``Out`` contiguous)."""
+    batch = tl.program_id(1) // n_heads
+    head = tl.program_id(1) % n_heads
+    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    half = tl.arange(0, HEAD_DIM // 2)[None, :]
+    keep = rows[:, None] < n_k
+    src = (K + batch.to(tl.int64) * sk_b + head.to(tl.int64) * sk_h
+           + rows.to(tl.int64)[:, None] * sk_n)
+    a = tl.load(src + half * sk_d, mask=keep, other=0.0)
+    b = tl.load(src + (half + HEAD_DIM // 2) * sk_d, mask=keep, other=0.0)
+    cos, sin = _table_rows(Table, rows, HEAD_DIM // 2)
+    a32, b32 = _rotate(a.to(tl.float32), b.to(tl.float32), cos, sin)
+    dst = Out + (tl.program_id(1).to(tl.int64) * n_k + rows.to(tl.int64)[:, None]) * HEAD_DIM
+    tl.store(dst + half, a32.to(a.dtype), mask=keep)
+    tl.store(dst + HEAD_DIM // 2 + half, b32.to(b.dtype), mask=keep)
+
+
+def turn_keys(k, table):
+    """``R(speed · j) k_j`` for every key (``table`` from :func:`rope_table`): ``(B, Hkv, Nk, D)``,
+    contiguous, in ``k``'s dtype — exactly the tiles a kernel would turn in registers.
+
+    The forward launcher calls it for long sequences (see
+    :func:`kernels.attention.preturn_keys`): one pass over ``k``, instead of turning every key
+    tile again for every query block that reads it.
+    """
+    batch, heads, n_k, head_dim = k.shape
+    out = torch.empty((batch, heads, n_k, head_dim), dtype=k.dtype, device=k.device)
+    _turn_keys_kernel[(triton.cdiv(n_k, 64), batch * heads)](
+        k, out, table, *k.stride(), heads, n_k, HEAD_DIM=head_dim, BLOCK=64)
+    return out
+
+
+@triton.jit
 def _logn_scale(positions, logn_factor):
     """Per-query log-n scale ``max(1, log2(i + 1) · logn_factor)`` (fp32)."""
     return tl.maximum(tl.math.log2(positions.to(tl.float32) + 1.0) * logn_factor, 1.0)

@@ -7,13 +7,18 @@ Run on a CUDA GPU from the repository root (about 2-3 minutes on an H200)::
 The model: a random-weight ``LlamaForCausalLM`` shaped like Llama 3.2 1B (16 layers, hidden
 2048, 32 heads, 8 KV heads, head dim 64, MLP 8192, vocab 128256, tied embeddings; default RoPE,
 base 500000), bf16. Two phases, each for ``stock_sdpa`` (the model as built,
-``attn_implementation="sdpa"``) and ``rerope`` (``kernels.hf.enable_rerope(model, window)``):
+``attn_implementation="sdpa"``, torch choosing the SDPA backend: cuDNN on the H200),
+``stock_sdpa_flash`` (the same with cuDNN excluded, so FlashAttention-2: cuDNN rebuilds its
+attention plan on the host for every new key length, about 2.7 ms per call at decode on the
+H200 host, perf/runs/profile_hf_decode.txt) and ``rerope`` (``kernels.hf.enable_rerope(model,
+window)``):
 
 * ``prefill``: one forward over ``context`` tokens, batch 1, building the dynamic cache, logits
   of the last token only (``logits_to_keep=1``): ``ms`` and ``tokens_per_s`` = context / time;
 * ``decode``: after such a prefill, ``--steps`` greedy generation steps of one token each (a
   plain Python loop of ``model(next_token, cache=...)``, what ``generate`` does per step), the
-  cache growing from ``context``: ``ms`` per token and ``tokens_per_s``.
+  cache growing from ``context``: mean ``ms`` per token, ``tokens_per_s`` and the slowest step
+  (``max_step_ms``).
 
 The attention's share: the same attention op alone at the same shapes (``kernels.rerope`` /
 ``kernels.rerope_decode`` on rotated inputs, ``F.scaled_dot_product_attention`` with
@@ -24,10 +29,11 @@ the cache against recomputation without it, and a left-padded batch against each
 (:func:`generate_check`). JSON::
 
     {"meta": {...}, "rows": [{"impl", "phase", "context", "ms", "tokens_per_s",
-                              "attention_ms", "rest_ms", "window"}]}
+                              "attention_ms", "rest_ms", "window", "max_step_ms" (decode)}]}
 """
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -115,7 +121,8 @@ def prefill(model, ids):
 
 
 def decode_ms(model, ids, steps):
-    """ms per generated token: ``steps`` greedy steps after a prefill of ``ids``."""
+    """``(mean, max)`` ms per generated token over ``steps`` greedy steps after a prefill of
+    ``ids`` (each step timed alone, so a slow one — a compile, say — shows in the max)."""
     keyword = cache_keyword(model)
     with torch.no_grad():
         out = prefill(model, ids)
@@ -124,13 +131,26 @@ def decode_ms(model, ids, steps):
         for _ in range(3):                              # warm-up steps (compile, tables)
             out = model(token, use_cache=True, **{keyword: cache})
             token = out.logits[:, -1:].argmax(-1)
-        sync()
-        start = time.perf_counter()
+        times = []
         for _ in range(steps):
+            sync()
+            start = time.perf_counter()
             out = model(token, use_cache=True, **{keyword: cache})
             token = out.logits[:, -1:].argmax(-1)
-        sync()
-        return (time.perf_counter() - start) * 1e3 / steps
+            sync()
+            times.append((time.perf_counter() - start) * 1e3)
+        return sum(times) / steps, max(times)
+
+
+def sdpa_backends(impl):
+    """The SDPA backends an implementation may use: all of them for ``stock_sdpa`` (torch picks;
+    on the H200 that is cuDNN), all but cuDNN for ``stock_sdpa_flash``."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    if impl == "stock_sdpa_flash":
+        return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+                            SDPBackend.MATH])
+    return contextlib.nullcontext()
 
 
 def attention_alone_ms(impl, phase, context, window, dtype):
@@ -140,10 +160,11 @@ def attention_alone_ms(impl, phase, context, window, dtype):
     q = torch.randn(1, HEADS, n_q, HEAD_DIM, device=DEVICE, dtype=dtype, generator=gen)
     k, v = (torch.randn(1, KV_HEADS, context, HEAD_DIM, device=DEVICE, dtype=dtype, generator=gen)
             for _ in range(2))
-    if impl == "stock_sdpa":
+    if impl.startswith("stock_sdpa"):
         def run():
-            return F.scaled_dot_product_attention(q, k, v, is_causal=phase == "prefill",
-                                                  enable_gqa=True)
+            with sdpa_backends(impl):
+                return F.scaled_dot_product_attention(q, k, v, is_causal=phase == "prefill",
+                                                      enable_gqa=True)
     elif phase == "prefill":
         def run():
             return kernels.rerope(q, k, v, window, base=BASE, rotated=True)
@@ -256,14 +277,15 @@ def main():
         print(meta["errors"][-1], flush=True)
     ids = torch.randint(0, VOCAB, (1, args.context), device=DEVICE,
                         generator=torch.Generator(DEVICE).manual_seed(2))
-    for impl in ("stock_sdpa", "rerope"):
+    for impl in ("stock_sdpa", "stock_sdpa_flash", "rerope"):
         try:
             if impl == "rerope":
                 kernels.hf.enable_rerope(model, window=args.window)
-            prefill(model, ids)                                    # warm-up (and compile)
-            phases = {"prefill": wall_ms(lambda: prefill(model, ids), args.reps),
-                      "decode": decode_ms(model, ids, args.steps)}
-            for phase, ms in phases.items():
+            with sdpa_backends(impl):
+                prefill(model, ids)                                # warm-up (and compile)
+                prefill_ms = wall_ms(lambda: prefill(model, ids), args.reps)
+                step_ms, slowest_step_ms = decode_ms(model, ids, args.steps)
+            for phase, ms in (("prefill", prefill_ms), ("decode", step_ms)):
                 attention = attention_alone_ms(impl, phase, args.context, args.window, dtype)
                 tokens = args.context if phase == "prefill" else 1
                 rows.append(dict(impl=impl, phase=phase, context=args.context, ms=round(ms, 3),
@@ -271,6 +293,8 @@ def main():
                                  attention_ms=round(attention, 3),
                                  rest_ms=round(ms - attention, 3),
                                  window=args.window if impl == "rerope" else None))
+                if phase == "decode":
+                    rows[-1]["max_step_ms"] = round(slowest_step_ms, 3)
                 print(f"{time.time() - t0:5.0f} s  {rows[-1]}", flush=True)
         except Exception:
             meta["errors"].append(f"{impl}: {traceback.format_exc()}")
@@ -278,8 +302,10 @@ def main():
         save()
     by = {(r["impl"], r["phase"]): r["ms"] for r in rows}
     for phase in ("prefill", "decode"):
-        if ("rerope", phase) in by and ("stock_sdpa", phase) in by:
-            meta[f"{phase}_ratio"] = round(by["rerope", phase] / by["stock_sdpa", phase], 3)
+        for stock in ("stock_sdpa", "stock_sdpa_flash"):
+            if ("rerope", phase) in by and (stock, phase) in by:
+                name = f"{phase}_ratio" + ("" if stock == "stock_sdpa" else "_vs_flash")
+                meta[name] = round(by["rerope", phase] / by[stock, phase], 3)
     meta["seconds"] = round(time.time() - t0)
     save()
     print(json.dumps(meta, indent=1))

@@ -159,6 +159,8 @@ def _source(job):
                       CAUSAL=True, DOT_PRECISION=dot_precision(TORCH_DTYPES[job["dtype"]]),
                       TMA=uses_tma(job), TWO_DOTS=FORMS[job["form"]]["SPLIT"] and
                       job["head_dim"] >= 32, **FORMS[job["form"]])
+    if job["kernel"] == "fwd":          # key tiles turned in the kernel (not pre-turned)
+        constexprs.update(TURN_K_IN=constexprs["TURN_IN"], TURN_K_OUT=constexprs["TURN_OUT"])
     missing = [p.name for p in fn.params if p.is_constexpr and p.name not in constexprs]
     if missing:
         raise RuntimeError(f"no value for constexpr parameters {missing} of {job['kernel']}")

@@ -177,6 +177,55 @@ def test_decode_steps_go_to_the_split_kv_kernel(rotated, gen, monkeypatch):
     torch.testing.assert_close(routed, prefill.detach(), rtol=1e-5, atol=1e-5)
 
 
+PRETURN_CASES = [
+    C(50, window=9, leaky=4.0),                                        # raw Leaky: both products
+    C(33, 70, 13, rotated=True, batch=2, hq=4, hkv=2, dtype=F16, layout="transposed"),
+    C(7, 60, 11), C(40, window=9, dtype=BF16, rotated=True, logn_len=8.0),
+]
+
+
+@pytest.mark.parametrize("case", PRETURN_CASES, ids=FusedCase.id)
+def test_preturned_keys_match_turning_in_registers(case, gen):
+    """Long sequences get the keys of each product that turns them turned once, before the
+    forward kernel (``attention.preturn_keys``); both ways agree with the oracle and each other."""
+    from kernels import attention
+    from kernels.runtime import prepare_for_device
+
+    leaves, _ = fused_inputs(gen, case)
+    (q, k, v), restore = prepare_for_device(*(t.detach() for t in leaves))
+    operands = attention._rotations(case.n_k, case.d, 10000.0, case.window, case.leaky,
+                                    case.logn_len, case.rotated, q.device)
+    assert operands.flags["TURN_IN"] or operands.flags["TURN_OUT"], "no key is turned here"
+    outs = {}
+    for preturn in (False, True):
+        with poisoned_empty():
+            out, _ = attention.rerope_forward(q, q, k, k, v, case.window, case.causal,
+                                              case.d ** -0.5, operands, preturn)
+        outs[preturn] = restore(out)
+    want = reference.rerope_from_relative_positions(q.double(), k.double(), v.double(),
+                                                    case.window, **settings(case))
+    for preturn, out in outs.items():
+        problems = results_problems({"out": out}, {"out": want}, tolerance(case.dtype))
+        assert not problems, describe(gen, preturn=preturn, **asdict(case)) + "\n" + "\n".join(
+            problems)
+    scale = want.abs().max().item()
+    assert (outs[True].double() - outs[False].double()).abs().max().item() <= 1e-3 * scale
+
+
+def test_turn_keys_is_rope_at_the_table_speed(gen):
+    """``turn_keys`` rotates row ``j`` by ``R(speed · j)``: RoPE at position ``speed · j``."""
+    from kernels.rope import apply_rope
+    from kernels.rotary import rope_table, turn_keys
+
+    k = _place(randn(gen, 2, 3, 70, 32, dtype=F32), "transposed")
+    for speed in (1.0, -1.0, 0.25):
+        table = rope_table(70, 32, 10000.0, speed, k.device)
+        want = apply_rope(k.double(), speed * torch.arange(70, dtype=torch.float64))
+        got = turn_keys(k, table)
+        assert got.is_contiguous() and got.dtype == k.dtype
+        torch.testing.assert_close(got.double(), want, rtol=0, atol=1e-5)
+
+
 def test_rotated_inputs_are_raw_inputs_rotated(gen):
     """``rotated=True`` on RoPE-rotated ``q, k`` equals ``rotated=False`` on the raw ones."""
     from kernels.rope import apply_rope

@@ -1,0 +1,77 @@
+"""GPU probe: the fused forward with each product's keys turned in registers (per key tile, per
+query block) against turned once before the kernel (``kernels.rotary.turn_keys``).
+
+    KERNELS_AUTOTUNE=0 python perf/probe_preturn.py --out perf/runs/preturn_h200.json
+
+Times ``kernels.attention.rerope_forward`` (causal, W = 2048) both ways with
+``triton.testing.do_bench`` (L2 cleared between runs; the pre-turned time includes the
+``turn_keys`` launch), for raw and rotated inputs, fp16, B = 1, H = 32 (no GQA: the most keys
+to turn per query head), D = 64 and 128, N = 1k … 32k; and the shape of the Hugging Face
+benchmark (bf16, Hq = 32, Hkv = 8, D = 64, rotated). Also the largest difference between the
+two outputs, relative to the largest output. The threshold of ``attention.preturn_keys`` in force
+is recorded in ``meta`` (the auto rule is not used here: both ways are forced).
+"""
+
+import argparse
+import datetime
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import kernels  # noqa: E402,F401  (before triton: the interpreter is chosen at import)
+from kernels import attention  # noqa: E402
+
+import triton  # noqa: E402
+import triton.testing  # noqa: E402
+
+WINDOW = 2048
+
+
+def case(n, d, rotated, dtype=torch.float16, hq=32, hkv=32):
+    gen = torch.Generator(device="cuda").manual_seed(n + d)
+    q = torch.randn(1, hq, n, d, device="cuda", dtype=dtype, generator=gen)
+    k, v = (torch.randn(1, hkv, n, d, device="cuda", dtype=dtype, generator=gen)
+            for _ in range(2))
+    ops = attention._rotations(n, d, 10000.0, WINDOW, None, None, rotated, q.device)
+    row = {"N": n, "D": d, "rotated": rotated, "dtype": str(dtype).replace("torch.", ""),
+           "Hq": hq, "Hkv": hkv, "window": WINDOW}
+    outs = {}
+    for preturn in (False, True):
+        def run():
+            return attention.rerope_forward(q, q, k, k, v, WINDOW, True, d ** -0.5, ops, preturn)
+        outs[preturn] = run()[0]
+        row["preturn_ms" if preturn else "in_registers_ms"] = triton.testing.do_bench(
+            run, warmup=10, rep=60)
+    row["speedup"] = round(row["in_registers_ms"] / row["preturn_ms"], 3)
+    row["max_diff_rel"] = ((outs[True].float() - outs[False].float()).abs().max()
+                           / outs[False].float().abs().max()).item()
+    return row
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", default="perf/runs/preturn_h200.json")
+    args = parser.parse_args()
+    rows = []
+    shapes = [(n, d, rotated) for d in (64, 128) for rotated in (False, True)
+              for n in (1024, 2048, 4096, 8192, 16384, 32768)]
+    for n, d, rotated in shapes:
+        rows.append(case(n, d, rotated))
+        print(json.dumps(rows[-1]), flush=True)
+    for n in (8192, 32768):                   # the Hugging Face benchmark's attention shape
+        rows.append(case(n, 64, True, torch.bfloat16, 32, 8))
+        print(json.dumps(rows[-1]), flush=True)
+    meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+            "triton": triton.__version__, "date": datetime.date.today().isoformat(),
+            "autotune": os.environ.get("KERNELS_AUTOTUNE", "1") != "0",
+            "PRETURN_MIN_KEYS": attention.PRETURN_MIN_KEYS}
+    with open(args.out, "w") as f:
+        json.dump({"meta": meta, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

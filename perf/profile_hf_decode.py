@@ -1,0 +1,47 @@
+"""Profile a few decode steps of the 1B-like Llama of perf/bench_hf.py at 32k context, stock
+SDPA and ReRoPE: where a generated token's time goes (torch.profiler, top ops by CUDA and by
+CPU time). Run on a GPU: ``python perf/profile_hf_decode.py > profile.txt``."""
+
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import bench_hf  # noqa: E402
+import kernels.hf  # noqa: E402
+
+from torch.profiler import ProfilerActivity, profile  # noqa: E402
+
+
+def main(context=32768, steps=3):
+    model = bench_hf.build_model(torch.bfloat16)
+    ids = torch.randint(0, bench_hf.VOCAB, (1, context), device="cuda")
+    keyword = bench_hf.cache_keyword(model)
+    for impl in ("stock_sdpa", "rerope"):
+        if impl == "rerope":
+            kernels.hf.enable_rerope(model, window=2048)
+        with torch.no_grad():
+            out = bench_hf.prefill(model, ids)
+            cache = getattr(out, "cache", None) or out.past_key_values
+            token = out.logits[:, -1:].argmax(-1)
+            for _ in range(3):
+                token = model(token, use_cache=True, **{keyword: cache}).logits[:, -1:].argmax(-1)
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                for _ in range(steps):
+                    token = model(token, use_cache=True,
+                                  **{keyword: cache}).logits[:, -1:].argmax(-1)
+                torch.cuda.synchronize()
+        print(f"===== {impl}: {steps} decode steps at {context} context")
+        table = prof.key_averages()
+        print(table.table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=60))
+        print(table.table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=60))
+        del cache, out
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
