@@ -1,8 +1,12 @@
 """Profile a few decode steps of the 1B-like Llama of perf/bench_hf.py at 32k context, stock
 SDPA and ReRoPE: where a generated token's time goes (torch.profiler, top ops by CUDA and by
-CPU time). Run on a GPU: ``python perf/profile_hf_decode.py > profile.txt``."""
+CPU time). Run on a GPU: ``python perf/profile_hf_decode.py > profile.txt``; with ``--python``,
+Python's own profiler instead (cProfile, top functions by total and by own time), for stock SDPA
+with cuDNN excluded (FlashAttention-2) and ReRoPE."""
 
+import cProfile
 import os
+import pstats
 import sys
 
 import torch
@@ -16,13 +20,16 @@ import kernels.hf  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 
-def main(context=32768, steps=3):
+def main(context=32768, steps=3, python=False):
     model = bench_hf.build_model(torch.bfloat16)
     ids = torch.randint(0, bench_hf.VOCAB, (1, context), device="cuda")
     keyword = bench_hf.cache_keyword(model)
-    for impl in ("stock_sdpa", "rerope"):
+    for impl in ("stock_sdpa_flash", "rerope") if python else ("stock_sdpa", "rerope"):
         if impl == "rerope":
             kernels.hf.enable_rerope(model, window=2048)
+        if python:
+            python_profile(model, ids, keyword, impl, steps)
+            continue
         with torch.no_grad():
             out = bench_hf.prefill(model, ids)
             cache = getattr(out, "cache", None) or out.past_key_values
@@ -43,5 +50,25 @@ def main(context=32768, steps=3):
         torch.cuda.empty_cache()
 
 
+def python_profile(model, ids, keyword, impl, steps):
+    with torch.no_grad(), bench_hf.sdpa_backends(impl):
+        out = bench_hf.prefill(model, ids)
+        cache = getattr(out, "cache", None) or out.past_key_values
+        token = out.logits[:, -1:].argmax(-1)
+        for _ in range(3):
+            token = model(token, use_cache=True, **{keyword: cache}).logits[:, -1:].argmax(-1)
+        torch.cuda.synchronize()
+        profiler = cProfile.Profile()
+        profiler.enable()
+        for _ in range(steps):
+            token = model(token, use_cache=True, **{keyword: cache}).logits[:, -1:].argmax(-1)
+            torch.cuda.synchronize()
+        profiler.disable()
+    print(f"===== {impl}: {steps} decode steps, Python profile")
+    stats = pstats.Stats(profiler).strip_dirs()
+    stats.sort_stats("cumulative").print_stats(30)
+    stats.sort_stats("tottime").print_stats(25)
+
+
 if __name__ == "__main__":
-    main()
+    main(steps=10 if "--python" in sys.argv else 3, python="--python" in sys.argv)
