@@ -154,7 +154,7 @@ def _check_model(model):
         from transformers import PreTrainedModel
     except ImportError as error:
         raise ImportError("kernels.hf needs Hugging Face transformers (pip install "
-                          "'transformers>=5.24,<6'); never the PyPI package named 'kernels'"
+                          "'transformers>=5.17,<6'); never the PyPI package named 'kernels'"
                           ) from error
     if not isinstance(model, PreTrainedModel):
         raise TypeError(f"model must be a transformers PreTrainedModel, got {type(model).__name__}")

@@ -19,6 +19,7 @@ weights, fp32, the kernels in Triton's interpreter. What is checked:
 """
 
 import copy
+import inspect
 import math
 
 import pytest
@@ -356,8 +357,11 @@ def test_unsupported_attention_layouts_raise():
     from transformers import StaticCache
 
     cache = StaticCache(config=model.config, max_cache_len=16)
+    # the forward's name for it: ``cache`` from transformers 5.2x, ``past_key_values`` before
+    names = inspect.signature(model.forward).parameters
+    keyword = "cache" if "cache" in names else "past_key_values"
     with pytest.raises(ValueError, match="dynamic cache"):
-        logits_of(model, ids, cache=cache, use_cache=True)
+        logits_of(model, ids, use_cache=True, **{keyword: cache})
 
 
 def test_training_mode_needs_no_dropout_and_backpropagates():
