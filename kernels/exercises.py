@@ -41,6 +41,7 @@ import triton
 import triton.language as tl
 
 from . import reference
+from .forward import _keep
 from .online_softmax import LOG2E, _softmax_step, plain_attention
 from .regions import (INSIDE, INSIDE_CLEAN, INSIDE_MASKED, OUTSIDE, OUTSIDE_CLEAN,
                       OUTSIDE_MASKED, _schedule, tile_map)
@@ -285,7 +286,8 @@ def _clean_pass(acc, l_i, m_i, q, K, V, lo, hi, qk_scale, BLOCK_N: tl.constexpr,
 def _reference_masked_pass(acc, l_i, m_i, q, K, V, rows, lo, hi, n_ctx, window, qk_scale,
                            PRODUCT: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr,
                            HEAD_DIM: tl.constexpr):
-    """What :func:`check_masked_pass` compares with, to tell band tiles from edge tiles."""
+    """What :func:`check_masked_pass` compares with, to tell band tiles from edge tiles: the
+    package's own mask (:func:`kernels.forward._keep`)."""
     dims = tl.arange(0, HEAD_DIM)
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + tl.arange(0, BLOCK_N)
@@ -293,13 +295,7 @@ def _reference_masked_pass(acc, l_i, m_i, q, K, V, rows, lo, hi, n_ctx, window, 
                     other=0.0)
         v = tl.load(V + cols[:, None] * HEAD_DIM + dims[None, :], mask=cols[:, None] < n_ctx,
                     other=0.0)
-        distance = rows[:, None] - cols[None, :]
-        keep = (distance < window) & (distance > -window)
-        if PRODUCT == OUTSIDE:
-            keep = ~keep
-        keep = keep & (cols[None, :] < n_ctx)
-        if CAUSAL:
-            keep = keep & (distance >= 0)
+        keep = _keep(rows[:, None], cols[None, :], cols[None, :] < n_ctx, window, PRODUCT, CAUSAL)
         scores = tl.where(keep, tl.dot(q, tl.trans(k)), float("-inf"))
         acc, l_i, m_i = _softmax_step(acc, l_i, m_i, scores, v, qk_scale, "tf32")
     return acc, l_i, m_i

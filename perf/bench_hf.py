@@ -120,23 +120,37 @@ def prefill(model, ids):
         return model(ids, use_cache=True, logits_to_keep=1)
 
 
+def decode_step(model, token, cache, keyword):
+    """One greedy generation step on ``cache``: the next token ``(1, 1)``."""
+    return model(token, use_cache=True, **{keyword: cache}).logits[:, -1:].argmax(-1)
+
+
+def warm_decoder(model, ids, warmup=3):
+    """Prefill ``ids``, then ``warmup`` greedy steps (compiles, tables): ``(step, token)``, where
+    ``step(token)`` runs one more step on the prefilled cache. Call under ``torch.no_grad()``."""
+    keyword = cache_keyword(model)
+    out = prefill(model, ids)
+    cache = getattr(out, "cache", None) or out.past_key_values
+    token = out.logits[:, -1:].argmax(-1)
+
+    def step(token):
+        return decode_step(model, token, cache, keyword)
+
+    for _ in range(warmup):
+        token = step(token)
+    return step, token
+
+
 def decode_ms(model, ids, steps):
     """``(mean, max)`` ms per generated token over ``steps`` greedy steps after a prefill of
     ``ids`` (each step timed alone, so a slow one — a compile, say — shows in the max)."""
-    keyword = cache_keyword(model)
     with torch.no_grad():
-        out = prefill(model, ids)
-        cache = getattr(out, "cache", None) or out.past_key_values
-        token = out.logits[:, -1:].argmax(-1)
-        for _ in range(3):                              # warm-up steps (compile, tables)
-            out = model(token, use_cache=True, **{keyword: cache})
-            token = out.logits[:, -1:].argmax(-1)
+        step, token = warm_decoder(model, ids)
         times = []
         for _ in range(steps):
             sync()
             start = time.perf_counter()
-            out = model(token, use_cache=True, **{keyword: cache})
-            token = out.logits[:, -1:].argmax(-1)
+            token = step(token)
             sync()
             times.append((time.perf_counter() - start) * 1e3)
         return sum(times) / steps, max(times)

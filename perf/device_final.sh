@@ -1,12 +1,17 @@
 #!/bin/bash
 # A session's closing device call (carry .whl): GPU tests of the fused op and the decode kernel
-# ($GPU_TEST_FILTER), the benchmark rows of kernels.rerope (fp16 N sweep, bf16 at N=8192) merged
+# ($GPU_TEST_FILTER), optionally (PRETURN_PROBE=1) perf/probe_preturn.py into
+# book/data/preturn_h200.json, the benchmark rows of $IMPLS (fp16 N sweep, bf16 at N=8192) merged
 # into book/data/bench_h200.json, optionally (HF_BENCH=1) the Hugging Face benchmark, then the
 # notebooks named in $NOTEBOOKS executed on the GPU in three parallel groups. Everything comes
 # back as one archive, $OUT/final.tgz, plus final.log (the device tool returns at most 8 files:
 # everything else goes into the archive). GPU_TESTS=0 skips step 1, BENCH=0 step 2.
-# The session's last call (issues 11 and 13: the five-tensor GPU tests, the Hugging Face benchmark,
-# the chapters whose outputs changed), after perf/device_close.sh:
+# Session 5's two calls (issues 11 and 13). The first (its log: perf/runs/device_close.log; it
+# ran as a script of its own, since folded in here, without the parallel warm-up):
+#   GPU_TEST_FILTER="fused or rerope_raw or decode" TEST_WORKERS=8 PRETURN_PROBE=1 \
+#   IMPLS=rerope_raw,rerope_rotated,rope_sdpa_cudnn HF_BENCH=1 bash perf/device_final.sh
+# The last (the five-tensor GPU tests, the Hugging Face benchmark, the chapters whose outputs
+# changed):
 #   GPU_TEST_FILTER="not fused and not rerope_raw and not 128k and not graph_replay" \
 #   TEST_WORKERS=8 BENCH=0 HF_BENCH=1 HF_TIMEOUT=150 NB_TIMEOUT=300 NOTEBOOKS="book/04_three_regions.ipynb \
 #     book/06_speed.ipynb book/07_fused_rotation.ipynb book/08_decoding.ipynb \
@@ -19,7 +24,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 python3 -m ipykernel install --user --name python3 >/dev/null 2>&1
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/final.log"
 start=$(date +%s)
-IMPLS=rerope,rerope_raw,rerope_rotated,sdpa_cudnn,rope_sdpa_cudnn,rope_inputs
+IMPLS=${IMPLS:-rerope,rerope_raw,rerope_rotated,sdpa_cudnn,rope_sdpa_cudnn,rope_inputs}
 # 1. GPU tests and cache warm-up, in parallel
 if [ "${GPU_TESTS:-1}" = 1 ]; then
 GPU_TEST_REPORT=/tmp/logs/gpu_tests.json timeout ${TEST_TIMEOUT:-200} python3 -m pytest \
@@ -35,6 +40,12 @@ done
 wait
 [ -f /tmp/logs/gpu_tests.log ] && tail -n 25 /tmp/logs/gpu_tests.log | tee -a "$OUT/final.log"
 echo "tests + warm-up done in $(( $(date +%s) - start )) s" | tee -a "$OUT/final.log"
+# 1b. optional (PRETURN_PROBE=1): keys turned in registers against turned once (chapter 7)
+if [ -n "$PRETURN_PROBE" ]; then
+    timeout ${PROBE_TIMEOUT:-120} python3 perf/probe_preturn.py \
+        --out book/data/preturn_h200.json > /tmp/logs/preturn.log 2>&1
+    tail -n 3 /tmp/logs/preturn.log | tee -a "$OUT/final.log"
+fi
 # 2. the benchmark rows
 if [ "${BENCH:-1}" = 1 ]; then
 timeout ${BENCH_TIMEOUT:-150} python3 -m kernels.bench --reps 10 --impl $IMPLS --causal true \

@@ -1,7 +1,7 @@
 """GPU probe: the fused forward with each product's keys turned in registers (per key tile, per
 query block) against turned once before the kernel (``kernels.rotary.turn_keys``).
 
-    KERNELS_AUTOTUNE=0 python perf/probe_preturn.py --out perf/runs/preturn_h200.json
+    KERNELS_AUTOTUNE=0 python perf/probe_preturn.py --out book/data/preturn_h200.json
 
 Times ``kernels.attention.rerope_forward`` (causal, W = 2048) both ways with
 ``triton.testing.do_bench`` (L2 cleared between runs; the pre-turned time includes the
@@ -54,7 +54,7 @@ def case(n, d, rotated, dtype=torch.float16, hq=32, hkv=32):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", default="perf/runs/preturn_h200.json")
+    parser.add_argument("--out", default="book/data/preturn_h200.json")
     args = parser.parse_args()
     rows = []
     shapes = [(n, d, rotated) for d in (64, 128) for rotated in (False, True)

@@ -23,45 +23,35 @@ from torch.profiler import ProfilerActivity, profile  # noqa: E402
 def main(context=32768, steps=3, python=False):
     model = bench_hf.build_model(torch.bfloat16)
     ids = torch.randint(0, bench_hf.VOCAB, (1, context), device="cuda")
-    keyword = bench_hf.cache_keyword(model)
     for impl in ("stock_sdpa_flash", "rerope") if python else ("stock_sdpa", "rerope"):
         if impl == "rerope":
             kernels.hf.enable_rerope(model, window=2048)
         if python:
-            python_profile(model, ids, keyword, impl, steps)
+            python_profile(model, ids, impl, steps)
             continue
         with torch.no_grad():
-            out = bench_hf.prefill(model, ids)
-            cache = getattr(out, "cache", None) or out.past_key_values
-            token = out.logits[:, -1:].argmax(-1)
-            for _ in range(3):
-                token = model(token, use_cache=True, **{keyword: cache}).logits[:, -1:].argmax(-1)
+            step, token = bench_hf.warm_decoder(model, ids)
             torch.cuda.synchronize()
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
                 for _ in range(steps):
-                    token = model(token, use_cache=True,
-                                  **{keyword: cache}).logits[:, -1:].argmax(-1)
+                    token = step(token)
                 torch.cuda.synchronize()
         print(f"===== {impl}: {steps} decode steps at {context} context")
         table = prof.key_averages()
         print(table.table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=60))
         print(table.table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=60))
-        del cache, out
+        del step
         torch.cuda.empty_cache()
 
 
-def python_profile(model, ids, keyword, impl, steps):
+def python_profile(model, ids, impl, steps):
     with torch.no_grad(), bench_hf.sdpa_backends(impl):
-        out = bench_hf.prefill(model, ids)
-        cache = getattr(out, "cache", None) or out.past_key_values
-        token = out.logits[:, -1:].argmax(-1)
-        for _ in range(3):
-            token = model(token, use_cache=True, **{keyword: cache}).logits[:, -1:].argmax(-1)
+        step, token = bench_hf.warm_decoder(model, ids)
         torch.cuda.synchronize()
         profiler = cProfile.Profile()
         profiler.enable()
         for _ in range(steps):
-            token = model(token, use_cache=True, **{keyword: cache}).logits[:, -1:].argmax(-1)
+            token = step(token)
             torch.cuda.synchronize()
         profiler.disable()
     print(f"===== {impl}: {steps} decode steps, Python profile")
