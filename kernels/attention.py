@@ -28,6 +28,7 @@ from .backward import _bwd_delta_kernel, _bwd_dkdv_kernel, _bwd_dq_kernel
 from .forward import _rerope_fwd_kernel
 from .online_softmax import LOG2E
 from .rotary import logn_factor, rope_table, rotation_offset, rotation_plan, turn_keys
+from .launch import Launcher, PlanCache, signature
 from .runtime import INTERPRET, dot_precision, prepare_for_device
 
 _KERNELS = {"fwd": _rerope_fwd_kernel, "dkdv": _bwd_dkdv_kernel, "dq": _bwd_dq_kernel}
@@ -52,22 +53,36 @@ def _capability(device):
     return torch.cuda.get_device_capability(device)
 
 
+_LAUNCHERS = PlanCache(limit=256)
+
+
 def _launch(kernel, blocks_of, rows, programs, args, **constexprs):
-    """Launch ``kernel`` over ``(cdiv(rows, meta[blocks_of]), programs)``."""
+    """Launch ``kernel`` over ``(cdiv(rows, meta[blocks_of]), programs)``.
 
-    def grid(meta):
-        return (triton.cdiv(rows, meta[blocks_of]), programs)
+    On a GPU the kernel is autotuned (:func:`_autotuned`) on its first call per key, and the
+    compiled winner is then bound to a :class:`kernels.launch.Launcher`, kept per exact
+    argument list (integers by value, tensors by dtype and pointer alignment: what Triton
+    specialises on), so a repeated call skips Triton's ~70 µs Python launch path.
+    """
+    key = (kernel, rows, programs, tuple(constexprs.items()),
+           tuple((a.dtype, a.data_ptr() % 16 == 0) if isinstance(a, torch.Tensor) else a
+                 for a in args))
+    launcher = _LAUNCHERS.get(key)
+    if launcher is None:
+        if INTERPRET:
+            target, grid = _KERNELS[kernel], (triton.cdiv(rows, configs.INTERPRETER_CONFIG[blocks_of]),
+                                              programs)
+            constexprs = {**constexprs, **configs.INTERPRETER_CONFIG}
+        else:
+            if constexprs["TMA"]:
+                _ensure_scratch_allocator()
+            target = _autotuned(kernel, constexprs["HEAD_DIM"], _capability(args[0].device),
+                                args[0].element_size(), constexprs["SPLIT"])
 
-    if INTERPRET:
-        _KERNELS[kernel][grid(configs.INTERPRETER_CONFIG)](
-            *args, **constexprs, **configs.INTERPRETER_CONFIG)
-    else:
-        if constexprs["TMA"]:
-            _ensure_scratch_allocator()
-        capability = _capability(args[0].device)
-        tuned = _autotuned(kernel, constexprs["HEAD_DIM"], capability, args[0].element_size(),
-                           constexprs["SPLIT"])
-        tuned[grid](*args, **constexprs)
+            def grid(meta):
+                return (triton.cdiv(rows, meta[blocks_of]), programs)
+        launcher = _LAUNCHERS.put(key, Launcher(target, grid, **constexprs))
+    launcher(*args)
 
 
 def _strides(*tensors):
@@ -277,9 +292,15 @@ def _fused_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
                                 sm_scale, operands))
 
 
+def _contiguous_like(t):
+    """What the kernels return for an output or a gradient: a fresh contiguous tensor of ``t``'s shape (not
+    ``empty_like``, which copies ``t``'s strides: a fused-QKV view's would be wrong)."""
+    return t.new_empty(t.shape)
+
+
 def _fake_fwd(q, *args, **kwargs):
     b, h, n, _ = q.shape
-    return q.new_empty(q.shape), q.new_empty((b * h, n), dtype=torch.float32)
+    return _contiguous_like(q), q.new_empty((b * h, n), dtype=torch.float32)
 
 
 for _op in (_five_fwd, _fused_fwd):
@@ -288,12 +309,12 @@ for _op in (_five_fwd, _fused_fwd):
 
 @_five_bwd.register_fake
 def _(dout, q1, q2, k1, k2, v, *args):
-    return [torch.empty_like(t) for t in (q1, q2, k1, k2, v)]
+    return [_contiguous_like(t) for t in (q1, q2, k1, k2, v)]
 
 
 @_fused_bwd.register_fake
 def _(dout, q, k, v, *args):
-    return [torch.empty_like(t) for t in (q, k, v)]
+    return [_contiguous_like(t) for t in (q, k, v)]
 
 
 def _setup_context(ctx, inputs, output):
@@ -362,9 +383,7 @@ class _FusedAttention(torch.autograd.Function):
     """Eager autograd for the fused-rotation op (see the module docstring)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, window, causal, sm_scale, base, leaky, logn_len, rotated):
-        operands = _rotations(k.shape[2], q.shape[-1], base, window, leaky, logn_len, rotated,
-                              q.device)
+    def forward(ctx, q, k, v, window, causal, sm_scale, operands):
         out, lse = rerope_forward(q, q, k, k, v, window, causal, sm_scale, operands)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.settings = (window, causal, sm_scale, operands)
@@ -376,7 +395,57 @@ class _FusedAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         window, causal, sm_scale, operands = ctx.settings
         grads = rerope_backward(dout, q, q, k, k, v, out, lse, window, causal, sm_scale, operands)
-        return (*grads, *(None,) * 7)
+        return (*grads, *(None,) * 4)
+
+
+# --- the public ops: checked and planned once per call signature ----------------------------------
+
+_OP_PLANS = PlanCache(limit=128)
+
+
+def _settings_key(*settings):
+    """Settings as a cache key: each with its type, so that ``1``, ``1.0`` and ``True`` (which
+    hash alike) never share a plan that checked only one of them."""
+    return tuple((type(x), x) for x in settings)
+
+
+def _needs_grad(*tensors):
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
+def _cached_plan(make, tensors, settings):
+    """The plan of a call: from :data:`_OP_PLANS` when this signature was seen, else
+    ``make(*tensors, *settings)`` (which checks every argument and raises on bad ones), stored.
+    Arguments that cannot form a key (not tensors, unhashable settings) always go to ``make``,
+    whose checks then say what is wrong; so does tracing under ``torch.compile`` (the compiled
+    graph keeps the result, and fake tensors have no data pointer)."""
+    if torch.compiler.is_compiling():
+        return make(*tensors, *settings)
+    try:
+        key = (make, signature(*tensors), _settings_key(*settings), _needs_grad(*tensors))
+        plan = _OP_PLANS.get(key)
+    except (AttributeError, TypeError):
+        return make(*tensors, *settings)
+    return plan if plan is not None else _OP_PLANS.put(key, make(*tensors, *settings))
+
+
+@dataclass(frozen=True)
+class _FivePlan:
+    window: int
+    causal: bool
+    scale: float
+
+
+def _plan_five(q1, q2, k1, k2, v, window, causal, sm_scale):
+    check_qkv({"q1": q1, "q2": q2}, {"k1": k1, "k2": k2, "v": v})
+    check_head_dim(q1.shape[-1])
+    check_window(window)
+    check_flag("causal", causal)
+    check_sm_scale(sm_scale)
+    scale = q1.shape[-1] ** -0.5 if sm_scale is None else float(sm_scale)
+    # every pair has |i - j| <= N - 1, so any window >= N means the same (and the kernels'
+    # int32 index arithmetic never sees a huge window)
+    return _FivePlan(min(int(window), q1.shape[2]), causal, scale)
 
 
 def rerope_attention(q1, q2, k1, k2, v, window, causal=True, sm_scale=None):
@@ -397,19 +466,40 @@ def rerope_attention(q1, q2, k1, k2, v, window, causal=True, sm_scale=None):
     fp16, bf16 or fp32 (fp32 uses 3xTF32 dot products, near-fp32 accuracy); ``D`` in 16, 32,
     64, 128, 256; any ``N >= 1``; any strides. Returns ``(B, Hq, N, D)`` in the input dtype.
     """
-    check_qkv({"q1": q1, "q2": q2}, {"k1": k1, "k2": k2, "v": v})
-    check_head_dim(q1.shape[-1])
-    check_window(window)
+    tensors, settings = (q1, q2, k1, k2, v), (window, causal, sm_scale)
+    plan = _cached_plan(_plan_five, tensors, settings)
+    (q1, q2, k1, k2, v), restore = prepare_for_device(*tensors)
+    if torch.compiler.is_compiling():
+        return restore(_five_fwd(q1, q2, k1, k2, v, plan.window, plan.causal, plan.scale)[0])
+    return restore(_FiveTensorAttention.apply(q1, q2, k1, k2, v, plan.window, plan.causal,
+                                              plan.scale))
+
+
+@dataclass(frozen=True)
+class _FusedPlan:
+    """A ``kernels.rerope`` call's checked settings, its rotation operands, and its route:
+    ``decode`` for a decode step (see :func:`rerope`)."""
+
+    settings: tuple          # (window, causal, scale, base, leaky, logn_len, rotated), checked
+    operands: Operands
+    decode: bool
+
+
+def _plan_fused(q, k, v, window, causal, sm_scale, base, leaky, logn_len, rotated):
+    check_qkv({"q": q}, {"k": k, "v": v}, fewer_queries=True)
+    check_head_dim(q.shape[-1])
+    check_rope_settings(window, base, leaky, logn_len, rotated)
+    check_logn_overflow(logn_len, k.shape[2], q.dtype)
     check_flag("causal", causal)
     check_sm_scale(sm_scale)
-    scale = q1.shape[-1] ** -0.5 if sm_scale is None else float(sm_scale)
-    # every pair has |i - j| <= N - 1, so any window >= N means the same (and the kernels'
-    # int32 index arithmetic never sees a huge window)
-    window = min(int(window), q1.shape[2])
-    (q1, q2, k1, k2, v), restore = prepare_for_device(q1, q2, k1, k2, v)
-    if torch.compiler.is_compiling():
-        return restore(_five_fwd(q1, q2, k1, k2, v, window, causal, scale)[0])
-    return restore(_FiveTensorAttention.apply(q1, q2, k1, k2, v, window, causal, scale))
+    scale = q.shape[-1] ** -0.5 if sm_scale is None else float(sm_scale)
+    window = min(int(window), k.shape[2])     # as in rerope_attention: >= Nk means plain RoPE
+    settings = (window, causal, scale, float(base), None if leaky is None else float(leaky),
+                None if logn_len is None else float(logn_len), rotated)
+    decode = causal and q.shape[2] <= DECODE_MAX_QUERIES and not _needs_grad(q, k, v)
+    operands = None if decode else _rotations(k.shape[2], q.shape[-1], float(base), window,
+                                              *settings[4:], q.device)
+    return _FusedPlan(settings, operands, decode)
 
 
 def rerope(q, k, v, window, causal=True, sm_scale=None, base=10000.0, leaky=None, logn_len=None,
@@ -441,23 +531,14 @@ def rerope(q, k, v, window, causal=True, sm_scale=None, base=10000.0, leaky=None
     :func:`kernels.rerope_decode`, which spreads the keys over the whole GPU; the prefill kernels
     would give each query head a single program.
     """
-    check_qkv({"q": q}, {"k": k, "v": v}, fewer_queries=True)
-    check_head_dim(q.shape[-1])
-    check_rope_settings(window, base, leaky, logn_len, rotated)
-    check_logn_overflow(logn_len, k.shape[2], q.dtype)
-    check_flag("causal", causal)
-    check_sm_scale(sm_scale)
-    scale = q.shape[-1] ** -0.5 if sm_scale is None else float(sm_scale)
-    window = min(int(window), k.shape[2])     # as in rerope_attention: >= Nk means plain RoPE
-    if (causal and q.shape[2] <= DECODE_MAX_QUERIES and not torch.compiler.is_compiling()
-            and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad
-                                                  or v.requires_grad))):
-        from .decode import rerope_decode           # a decode step: split-KV (chapter 8)
+    tensors = (q, k, v)
+    settings = (window, causal, sm_scale, base, leaky, logn_len, rotated)
+    plan = _cached_plan(_plan_fused, tensors, settings)
+    if plan.decode:                   # a decode step: split-KV (chapter 8)
+        from .decode import rerope_decode
         return rerope_decode(q, k, v, window, sm_scale=sm_scale, base=base, leaky=leaky,
                              logn_len=logn_len, rotated=rotated)
     (q, k, v), restore = prepare_for_device(q, k, v)
-    settings = (window, causal, scale, float(base), None if leaky is None else float(leaky),
-                None if logn_len is None else float(logn_len), rotated)
     if torch.compiler.is_compiling():
-        return restore(_fused_fwd(q, k, v, *settings)[0])
-    return restore(_FusedAttention.apply(q, k, v, *settings))
+        return restore(_fused_fwd(q, k, v, *plan.settings)[0])
+    return restore(_FusedAttention.apply(q, k, v, *plan.settings[:3], plan.operands))

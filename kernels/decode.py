@@ -37,6 +37,7 @@ variants of :func:`_decode_pass` were measured too).
 import functools
 import os
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import triton
@@ -44,6 +45,7 @@ import triton.language as tl
 
 from ._validate import (check_head_dim, check_logn_overflow, check_qkv,
                         check_rope_args, check_sm_scale)
+from .launch import Launcher, PlanCache, signature
 from .online_softmax import LOG2E, _softmax_step
 from .regions import INSIDE, OUTSIDE, _nth_tile, _tile_count
 from .rotary import (_logn_scale, _rotate, _table_rows, _unrotate, logn_factor,
@@ -484,8 +486,16 @@ def rerope_decode(q, k_cache, v_cache, window, cache_seqlens=None, sm_scale=None
     when ``num_splits > 1``, the fp32 partials ``(num_splits, batch_size, nheads, seqlen_q,
     headdim)`` and their log-sum-exps.
     """
+    if torch.compiler.is_compiling():          # an opaque op for the compiler (see _decode_op)
+        return _decode_op(q, k_cache, v_cache, cache_seqlens, window, sm_scale, base, leaky,
+                          logn_len, rotated, num_splits)
     plan = _plan(q, k_cache, v_cache, window, cache_seqlens, sm_scale, base, leaky, logn_len,
                  rotated, num_splits)
+    return _run(plan, q, k_cache, v_cache, cache_seqlens)
+
+
+def _run(plan, q, k_cache, v_cache, cache_seqlens):
+    """Launch a call's :class:`_Plan`: allocate the output (and partials), one or two launches."""
     if cache_seqlens is None:
         cache_seqlens = plan.full_lengths
     elif cache_seqlens.device.type == "cpu":       # free to read here; on a GPU it would sync
@@ -494,19 +504,32 @@ def rerope_decode(q, k_cache, v_cache, window, cache_seqlens=None, sm_scale=None
     (q, k_cache, v_cache), restore = prepare_for_device(q, k_cache, v_cache)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if plan.num_splits == 1:
-        part, lse, part_strides, lse_strides = out, out, (0, *out.stride()), (0, 0, 0, 0)
+        part = lse = out
     else:
         part = torch.empty(plan.part_shape, dtype=torch.float32, device=q.device)
         lse = torch.empty(plan.part_shape[:-1], dtype=torch.float32, device=q.device)
-        part_strides, lse_strides = part.stride(), lse.stride()
-    _decode_split_kernel[plan.grid](
-        q, k_cache, v_cache, cache_seqlens, part, lse, *plan.tables,
-        *q.stride(), *k_cache.stride(), *v_cache.stride(), *part_strides, *lse_strides,
-        *plan.scalars, **plan.constexprs)
+    plan.split(q, k_cache, v_cache, cache_seqlens, part, lse, *plan.split_args)
     if plan.num_splits > 1:
-        _decode_merge_kernel[plan.merge_grid](part, lse, out, *plan.merge_args,
-                                              **plan.merge_constexprs)
+        plan.merge(part, lse, out, *plan.merge_args)
     return restore(out)
+
+
+# Under torch.compile the op is opaque: the compiler calls it as it is (its launches are
+# captured whole by mode="reduce-overhead"'s CUDA graphs) instead of tracing into Triton's
+# launcher. The output is a fresh contiguous tensor of q's shape, in q's dtype.
+@torch.library.custom_op("kernels::rerope_decode", mutates_args=())
+def _decode_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               cache_seqlens: Optional[torch.Tensor], window: int, sm_scale: Optional[float],
+               base: float, leaky: Optional[float], logn_len: Optional[float], rotated: bool,
+               num_splits: Optional[int]) -> torch.Tensor:
+    plan = _plan(q, k_cache, v_cache, window, cache_seqlens, sm_scale, base, leaky, logn_len,
+                 rotated, num_splits)
+    return _run(plan, q, k_cache, v_cache, cache_seqlens)
+
+
+@_decode_op.register_fake
+def _(q, *args):
+    return q.new_empty(q.shape)
 
 
 @dataclass(frozen=True)
@@ -517,17 +540,14 @@ class _Plan:
     n_max: int
     num_splits: int
     full_lengths: torch.Tensor
-    tables: tuple
     part_shape: tuple
-    grid: tuple
-    scalars: tuple
-    constexprs: dict
-    merge_grid: tuple
+    split: Launcher           # the split kernel, bound (kernels.launch)
+    split_args: tuple         # its arguments after the six tensors: tables, strides, scalars
+    merge: Launcher
     merge_args: tuple
-    merge_constexprs: dict
 
 
-_PLANS = {}
+_PLANS = PlanCache(limit=64)   # a growing cache makes a new signature every step: stay small
 
 
 def _plan(q, k_cache, v_cache, window, cache_seqlens, sm_scale, base, leaky, logn_len, rotated,
@@ -536,13 +556,11 @@ def _plan(q, k_cache, v_cache, window, cache_seqlens, sm_scale, base, leaky, log
     devices and settings: a decode loop over a fixed-size cache pays the Python checks only on
     its first step (a growing cache, as in a Hugging Face model, once per step, not per layer)."""
     try:
-        key = (tuple((t.shape, t.dtype, t.device) for t in (q, k_cache, v_cache)),
-               None if cache_seqlens is None else
-               (type(cache_seqlens), cache_seqlens.shape, cache_seqlens.dtype,
-                cache_seqlens.device),
+        key = (signature(q, k_cache, v_cache, cache_seqlens),
+               type(cache_seqlens),
                tuple((type(x), x) for x in (window, sm_scale, base, leaky, logn_len, rotated,
                                             num_splits)),
-               INTERPRET, tuple(GPU_CONFIG.items()), PROGRAMS_PER_SM)
+               tuple(GPU_CONFIG.items()), PROGRAMS_PER_SM)
         plan = _PLANS.get(key)
     except (AttributeError, TypeError):    # not tensors, unhashable settings: checks will say
         key, plan = None, None
@@ -550,9 +568,7 @@ def _plan(q, k_cache, v_cache, window, cache_seqlens, sm_scale, base, leaky, log
         plan = _make_plan(q, k_cache, v_cache, window, cache_seqlens, sm_scale, base, leaky,
                           logn_len, rotated, num_splits)
         if key is not None:
-            if len(_PLANS) >= 64:     # a growing cache makes a new shape every step: stay small
-                _PLANS.clear()
-            _PLANS[key] = plan
+            _PLANS.put(key, plan)
     return plan
 
 
@@ -576,19 +592,39 @@ def _make_plan(q, k_cache, v_cache, window, cache_seqlens, sm_scale, base, leaky
         table = (rope_table(n_max, d, base, rotation.speed, device) if rotation.rotates_keys
                  else offset)
         tables += [table, offset]
-    compute_dtype = torch.float32 if INTERPRET and q.dtype == torch.bfloat16 else q.dtype
+    # the strides the kernel will see (under the interpreter bf16 runs as an fp32 copy)
+    prepared, _ = prepare_for_device(q, k_cache, v_cache)
+    strides = tuple(s for t in prepared for s in t.stride())
+    compute_dtype = prepared[0].dtype
     n_rows = batch * hq * n_queries
+    # the partials' strides: (S, B, Hq, Nq, D) fp32 and (S, B, Hq, Nq) contiguous; with one split
+    # the kernel writes the output itself (contiguous, q's shape) and no log-sum-exp
+    part_strides = _contiguous_strides((num_splits, batch, hq, n_queries, d))
+    lse_strides = _contiguous_strides((num_splits, batch, hq, n_queries))
+    if num_splits == 1:
+        part_strides, lse_strides = (0, *_contiguous_strides(q.shape)), (0, 0, 0, 0)
+    split = Launcher(
+        _decode_split_kernel,
+        (batch * hkv, num_splits, triton.cdiv(group * n_queries, rows_per_program)),
+        HEAD_DIM=d, BLOCK_M=rows_per_program, ROT_KEYS_IN=inside.rotates_keys,
+        ROT_KEYS_OUT=outside.rotates_keys, LOGN=logn_len is not None, WRITE_LSE=num_splits > 1,
+        DOT_PRECISION=dot_precision(compute_dtype), **config)
+    merge = Launcher(_decode_merge_kernel, (n_rows,), HEAD_DIM=d,
+                     SPLITS_BLOCK=min(triton.next_power_of_2(num_splits), 16))
     return _Plan(
         n_queries=n_queries, n_max=n_max, num_splits=num_splits,
         full_lengths=torch.full((batch,), n_max, dtype=torch.int32, device=device),
-        tables=tuple(tables), part_shape=(num_splits, batch, hq, n_queries, d),
-        grid=(batch * hkv, num_splits, triton.cdiv(group * n_queries, rows_per_program)),
-        scalars=(hkv, group, n_queries, n_max, num_splits, window, scale * LOG2E,
-                 logn_factor(logn_len)),
-        constexprs=dict(HEAD_DIM=d, BLOCK_M=rows_per_program, ROT_KEYS_IN=inside.rotates_keys,
-                        ROT_KEYS_OUT=outside.rotates_keys, LOGN=logn_len is not None,
-                        WRITE_LSE=num_splits > 1, DOT_PRECISION=dot_precision(compute_dtype),
-                        **config),
-        merge_grid=(n_rows,), merge_args=(n_rows, num_splits),
-        merge_constexprs=dict(HEAD_DIM=d, SPLITS_BLOCK=min(triton.next_power_of_2(num_splits),
-                                                           16)))
+        part_shape=(num_splits, batch, hq, n_queries, d),
+        split=split,
+        split_args=(*tables, *strides, *part_strides,
+                    *lse_strides, hkv, group, n_queries, n_max, num_splits, window,
+                    scale * LOG2E, logn_factor(logn_len)),
+        merge=merge, merge_args=(n_rows, num_splits))
+
+
+def _contiguous_strides(shape):
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))

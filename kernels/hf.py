@@ -30,10 +30,18 @@ slots. ReRoPE's scores depend only on differences of positions, so a row whose t
 ``position_ids``. Padding: a row's real tokens must be contiguous in the cache (left padding,
 as ``generate`` wants for decoder-only models, or right padding in a single forward); such rows
 run one kernel call each on their slice. Anything else — padding between tokens (right-padded
-prompts in ``generate``), packed sequences, sliding-window or static caches, custom 4D masks,
+prompts in ``generate``), packed sequences, sliding-window caches, custom 4D masks,
 positions that do not step by one along the cache — raises a ``ValueError``: never a silently
-wrong result. ``torch.compile`` of the model is not supported (the mask function reads the
-padding mask on the host, once per forward, as transformers' own sdpa mask does).
+wrong result.
+
+Fast generation. transformers' recipe — a static cache (``cache_implementation="static"``) and
+``model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)``, which
+replays each step as CUDA graphs — works for unpadded batches: with a static cache every layer
+gets the whole preallocated cache, and a step runs the decode kernel on it with per-row lengths
+computed on the device (:class:`StaticRows`), no slicing, no host sync. The ops are registered
+``torch.library`` ops, opaque to the compiler. With the dynamic cache a compiled forward breaks
+the graph where the mask function reads the padding mask on the host (as transformers' own
+sdpa mask does): use the static cache for compiled generation.
 
 transformers is imported inside the functions, so ``import kernels`` stays light.
 """
@@ -259,13 +267,18 @@ def rerope_mask(batch_size, q_length=None, kv_length=None, q_offset=0, kv_offset
             "bidirectional attention and custom mask overlays are not supported with ReRoPE")
     if q_length is None:                                  # the cache_position convention
         q_length = len(cache_position)
-        q_offset = int(cache_position[0]) if q_length else 0
-    if int(q_offset) + q_length != kv_length or kv_offset != 0:
+        q_offset = cache_position[0] if q_length else 0
+    if kv_offset != 0:
+        raise ValueError(f"the cache layout is not supported: key slots from offset {kv_offset} "
+                         "(sliding-window caches are not supported with ReRoPE)")
+    if isinstance(q_offset, torch.Tensor) or int(q_offset) + q_length < kv_length:
+        return _static_rows(batch_size, q_length, kv_length, q_offset, attention_mask)
+    if int(q_offset) + q_length != kv_length:
         raise ValueError(
             f"the cache layout is not supported: {q_length} new tokens after {int(q_offset)} "
             f"cached ones, but {kv_length} key slots from offset {kv_offset}. ReRoPE needs a "
             "dynamic cache (transformers' default DynamicCache) whose slots are the tokens in "
-            "order; static, sliding-window and offloaded-static caches are not supported")
+            "order (a DynamicCache), or a static cache (StaticCache) of unpadded rows")
     if attention_mask is None:
         return None
     if attention_mask.dim() != 2 or attention_mask.shape[0] != batch_size:
@@ -294,6 +307,47 @@ def rerope_mask(batch_size, q_length=None, kv_length=None, q_offset=0, kv_offset
     return PaddedRows(tuple(starts.tolist()), tuple(ends.tolist()), kv_length)
 
 
+def is_static_lengths(mask):
+    """Whether ``mask`` is what :func:`rerope_mask` returns for a static cache: the filled
+    length of every row, ``q_offset + Nq``, as a ``(B, 1, 1, 1)`` int32 tensor.
+
+    A 4D tensor, because transformers hands a 4D mask made ahead of the forward (as
+    ``generate`` does for static caches) to the layers unchanged; int32, which no attention mask
+    of transformers is (they are bool or float). It is computed on the device, so a compiled
+    forward replays it in a CUDA graph, and the decode kernel reads it as ``cache_seqlens``."""
+    return (isinstance(mask, torch.Tensor) and mask.dtype == torch.int32 and mask.dim() == 4
+            and tuple(mask.shape[1:]) == (1, 1, 1))
+
+
+def _static_rows(batch_size, q_length, kv_length, q_offset, attention_mask):
+    """The static-cache mask (:func:`is_static_lengths`); padding is refused (eagerly with a
+    ``ValueError``; inside a compiled forward with a device-side assertion, since reading the
+    mask on the host would break the graph)."""
+    compiling = torch.compiler.is_compiling()
+    if attention_mask is not None:
+        if attention_mask.dim() != 2 or attention_mask.shape[0] != batch_size:
+            raise ValueError(f"attention_mask must be a 2D padding mask (batch, tokens), got shape "
+                             f"{tuple(attention_mask.shape)}; custom 4D masks are not supported")
+        if compiling:
+            torch._assert_async(attention_mask.bool().all(),
+                                "kernels.hf: padding is not supported with a static cache")
+        elif not bool(attention_mask.bool().all()):
+            raise ValueError(
+                "attention_mask has padding, and the model uses a static cache: ReRoPE supports "
+                "padded batches with the default dynamic cache only (or run the rows one by one)")
+    device = attention_mask.device if attention_mask is not None else None
+    if isinstance(q_offset, torch.Tensor):
+        n_keys = None if compiling else int(q_offset) + q_length
+        seqlens = (q_offset.to(torch.int32) + q_length).reshape(1, 1, 1, 1)
+    else:
+        n_keys = int(q_offset) + q_length
+        seqlens = torch.full((1, 1, 1, 1), n_keys, dtype=torch.int32, device=device)
+    if n_keys is not None and n_keys > kv_length:
+        raise ValueError(f"{q_length} new tokens after {n_keys - q_length} cached ones do not fit "
+                         f"in the static cache of {kv_length} slots")
+    return seqlens.expand(batch_size, 1, 1, 1).contiguous()
+
+
 def rerope_attention_forward(settings, module, query, key, value, attention_mask, dropout=0.0,
                              scaling=None, is_causal=None, **kwargs):
     """The attention function registered with ``AttentionInterface`` (bound to ``settings``).
@@ -315,6 +369,9 @@ def rerope_attention_forward(settings, module, query, key, value, attention_mask
     base = _rope_base(module.config)
     n_q, n_k = query.shape[2], key.shape[2]
     rows = attention_mask
+    if is_static_lengths(rows):
+        return _attend_static(settings, query, key, value, rows.view(-1), scaling, base,
+                              kwargs), None
     offsets = _position_offsets(kwargs.get("position_ids"), rows, query.shape[0], n_q, n_k)
     if rows is None:
         query, logn_len = _logn_here(query, settings, offsets, kwargs, kernel_offset=0)
@@ -341,7 +398,8 @@ def rerope_attention_forward(settings, module, query, key, value, attention_mask
 
 
 def _check_call(module, attention_mask, dropout, is_causal, kwargs):
-    if attention_mask is not None and not isinstance(attention_mask, PaddedRows):
+    if (attention_mask is not None and not isinstance(attention_mask, PaddedRows)
+            and not is_static_lengths(attention_mask)):
         raise ValueError(
             f"the ReRoPE attention got an attention_mask of type {type(attention_mask).__name__}, "
             "not one made by kernels.hf.rerope_mask: custom (4D) masks are not supported; pass "
@@ -355,6 +413,42 @@ def _check_call(module, attention_mask, dropout, is_causal, kwargs):
         if kwargs.get(name) is not None:
             raise ValueError(f"the attention layer passed {name}={kwargs[name]!r}, which the "
                              "ReRoPE kernels do not support")
+
+
+def _attend_static(settings, query, key, value, seqlens, scaling, base, kwargs):
+    """Attention over a static cache: ``key, value`` the whole preallocated cache,
+    ``seqlens`` ``(B,)`` int32 the filled slots per row (:func:`is_static_lengths`). A generation
+    step runs the decode kernel on the whole cache with ``cache_seqlens=seqlens`` (no slicing, no
+    host sync: what a compiled forward captures in a CUDA graph); a prefill runs
+    :func:`kernels.rerope` on the filled slots. Positions are the slots (rows are unpadded);
+    log-n's positions are checked eagerly, not inside a compiled forward (that needs a sync)."""
+    n_q = query.shape[2]
+    compiling = torch.compiler.is_compiling()
+    needs_grad = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad
+                                              or value.requires_grad)
+    decode = n_q <= MAX_QUERIES and not needs_grad
+    logn_len = settings.logn_len
+    n_keys = None
+    if compiling:
+        if not decode:      # compiled: a long chunk must be the prefill of an empty cache
+            torch._assert_async(seqlens[0] == n_q, "kernels.hf: in a compiled forward a static "
+                                "cache takes more than 16 new tokens only as its first chunk")
+            n_keys = n_q
+    elif not decode or logn_len is not None:
+        n_keys = int(seqlens[0])                   # a host sync, eager prefill or log-n only
+    if logn_len is not None and not compiling:
+        offsets = _position_offsets(kwargs.get("position_ids"), None, query.shape[0], n_q,
+                                    n_keys)
+        query, logn_len = _logn_here(query, settings, offsets, kwargs, kernel_offset=0)
+    if decode:
+        out = rerope_decode(query, key, value, settings.window, cache_seqlens=seqlens,
+                            sm_scale=scaling, base=base, leaky=settings.leaky,
+                            logn_len=logn_len, rotated=True)
+    else:
+        out = rerope(query, key[:, :, :n_keys], value[:, :, :n_keys], settings.window,
+                     causal=True, sm_scale=scaling, base=base, leaky=settings.leaky,
+                     logn_len=logn_len, rotated=True)
+    return out.transpose(1, 2).contiguous()
 
 
 def _attend(q, k, v, window, scaling, base, leaky, logn_len):

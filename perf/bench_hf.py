@@ -73,13 +73,21 @@ def cache_keyword(model):
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
-def build_model(dtype):
+# Llama 3.2's own RoPE frequency scaling (``--rope llama3``; its config.json's values)
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
+def build_model(dtype, rope="default"):
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    rope_parameters = {"rope_type": "default", "rope_theta": BASE}
+    if rope == "llama3":
+        rope_parameters = {**LLAMA3_ROPE, "rope_theta": BASE}
     config = LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=MLP,
                          num_hidden_layers=LAYERS, num_attention_heads=HEADS,
                          num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM,
-                         max_position_embeddings=131072, rope_theta=BASE,
+                         max_position_embeddings=131072, rope_parameters=rope_parameters,
                          tie_word_embeddings=True, attn_implementation="sdpa")
     torch.manual_seed(0)
     with torch.device(DEVICE):
@@ -154,6 +162,35 @@ def decode_ms(model, ids, steps):
             sync()
             times.append((time.perf_counter() - start) * 1e3)
         return sum(times) / steps, max(times)
+
+
+def generate(model, ids, new_tokens):
+    """Greedy ``generate`` of exactly ``new_tokens`` tokens with a static cache."""
+    with torch.no_grad():
+        return model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                              do_sample=False, cache_implementation="static")
+
+
+def static_compiled_ms(model, ids, steps, reps):
+    """transformers' fast-generation recipe: a static cache and ``model.forward =
+    torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)`` (CUDA graphs per
+    step). ``(prefill ms, decode ms per token, compile s)``: the prefill is ``generate`` of one
+    token, a token's decode the difference to ``generate`` of ``steps + 1`` over ``steps``
+    (medians of ``reps`` runs each, after two warm-up generations that compile and capture)."""
+    import torch._dynamo
+
+    eager_forward = model.forward
+    model.forward = torch.compile(eager_forward, mode="reduce-overhead", fullgraph=True)
+    try:
+        start = time.time()
+        generate(model, ids, 4), generate(model, ids, 4)
+        compile_s = time.time() - start
+        short = wall_ms(lambda: generate(model, ids, 1), reps)
+        long = wall_ms(lambda: generate(model, ids, steps + 1), reps)
+    finally:
+        model.forward = eager_forward
+        torch._dynamo.reset()
+    return short, (long - short) / steps, compile_s
 
 
 def sdpa_backends(impl):
@@ -248,6 +285,14 @@ def main():
     parser.add_argument("--check-tokens", type=int, default=1024)
     parser.add_argument("--out", default="book/data/hf_h200.json")
     parser.add_argument("--tiny", action="store_true", help="a 2-layer model on the CPU")
+    parser.add_argument("--rope", choices=("default", "llama3"), default="default",
+                        help="the model's RoPE: default, or Llama 3.2's llama3 scaling")
+    parser.add_argument("--impls", default="stock_sdpa,stock_sdpa_flash,rerope",
+                        help="any of stock_sdpa, stock_sdpa_flash, rerope, stock_static_compiled,"
+                             " rerope_static_compiled")
+    parser.add_argument("--append", action="store_true",
+                        help="keep the rows already in --out (other impls, another --rope)")
+    parser.add_argument("--skip-checks", action="store_true")
     args = parser.parse_args()
     if args.tiny:
         use_tiny_model()
@@ -263,9 +308,16 @@ def main():
             "autotune": os.environ.get("KERNELS_AUTOTUNE", "1") != "0",
             "model": dict(layers=LAYERS, hidden=HIDDEN, heads=HEADS, kv_heads=KV_HEADS,
                           head_dim=HEAD_DIM, mlp=MLP, vocab=VOCAB, rope_theta=BASE,
+                          rope=args.rope,
                           dtype=str(dtype).replace("torch.", ""), weights="random"),
             "window": args.window, "decode_steps": args.steps, "errors": []}
     rows = []
+    if args.append and os.path.exists(args.out):
+        with open(args.out) as f:
+            previous = json.load(f)
+        meta = {**previous["meta"], **{k: v for k, v in meta.items() if k != "errors"},
+                "errors": previous["meta"].get("errors", [])}
+        rows = previous["rows"]
 
     def save():
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
@@ -273,53 +325,80 @@ def main():
             json.dump({"meta": meta, "rows": rows}, f, indent=1)
 
     t0 = time.time()
-    model = build_model(dtype)
+    model = build_model(dtype, args.rope)
     print(f"model built in {time.time() - t0:.0f} s; transformers {transformers.__version__}",
           flush=True)
+    impls = args.impls.split(",")
     try:
+        if args.skip_checks:
+            raise StopIteration
         meta["generate_check"] = generate_check()
         print("generate check", meta["generate_check"], flush=True)
+    except StopIteration:
+        pass
     except Exception:
         meta["errors"].append(traceback.format_exc())
         print(meta["errors"][-1], flush=True)
     try:
+        if args.skip_checks:
+            raise StopIteration
         meta["check"] = check(model, "window = tokens: ReRoPE must equal RoPE",
                               args.check_tokens)
         print("check", meta["check"], flush=True)
+    except StopIteration:
+        pass
     except Exception:
         meta["errors"].append(traceback.format_exc())
         print(meta["errors"][-1], flush=True)
     ids = torch.randint(0, VOCAB, (1, args.context), device=DEVICE,
                         generator=torch.Generator(DEVICE).manual_seed(2))
-    for impl in ("stock_sdpa", "stock_sdpa_flash", "rerope"):
+    model_name = "llama3.2-1b-shape" + ("" if args.rope == "default" else "-llama3-rope")
+    for impl in impls:
         try:
-            if impl == "rerope":
+            if impl.startswith("rerope"):
                 kernels.hf.enable_rerope(model, window=args.window)
-            with sdpa_backends(impl):
-                prefill(model, ids)                                # warm-up (and compile)
-                prefill_ms = wall_ms(lambda: prefill(model, ids), args.reps)
-                step_ms, slowest_step_ms = decode_ms(model, ids, args.steps)
-            for phase, ms in (("prefill", prefill_ms), ("decode", step_ms)):
-                attention = attention_alone_ms(impl, phase, args.context, args.window, dtype)
+            elif kernels.hf.is_rerope_enabled(model):
+                kernels.hf.disable_rerope(model)
+            extra, slowest_step_ms = {}, None
+            if impl.endswith("static_compiled"):
+                prefill_ms, step_ms, compile_s = static_compiled_ms(model, ids, args.steps,
+                                                                    args.reps)
+                extra = {"compile_s": round(compile_s, 1)}
+                phases = (("prefill", prefill_ms), ("decode", step_ms))
+            else:
+                with sdpa_backends(impl):
+                    prefill(model, ids)                            # warm-up (and compile)
+                    prefill_ms = wall_ms(lambda: prefill(model, ids), args.reps)
+                    step_ms, slowest_step_ms = decode_ms(model, ids, args.steps)
+                phases = (("prefill", prefill_ms), ("decode", step_ms))
+            for phase, ms in phases:
+                rows[:] = [r for r in rows if (r["impl"], r["phase"], r.get("model", "llama3.2-1b-shape"))
+                           != (impl, phase, model_name)]
                 tokens = args.context if phase == "prefill" else 1
-                rows.append(dict(impl=impl, phase=phase, context=args.context, ms=round(ms, 3),
-                                 tokens_per_s=round(tokens / ms * 1e3, 1),
-                                 attention_ms=round(attention, 3),
-                                 rest_ms=round(ms - attention, 3),
-                                 window=args.window if impl == "rerope" else None))
-                if phase == "decode":
-                    rows[-1]["max_step_ms"] = round(slowest_step_ms, 3)
+                row = dict(impl=impl, phase=phase, context=args.context, ms=round(ms, 3),
+                           tokens_per_s=round(tokens / ms * 1e3, 1),
+                           window=args.window if impl.startswith("rerope") else None,
+                           model=model_name, **extra)
+                if not impl.endswith("static_compiled"):
+                    attention = attention_alone_ms(impl, phase, args.context, args.window, dtype)
+                    row.update(attention_ms=round(attention, 3), rest_ms=round(ms - attention, 3))
+                if phase == "decode" and slowest_step_ms is not None:
+                    row["max_step_ms"] = round(slowest_step_ms, 3)
+                rows.append(row)
                 print(f"{time.time() - t0:5.0f} s  {rows[-1]}", flush=True)
         except Exception:
-            meta["errors"].append(f"{impl}: {traceback.format_exc()}")
+            meta["errors"].append(f"{impl} ({model_name}): {traceback.format_exc()}")
             print(meta["errors"][-1], flush=True)
         save()
-    by = {(r["impl"], r["phase"]): r["ms"] for r in rows}
+    by = {(r["impl"], r["phase"]): r["ms"] for r in rows
+          if r.get("model", "llama3.2-1b-shape") == "llama3.2-1b-shape"}
     for phase in ("prefill", "decode"):
-        for stock in ("stock_sdpa", "stock_sdpa_flash"):
-            if ("rerope", phase) in by and (stock, phase) in by:
-                name = f"{phase}_ratio" + ("" if stock == "stock_sdpa" else "_vs_flash")
-                meta[name] = round(by["rerope", phase] / by[stock, phase], 3)
+        for ours, stock, name in (("rerope", "stock_sdpa", ""),
+                                  ("rerope", "stock_sdpa_flash", "_vs_flash"),
+                                  ("rerope_static_compiled", "stock_static_compiled",
+                                   "_static_compiled")):
+            if (ours, phase) in by and (stock, phase) in by:
+                meta[f"{phase}_ratio{name}"] = round(by[ours, phase] / by[stock, phase], 3)
     meta["seconds"] = round(time.time() - t0)
     save()
     print(json.dumps(meta, indent=1))

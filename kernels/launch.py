@@ -1,0 +1,148 @@
+"""Launching a kernel cheaply, and the plan caches every public op keeps.
+
+Host time, not GPU time, bounds short calls and decode steps: Triton's ``kernel[grid](*args)``
+spends ~70 µs of Python per launch on the H200's host (binding the arguments to the signature,
+computing the specialisation key, looking the compiled kernel up; ``triton.autotune`` adds its
+own layer). The ops here pay that once per *call signature* instead:
+
+* **A plan per call signature.** :func:`signature` describes a call by what decides every
+  derived quantity: each tensor's shape, strides, dtype, device and 16-byte pointer alignment
+  (what Triton specialises a compiled kernel on), plus the op's settings. :class:`PlanCache`
+  maps it to the op's plan (kernels, grids, constexprs, tables, scratch shapes: everything that
+  does not depend on the data), built — and checked — on the first call. A later call with the
+  same signature is one dictionary lookup.
+* **A bound launch.** :class:`Launcher` launches through ``kernel[grid]`` the first time and
+  keeps the compiled kernel it returns (for an autotuned kernel, the winner's); later calls hand
+  the arguments straight to that kernel's launcher (``CompiledKernel.run``), a few µs. This is
+  only valid for calls Triton would map to the same compiled kernel, which is what the plan key
+  guarantees: integer arguments are the same numbers (they come from the same shapes), pointer
+  alignment is part of the key.
+
+Under the CPU interpreter there is no compiled kernel: :class:`Launcher` calls ``kernel[grid]``
+every time (the plans still save the checks).
+"""
+
+import inspect
+
+import torch
+
+from .runtime import INTERPRET
+
+
+def signature(*tensors):
+    """The part of a call's key that the tensors give: per tensor ``(shape, strides, dtype,
+    device, pointer 16-byte aligned)``. ``None`` entries stay ``None``."""
+    return tuple(None if t is None else
+                 (t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16 == 0)
+                 for t in tensors)
+
+
+class PlanCache:
+    """A bounded ``dict`` of plans. When full it is emptied (a growing KV cache makes a new
+    signature per step; the next step rebuilds what it needs), so memory stays bounded."""
+
+    def __init__(self, limit=64):
+        self.limit = limit
+        self._plans = {}
+
+    def get(self, key):
+        return self._plans.get(key)
+
+    def put(self, key, plan):
+        if len(self._plans) >= self.limit:
+            self._plans.clear()
+        self._plans[key] = plan
+        return plan
+
+    def clear(self):
+        self._plans.clear()
+
+    def __len__(self):
+        return len(self._plans)
+
+
+class Launcher:
+    """One kernel launch, bound to its compiled kernel after the first call.
+
+    ``kernel``: a ``@triton.jit`` function or a ``triton.autotune`` wrapper of one. ``grid``: a
+    tuple, or a function of the chosen configuration's meta-parameters (as for ``kernel[grid]``).
+    ``constexprs``: the compile-time arguments, fixed for the launcher's life. Calling it with the
+    runtime arguments (positional, in the kernel's order) launches on the current stream.
+    """
+
+    def __init__(self, kernel, grid, **constexprs):
+        self.kernel = kernel
+        self.grid = grid
+        self.constexprs = constexprs
+        self._compiled = None
+        self._tried = False        # whether binding was attempted (once)
+
+    def __call__(self, *args):
+        compiled = self._compiled
+        if compiled is None or not _no_launch_hooks():
+            return self._slow_launch(args)
+        stream = self._stream(args[0].device.index)
+        compiled.run(*self._grid3, stream, compiled.function, compiled.packed_metadata, None,
+                     None, None, *args, *self._tail)
+
+    def _slow_launch(self, args):
+        """``kernel[grid](...)``; the first time on a GPU, also bind the compiled kernel."""
+        if INTERPRET:
+            grid = self.grid(self.constexprs) if callable(self.grid) else self.grid
+            self.kernel[grid](*args, **self.constexprs)
+            return
+        compiled = self.kernel[self.grid](*args, **self.constexprs)
+        if not self._tried and not torch.cuda.is_current_stream_capturing():
+            self._tried = True
+            meta = dict(self.constexprs)
+            best = getattr(self.kernel, "best_config", None)    # an autotuned kernel's winner
+            if best is not None:
+                meta.update(best.kwargs)
+            self._bind(compiled, args, meta)
+
+    def _bind(self, compiled, args, meta):
+        """Keep ``compiled`` for direct launches, unless launch hooks are set (profilers, e.g.
+        Proton) or this Triton's compiled kernel does not look as expected: then every call
+        takes the normal path."""
+        from triton.runtime import driver
+        from triton.runtime.jit import JITFunction
+
+        jit = self.kernel
+        while not isinstance(jit, JITFunction):                 # autotune -> heuristics -> jit
+            jit = jit.fn
+        names = list(jit.arg_names)
+        if (not _no_launch_hooks() or len(args) > len(names)
+                or not all(hasattr(compiled, a) for a in ("run", "function", "packed_metadata"))):
+            return
+        defaults = {n: p.default for n, p in inspect.signature(jit.fn).parameters.items()}
+        tail = []
+        for name in names[len(args):]:       # the constexprs, in the kernel's order
+            if name in meta:
+                tail.append(meta[name])
+            elif defaults.get(name, inspect.Parameter.empty) is not inspect.Parameter.empty:
+                tail.append(defaults[name])
+            else:                            # an argument we cannot place: stay on the slow path
+                return
+        grid = self.grid(meta) if callable(self.grid) else self.grid
+        self._grid3 = tuple(grid) + (1,) * (3 - len(grid))
+        self._tail = tuple(tail)
+        self._stream = driver.active.get_current_stream
+        compiled.run                          # load the module now (not inside a graph capture)
+        self._compiled = compiled
+
+    @property
+    def bound(self):
+        """Whether later calls skip Triton's Python launch path."""
+        return self._compiled is not None
+
+
+
+def _no_launch_hooks():
+    """Whether Triton has no launch hooks installed (``None``, or an empty ``HookChain`` from
+    Triton 3.5 on): a direct launch then skips nothing that ``kernel[grid]`` would run."""
+    try:
+        from triton import knobs
+    except ImportError:          # an older Triton: keep to its own launch path
+        return False
+    return all(hook is None or (hasattr(hook, "calls") and not hook.calls)
+               for hook in (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook))

@@ -1,0 +1,78 @@
+"""``torch.compile(fullgraph=True)`` of a fused-QKV attention block (``tests/test_generation.py``'s
+``Block``: one ``Linear`` for q, k, v, viewed and permuted, ``kernels.rerope``, an output
+projection), forward + backward, against eager: the largest differences of the output and every
+gradient, and the time of a training step of each (CUDA events, median). Run on a GPU::
+
+    KERNELS_AUTOTUNE=0 python3 perf/compile_block.py --out perf/runs/compile_block_h200.json
+"""
+
+import argparse
+import copy
+import json
+import os
+import sys
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [os.path.join(ROOT, "tests"), ROOT]   # tests/conftest.py before ./conftest.py
+
+from test_generation import Block  # noqa: E402
+
+
+def step_results(block, x):
+    block.zero_grad()
+    x = x.detach().requires_grad_()
+    out = block(x)
+    out.float().square().mean().backward()
+    return {"out": out.detach(), "dx": x.grad,
+            **{name: p.grad.clone() for name, p in block.named_parameters()}}
+
+
+def median_ms(fn, reps=20):
+    fn(), fn()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--n", type=int, default=4096)
+    parser.add_argument("--dim", type=int, default=2048)
+    parser.add_argument("--heads", type=int, default=32)
+    parser.add_argument("--out", default="perf/runs/compile_block_h200.json")
+    args = parser.parse_args()
+    rows = []
+    for dtype in (torch.float16, torch.bfloat16):
+        torch.manual_seed(0)
+        block = Block(args.dim, args.heads, window=1024).to("cuda", dtype)
+        x = torch.randn(1, args.n, args.dim, device="cuda", dtype=dtype)
+        compiled = copy.deepcopy(block)
+        compiled.forward = torch.compile(compiled.forward, fullgraph=True)
+        eager_r, compiled_r = step_results(block, x), step_results(compiled, x)
+        diffs = {k: (compiled_r[k].float() - eager_r[k].float()).abs().max().item()
+                 for k in eager_r}
+        scale = {k: eager_r[k].float().abs().max().item() for k in eager_r}
+        row = dict(dtype=str(dtype).replace("torch.", ""), N=args.n, dim=args.dim,
+                   heads=args.heads, max_abs_diff=diffs, max_abs=scale,
+                   eager_ms=median_ms(lambda: step_results(block, x)),
+                   compiled_ms=median_ms(lambda: step_results(compiled, x)))
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    import triton
+    meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+            "triton": triton.__version__, "what": __doc__.split("\n")[0],
+            "shape": f"B=1 N={args.n} dim={args.dim} heads={args.heads} window=1024 leaky=8"}
+    with open(args.out, "w") as f:
+        json.dump({"meta": meta, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,82 @@
+"""Python (host) time per call of the public ops with a cached plan, against SDPA's, at a short
+length where the GPU work is negligible: many calls back to back, one synchronisation
+(``probe_fused.host_time``). Run on a GPU from the repository root::
+
+    KERNELS_AUTOTUNE=0 python3 perf/host_h200.py --out book/data/host_h200.json
+
+Shapes (fp16, causal, D=64): ``rerope_fwd`` / ``rerope_fwd_bwd`` B=1 H=32 N=128 from raw q, k;
+``rerope_decode`` one query, Hq=32 Hkv=8, a cache of N keys (bf16 as in the Hugging Face
+benchmark), against ``F.scaled_dot_product_attention`` on the same tensors (the SDPA backend
+torch picks). JSON: ``{"meta": {...}, "rows": [{"impl", "N", "python_us"}]}``.
+"""
+
+import argparse
+import datetime
+import json
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import kernels  # noqa: E402
+from probe_fused import host_time  # noqa: E402
+
+
+def rows_for(n, calls):
+    dev, f16, bf16 = "cuda", torch.float16, torch.bfloat16
+    q, k, v = (torch.randn(1, 32, n, 64, device=dev, dtype=f16, requires_grad=True)
+               for _ in range(3))
+    dout = torch.randn_like(q)
+
+    def fwd_bwd(fn):
+        def run():
+            fn().backward(dout)
+        return run
+
+    def rerope():
+        return kernels.rerope(q, k, v, 32)
+
+    def sdpa():
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    qd = torch.randn(1, 32, 1, 64, device=dev, dtype=bf16)
+    kd, vd = (torch.randn(1, 8, n, 64, device=dev, dtype=bf16) for _ in range(2))
+    timings = {}
+    with torch.no_grad():
+        timings["rerope_fwd"] = host_time(rerope, calls)
+        timings["sdpa_fwd"] = host_time(sdpa, calls)
+        timings["rerope_decode"] = host_time(lambda: kernels.rerope_decode(qd, kd, vd, 32), calls)
+        timings["sdpa_decode"] = host_time(
+            lambda: F.scaled_dot_product_attention(qd, kd, vd, enable_gqa=True), calls)
+    timings["rerope_fwd_bwd"] = host_time(fwd_bwd(rerope), calls)
+    timings["sdpa_fwd_bwd"] = host_time(fwd_bwd(sdpa), calls)
+    return [dict(impl=impl, N=n, python_us=round(us, 1)) for impl, us in timings.items()]
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--n", type=int, nargs="+", default=[128])
+    parser.add_argument("--calls", type=int, default=500)
+    parser.add_argument("--out", default="book/data/host_h200.json")
+    args = parser.parse_args()
+    import triton
+
+    rows = [row for n in args.n for row in rows_for(n, args.calls)]
+    for row in rows:
+        print(row, flush=True)
+    meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+            "triton": triton.__version__, "date": datetime.date.today().isoformat(),
+            "autotune": os.environ.get("KERNELS_AUTOTUNE", "1") != "0",
+            "shapes": "fwd, fwd_bwd: B=1 H=32 D=64 fp16 causal, raw q, k, window 32; decode: "
+                      "B=1 Hq=32 Hkv=8 D=64 bf16, one query, window 32",
+            "unit": f"microseconds of host time per call ({args.calls} calls, one sync)"}
+    with open(args.out, "w") as f:
+        json.dump({"meta": meta, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,329 @@
+"""Fast generation (issue 18): plans per call signature, custom ops that compile, static caches.
+
+CPU, through Triton's interpreter, small shapes:
+
+* the plan caches: a repeated call hits, a changed stride, dtype or setting misses, the caches
+  stay bounded;
+* ``torch.library.opcheck`` of every op over the layouts models hand them: fused-QKV views
+  (``qkv(x).view(B, N, 3, H, D).permute(2, 0, 3, 1, 4)``), ``(B, N, H, D).transpose(1, 2)``
+  views, a slice of a preallocated cache;
+* ``torch.compile(fullgraph=True)`` of a fused-QKV attention block, forward and backward, equal to
+  eager (and to the float64 oracle);
+* a Hugging Face model with a static cache (``cache_implementation="static"``), eager and with
+  ``torch.compile(model.forward, fullgraph=True)``: the same tokens as the dynamic cache.
+
+On a GPU (``-m gpu``): the same block compiled by Inductor, and a static-cache ``generate`` whose
+forward is compiled with ``mode="reduce-overhead"`` (CUDA graphs around the decode kernel).
+"""
+
+import copy
+
+import pytest
+import torch
+
+import kernels
+from kernels import attention, decode
+from kernels.launch import PlanCache
+from kernels.reference import rerope_from_relative_positions
+
+from conftest import kernel_device, randn, results_problems, tolerance
+
+F32 = torch.float32
+CUDA = torch.cuda.is_available()
+
+
+def _qkv(gen, b=1, hq=2, hkv=1, n=12, d=16, dtype=F32, n_queries=None):
+    device = kernel_device()
+    return (randn(gen, b, hq, n_queries or n, d, dtype=dtype, device=device),
+            randn(gen, b, hkv, n, d, dtype=dtype, device=device),
+            randn(gen, b, hkv, n, d, dtype=dtype, device=device))
+
+
+# --- plans ----------------------------------------------------------------------------------------
+
+
+def test_plan_cache_hits_and_misses(gen):
+    """A repeated call reuses its plan; a changed stride, dtype or setting builds a new one."""
+    attention._OP_PLANS.clear()
+    q, k, v = _qkv(gen)
+    first = kernels.rerope(q, k, v, 5, causal=False)
+    assert len(attention._OP_PLANS) == 1
+    again = kernels.rerope(q.clone(), k.clone(), v.clone(), 5, causal=False)
+    assert len(attention._OP_PLANS) == 1, "the same signature built a second plan"
+    assert torch.equal(first, again)
+    kernels.rerope(q.transpose(2, 3).contiguous().transpose(2, 3), k, v, 5, causal=False)
+    assert len(attention._OP_PLANS) == 2, "a changed stride did not build a new plan"
+    kernels.rerope(q.double().float(), k, v, 6, causal=False)
+    assert len(attention._OP_PLANS) == 3, "a changed window did not build a new plan"
+    with pytest.raises(TypeError, match="window must be an int"):
+        kernels.rerope(q, k, v, 5.0, causal=False)      # 5.0 == 5 hashes alike: still checked
+    with pytest.raises(TypeError, match="causal must be a bool"):
+        kernels.rerope(q, k, v, 5, causal=0)            # 0 == False: still checked
+
+
+def test_plan_cache_dtype_and_grad_mode(gen):
+    """Whether a gradient is needed is part of the key (it decides the route to decoding)."""
+    attention._OP_PLANS.clear()
+    q, k, v = _qkv(gen, n=8, n_queries=2)
+    with torch.no_grad():
+        kernels.rerope(q, k, v, 3)
+    plans = list(attention._OP_PLANS._plans.values())
+    assert plans[0].decode
+    q.requires_grad_()
+    out = kernels.rerope(q, k, v, 3)
+    assert out.requires_grad, "a call needing a gradient took the forward-only decode route"
+    assert len(attention._OP_PLANS) == 2
+
+
+def test_plan_cache_is_bounded():
+    cache = PlanCache(limit=3)
+    for i in range(10):
+        cache.put(i, object())
+        assert len(cache) <= 3
+    assert cache.get(9) is not None and cache.get(0) is None
+
+
+def test_decode_plan_key_has_strides(gen):
+    """Two caches of one shape but other strides (a transposed view) get their own plans, and
+    both give the contiguous call's result."""
+    decode._PLANS.clear()
+    q, k, v = _qkv(gen, b=2, hq=4, hkv=2, n=40, n_queries=1)
+    want = kernels.rerope_decode(q, k, v, 7)
+    k_t = k.transpose(1, 2).contiguous().transpose(1, 2)
+    v_t = v.transpose(1, 2).contiguous().transpose(1, 2)
+    got = kernels.rerope_decode(q, k_t, v_t, 7)
+    assert len(decode._PLANS) == 2
+    assert torch.equal(got, want)
+
+
+# --- custom ops over layouts ----------------------------------------------------------------------
+
+
+def _layouts(gen, b=1, h=2, n=12, d=16, dtype=F32):
+    """``q, k, v`` in the layouts models produce (MHA: one ``Linear`` for all three)."""
+    device = kernel_device()
+    fused = randn(gen, b, n, 3, h, d, dtype=dtype, device=device).permute(2, 0, 3, 1, 4)
+    bnhd = [randn(gen, b, n, h, d, dtype=dtype, device=device).transpose(1, 2)
+            for _ in range(3)]
+    contiguous = [t.contiguous() for t in bnhd]
+    return {"fused_qkv": tuple(fused), "bnhd_transposed": tuple(bnhd),
+            "contiguous": tuple(contiguous)}
+
+
+@pytest.mark.parametrize("layout", ["fused_qkv", "bnhd_transposed", "contiguous"])
+def test_opcheck_fused_ops(layout, gen):
+    """``torch.library.opcheck`` of the fused forward and backward ops: schema, fake tensors
+    (output strides equal the real ones), autograd registration, AOT dispatch."""
+    q, k, v = (t.detach() for t in _layouts(gen)[layout])
+    settings = (5, True, 0.25, 10000.0, None, None, False)
+    torch.library.opcheck(torch.ops.kernels.rerope_fwd.default,
+                          (q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), *settings))
+    out, lse = torch.ops.kernels.rerope_fwd(q.detach(), k.detach(), v.detach(), *settings)
+    dout = torch.randn_like(out).transpose(1, 2).contiguous().transpose(1, 2)  # strided too
+    torch.library.opcheck(torch.ops.kernels.rerope_bwd.default,
+                          (dout, q.detach(), k.detach(), v.detach(), out, lse, *settings))
+
+
+def test_opcheck_decode_op(gen):
+    """The decode op on a slice of a preallocated ``(B, Nmax, Hkv, D)`` cache, with lengths."""
+    device = kernel_device()
+    cache = randn(gen, 2, 2, 48, 2, 16, dtype=F32, device=device)   # (kv, B, Nmax, Hkv, D)
+    k_cache, v_cache = (c.transpose(1, 2)[:, :, :40] for c in cache)  # a slice of the buffer
+    q = randn(gen, 2, 4, 1, 16, dtype=F32, device=device)
+    lengths = torch.tensor([40, 23], dtype=torch.int32, device=device)
+    torch.library.opcheck(torch.ops.kernels.rerope_decode.default,
+                          (q, k_cache, v_cache, lengths, 9, None, 10000.0, None, None, True,
+                           None))
+
+
+# --- torch.compile of a fused-QKV block -----------------------------------------------------------
+
+
+class Block(torch.nn.Module):
+    """An attention block as most models write it: one ``Linear`` for q, k, v, reshaped and
+    permuted (so q, k, v are strided views of one buffer), ReRoPE attention, an output proj."""
+
+    def __init__(self, dim=32, heads=2, window=5):
+        super().__init__()
+        self.heads, self.window = heads, window
+        self.qkv = torch.nn.Linear(dim, 3 * dim)
+        self.proj = torch.nn.Linear(dim, dim)
+
+    def forward(self, x):
+        b, n, dim = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, self.heads, dim // self.heads).permute(2, 0, 3, 1, 4)
+        out = kernels.rerope(q, k, v, self.window, leaky=8.0)
+        return self.proj(out.transpose(1, 2).reshape(b, n, dim))
+
+
+def _block_results(block, x):
+    block.zero_grad()
+    x = x.detach().requires_grad_()
+    out = block(x)
+    out.square().sum().backward()
+    return {"out": out.detach(), "dx": x.grad,
+            **{name: p.grad.clone() for name, p in block.named_parameters()}}
+
+
+def _compiled_block_problems(backend, device, dtype, gen):
+    import torch._dynamo
+
+    torch.manual_seed(0)
+    block = Block().to(device=device, dtype=dtype)
+    x = randn(gen, 2, 19, 32, dtype=dtype, device=device)     # odd N, batch 2
+    eager = _block_results(block, x)
+    torch._dynamo.reset()
+    compiled_block = copy.deepcopy(block)
+    compiled_block.forward = torch.compile(compiled_block.forward, fullgraph=True,
+                                           backend=backend)
+    compiled = _block_results(compiled_block, x)
+    torch._dynamo.reset()
+    return results_problems(compiled, eager, tolerance(dtype))
+
+
+def test_compile_fused_qkv_block(gen):
+    """``torch.compile(fullgraph=True)`` of the fused-QKV block, forward and backward, equals
+    eager: the backward op's fake gradients are contiguous, as the real ones (they used to copy
+    the views' strides and fail). ``aot_eager``: the compiler's tracing and fake tensors
+    without code generation (cheap on CPU); Inductor runs on the GPU test below."""
+    problems = _compiled_block_problems("aot_eager", kernel_device(), F32, gen)
+    assert not problems, "compiled != eager:\n" + "\n".join(problems)
+
+
+def test_compile_block_matches_oracle(gen):
+    """The block's attention under compile equals the float64 relative-position oracle."""
+    import torch._dynamo
+
+    torch.manual_seed(1)
+    block = Block().to(kernel_device())
+    x = randn(gen, 1, 13, 32, dtype=F32, device=kernel_device())
+    b, n, dim = x.shape
+    q, k, v = block.qkv(x).view(b, n, 3, 2, 16).permute(2, 0, 3, 1, 4)
+    torch._dynamo.reset()
+    fn = torch.compile(lambda q, k, v: kernels.rerope(q, k, v, 5, leaky=8.0), fullgraph=True,
+                       backend="aot_eager")
+    got = fn(q, k, v).detach()
+    torch._dynamo.reset()
+    want = rerope_from_relative_positions(*(t.detach().double().cpu() for t in (q, k, v)), 5,
+                                          leaky=8.0)
+    problems = results_problems({"out": got}, {"out": want}, tolerance(F32))
+    assert not problems, "\n".join(problems)
+
+
+def test_compile_decode_fullgraph(gen):
+    """``rerope_decode`` inside ``torch.compile(fullgraph=True)``: an opaque op (no tracing into
+    Triton), the same result as eager."""
+    import torch._dynamo
+
+    q, k, v = _qkv(gen, b=2, hq=4, hkv=2, n=33, n_queries=1)
+    lengths = torch.tensor([33, 20], dtype=torch.int32, device=q.device)
+    want = kernels.rerope_decode(q, k, v, 6, cache_seqlens=lengths)
+    torch._dynamo.reset()
+    fn = torch.compile(lambda q, k, v, n: kernels.rerope_decode(q, k, v, 6, cache_seqlens=n),
+                       fullgraph=True, backend="aot_eager")
+    got = fn(q, k, v, lengths)
+    torch._dynamo.reset()
+    assert torch.equal(got, want)
+
+
+# --- Hugging Face: static cache, compiled forward -------------------------------------------------
+
+
+def _tiny_model(window):
+    pytest.importorskip("transformers")
+    import kernels.hf as hf
+    from test_hf import build, tiny_config
+
+    model = build(tiny_config())
+    return hf.enable_rerope(model, window=window)
+
+
+@pytest.mark.parametrize("prompt", [12, 21])     # prefill by the decode kernel (<= 16) or not
+def test_static_cache_generate_equals_dynamic(prompt):
+    """``generate(cache_implementation="static")`` gives the dynamic cache's tokens (greedy,
+    float32), eagerly and with ``torch.compile(model.forward, fullgraph=True)``; the final
+    length passes the window, so both products run."""
+    import torch._dynamo
+
+    model = _tiny_model(window=8)
+    torch.manual_seed(3)
+    ids = torch.randint(1, 97, (1, prompt), device=kernel_device())
+    options = dict(max_new_tokens=8, do_sample=False)
+    with torch.no_grad():
+        dynamic = model.generate(ids, **options)
+        static = model.generate(ids, cache_implementation="static", **options)
+        assert static.tolist() == dynamic.tolist(), _first_difference(static, dynamic)
+        torch._dynamo.reset()
+        model.forward = torch.compile(model.forward, fullgraph=True, backend="aot_eager")
+        compiled = model.generate(ids, cache_implementation="static", **options)
+        torch._dynamo.reset()
+    assert compiled.tolist() == dynamic.tolist(), _first_difference(compiled, dynamic)
+
+
+def test_static_cache_refuses_padding():
+    model = _tiny_model(window=8)
+    ids = torch.randint(1, 97, (2, 10), device=kernel_device())
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    with torch.no_grad(), pytest.raises(ValueError, match="padding"):
+        model.generate(ids, attention_mask=mask, cache_implementation="static", max_new_tokens=2,
+                       do_sample=False)
+
+
+def _first_difference(got, want):
+    got, want = got.tolist()[0], want.tolist()[0]
+    index = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), None)
+    return f"first differing token at {index}: {got} vs {want}"
+
+
+# --- on the GPU -----------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_gpu_compile_fused_qkv_block_inductor(dtype, gen):
+    problems = _compiled_block_problems("inductor", "cuda", dtype, gen)
+    assert not problems, "compiled != eager:\n" + "\n".join(problems)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+def test_gpu_launchers_are_bound(gen):
+    """On a GPU a repeated call launches through the bound compiled kernels (no Triton Python
+    launch path), with bit-identical results."""
+    q, k, v = _qkv(gen, b=1, hq=4, hkv=2, n=300, d=64, dtype=torch.float16)
+    first = kernels.rerope(q, k, v, 37)
+    second = kernels.rerope(q, k, v, 37)
+    assert torch.equal(first, second)
+    assert all(launcher.bound for launcher in attention._LAUNCHERS._plans.values())
+    with torch.no_grad():
+        a = kernels.rerope_decode(q[:, :, -1:], k, v, 37)
+        b = kernels.rerope_decode(q[:, :, -1:], k, v, 37)
+    assert torch.equal(a, b)
+    plan = next(iter(decode._PLANS._plans.values()))
+    assert plan.split.bound
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+def test_gpu_static_generate_reduce_overhead():
+    """transformers' fast-generation recipe: a static cache and ``torch.compile(model.forward,
+    mode="reduce-overhead", fullgraph=True)`` (CUDA graphs around the decode kernel) gives the
+    eager dynamic cache's tokens (bf16, greedy)."""
+    import torch._dynamo
+    pytest.importorskip("transformers")
+    import kernels.hf as hf
+    from test_hf import build, tiny_config
+
+    model = build(tiny_config(head_dim=64, hidden_size=256, heads=4)).to("cuda", torch.bfloat16)
+    hf.enable_rerope(model, window=32)
+    ids = torch.randint(1, 97, (1, 40), device="cuda")
+    options = dict(max_new_tokens=24, do_sample=False)
+    with torch.no_grad():
+        dynamic = model.generate(ids, **options)
+        torch._dynamo.reset()
+        model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+        compiled = model.generate(ids, cache_implementation="static", **options)
+        torch._dynamo.reset()
+    assert compiled.tolist() == dynamic.tolist(), _first_difference(compiled, dynamic)
