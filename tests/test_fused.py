@@ -326,7 +326,6 @@ def test_preturned_backward_matches_oracle(case, gen, backward_path):
     assert len(calls) == 2, "the backward did not pre-turn q and k"
     want = oracle_results(leaves, dout, case.window, **settings(case))
     assert {t.dtype for t in got.values()} == {case.dtype}
-    assert all(got[n].is_contiguous() for n in NAMES[1:])
     log_errors(case.dtype, {n: error_stats(got[n], want[n]) for n in NAMES})
     problems = results_problems(got, want, tolerance(case.dtype))
     assert not problems, describe(gen, preturn=True, **asdict(case)) + "\n" + "\n".join(problems)
