@@ -183,35 +183,6 @@ def preturn_keys(n_k):
     return n_k >= PRETURN_MIN_KEYS
 
 
-def rerope_forward(q1, q2, k1, k2, v, window, causal, sm_scale, operands=None, preturn=None):
-    """Run the forward kernel; returns ``(out, lse)`` (``lse`` in log2 units, ``(B·Hq, Nq)``).
-
-    ``operands=None``: the five-tensor form. Otherwise ``q1 is q2`` is ``q``, ``k1 is k2`` is
-    ``k`` and ``operands`` (:class:`Operands`) says how they are rotated; ``preturn`` whether
-    the products that turn keys get them turned once first (``None``: :func:`preturn_keys`).
-    """
-    batch, n_heads, n_q, head_dim = q1.shape
-    n_k = k1.shape[2]
-    out = torch.empty(q1.shape, dtype=q1.dtype, device=q1.device)
-    lse = torch.empty(batch * n_heads, n_q, dtype=torch.float32, device=q1.device)
-    operands = operands or _five_tensors(lse)
-    turn_keys_in, turn_keys_out = operands.flags["TURN_IN"], operands.flags["TURN_OUT"]
-    if (turn_keys_in or turn_keys_out) and (preturn_keys(n_k) if preturn is None else preturn):
-        if turn_keys_in:
-            k1 = turn_keys(k1, operands.tables[0])
-        if turn_keys_out:
-            k2 = turn_keys(k2, operands.tables[2])
-        turn_keys_in = turn_keys_out = False
-    _launch("fwd", "BLOCK_M", n_q, batch * n_heads,
-            [q1, q2, k1, k2, v, out, lse, *operands.tables, *_strides(q1, q2, k1, k2, v, out),
-             n_heads, n_heads // k1.shape[1], n_q, n_k, window, sm_scale * LOG2E,
-             operands.logn_factor],
-            HEAD_DIM=head_dim, CAUSAL=causal, DOT_PRECISION=dot_precision(q1.dtype),
-            TMA=_use_tma(q1, q2, k1, k2, v), TURN_K_IN=turn_keys_in, TURN_K_OUT=turn_keys_out,
-            **operands.constexprs(head_dim))
-    return out, lse
-
-
 PRETURN_BWD_MIN_KEYS = 4096  # from this many keys on, the backward pre-turns its operands ...
 # ... unless that needs more extra memory than this many bytes: ``None`` means a sixteenth of the
 # GPU's memory (2 GiB under the interpreter); the environment variable
@@ -266,6 +237,35 @@ def preturn_backward(n_k, extra_bytes, device):
     everywhere; below, the call is bound by host time and the extra launches do not pay.
     """
     return n_k >= PRETURN_BWD_MIN_KEYS and extra_bytes <= preturn_memory_limit(device)
+
+
+def rerope_forward(q1, q2, k1, k2, v, window, causal, sm_scale, operands=None, preturn=None):
+    """Run the forward kernel; returns ``(out, lse)`` (``lse`` in log2 units, ``(B·Hq, Nq)``).
+
+    ``operands=None``: the five-tensor form. Otherwise ``q1 is q2`` is ``q``, ``k1 is k2`` is
+    ``k`` and ``operands`` (:class:`Operands`) says how they are rotated; ``preturn`` whether
+    the products that turn keys get them turned once first (``None``: :func:`preturn_keys`).
+    """
+    batch, n_heads, n_q, head_dim = q1.shape
+    n_k = k1.shape[2]
+    out = torch.empty(q1.shape, dtype=q1.dtype, device=q1.device)
+    lse = torch.empty(batch * n_heads, n_q, dtype=torch.float32, device=q1.device)
+    operands = operands or _five_tensors(lse)
+    turn_keys_in, turn_keys_out = operands.flags["TURN_IN"], operands.flags["TURN_OUT"]
+    if (turn_keys_in or turn_keys_out) and (preturn_keys(n_k) if preturn is None else preturn):
+        if turn_keys_in:
+            k1 = turn_keys(k1, operands.tables[0])
+        if turn_keys_out:
+            k2 = turn_keys(k2, operands.tables[2])
+        turn_keys_in = turn_keys_out = False
+    _launch("fwd", "BLOCK_M", n_q, batch * n_heads,
+            [q1, q2, k1, k2, v, out, lse, *operands.tables, *_strides(q1, q2, k1, k2, v, out),
+             n_heads, n_heads // k1.shape[1], n_q, n_k, window, sm_scale * LOG2E,
+             operands.logn_factor],
+            HEAD_DIM=head_dim, CAUSAL=causal, DOT_PRECISION=dot_precision(q1.dtype),
+            TMA=_use_tma(q1, q2, k1, k2, v), TURN_K_IN=turn_keys_in, TURN_K_OUT=turn_keys_out,
+            **operands.constexprs(head_dim))
+    return out, lse
 
 
 def rerope_backward(dout, q1, q2, k1, k2, v, out, lse, window, causal, sm_scale, operands=None,

@@ -27,6 +27,13 @@ In the ``SPLIT`` form (``q, k`` as the model holds them, chapter 7) the products
 rotations of the same ``q`` and ``k``, so the chain rule runs on: a product's gradient is rotated
 back, ``dq = Rᵀ dq1``, and the two products' parts are summed in registers before one store —
 ``dq, dk, dv`` come out directly, and nothing rotated is ever written.
+
+That form turns, in every program, every tile of the axis it walks: the dK/dV kernel each query
+tile once per key block, the dQ kernel each key tile once per query block. For long sequences
+the launcher pre-turns instead (``TURN_BACK``, :func:`kernels.attention.preturn_backward`): one
+pass writes each product's operands (:func:`kernels.rotary.turn_operands`), the kernels read
+them as they read the five tensors, and only the gradients are turned back — once per program,
+in the store that sums the two products' parts, as in the ``SPLIT`` form.
 """
 
 import triton
