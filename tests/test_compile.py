@@ -92,7 +92,8 @@ def jobs(full=FULL):
     Full: every configuration for D = 64 and 128 (and 256 on sm_90), fp16 and fp32, plus bf16
     from sm_80 on. Default: per capability, the configuration of the dK/dV and of the dQ kernel
     (they keep the most on chip) whose estimate is closest to, or over, the GPU's limit — the
-    ones most likely not to fit — and of the forward too on sm_89 (quick to compile there).
+    ones most likely not to fit — and of the forward too on sm_89 (quick to compile there); the
+    pre-turned backward's form on sm_75 and sm_90 only.
     """
     from kernels import configs
     from kernels.attention import _KERNELS
@@ -112,7 +113,10 @@ def jobs(full=FULL):
             for job in sorted(found, key=lambda j: -j["estimate"] / j["limit"]):
                 riskiest.setdefault((job["kernel"], job["form"]), job)
             kernels = ("dkdv", "dq", "fwd") if cap == (8, 9) else ("dkdv", "dq")
-            found = [riskiest[kernel, form] for kernel in kernels for form in FORMS
+            # the pre-turned backward reads like the five-tensor one (same configurations):
+            # by default compiled only where shared memory is tightest and where it is measured
+            forms = [f for f in FORMS if f not in BACKWARD_ONLY or cap in ((7, 5), (9, 0))]
+            found = [riskiest[kernel, form] for kernel in kernels for form in forms
                      if (kernel, form) in riskiest]
         todo += found
     return todo
