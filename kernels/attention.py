@@ -276,8 +276,8 @@ def rerope_backward(dout, q1, q2, k1, k2, v, out, lse, window, causal, sm_scale,
     With ``operands``, ``preturn`` says whether the kernels read pre-turned operands (extra
     memory, see :func:`preturn_backward`; ``None``: that function decides) or turn tiles in
     registers (``False``; also where no product changes an operand). Both give ``dq, dk, dv``
-    of the input dtype, contiguous; in the same arithmetic as the forward's pre-turned path,
-    the pre-turned ``dq`` equals the in-register one where both run one dot per score (D = 16).
+    of the input dtype, contiguous, equal within rounding (``dq`` bit for bit where both run
+    one dot per score, D = 16).
     """
     batch, n_heads, n_q, head_dim = q1.shape
     n_kv_heads, n_k = k1.shape[1], k1.shape[2]
