@@ -15,6 +15,7 @@ host, perf/runs/host_fused_v1.json).
 """
 
 import functools
+import os
 from dataclasses import dataclass
 from typing import Optional
 
@@ -27,8 +28,9 @@ from ._validate import (check_flag, check_head_dim, check_logn_overflow, check_q
 from .backward import _bwd_delta_kernel, _bwd_dkdv_kernel, _bwd_dq_kernel
 from .forward import _rerope_fwd_kernel
 from .online_softmax import LOG2E
-from .rotary import logn_factor, rope_table, rotation_offset, rotation_plan, turn_keys
 from .launch import Launcher, PlanCache, signature
+from .rotary import (logn_factor, rope_table, rotation_offset, rotation_plan, turn_keys,
+                     turn_operands)
 from .runtime import INTERPRET, dot_precision, prepare_for_device
 
 _KERNELS = {"fwd": _rerope_fwd_kernel, "dkdv": _bwd_dkdv_kernel, "dq": _bwd_dq_kernel}
@@ -196,6 +198,62 @@ def preturn_keys(n_k):
     return n_k >= PRETURN_MIN_KEYS
 
 
+PRETURN_BWD_MIN_KEYS = 4096  # from this many keys on, the backward pre-turns its operands ...
+# ... unless that needs more extra memory than this many bytes: ``None`` means a sixteenth of the
+# GPU's memory (2 GiB under the interpreter); the environment variable
+# KERNELS_PRETURN_BWD_MAX_BYTES sets it
+PRETURN_BWD_MAX_BYTES = (int(os.environ["KERNELS_PRETURN_BWD_MAX_BYTES"])
+                         if os.environ.get("KERNELS_PRETURN_BWD_MAX_BYTES") else None)
+
+
+def _preturned_shapes(q, k, operands):
+    """Which of ``q1, q2, k1, k2`` the pre-turned backward writes (the others are ``q`` or
+    ``k`` as given), and the extra memory that takes, in bytes."""
+    logn = operands.logn_factor != 0.0
+    f = operands.flags
+    writes = (logn or f["TURN_IN"] or f["SHIFT_IN"], logn or f["TURN_OUT"] or f["SHIFT_OUT"],
+              f["TURN_IN"], f["TURN_OUT"])
+    extra = q.element_size() * (q.numel() * (writes[0] + writes[1])
+                                + k.numel() * (writes[2] + writes[3]))
+    return writes, extra
+
+
+@functools.lru_cache(maxsize=None)
+def _device_memory(device):
+    return torch.cuda.get_device_properties(device).total_memory
+
+
+def preturn_memory_limit(device):
+    """The most extra bytes :func:`preturn_backward` spends: ``PRETURN_BWD_MAX_BYTES``, or a
+    sixteenth of the GPU's memory (H200: 8.8 GB; a 16 GB T4: 1 GB)."""
+    if PRETURN_BWD_MAX_BYTES is not None:
+        return PRETURN_BWD_MAX_BYTES
+    return 2 ** 31 if INTERPRET else _device_memory(torch.device(device)) // 16
+
+
+def preturn_backward(n_k, extra_bytes, device):
+    """Whether the fused backward runs on pre-turned operands (:func:`kernels.rotary.
+    turn_operands`: one pass over ``q`` and one over ``k`` write each product's operands that
+    differ from the inputs) rather than turning tiles in registers inside its two kernels.
+
+    In registers, the dK/dV kernel turns every query tile it walks, in every key block, and the
+    dQ kernel every key tile in every query block; pre-turned, both kernels read the operands as
+    the five-tensor backward does, and turn only their gradients back, once per program, in the
+    store that adds the two products' parts. The price is memory, held during the backward
+    only: ``extra_bytes`` — per product that changes an operand one tensor like ``q``
+    (``B·Hq·Nq·D`` elements of its dtype) and, where it turns keys, one like ``k``
+    (``B·Hkv·Nk·D``). Raw ReRoPE inputs: two like ``q`` and one like ``k``; rotated: one of
+    each; Leaky from raw inputs, or log-n, up to two of each (B=1, H=32, N=8192, fp16: 100 MB
+    raw and 67 MB rotated at D=64, twice that at D=128).
+
+    Pre-turns from ``PRETURN_BWD_MIN_KEYS`` keys on, while ``extra_bytes`` is within
+    :func:`preturn_memory_limit`. Measured on the H200 (book/data/preturn_bwd_h200.json): at
+    N = 8192 forward + backward 1.26-1.43x faster than in registers; from 4096 keys on faster
+    everywhere; below, the call is bound by host time and the extra launches do not pay.
+    """
+    return n_k >= PRETURN_BWD_MIN_KEYS and extra_bytes <= preturn_memory_limit(device)
+
+
 def rerope_forward(q1, q2, k1, k2, v, window, causal, sm_scale, operands=None, preturn=None):
     """Run the forward kernel; returns ``(out, lse)`` (``lse`` in log2 units, ``(B·Hq, Nq)``).
 
@@ -225,9 +283,17 @@ def rerope_forward(q1, q2, k1, k2, v, window, causal, sm_scale, operands=None, p
     return out, lse
 
 
-def rerope_backward(dout, q1, q2, k1, k2, v, out, lse, window, causal, sm_scale, operands=None):
+def rerope_backward(dout, q1, q2, k1, k2, v, out, lse, window, causal, sm_scale, operands=None,
+                    preturn=None):
     """Run the three backward kernels: ``(dq1, dq2, dk1, dk2, dv)`` in the five-tensor form,
-    ``(dq, dk, dv)`` with ``operands`` (see :func:`rerope_forward`)."""
+    ``(dq, dk, dv)`` with ``operands`` (see :func:`rerope_forward`).
+
+    With ``operands``, ``preturn`` says whether the kernels read pre-turned operands (extra
+    memory, see :func:`preturn_backward`; ``None``: that function decides) or turn tiles in
+    registers (``False``; also where no product changes an operand). Both give ``dq, dk, dv``
+    of the input dtype, contiguous, equal within rounding (``dq`` bit for bit where both run
+    one dot per score, D = 16).
+    """
     batch, n_heads, n_q, head_dim = q1.shape
     n_kv_heads, n_k = k1.shape[1], k1.shape[2]
     group = n_heads // n_kv_heads
@@ -237,12 +303,26 @@ def rerope_backward(dout, q1, q2, k1, k2, v, out, lse, window, causal, sm_scale,
         HEAD_DIM=head_dim, BLOCK_M=configs.DELTA_BLOCK_M)
     split = operands is not None
     operands = operands or _five_tensors(lse)
+    constexprs = operands.constexprs(head_dim)
+    if split:
+        writes, extra = _preturned_shapes(q1, k1, operands)
+        if any(writes) and (preturn_backward(n_k, extra, q1.device) if preturn is None
+                              else preturn):
+            # the five-tensor kernels on each product's operands, gradients turned back
+            tab_in, off_in, tab_out, off_out = operands.tables
+            f = operands.flags
+            q1, q2 = turn_operands(q1, (tab_in, off_in, f["TURN_IN"], f["SHIFT_IN"]),
+                                   (tab_out, off_out, f["TURN_OUT"], f["SHIFT_OUT"]),
+                                   n_k - n_q, operands.logn_factor)
+            k1, k2 = turn_operands(k1, (tab_in, off_in, f["TURN_IN"], False),
+                                   (tab_out, off_out, f["TURN_OUT"], False))
+            constexprs.update(SPLIT=False, TWO_DOTS=False, TURN_BACK=True)
     dq = [torch.empty(q1.shape, dtype=q1.dtype, device=q1.device) for _ in range(1 if split else 2)]
     dk = [torch.empty(k1.shape, dtype=k1.dtype, device=k1.device) for _ in range(1 if split else 2)]
     dv = torch.empty(k1.shape, dtype=k1.dtype, device=k1.device)
     strides = _strides(q1, q2, k1, k2, v, dout)
     common = dict(HEAD_DIM=head_dim, CAUSAL=causal, DOT_PRECISION=dot_precision(q1.dtype),
-                  TMA=_use_tma(q1, q2, k1, k2, v, dout), **operands.constexprs(head_dim))
+                  TMA=_use_tma(q1, q2, k1, k2, v, dout), **constexprs)
     _launch("dkdv", "BLOCK_N", n_k, batch * n_kv_heads,
             [q1, q2, k1, k2, v, dout, lse, delta, dk[0], dk[-1], dv, *operands.tables, *strides,
              n_heads, n_kv_heads, group, n_q, n_k, window, sm_scale * LOG2E, sm_scale,

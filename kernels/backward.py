@@ -27,6 +27,13 @@ In the ``SPLIT`` form (``q, k`` as the model holds them, chapter 7) the products
 rotations of the same ``q`` and ``k``, so the chain rule runs on: a product's gradient is rotated
 back, ``dq = Rᵀ dq1``, and the two products' parts are summed in registers before one store —
 ``dq, dk, dv`` come out directly, and nothing rotated is ever written.
+
+That form turns, in every program, every tile of the axis it walks: the dK/dV kernel each query
+tile once per key block, the dQ kernel each key tile once per query block. For long sequences
+the launcher pre-turns instead (``TURN_BACK``, :func:`kernels.attention.preturn_backward`): one
+pass writes each product's operands (:func:`kernels.rotary.turn_operands`), the kernels read
+them as they read the five tensors, and only the gradients are turned back — once per program,
+in the store that sums the two products' parts, as in the ``SPLIT`` form.
 """
 
 import triton
@@ -171,11 +178,13 @@ def _dkdv_product(dv, v, K, sk_n, sk_d, Q, sq_b, sq_h, sq_n, sq_d, DO, sdo_b, sd
                   TURN: tl.constexpr, SHIFT: tl.constexpr, LOGN: tl.constexpr,
                   SPLIT: tl.constexpr, TWO_DOTS: tl.constexpr, ADD: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-                  DOT_PRECISION: tl.constexpr, TMA: tl.constexpr):
+                  DOT_PRECISION: tl.constexpr, TMA: tl.constexpr, TURN_BACK: tl.constexpr):
     """Everything one product gives a key block: its key operand (``K`` is the block's
     ``(N, D)`` slice; turned by ``R(speed·j − offset)``), its three walks for every query head
     of the group, then its ``dK`` stored at ``DK`` (turned back to the input keys in the
-    ``SPLIT`` form; ``ADD``: added to the other product's). Returns ``dV`` so far."""
+    ``SPLIT`` form; ``ADD``: added to the other product's). ``TURN_BACK``: the operands came
+    pre-turned (five-tensor reads, keys by ``R(speed·j)`` only), the ``dK`` is turned back by
+    that angle and summed as in the ``SPLIT`` form. Returns ``dV`` so far."""
     Ka, Kb = _halves(K, sk_n, sk_d, n_k, BLOCK_N, HEAD_DIM, SPLIT, TMA)
     k_a, k_b = _operand(Ka, Kb, start_n, sk_n, sk_d, n_k, keys, Table, Offset, 0.0, TURN, SHIFT,
                         -1, False, SPLIT, TWO_DOTS, BLOCK_N, HEAD_DIM, True, TMA)
@@ -208,6 +217,12 @@ def _dkdv_product(dv, v, K, sk_n, sk_d, Q, sq_b, sq_h, sq_n, sq_d, DO, sdo_b, sd
             cos, sin = _angles(Table, keys, Offset, TURN, SHIFT, -1, HEAD_DIM // 2)
             dk_a, dk_b = _unrotate(dk_a, dk_b, cos, sin)
         _store_halves(DK, keys, n_k, dk_a * sm_scale, dk_b * sm_scale, HEAD_DIM, ADD)
+    elif TURN_BACK:                       # pre-turned keys carry no offset
+        dk_a, dk_b = _as_halves(dk_a, dk_b, False)
+        if TURN:
+            cos, sin = _angles(Table, keys, Offset, TURN, False, -1, HEAD_DIM // 2)
+            dk_a, dk_b = _unrotate(dk_a, dk_b, cos, sin)
+        _store_halves(DK, keys, n_k, dk_a * sm_scale, dk_b * sm_scale, HEAD_DIM, ADD)
     else:
         _store_rows(DK, keys, n_k, dk_a * sm_scale, 0, HEAD_DIM, HEAD_DIM)
     return dv
@@ -224,10 +239,16 @@ def _bwd_dkdv_kernel(
     CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr,
     SPLIT: tl.constexpr, TWO_DOTS: tl.constexpr, LOGN: tl.constexpr,
     TURN_IN: tl.constexpr, SHIFT_IN: tl.constexpr, TURN_OUT: tl.constexpr,
-    SHIFT_OUT: tl.constexpr,
+    SHIFT_OUT: tl.constexpr, TURN_BACK: tl.constexpr = False,
 ):
     """Grid ``(cdiv(Nk, BLOCK_N), B * Hkv)``. Gradients are contiguous ``(B, Hkv, Nk, D)``:
-    ``DK1, DK2, DV`` in the five-tensor form; ``DK1`` (= dk) and ``DV`` with ``SPLIT``."""
+    ``DK1, DK2, DV`` in the five-tensor form; ``DK1`` (= dk) and ``DV`` with ``SPLIT``.
+
+    ``TURN_BACK`` (with ``SPLIT`` off): the five tensors are the products' operands pre-turned
+    from one ``q`` and one ``k`` (:func:`kernels.rotary.turn_operands`: keys by
+    ``R(speed·j)``, queries by log-n and ``R(speed·i + offset)``); each product's ``dK`` is
+    turned back by its key angle (``TURN_*``, tables as in the ``SPLIT`` form) and the two are
+    summed into ``DK1`` (= dk), as in the ``SPLIT`` form."""
     start_n = tl.program_id(0) * BLOCK_N
     batch = (tl.program_id(1) // n_kv_heads).to(tl.int64)
     kv_head = (tl.program_id(1) % n_kv_heads).to(tl.int64)
@@ -253,15 +274,17 @@ def _bwd_dkdv_kernel(
                        batch, kv_head, start_n, keys, keys_q, inside_clean, band, edge_inside,
                        n_heads, group, n_q, n_k, q_offset, window, qk_scale, sm_scale, TabIn,
                        OffIn, logn_factor, INSIDE, CAUSAL, TURN_IN, SHIFT_IN, LOGN, SPLIT,
-                       TWO_DOTS, False, BLOCK_M, BLOCK_N, HEAD_DIM, DOT_PRECISION, TMA)
-    if not SPLIT:
+                       TWO_DOTS, False, BLOCK_M, BLOCK_N, HEAD_DIM, DOT_PRECISION, TMA,
+                       TURN_BACK)
+    if not (SPLIT or TURN_BACK):
         DK = DK2 + out_offset
     dv = _dkdv_product(dv, v, K2 + batch * sk2_b + kv_head * sk2_h, sk2_n, sk2_d, Q2, sq2_b,
                        sq2_h, sq2_n, sq2_d, DO, sdo_b, sdo_h, sdo_n, sdo_d, Lse, Delta, DK,
                        batch, kv_head, start_n, keys, keys_q, outside_clean, band, edge_outside,
                        n_heads, group, n_q, n_k, q_offset, window, qk_scale, sm_scale, TabOut,
                        OffOut, logn_factor, OUTSIDE, CAUSAL, TURN_OUT, SHIFT_OUT, LOGN, SPLIT,
-                       TWO_DOTS, SPLIT, BLOCK_M, BLOCK_N, HEAD_DIM, DOT_PRECISION, TMA)
+                       TWO_DOTS, SPLIT or TURN_BACK, BLOCK_M, BLOCK_N, HEAD_DIM, DOT_PRECISION,
+                       TMA, TURN_BACK)
     _store_rows(DV + out_offset, keys, n_k, dv, 0, HEAD_DIM, HEAD_DIM)
 
 
@@ -319,10 +342,11 @@ def _dq_product(do, lse, delta, Q, sq_n, sq_d, start_m, n_q, rows, q_rows, Ka, K
                 TURN: tl.constexpr, SHIFT: tl.constexpr, LOGN: tl.constexpr,
                 SPLIT: tl.constexpr, TWO_DOTS: tl.constexpr, ADD: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-                DOT_PRECISION: tl.constexpr, TMA: tl.constexpr):
+                DOT_PRECISION: tl.constexpr, TMA: tl.constexpr, TURN_BACK: tl.constexpr):
     """Everything one product gives a query block's ``dQ``: its query operand (``Q`` is the
     block's ``(N, D)`` slice), its three walks, then the store at ``DQ`` (turned back to the
-    input queries in the ``SPLIT`` form; ``ADD``: added to the other product's)."""
+    input queries in the ``SPLIT`` form and with ``TURN_BACK`` — pre-turned operands, the same
+    angles; ``ADD``: added to the other product's)."""
     Qa, Qb = _halves(Q, sq_n, sq_d, n_q, BLOCK_M, HEAD_DIM, SPLIT, TMA)
     q_a, q_b = _operand(Qa, Qb, start_m, sq_n, sq_d, n_q, rows, Table, Offset, logn_factor, TURN,
                         SHIFT, 1, LOGN, SPLIT, TWO_DOTS, BLOCK_M, HEAD_DIM, True, TMA)
@@ -336,7 +360,7 @@ def _dq_product(do, lse, delta, Q, sq_n, sq_d, start_m, n_q, rows, q_rows, Ka, K
     dq_a, dq_b = _dq_pass(dq_a, dq_b, q_a, q_b, do, lse, delta, Ka, Kb, V, Table, sk_n, sk_d,
                           sv_n, sv_d, rows, edge, n_k, window, qk_scale, PRODUCT, True, CAUSAL,
                           TURN, SPLIT, TWO_DOTS, BLOCK_N, HEAD_DIM, DOT_PRECISION, TMA)
-    if SPLIT:
+    if SPLIT or TURN_BACK:
         _store_dq(DQ, q_rows, rows, n_q, dq_a, dq_b, Table, Offset, sm_scale, logn_factor, TURN,
                   SHIFT, LOGN, TWO_DOTS, HEAD_DIM, ADD)
     else:
@@ -354,10 +378,12 @@ def _bwd_dq_kernel(
     CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr,
     SPLIT: tl.constexpr, TWO_DOTS: tl.constexpr, LOGN: tl.constexpr,
     TURN_IN: tl.constexpr, SHIFT_IN: tl.constexpr, TURN_OUT: tl.constexpr,
-    SHIFT_OUT: tl.constexpr,
+    SHIFT_OUT: tl.constexpr, TURN_BACK: tl.constexpr = False,
 ):
     """Grid ``(cdiv(Nq, BLOCK_M), B * Hq)``. Gradients are contiguous ``(B, Hq, Nq, D)``:
-    ``DQ1, DQ2`` in the five-tensor form; ``DQ1`` (= dq) with ``SPLIT``."""
+    ``DQ1, DQ2`` in the five-tensor form; ``DQ1`` (= dq) with ``SPLIT`` or ``TURN_BACK``
+    (pre-turned operands, see :func:`_bwd_dkdv_kernel`: each product's ``dQ`` is turned back by
+    its query angle, scaled by log-n, and the two are summed)."""
     block = tl.program_id(0)
     if CAUSAL:   # the last query blocks have the most keys: start them first
         block = tl.num_programs(0) - 1 - block
@@ -392,11 +418,11 @@ def _bwd_dq_kernel(
                 rows, q_rows, K1a, K1b, sk1_n, sk1_d, V, sv_n, sv_d, TabIn, OffIn, logn_factor,
                 sm_scale, DQ, inside_clean, band, edge_inside, n_k, window, qk_scale, INSIDE,
                 CAUSAL, TURN_IN, SHIFT_IN, LOGN, SPLIT, TWO_DOTS, False, BLOCK_M, BLOCK_N,
-                HEAD_DIM, DOT_PRECISION, TMA)
-    if not SPLIT:
+                HEAD_DIM, DOT_PRECISION, TMA, TURN_BACK)
+    if not (SPLIT or TURN_BACK):
         DQ = DQ2 + out_offset
     _dq_product(do, lse, delta, Q2 + batch * sq2_b + head * sq2_h, sq2_n, sq2_d, start_m, n_q,
                 rows, q_rows, K2a, K2b, sk2_n, sk2_d, V, sv_n, sv_d, TabOut, OffOut,
                 logn_factor, sm_scale, DQ, outside_clean, band, edge_outside, n_k, window,
-                qk_scale, OUTSIDE, CAUSAL, TURN_OUT, SHIFT_OUT, LOGN, SPLIT, TWO_DOTS, SPLIT,
-                BLOCK_M, BLOCK_N, HEAD_DIM, DOT_PRECISION, TMA)
+                qk_scale, OUTSIDE, CAUSAL, TURN_OUT, SHIFT_OUT, LOGN, SPLIT, TWO_DOTS,
+                SPLIT or TURN_BACK, BLOCK_M, BLOCK_N, HEAD_DIM, DOT_PRECISION, TMA, TURN_BACK)

@@ -196,3 +196,86 @@ def turn_keys(k, table):
 def _logn_scale(positions, logn_factor):
     """Per-query log-n scale ``max(1, log2(i + 1) · logn_factor)`` (fp32)."""
     return tl.maximum(tl.math.log2(positions.to(tl.float32) + 1.0) * logn_factor, 1.0)
+
+
+# --- pre-turned operands for the backward ---------------------------------------------------------
+
+
+@triton.jit
+def _turn_operand(a, b, positions, Table, Offset, logn_factor, TURN: tl.constexpr,
+                  SHIFT: tl.constexpr, LOGN: tl.constexpr, HALF: tl.constexpr):
+    """One product's operand from the halves ``a, b`` (input dtype): scaled by log-n, turned by
+    ``R(speed · p + offset)``, in fp32, rounded once — the arithmetic of
+    :func:`kernels.forward._operand` (``SHIFT_SIGN`` 1), so the result is the tile a kernel
+    turns in registers, bit for bit."""
+    a32, b32 = a.to(tl.float32), b.to(tl.float32)
+    if LOGN:
+        scale = _logn_scale(positions, logn_factor)[:, None]
+        a32, b32 = a32 * scale, b32 * scale
+    if TURN or SHIFT:
+        cos, sin = _angles(Table, positions, Offset, TURN, SHIFT, 1, HALF)
+        a32, b32 = _rotate(a32, b32, cos, sin)
+    return a32.to(a.dtype), b32.to(b.dtype)
+
+
+@triton.jit
+def _turn_operands_kernel(X, Out1, Out2, Tab1, Off1, Tab2, Off2, sx_b, sx_h, sx_n, sx_d,
+                          n_heads, n_rows, first_position, logn_factor,
+                          HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, LOGN: tl.constexpr,
+                          WRITE1: tl.constexpr, TURN1: tl.constexpr, SHIFT1: tl.constexpr,
+                          WRITE2: tl.constexpr, TURN2: tl.constexpr, SHIFT2: tl.constexpr):
+    """Grid ``(cdiv(N, BLOCK), B · H)``: rows of one head of ``X`` (at positions
+    ``first_position + row``) read once, turned for each product that needs it (``WRITE1``,
+    ``WRITE2``) and stored to ``Out1`` / ``Out2`` (contiguous ``(B, H, N, D)``)."""
+    batch = tl.program_id(1) // n_heads
+    head = tl.program_id(1) % n_heads
+    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    positions = first_position + rows
+    half = tl.arange(0, HEAD_DIM // 2)[None, :]
+    keep = rows[:, None] < n_rows
+    src = (X + batch.to(tl.int64) * sx_b + head.to(tl.int64) * sx_h
+           + rows.to(tl.int64)[:, None] * sx_n)
+    a = tl.load(src + half * sx_d, mask=keep, other=0.0)
+    b = tl.load(src + (half + HEAD_DIM // 2) * sx_d, mask=keep, other=0.0)
+    dst = (tl.program_id(1).to(tl.int64) * n_rows + rows.to(tl.int64)[:, None]) * HEAD_DIM + half
+    if WRITE1:
+        a1, b1 = _turn_operand(a, b, positions, Tab1, Off1, logn_factor, TURN1, SHIFT1, LOGN,
+                               HEAD_DIM // 2)
+        tl.store(Out1 + dst, a1, mask=keep)
+        tl.store(Out1 + dst + HEAD_DIM // 2, b1, mask=keep)
+    if WRITE2:
+        a2, b2 = _turn_operand(a, b, positions, Tab2, Off2, logn_factor, TURN2, SHIFT2, LOGN,
+                               HEAD_DIM // 2)
+        tl.store(Out2 + dst, a2, mask=keep)
+        tl.store(Out2 + dst + HEAD_DIM // 2, b2, mask=keep)
+
+
+def turn_operands(x, inside, outside, first_position=0, logn_factor=0.0):
+    """Both products' operands from one read of ``x`` (``(B, H, N, D)``, any strides).
+
+    ``inside`` / ``outside``: ``(table, offset, turn, shift)`` of a product — its
+    :func:`rope_table` (read where ``turn``) and :func:`rotation_offset` vector (read where
+    ``shift``). Row ``r`` sits at position ``first_position + r`` and is scaled by log-n
+    (``logn_factor`` from :func:`logn_factor`, 0: off), then turned by
+    ``R(speed · p + offset)``. Returns ``(x1, x2)``: a new contiguous tensor in ``x``'s dtype
+    for a product that changes its operand, ``x`` itself for one that does not (nothing is
+    launched when neither does). Queries: ``first_position = Nk - Nq`` and both switches;
+    keys: ``shift`` off, ``logn_factor`` 0 (then a product's result equals :func:`turn_keys`).
+
+    The backward launcher uses it (:func:`kernels.attention.preturn_backward`): the two
+    backward kernels then read each product's operands as stored instead of turning every tile
+    of the other axis again in every program that reads it.
+    """
+    batch, heads, n_rows, head_dim = x.shape
+    logn = logn_factor != 0.0
+    writes = [logn or turn or shift for _, _, turn, shift in (inside, outside)]
+    outs = [torch.empty((batch, heads, n_rows, head_dim), dtype=x.dtype, device=x.device)
+            if write else x for write in writes]
+    if any(writes):
+        (tab1, off1, turn1, shift1), (tab2, off2, turn2, shift2) = inside, outside
+        _turn_operands_kernel[(triton.cdiv(n_rows, 64), batch * heads)](
+            x, outs[0], outs[1], tab1, off1, tab2, off2, *x.stride(), heads, n_rows,
+            first_position, logn_factor, HEAD_DIM=head_dim, BLOCK=64, LOGN=logn,
+            WRITE1=writes[0], TURN1=turn1, SHIFT1=shift1, WRITE2=writes[1], TURN2=turn2,
+            SHIFT2=shift2)
+    return outs[0], outs[1]

@@ -54,15 +54,20 @@ TORCH_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.flo
 FLOAT_ARGS = {"qk_scale", "sm_scale", "logn_factor"}
 FP32_POINTERS = {"Lse", "Delta", "TabIn", "OffIn", "TabOut", "OffOut"}
 
-# The two forms the kernels read (``SPLIT``): the five tensors of ``rerope_attention``, and
+# The forms the kernels read (``SPLIT``): the five tensors of ``rerope_attention``, and
 # ``q, k`` of ``rerope`` with every rotation switched on (Leaky ReRoPE from raw inputs rotates
-# both operands of both products) and log-n: the most the fused form ever does.
+# both operands of both products) and log-n: the most the fused form ever does. "preturned":
+# the backward of ``rerope`` on pre-turned operands (five-tensor reads, gradients turned back
+# and summed in the store, ``TURN_BACK``); the forward has no such form.
 FORMS = {
     "five": dict(SPLIT=False, LOGN=False, TURN_IN=False, SHIFT_IN=False, TURN_OUT=False,
-                 SHIFT_OUT=False),
+                 SHIFT_OUT=False, TURN_BACK=False),
     "fused": dict(SPLIT=True, LOGN=True, TURN_IN=True, SHIFT_IN=False, TURN_OUT=True,
-                  SHIFT_OUT=True),
+                  SHIFT_OUT=True, TURN_BACK=False),
+    "preturned": dict(SPLIT=False, LOGN=True, TURN_IN=True, SHIFT_IN=False, TURN_OUT=True,
+                      SHIFT_OUT=True, TURN_BACK=True),
 }
+BACKWARD_ONLY = {"preturned"}
 
 
 def _configs(kernel, form, head_dim, cap, elem_bytes):
@@ -87,7 +92,8 @@ def jobs(full=FULL):
     Full: every configuration for D = 64 and 128 (and 256 on sm_90), fp16 and fp32, plus bf16
     from sm_80 on. Default: per capability, the configuration of the dK/dV and of the dQ kernel
     (they keep the most on chip) whose estimate is closest to, or over, the GPU's limit — the
-    ones most likely not to fit — and of the forward too on sm_89 (quick to compile there).
+    ones most likely not to fit — and of the forward too on sm_89 (quick to compile there); the
+    pre-turned backward's form on sm_75 and sm_90 only.
     """
     from kernels import configs
     from kernels.attention import _KERNELS
@@ -100,14 +106,18 @@ def jobs(full=FULL):
         found = [{"kernel": kernel, "form": form, "capability": list(cap),
                   "head_dim": head_dim, "dtype": dtype, "limit": limit, **c}
                  for head_dim in head_dims for dtype in dtypes for kernel in _KERNELS
-                 for form in FORMS
+                 for form in FORMS if not (kernel == "fwd" and form in BACKWARD_ONLY)
                  for c in _configs(kernel, form, head_dim, cap, TORCH_DTYPES[dtype].itemsize)]
         if not full:
             riskiest = {}
             for job in sorted(found, key=lambda j: -j["estimate"] / j["limit"]):
                 riskiest.setdefault((job["kernel"], job["form"]), job)
             kernels = ("dkdv", "dq", "fwd") if cap == (8, 9) else ("dkdv", "dq")
-            found = [riskiest[kernel, form] for kernel in kernels for form in FORMS]
+            # the pre-turned backward reads like the five-tensor one (same configurations):
+            # by default compiled only where shared memory is tightest and where it is measured
+            forms = [f for f in FORMS if f not in BACKWARD_ONLY or cap in ((7, 5), (9, 0))]
+            found = [riskiest[kernel, form] for kernel in kernels for form in forms
+                     if (kernel, form) in riskiest]
         todo += found
     return todo
 
@@ -161,6 +171,7 @@ def _source(job):
                       job["head_dim"] >= 32, **FORMS[job["form"]])
     if job["kernel"] == "fwd":          # key tiles turned in the kernel (not pre-turned)
         constexprs.update(TURN_K_IN=constexprs["TURN_IN"], TURN_K_OUT=constexprs["TURN_OUT"])
+        del constexprs["TURN_BACK"]         # a backward-only switch
     missing = [p.name for p in fn.params if p.is_constexpr and p.name not in constexprs]
     if missing:
         raise RuntimeError(f"no value for constexpr parameters {missing} of {job['kernel']}")

@@ -290,3 +290,218 @@ def test_bad_input(bad, error, match):
     k, v = (torch.randn(1, 1, k_len, d, dtype=dtype) for _ in range(2))
     with pytest.raises(error, match=match):
         kernels.rerope(q, k, v, bad.pop("window", 4), **bad)
+
+
+# --- the backward on pre-turned operands (attention.preturn_backward) -----------------------------
+
+
+@pytest.fixture
+def backward_path(monkeypatch):
+    """``force(path)``: make the fused backward pre-turn its operands (``"preturned"``) or turn
+    tiles in registers (``"in_registers"``) whatever the size; returns the calls of
+    ``turn_operands`` seen since, to prove which path ran."""
+    from kernels import attention
+
+    calls = []
+    real = attention.turn_operands
+    monkeypatch.setattr(attention, "turn_operands",
+                        lambda *a, **kw: calls.append(a[0].shape) or real(*a, **kw))
+
+    def force(path):
+        min_keys = 0 if path == "preturned" else 1 << 62
+        monkeypatch.setattr(attention, "PRETURN_BWD_MIN_KEYS", min_keys)
+        monkeypatch.setattr(attention, "PRETURN_BWD_MAX_BYTES", 1 << 62)
+        calls.clear()
+        return calls
+
+    return force
+
+
+@pytest.mark.parametrize("case", CASES, ids=FusedCase.id)
+def test_preturned_backward_matches_oracle(case, gen, backward_path):
+    """The grid of ``test_matches_oracle`` with the backward on pre-turned operands."""
+    calls = backward_path("preturned")
+    leaves, dout = fused_inputs(gen, case)
+    got = fused_results(leaves, dout, case.window, **settings(case))
+    assert len(calls) == 2, "the backward did not pre-turn q and k"
+    want = oracle_results(leaves, dout, case.window, **settings(case))
+    assert {t.dtype for t in got.values()} == {case.dtype}
+    log_errors(case.dtype, {n: error_stats(got[n], want[n]) for n in NAMES})
+    problems = results_problems(got, want, tolerance(case.dtype))
+    assert not problems, describe(gen, preturn=True, **asdict(case)) + "\n" + "\n".join(problems)
+
+
+BOTH_PATHS_CASES = [
+    C(50, window=14), C(50, window=14, rotated=True, dtype=F16), C(50, window=9, leaky=4.0),
+    C(33, 70, 9, leaky=3.0, logn_len=8.0, rotated=True), C(7, 100, 13, dtype=F16),
+    C(24, 40, 7, batch=2, hq=4, hkv=2, dtype=F16, layout="transposed", rotated=True),
+    C(40, window=9, dtype=BF16, logn_len=5.0),
+]
+
+
+@pytest.mark.parametrize("case", BOTH_PATHS_CASES, ids=FusedCase.id)
+def test_both_backward_paths_agree(case, gen, backward_path):
+    """Pre-turned and in registers, the same gradients within the dtype's tolerance (scaled by
+    the largest gradient; the two differ in roundings only: the dK/dV kernel in registers moves
+    each product's query offset onto its keys, the pre-turned one reads the forward's operands)."""
+    leaves, dout = fused_inputs(gen, case)
+    got = {}
+    for path in ("in_registers", "preturned"):
+        calls = backward_path(path)
+        got[path] = fused_results(leaves, dout, case.window, **settings(case))
+        assert bool(calls) == (path == "preturned"), f"the {path} path did not run"
+    assert torch.equal(got["in_registers"]["out"], got["preturned"]["out"])   # one forward
+    problems = results_problems(got["preturned"], got["in_registers"], tolerance(case.dtype),
+                                names=list(NAMES[1:]))
+    assert not problems, describe(gen, **asdict(case)) + "\n" + "\n".join(problems)
+
+
+@pytest.mark.parametrize("rotated", [False, True], ids=["raw", "rotated"])
+@pytest.mark.parametrize("extra", [{}, {"leaky": 4.0, "logn_len": 8.0}],
+                         ids=["rerope", "leaky-logn"])
+def test_preturned_dq_is_bit_identical_at_d16(rotated, extra, gen, backward_path):
+    """Where the arithmetic is the same, so are the bits: at D = 16 (halves joined, one dot in
+    both paths) the dQ kernel turns exactly the tiles the pre-turn writes, so ``dq`` is equal to
+    the last bit; ``dk, dv`` agree within tolerance (the dK/dV kernel in registers turns keys by
+    ``R(speed·j − offset)``)."""
+    case = C(40, window=7, d=16, rotated=rotated, dtype=F16, hq=2, hkv=1, **extra)
+    leaves, dout = fused_inputs(gen, case)
+    got = {}
+    for path in ("in_registers", "preturned"):
+        backward_path(path)
+        got[path] = fused_results(leaves, dout, case.window, **settings(case))
+    assert torch.equal(got["in_registers"]["dq"], got["preturned"]["dq"])
+    problems = results_problems(got["preturned"], got["in_registers"], tolerance(case.dtype),
+                                names=["dk", "dv"])
+    assert not problems, describe(gen, **asdict(case)) + "\n" + "\n".join(problems)
+
+
+def _rotations_for(case, device="cpu"):
+    from kernels import attention
+
+    return attention._rotations(case.n_k, case.d, 10000.0, case.window, case.leaky,
+                                case.logn_len, case.rotated, device)
+
+
+@pytest.mark.parametrize("rotated", [False, True], ids=["raw", "rotated"])
+def test_turn_operands_keys_are_turn_keys_bit_for_bit(rotated, gen):
+    """Keys pre-turned for the backward are the forward's pre-turned keys (``turn_keys``), bit
+    for bit; a product that does not turn keys gets ``k`` itself (no copy)."""
+    from kernels.rotary import turn_keys, turn_operands
+
+    case = C(70, window=9, rotated=rotated, leaky=4.0, dtype=F16)
+    k = _place(randn(gen, 2, 3, 70, 32, dtype=F16), "transposed")
+    ops = _rotations_for(case)
+    tab_in, off_in, tab_out, off_out = ops.tables
+    k1, k2 = turn_operands(k, (tab_in, off_in, ops.flags["TURN_IN"], False),
+                           (tab_out, off_out, ops.flags["TURN_OUT"], False))
+    for turned, table, turns in ((k1, tab_in, ops.flags["TURN_IN"]),
+                                 (k2, tab_out, ops.flags["TURN_OUT"])):
+        if turns:
+            assert turned.is_contiguous() and turned.dtype == k.dtype
+            assert torch.equal(turned, turn_keys(k, table))
+        else:
+            assert turned is k
+    plain = C(70, window=9, rotated=rotated)            # ReRoPE: one product turns no keys
+    ops = _rotations_for(plain)
+    k1, k2 = turn_operands(k, (ops.tables[0], ops.tables[1], ops.flags["TURN_IN"], False),
+                           (ops.tables[2], ops.tables[3], ops.flags["TURN_OUT"], False))
+    assert (k1 is k) != (k2 is k)
+
+
+@pytest.mark.parametrize("rotated", [False, True], ids=["raw", "rotated"])
+@pytest.mark.parametrize("logn_len", [None, 8.0], ids=["plain", "logn"])
+def test_turn_operands_queries_are_rope_at_each_products_angle(rotated, logn_len, gen):
+    """Query row ``r`` at position ``p = Nk − Nq + r``, for each product: scaled by log-n, then
+    RoPE at ``speed · p + offset`` (float64 oracle); one that changes nothing returns ``q``."""
+    from kernels.rope import apply_rope
+    from kernels.rotary import logn_factor, rotation_plan, turn_operands
+
+    case = C(23, 60, 9, rotated=rotated, leaky=4.0 if rotated else None, logn_len=logn_len)
+    q = _place(randn(gen, 1, 4, 23, 32, dtype=F32), "transposed")
+    ops = _rotations_for(case)
+    tab_in, off_in, tab_out, off_out = ops.tables
+    f = ops.flags
+    turned = turn_operands(q, (tab_in, off_in, f["TURN_IN"], f["SHIFT_IN"]),
+                           (tab_out, off_out, f["TURN_OUT"], f["SHIFT_OUT"]), 60 - 23,
+                           logn_factor(logn_len))
+    positions = torch.arange(37, 60, dtype=torch.float64)
+    scale = (torch.ones_like(positions) if logn_len is None else
+             (torch.log(positions + 1) / torch.log(torch.tensor(logn_len))).clamp(min=1))
+    for got, rot in zip(turned, rotation_plan(case.window, case.leaky, rotated)):
+        if not (rot.rotates_queries or logn_len):
+            assert got is q
+            continue
+        want = apply_rope(q.double() * scale[:, None], rot.speed * positions + rot.offset)
+        assert got.is_contiguous()
+        torch.testing.assert_close(got.double(), want, rtol=0, atol=2e-5)
+
+
+def test_preturn_policy_and_extra_bytes(gen, monkeypatch):
+    """The extra memory is one ``q``-sized tensor per product that changes its query operand and
+    one ``k``-sized per product that turns keys; over the byte limit, or below
+    ``PRETURN_BWD_MIN_KEYS`` keys, the backward turns tiles in registers."""
+    from kernels import attention
+
+    q = torch.empty(2, 4, 10, 32, dtype=F16)
+    k = torch.empty(2, 2, 30, 32, dtype=F16)
+    qb, kb = q.numel() * 2, k.numel() * 2
+    for kw, want in ((dict(), 2 * qb + kb), (dict(rotated=True), qb + kb),
+                     (dict(leaky=4.0), 2 * qb + 2 * kb), (dict(rotated=True, logn_len=8.0),
+                                                          2 * qb + kb)):
+        ops = _rotations_for(C(10, 30, 5, d=32, **kw))
+        assert attention._preturned_shapes(q, k, ops)[1] == want, kw
+    monkeypatch.setattr(attention, "PRETURN_BWD_MAX_BYTES", 1000)
+    assert attention.preturn_memory_limit("cpu") == 1000
+    assert attention.preturn_backward(1 << 20, 1000, "cpu")
+    assert not attention.preturn_backward(1 << 20, 1001, "cpu")
+    assert not attention.preturn_backward(attention.PRETURN_BWD_MIN_KEYS - 1, 0, "cpu")
+
+
+def test_backward_falls_back_to_registers_when_memory_is_tight(gen, backward_path, monkeypatch):
+    """Long enough to pre-turn, but over the byte limit: the in-register path runs, and is right."""
+    from kernels import attention
+
+    calls = backward_path("preturned")
+    monkeypatch.setattr(attention, "PRETURN_BWD_MAX_BYTES", 0)
+    case = C(40, window=9, rotated=True)
+    leaves, dout = fused_inputs(gen, case)
+    got = fused_results(leaves, dout, case.window, **settings(case))
+    assert not calls, "pre-turned although over the byte limit"
+    want = oracle_results(leaves, dout, case.window, **settings(case))
+    problems = results_problems(got, want, tolerance(case.dtype))
+    assert not problems, describe(gen, **asdict(case)) + "\n" + "\n".join(problems)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("rotated", [False, True], ids=["raw", "rotated"])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("dtype", [F16, BF16], ids=["fp16", "bf16"])
+def test_both_backward_paths_at_full_size(dtype, d, rotated):
+    """The benchmark's shape (B=1, H=32, N=8192, W=2048, causal): both backward paths on one
+    forward, against each other and against a float32 reference on two heads."""
+    from kernels import attention
+
+    n, w, scale = 8192, 2048, d ** -0.5
+    gen = torch.Generator(device="cuda").manual_seed(d + rotated)
+    q, k, v, dout = (torch.randn(1, 32, n, d, device="cuda", dtype=dtype, generator=gen)
+                     for _ in range(4))
+    ops = attention._rotations(n, d, 10000.0, w, None, None, rotated, q.device)
+    out, lse = attention.rerope_forward(q, q, k, k, v, w, True, scale, ops)
+    grads = {p: dict(zip(NAMES[1:], attention.rerope_backward(
+        dout, q, q, k, k, v, out, lse, w, True, scale, ops, preturn=p))) for p in (False, True)}
+    tol = tolerance(dtype, "gpu")
+    problems = results_problems(grads[True], grads[False], tol)
+    leaves = [t[:, :2].float().requires_grad_() for t in (q, k, v)]
+    was = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False          # a true float32 reference
+    try:
+        ref = torch.autograd.grad(reference.rerope(*leaves, w, rotated=rotated), leaves,
+                                  dout[:, :2].float())
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = was
+    want = dict(zip(NAMES[1:], ref))
+    for p in (False, True):
+        problems += results_problems({n_: g[:, :2] for n_, g in grads[p].items()}, want, tol)
+    assert not problems, "\n".join(problems)

@@ -1,0 +1,170 @@
+"""GPU probe: the fused backward on pre-turned operands against turning tiles in registers, and
+against plain RoPE + SDPA cuDNN (issue 20).
+
+    KERNELS_AUTOTUNE=0 python perf/probe_preturn_bwd.py --out book/data/preturn_bwd_h200.json
+
+Three parts, one process (plus compile warm-up workers):
+
+1. Warm-up: every Triton kernel variant the run needs is compiled first by parallel worker
+   processes (one per dtype, D, convention and backward path, at N = 1024 and 4096 — the same
+   specialisations as every N of the run, below and above the forward's key pre-turn
+   threshold), which fill Triton's on-disk cache.
+2. Check at full size (B = 1, H = 32, N = 8192, W = 2048, causal), fp16 and bf16, D = 64 and
+   128, raw and rotated: ``kernels.attention.rerope_backward`` with ``preturn=False`` (in
+   registers) and ``True`` (pre-turned) on the same forward; the largest difference between the
+   two, relative to the largest gradient, and each one's error against a float32 reference
+   (``kernels.reference.rerope``, first two heads).
+3. Timing, forward + backward, with the benchmark's own ``kernels.bench.measure_case`` (median
+   of CUDA-event timings, L2 flushed, inputs requiring grad, ``torch.autograd.grad``):
+   ``rerope_raw`` / ``rerope_rotated`` with each backward path (forced through
+   ``attention.PRETURN_BWD_MIN_KEYS``), and ``rope_sdpa_cudnn``; N = 8192 for fp16 and bf16,
+   D = 64 and 128, and the sweep N = 1k … 32k for fp16.
+
+Rows: ``{"part": "check" | "time", "impl", "path", "dtype", "D", "N", ...}`` with ``ms`` (and
+``vs_rope_cudnn``: the cuDNN + RoPE time over ours, > 1 when ours is faster) for timings, and the
+differences for checks; ``meta`` has the device, versions and thresholds. The file is rewritten
+after every row, so a run cut short keeps what it measured.
+"""
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import kernels  # noqa: E402  (before triton: the interpreter is chosen at import)
+from kernels import attention, bench, reference  # noqa: E402
+
+import triton  # noqa: E402
+
+WINDOW = 2048
+HEADS = 32
+PATHS = {"in_registers": 1 << 62, "preturned": 0}     # PRETURN_BWD_MIN_KEYS forcing each path
+SWEEP = (1024, 2048, 4096, 8192, 16384, 32768)
+
+
+def _inputs(n, d, dtype, seed):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    return [torch.randn(1, HEADS, n, d, device="cuda", dtype=dtype, generator=gen)
+            for _ in range(4)]
+
+
+def warm(job):
+    """Compile the kernels of one (dtype, D, convention, path) at N = 1024 and 4096."""
+    dtype, d, rotated, path = job
+    attention.PRETURN_BWD_MIN_KEYS = PATHS[path]
+    attention.PRETURN_BWD_MAX_BYTES = 1 << 62
+    for n in (1024, 4096) if dtype == "float16" else (4096,):    # bf16: N = 8192 only
+        q, k, v, dout = (t.requires_grad_() for t in _inputs(n, d, getattr(torch, dtype), 0))
+        out = kernels.rerope(q, k, v, WINDOW, rotated=rotated)
+        torch.autograd.grad(out, (q, k, v), dout)
+    torch.cuda.synchronize()
+
+
+def warm_all():
+    jobs = [(dtype, d, rotated, path) for dtype in ("float16", "bfloat16") for d in (64, 128)
+            for rotated in (False, True) for path in PATHS]
+    start = time.time()
+    procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), "--warm",
+                               json.dumps(job)]) for job in jobs]
+    codes = [p.wait() for p in procs]
+    print(f"warm-up: {len(jobs)} workers, {time.time() - start:.0f} s, exit codes {codes}",
+          flush=True)
+
+
+def check(dtype, d, rotated):
+    """Both backward paths on one forward at N = 8192; their difference, and their errors
+    against a float32 reference on the first two heads."""
+    n = 8192
+    q, k, v, dout = _inputs(n, d, dtype, 1)
+    scale = d ** -0.5
+    ops = attention._rotations(n, d, 10000.0, WINDOW, None, None, rotated, q.device)
+    out, lse = attention.rerope_forward(q, q, k, k, v, WINDOW, True, scale, ops)
+    grads = {path: attention.rerope_backward(dout, q, q, k, k, v, out, lse, WINDOW, True, scale,
+                                             ops, preturn=path == "preturned")
+             for path in PATHS}
+    leaves = [t[:, :2].float().requires_grad_() for t in (q, k, v)]
+    ref_out = reference.rerope(*leaves, WINDOW, causal=True, rotated=rotated)
+    ref = torch.autograd.grad(ref_out, leaves, dout[:, :2].float())
+    row = {"part": "check", "dtype": str(dtype).replace("torch.", ""), "D": d, "N": n,
+           "H": HEADS, "rotated": rotated,
+           "extra_bytes": attention._preturned_shapes(q, k, ops)[1]}
+    for i, name in enumerate(("dq", "dk", "dv")):
+        old, new = grads["in_registers"][i].float(), grads["preturned"][i].float()
+        row[f"{name}_diff_rel"] = ((new - old).abs().max() / old.abs().max()).item()
+        row[f"{name}_bitwise_equal"] = bool(torch.equal(grads["in_registers"][i],
+                                                        grads["preturned"][i]))
+        want = ref[i]
+        for path, got in (("in_registers", old), ("preturned", new)):
+            row[f"{name}_err_{path}"] = ((got[:, :2] - want).abs().max()
+                                         / want.abs().max()).item()
+    del ref_out, ref, leaves
+    torch.cuda.empty_cache()
+    return row
+
+
+def timing(impl, path, dtype, d, n):
+    shape = bench.Shape(B=1, H=HEADS, N=n, D=d, window=WINDOW, dtype=dtype, causal=True)
+    if path is not None:
+        attention.PRETURN_BWD_MIN_KEYS = PATHS[path]
+    ms, peak, _ = bench.measure_case(impl, "fwd+bwd", shape)
+    torch.cuda.empty_cache()
+    return {"part": "time", "impl": impl, "path": path, "mode": "fwd+bwd", "dtype": dtype,
+            "D": d, "N": n, "B": 1, "H": HEADS, "window": WINDOW, "ms": ms,
+            "peak_gb": peak / 1e9}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", default="book/data/preturn_bwd_h200.json")
+    parser.add_argument("--warm", help=argparse.SUPPRESS)
+    parser.add_argument("--no-warm", action="store_true", help="skip the parallel warm-up")
+    args = parser.parse_args()
+    if args.warm:
+        warm(json.loads(args.warm))
+        return
+    default_min_keys = attention.PRETURN_BWD_MIN_KEYS
+    meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+            "triton": triton.__version__,
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "autotune": os.environ.get("KERNELS_AUTOTUNE", "1") != "0",
+            "PRETURN_MIN_KEYS": attention.PRETURN_MIN_KEYS,
+            "PRETURN_BWD_MIN_KEYS": default_min_keys,
+            "preturn_memory_limit": attention.preturn_memory_limit(torch.device("cuda")),
+            "paths": "forced per row (PRETURN_BWD_MIN_KEYS 0 or 2**62), not the policy",
+            "timing": "kernels.bench.measure_case (median CUDA events, L2 flushed)"}
+    rows = []
+
+    def save(row):
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        bench.write_results(args.out, rows, meta)
+
+    attention.PRETURN_BWD_MAX_BYTES = 1 << 62       # the paths are forced, memory is plenty
+    if not args.no_warm:
+        warm_all()
+    for dtype in (torch.float16, torch.bfloat16):
+        for d in (64, 128):
+            for rotated in (False, True):
+                save(check(dtype, d, rotated))
+    cells = [(dtype, d, 8192) for dtype in ("float16", "bfloat16") for d in (64, 128)]
+    cells += [("float16", d, n) for d in (64, 128) for n in SWEEP if n != 8192]
+    for dtype, d, n in cells:
+        base = timing("rope_sdpa_cudnn", None, dtype, d, n)
+        save(base)
+        for impl in ("rerope_raw", "rerope_rotated"):
+            for path in PATHS:
+                row = timing(impl, path, dtype, d, n)
+                row["vs_rope_cudnn"] = round(base["ms"] / row["ms"], 3)
+                save(row)
+    attention.PRETURN_BWD_MIN_KEYS = default_min_keys
+
+
+if __name__ == "__main__":
+    main()
