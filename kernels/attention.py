@@ -55,36 +55,40 @@ def _capability(device):
     return torch.cuda.get_device_capability(device)
 
 
-_LAUNCHERS = PlanCache(limit=256)
-
-
 def _launch(kernel, blocks_of, rows, programs, args, **constexprs):
     """Launch ``kernel`` over ``(cdiv(rows, meta[blocks_of]), programs)``.
 
     On a GPU the kernel is autotuned (:func:`_autotuned`) on its first call per key, and the
     compiled winner is then bound to a :class:`kernels.launch.Launcher`, kept per exact
-    argument list (integers by value, tensors by dtype and pointer alignment: what Triton
-    specialises on), so a repeated call skips Triton's ~70 µs Python launch path.
+    argument list (:func:`_bound`), so a repeated call skips Triton's ~70 µs Python launch path.
     """
-    key = (kernel, rows, programs, tuple(constexprs.items()),
+    def make():
+        if INTERPRET:
+            config = configs.INTERPRETER_CONFIG
+            return Launcher(_KERNELS[kernel], (triton.cdiv(rows, config[blocks_of]), programs),
+                            **constexprs, **config)
+        if constexprs["TMA"]:
+            _ensure_scratch_allocator()
+        tuned = _autotuned(kernel, constexprs["HEAD_DIM"], _capability(args[0].device),
+                           args[0].element_size(), constexprs["SPLIT"])
+        return Launcher(tuned, lambda meta: (triton.cdiv(rows, meta[blocks_of]), programs),
+                        **constexprs)
+
+    _bound((kernel, rows, programs), args, constexprs, make)(*args)
+
+
+_LAUNCHERS = PlanCache(limit=256)
+
+
+def _bound(where, args, constexprs, make):
+    """The :class:`kernels.launch.Launcher` of a launch, kept per exact argument list: integers
+    by value, tensors by dtype and pointer alignment (what Triton specialises a compiled kernel
+    on), with ``where`` (kernel and grid) and the constexprs; ``make()`` builds a new one."""
+    key = (where, tuple(constexprs.items()),
            tuple((a.dtype, a.data_ptr() % 16 == 0) if isinstance(a, torch.Tensor) else a
                  for a in args))
     launcher = _LAUNCHERS.get(key)
-    if launcher is None:
-        if INTERPRET:
-            target, grid = _KERNELS[kernel], (triton.cdiv(rows, configs.INTERPRETER_CONFIG[blocks_of]),
-                                              programs)
-            constexprs = {**constexprs, **configs.INTERPRETER_CONFIG}
-        else:
-            if constexprs["TMA"]:
-                _ensure_scratch_allocator()
-            target = _autotuned(kernel, constexprs["HEAD_DIM"], _capability(args[0].device),
-                                args[0].element_size(), constexprs["SPLIT"])
-
-            def grid(meta):
-                return (triton.cdiv(rows, meta[blocks_of]), programs)
-        launcher = _LAUNCHERS.put(key, Launcher(target, grid, **constexprs))
-    launcher(*args)
+    return launcher if launcher is not None else _LAUNCHERS.put(key, make())
 
 
 def _strides(*tensors):
@@ -298,9 +302,11 @@ def rerope_backward(dout, q1, q2, k1, k2, v, out, lse, window, causal, sm_scale,
     n_kv_heads, n_k = k1.shape[1], k1.shape[2]
     group = n_heads // n_kv_heads
     delta = torch.empty_like(lse)
-    _bwd_delta_kernel[(triton.cdiv(n_q, configs.DELTA_BLOCK_M), batch * n_heads)](
-        out, dout, delta, *_strides(out, dout), n_heads, n_q,
-        HEAD_DIM=head_dim, BLOCK_M=configs.DELTA_BLOCK_M)
+    args = (out, dout, delta, *_strides(out, dout), n_heads, n_q)
+    grid = (triton.cdiv(n_q, configs.DELTA_BLOCK_M), batch * n_heads)
+    constexprs = dict(HEAD_DIM=head_dim, BLOCK_M=configs.DELTA_BLOCK_M)
+    _bound(("delta", grid), args, constexprs,
+           lambda: Launcher(_bwd_delta_kernel, grid, **constexprs))(*args)
     split = operands is not None
     operands = operands or _five_tensors(lse)
     constexprs = operands.constexprs(head_dim)

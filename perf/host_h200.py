@@ -23,7 +23,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import kernels  # noqa: E402
+from kernels import attention, decode  # noqa: E402
 from probe_fused import host_time  # noqa: E402
+
+
+CHECKS = {}
+PROFILE = os.environ.get("HOST_PROFILE")      # a path prefix: write cProfile tables there
 
 
 def rows_for(n, calls):
@@ -46,6 +51,14 @@ def rows_for(n, calls):
     qd = torch.randn(1, 32, 1, 64, device=dev, dtype=bf16)
     kd, vd = (torch.randn(1, 8, n, 64, device=dev, dtype=bf16) for _ in range(2))
     timings = {}
+    with torch.no_grad():      # a bound launch gives the first (Triton-launched) call's result
+        first, first_decode = rerope(), kernels.rerope_decode(qd, kd, vd, 32)
+        again, again_decode = rerope(), kernels.rerope_decode(qd, kd, vd, 32)
+        CHECKS[n] = dict(fwd_equal=bool(torch.equal(first, again)),
+                         decode_equal=bool(torch.equal(first_decode, again_decode)),
+                         fwd_bound=all(l.bound for l in attention._LAUNCHERS._plans.values()),
+                         decode_bound=all(p.split.bound
+                                          for p in decode._PLANS._plans.values()))
     with torch.no_grad():
         timings["rerope_fwd"] = host_time(rerope, calls)
         timings["sdpa_fwd"] = host_time(sdpa, calls)
@@ -54,6 +67,18 @@ def rows_for(n, calls):
             lambda: F.scaled_dot_product_attention(qd, kd, vd, enable_gqa=True), calls)
     timings["rerope_fwd_bwd"] = host_time(fwd_bwd(rerope), calls)
     timings["sdpa_fwd_bwd"] = host_time(fwd_bwd(sdpa), calls)
+    if PROFILE:                      # where the host time of a call goes (cProfile, cumulative)
+        import cProfile
+        import io
+        import pstats
+        for name, fn in (("rerope_fwd_bwd", fwd_bwd(rerope)), ("rerope_fwd", rerope),
+                         ("rerope_decode", lambda: kernels.rerope_decode(qd, kd, vd, 32))):
+            profiler = cProfile.Profile()
+            profiler.runcall(lambda: [fn() for _ in range(100)])
+            text = io.StringIO()
+            pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(25)
+            with open(f"{PROFILE}_{name}.txt", "w") as f:
+                f.write(text.getvalue())
     return [dict(impl=impl, N=n, python_us=round(us, 1)) for impl, us in timings.items()]
 
 
@@ -73,7 +98,9 @@ def main():
             "autotune": os.environ.get("KERNELS_AUTOTUNE", "1") != "0",
             "shapes": "fwd, fwd_bwd: B=1 H=32 D=64 fp16 causal, raw q, k, window 32; decode: "
                       "B=1 Hq=32 Hkv=8 D=64 bf16, one query, window 32",
-            "unit": f"microseconds of host time per call ({args.calls} calls, one sync)"}
+            "unit": f"microseconds of host time per call ({args.calls} calls, one sync)",
+            "bound_launch_checks": CHECKS}
+    print(CHECKS, flush=True)
     with open(args.out, "w") as f:
         json.dump({"meta": meta, "rows": rows}, f, indent=1)
 
