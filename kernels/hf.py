@@ -49,6 +49,7 @@ with the sequence length) and ``longrope`` (two sets switched by length) are ref
 transformers is imported inside the functions, so ``import kernels`` stays light.
 """
 
+import copy
 import functools
 import hashlib
 import math
@@ -134,8 +135,9 @@ def enable_rerope(model, window, leaky=None, logn_len=None):
     model (``model.to(dtype)`` casts that buffer too). YaRN's attention factor is already in
     the rotated ``q, k`` (module docstring). The switch is made on ``model.config``: models
     built from the same config object switch together. Undo with :func:`disable_rerope`.
-    Prefill (and training: the op is differentiable) runs :func:`kernels.rerope`, generation steps of up to 16 new tokens
-    :func:`kernels.rerope_decode`, both with ``rotated=True`` on the model's own cache.
+    Prefill (and training: the op is differentiable) runs :func:`kernels.rerope`, generation
+    steps of up to 16 new tokens :func:`kernels.rerope_decode`, both with ``rotated=True`` on
+    the model's own cache.
     """
     config = _check_model(model)
     rope_type, base, inv_freq = _model_frequencies(model, config)
@@ -214,7 +216,7 @@ def _check_model(model):
                          "None before building the model)")
     if not getattr(config, "is_causal", True):
         raise ValueError("config.is_causal is False: ReRoPE here supports causal attention only")
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    head_dim = _head_dim(config)
     if head_dim not in HEAD_DIMS:
         raise ValueError(f"the model's head dim is {head_dim}; the kernels take {HEAD_DIMS}")
     _rope_type(_rope_parameters(config))
@@ -274,7 +276,8 @@ def _model_frequencies(model, config):
                          "dim is not supported, the kernels rotate every dimension")
     if rope_type == "default":
         exact = rope_frequencies(head_dim, base)
-        if bool(((torch.tensor(inv_freq, dtype=torch.float64) - exact).abs() <= 1e-6 * exact).all()):
+        error = (torch.tensor(inv_freq, dtype=torch.float64) - exact).abs()
+        if bool((error <= 1e-6 * exact).all()):      # the base's, rounded to float32 at most
             return rope_type, base, None
     return rope_type, DEFAULT_BASE, inv_freq
 
@@ -297,7 +300,8 @@ def _frequencies_from_config(config, rope_type, base, head_dim):
         return rope_frequencies(head_dim, base)
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    inv_freq, _attention_factor = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
+    # a copy: these functions may rewrite the config's RoPE parameters in place
+    inv_freq, _attention_factor = ROPE_INIT_FUNCTIONS[rope_type](copy.deepcopy(config), "cpu")
     return inv_freq
 
 

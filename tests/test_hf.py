@@ -364,6 +364,10 @@ def test_rope_type_of_the_rotary_module_is_checked():
     model.config.rope_parameters = {"rope_type": "default", "rope_theta": 10000.0}
     with pytest.raises(ValueError, match="LlamaRotaryEmbedding.rope_type.*'dynamic'"):
         hf.enable_rerope(model, 4)
+    model.model.rotary_emb.rope_type = "mystery"
+    with pytest.raises(ValueError, match="rope_type 'mystery'.*kernels.hf does not support"):
+        hf.enable_rerope(model, 4)
+    assert model.config._attn_implementation == "sdpa"
 
 
 # --- RoPE types: the model's own frequencies ------------------------------------------------------
@@ -467,6 +471,20 @@ def test_frequencies_are_resolved_once_at_enable_time(monkeypatch):
     expected.set_attn_implementation(register_reference(
         4, 10000.0, inv_freq=config_frequencies(expected.config)[0]))
     assert max_error(before, logits_of(expected, ids)) < 1e-4
+
+
+@pytest.mark.parametrize("kind", ["default", *ROPE_TYPES])
+def test_frequencies_without_a_rotary_module_come_from_the_config(kind, monkeypatch):
+    """A model without a module holding ``inv_freq`` (none of the supported ones today): the
+    frequencies transformers computes from the config, the same as the module's."""
+    rope = {"rope_type": "default", "rope_theta": 500.0} if kind == "default" else ROPE_TYPES[kind]
+    model = build(tiny_config(rope_parameters=dict(rope)))
+    from_module = hf._model_frequencies(model, model.config)
+    monkeypatch.setattr(hf, "_rotary_embedding", lambda model: None)
+    from_config = hf._model_frequencies(model, model.config)
+    assert from_config == from_module
+    assert from_config[1:] == ((500.0, None) if kind == "default" else
+                               (10000.0, tuple(config_frequencies(model.config)[0].tolist())))
 
 
 def test_default_rope_rounded_by_a_cast_uses_the_models_frequencies():
