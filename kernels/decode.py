@@ -483,9 +483,9 @@ def rerope_decode(q, k_cache, v_cache, window, cache_seqlens=None, sm_scale=None
         inv_freq: ``None`` (the frequencies ``base ** (-2t / D)``), or RoPE's ``headdim / 2``
             angular frequencies, a 1-D tensor or a sequence of positive finite floats (a model's
             own, e.g. ``model.model.rotary_emb.inv_freq`` for ``llama3``, ``linear`` or YaRN
-            RoPE); ``base`` must then stay at its default. As in :func:`kernels.rerope`; pass a
-            :class:`kernels.rope.Frequencies` in a CUDA graph (a new tensor would be read, a
-            host sync).
+            RoPE); ``base`` must then stay at its default. As in :func:`kernels.rerope`: a
+            tensor not seen before is read on the host (a sync, so do it in the call before
+            capturing a CUDA graph), a :class:`kernels.rope.Frequencies` never is.
 
     fp16, bf16 or fp32; ``headdim`` in 16, 32, 64, 128, 256. Returns ``out``:
     ``(batch_size, nheads, seqlen_q, headdim)`` in ``q``'s dtype (empty for an empty batch).
