@@ -8,6 +8,7 @@ import math
 import numbers
 import sys
 import warnings
+import weakref
 
 import torch
 
@@ -115,23 +116,23 @@ def check_head_dim(d):
         raise ValueError(f"head dim D={d} is not supported; expected one of {HEAD_DIMS}")
 
 
-def check_rope_args(q, k, window, base, leaky, logn_len, rotated=False):
-    """Checks for the RoPE/ReRoPE helpers (``q``, ``k`` and the position settings)."""
+def check_rope_args(q, k, window, base, leaky, logn_len, rotated=False, inv_freq=None):
+    """Checks for the RoPE/ReRoPE helpers (``q``, ``k`` and the position settings); returns
+    ``inv_freq`` as :class:`Frequencies` (``None`` when not given)."""
     check_qkv({"q": q}, {"k": k}, dtypes=REFERENCE_DTYPES, fewer_queries=True)
     if q.shape[-1] % 2:
         raise ValueError(f"q must have an even head dim for RoPE, got {q.shape[-1]}")
-    check_rope_settings(window, base, leaky, logn_len, rotated)
+    return check_rope_settings(window, base, leaky, logn_len, rotated, inv_freq, q.shape[-1])
 
 
-def check_rope_settings(window, base, leaky, logn_len, rotated=False):
-    """The position settings of :func:`check_rope_args`, for callers that checked the tensors."""
+def check_rope_settings(window, base, leaky, logn_len, rotated=False, inv_freq=None,
+                        head_dim=None):
+    """The position settings of :func:`check_rope_args`, for callers that checked the tensors;
+    returns ``inv_freq`` as :class:`Frequencies` (``None`` when not given), of ``head_dim / 2``
+    entries when ``head_dim`` is given (:func:`check_inv_freq`)."""
     check_flag("rotated", rotated)
     check_window(window)
-    if isinstance(base, bool) or not isinstance(base, numbers.Real):
-        raise TypeError(f"base must be a number > 1 (the RoPE base, e.g. 10000.0), got "
-                        f"{type(base).__name__} {base!r}")
-    if not 1 < base <= _FLOAT_MAX:
-        raise ValueError(f"base must be a finite number > 1 (the RoPE base), got {base!r}")
+    check_base(base)
     if leaky is not None:
         if isinstance(leaky, bool) or not isinstance(leaky, numbers.Real):
             raise TypeError(f"leaky must be a float > 1 or None, got {type(leaky).__name__}")
@@ -142,6 +143,115 @@ def check_rope_settings(window, base, leaky, logn_len, rotated=False):
             raise TypeError(f"logn_len must be a number > 1 or None, got {type(logn_len).__name__}")
         if not logn_len > 1:
             raise ValueError(f"logn_len must be > 1 (a training length), got {logn_len}")
+    return check_inv_freq(inv_freq, head_dim, base)
+
+
+def check_base(base):
+    if isinstance(base, bool) or not isinstance(base, numbers.Real):
+        raise TypeError(f"base must be a number > 1 (the RoPE base, e.g. 10000.0), got "
+                        f"{type(base).__name__} {base!r}")
+    if not 1 < base <= _FLOAT_MAX:
+        raise ValueError(f"base must be a finite number > 1 (the RoPE base), got {base!r}")
+
+
+# --- RoPE frequencies given as a vector ------------------------------------------------------
+
+DEFAULT_BASE = 10000.0
+
+
+class Frequencies(tuple):
+    """RoPE's ``D/2`` angular frequencies ``θ_t`` as a tuple of Python floats, checked once.
+
+    What :func:`as_frequencies` makes of an ``inv_freq`` argument: hashable and cheap to hash
+    (the kernels' caches of angle tables and launch plans are keyed by it), and passed on
+    unchecked by every op that gets one. Build it once and pass it to every call of a loop to
+    skip the conversion: ``Frequencies.of(model.model.rotary_emb.inv_freq)``.
+    """
+
+    __slots__ = ()
+
+    @classmethod
+    def of(cls, inv_freq):
+        """``inv_freq`` (a 1-D tensor or a sequence of positive finite floats) checked."""
+        return as_frequencies(inv_freq)
+
+    def __repr__(self):
+        return f"Frequencies({list(self)!r})"
+
+
+_TENSOR_FREQUENCIES = {}      # id(tensor) -> (weak reference, version, Frequencies)
+
+
+def as_frequencies(inv_freq, name="inv_freq"):
+    """``inv_freq`` as :class:`Frequencies` (``None`` stays ``None``): a 1-D floating-point tensor
+    or a sequence of positive finite real numbers, at least one.
+
+    A tensor is read once (``tolist``, a host sync for a GPU tensor) and its result kept while
+    the same tensor object is passed again unmodified (same in-place version counter), so a
+    loop passing ``model.model.rotary_emb.inv_freq`` every step syncs once.
+    """
+    if inv_freq is None or type(inv_freq) is Frequencies:
+        return inv_freq
+    if isinstance(inv_freq, torch.Tensor):
+        try:
+            version = inv_freq._version
+        except (RuntimeError, AttributeError):     # inference-mode tensors have no version
+            version = None
+        entry = _TENSOR_FREQUENCIES.get(id(inv_freq))
+        if (entry is not None and version is not None and entry[0]() is inv_freq
+                and entry[1] == version):
+            return entry[2]
+        if not inv_freq.is_floating_point():
+            raise TypeError(f"{name} must be a floating-point tensor (RoPE's angular "
+                            f"frequencies), got dtype {inv_freq.dtype}")
+        if inv_freq.dim() != 1:
+            raise ValueError(f"{name} must be 1-D (the D/2 frequencies of one head), got shape "
+                             f"{tuple(inv_freq.shape)}")
+        values = inv_freq.detach().to("cpu", torch.float64).tolist()
+        freqs = _checked_frequencies(values, name)
+        if version is not None:
+            if len(_TENSOR_FREQUENCIES) >= 64:
+                _TENSOR_FREQUENCIES.clear()
+            _TENSOR_FREQUENCIES[id(inv_freq)] = (weakref.ref(inv_freq), version, freqs)
+        return freqs
+    if isinstance(inv_freq, (str, bytes)) or not hasattr(inv_freq, "__len__"):
+        raise TypeError(f"{name} must be a 1-D tensor or a sequence of floats (RoPE's D/2 "
+                        f"angular frequencies), got {type(inv_freq).__name__}")
+    values = []
+    for i, x in enumerate(inv_freq):
+        if isinstance(x, bool) or not isinstance(x, numbers.Real):
+            raise TypeError(f"{name}[{i}] must be a real number, got {type(x).__name__} {x!r}")
+        values.append(float(x))
+    return _checked_frequencies(values, name)
+
+
+def _checked_frequencies(values, name):
+    if not values:
+        raise ValueError(f"{name} is empty; it needs D/2 frequencies")
+    for i, x in enumerate(values):
+        if not 0 < x <= _FLOAT_MAX:
+            raise ValueError(f"{name}[{i}] = {x!r}: every frequency must be positive and finite")
+    return Frequencies(values)
+
+
+def check_inv_freq(inv_freq, head_dim=None, base=DEFAULT_BASE):
+    """``inv_freq`` as :class:`Frequencies` (:func:`as_frequencies`), of ``head_dim / 2`` entries
+    when ``head_dim`` is given; ``None`` when not given.
+
+    ``inv_freq`` replaces ``base ** (-2t / D)`` altogether, so ``base`` must then be left at its
+    default: a different base alongside it is refused rather than silently ignored.
+    """
+    if inv_freq is None:
+        return None
+    freqs = as_frequencies(inv_freq)
+    if head_dim is not None and len(freqs) != head_dim // 2:
+        raise ValueError(f"inv_freq has {len(freqs)} frequencies, but a head dim of {head_dim} "
+                         f"needs {head_dim // 2} (one per pair of dimensions)")
+    if base != DEFAULT_BASE:
+        raise ValueError(f"pass either base or inv_freq, not both: inv_freq replaces the "
+                         f"frequencies base ** (-2t / D), so base must stay at its default "
+                         f"{DEFAULT_BASE} (got base={base!r})")
+    return freqs
 
 
 # Query entries of this magnitude must survive the log-n scale without overflowing (a warning

@@ -23,14 +23,14 @@ import torch
 import triton
 
 from . import configs
-from ._validate import (check_flag, check_head_dim, check_logn_overflow, check_qkv,
-                        check_rope_settings, check_sm_scale, check_window)
+from ._validate import (Frequencies, as_frequencies, check_flag, check_head_dim,
+                        check_logn_overflow, check_qkv, check_rope_settings, check_sm_scale,
+                        check_window)
 from .backward import _bwd_delta_kernel, _bwd_dkdv_kernel, _bwd_dq_kernel
 from .forward import _rerope_fwd_kernel
 from .online_softmax import LOG2E
 from .launch import Launcher, PlanCache, signature
-from .rotary import (logn_factor, rope_table, rotation_offset, rotation_plan, turn_keys,
-                     turn_operands)
+from .rotary import logn_factor, rotation_tables, turn_keys, turn_operands
 from .runtime import INTERPRET, dot_precision, prepare_for_device
 
 _KERNELS = {"fwd": _rerope_fwd_kernel, "dkdv": _bwd_dkdv_kernel, "dq": _bwd_dq_kernel}
@@ -159,29 +159,21 @@ def _five_tensors(placeholder):
 _OPERANDS = {}
 
 
-def _rotations(n_k, head_dim, base, window, leaky, logn_len, rotated, device):
+def _rotations(n_k, head_dim, base, window, leaky, logn_len, rotated, device, inv_freq=None):
     """The :class:`Operands` of the fused form, cached per setting (the tables themselves are
-    shared by every setting with the same speed: :func:`kernels.rotary.rope_table`)."""
-    key = (n_k, head_dim, base, window, leaky, logn_len, rotated, device)
+    shared by every setting with the same speed and frequencies:
+    :func:`kernels.rotary.rotation_tables`). ``inv_freq``: ``None`` (``base``'s frequencies) or
+    :class:`kernels.rope.Frequencies`."""
+    key = (n_k, head_dim, base, window, leaky, logn_len, rotated, device, inv_freq)
     operands = _OPERANDS.get(key)
     if operands is None:
         if len(_OPERANDS) > 256:          # many lengths seen: keep the cache small
             _OPERANDS.clear()
-        operands = _OPERANDS[key] = _build_rotations(*key)
+        rotation = rotation_tables(n_k, head_dim, window, leaky, rotated, device, base, inv_freq)
+        operands = _OPERANDS[key] = Operands(split=True, tables=rotation.tables,
+                                             flags=rotation.flags,
+                                             logn_factor=logn_factor(logn_len))
     return operands
-
-
-def _build_rotations(n_k, head_dim, base, window, leaky, logn_len, rotated, device):
-    inside, outside = rotation_plan(window, leaky, rotated)
-    tables = []
-    for rot in (inside, outside):
-        offset = rotation_offset(head_dim, base, rot.offset, device)
-        table = rope_table(n_k, head_dim, base, rot.speed, device) if rot.rotates_keys else offset
-        tables += [table, offset]
-    flags = dict(TURN_IN=inside.rotates_keys, SHIFT_IN=inside.offset != 0,
-                 TURN_OUT=outside.rotates_keys, SHIFT_OUT=outside.offset != 0)
-    return Operands(split=True, tables=tuple(tables), flags=flags,
-                    logn_factor=logn_factor(logn_len))
 
 
 # --- launchers -----------------------------------------------------------------------------------
@@ -358,12 +350,18 @@ def _five_bwd(dout: torch.Tensor, q1: torch.Tensor, q2: torch.Tensor, k1: torch.
                                 sm_scale))
 
 
+def _op_frequencies(inv_freq):
+    """The custom ops take ``inv_freq`` as a list of floats (checked by their caller)."""
+    return None if inv_freq is None else Frequencies(inv_freq)
+
+
 @torch.library.custom_op("kernels::rerope_fwd", mutates_args=())
 def _fused_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int, causal: bool,
                sm_scale: float, base: float, leaky: Optional[float], logn_len: Optional[float],
-               rotated: bool) -> tuple[torch.Tensor, torch.Tensor]:
+               rotated: bool, inv_freq: Optional[list[float]] = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
     operands = _rotations(k.shape[2], q.shape[-1], base, window, leaky, logn_len, rotated,
-                          q.device)
+                          q.device, _op_frequencies(inv_freq))
     return rerope_forward(q, q, k, k, v, window, causal, sm_scale, operands)
 
 
@@ -371,9 +369,9 @@ def _fused_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int, c
 def _fused_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                out: torch.Tensor, lse: torch.Tensor, window: int, causal: bool, sm_scale: float,
                base: float, leaky: Optional[float], logn_len: Optional[float],
-               rotated: bool) -> list[torch.Tensor]:
+               rotated: bool, inv_freq: Optional[list[float]] = None) -> list[torch.Tensor]:
     operands = _rotations(k.shape[2], q.shape[-1], base, window, leaky, logn_len, rotated,
-                          q.device)
+                          q.device, _op_frequencies(inv_freq))
     return list(rerope_backward(dout.contiguous(), q, q, k, k, v, out, lse, window, causal,
                                 sm_scale, operands))
 
@@ -417,7 +415,7 @@ def _five_grads(ctx, dout, dlse):
 
 def _fused_grads(ctx, dout, dlse):
     *tensors, out, lse = ctx.saved_tensors
-    return (*_fused_bwd(dout, *tensors, out, lse, *ctx.settings), *(None,) * 7)
+    return (*_fused_bwd(dout, *tensors, out, lse, *ctx.settings), *(None,) * len(ctx.settings))
 
 
 _five_fwd.register_autograd(_five_grads, setup_context=_setup_context)
@@ -566,30 +564,31 @@ class _FusedPlan:
     """A ``kernels.rerope`` call's checked settings, its rotation operands, and its route:
     ``decode`` for a decode step (see :func:`rerope`)."""
 
-    settings: tuple          # (window, causal, scale, base, leaky, logn_len, rotated), checked
+    settings: tuple     # (window, causal, scale, base, leaky, logn_len, rotated, inv_freq), checked
     operands: Operands
     decode: bool
 
 
-def _plan_fused(q, k, v, window, causal, sm_scale, base, leaky, logn_len, rotated):
+def _plan_fused(q, k, v, window, causal, sm_scale, base, leaky, logn_len, rotated, inv_freq):
     check_qkv({"q": q}, {"k": k, "v": v}, fewer_queries=True)
     check_head_dim(q.shape[-1])
-    check_rope_settings(window, base, leaky, logn_len, rotated)
+    inv_freq = check_rope_settings(window, base, leaky, logn_len, rotated, inv_freq,
+                                   q.shape[-1])
     check_logn_overflow(logn_len, k.shape[2], q.dtype)
     check_flag("causal", causal)
     check_sm_scale(sm_scale)
     scale = q.shape[-1] ** -0.5 if sm_scale is None else float(sm_scale)
     window = min(int(window), k.shape[2])     # as in rerope_attention: >= Nk means plain RoPE
     settings = (window, causal, scale, float(base), None if leaky is None else float(leaky),
-                None if logn_len is None else float(logn_len), rotated)
+                None if logn_len is None else float(logn_len), rotated, inv_freq)
     decode = causal and q.shape[2] <= DECODE_MAX_QUERIES and not _needs_grad(q, k, v)
     operands = None if decode else _rotations(k.shape[2], q.shape[-1], float(base), window,
-                                              *settings[4:], q.device)
+                                              *settings[4:7], q.device, inv_freq)
     return _FusedPlan(settings, operands, decode)
 
 
 def rerope(q, k, v, window, causal=True, sm_scale=None, base=10000.0, leaky=None, logn_len=None,
-           rotated=False):
+           rotated=False, inv_freq=None):
     """(Leaky) ReRoPE attention from ``q, k, v`` as a model holds them, rotation in the kernels.
 
     Args:
@@ -607,6 +606,13 @@ def rerope(q, k, v, window, causal=True, sm_scale=None, base=10000.0, leaky=None
         logn_len: if given, queries are scaled by ``max(1, log(i + 1) / log(logn_len))``.
         rotated: ``False``: raw ``q, k``. ``True``: ``q, k`` already carry RoPE at their
             positions, as a Hugging Face model and its KV cache hold them.
+        inv_freq: ``None`` (the frequencies ``base ** (-2t / D)``), or RoPE's ``D/2`` angular
+            frequencies as a 1-D tensor or a sequence of positive finite floats: a model's own
+            (Llama 3's ``llama3``, ``linear`` or YaRN scaling change only these). ``base`` must
+            then stay at its default (``ValueError`` otherwise). A tensor is read once and
+            remembered while the same tensor is passed unmodified; a
+            :class:`kernels.rope.Frequencies` skips every conversion. An attention factor
+            (YaRN's ``attention_scaling``) is not applied here: it is in rotated inputs already.
 
     Returns ``(B, Hq, Nq, D)`` in the input dtype; differentiable in ``q, k, v``. fp16, bf16 or
     fp32; ``D`` in 16, 32, 64, 128, 256; any strides. No rotated copy of ``q`` or ``k`` is ever
@@ -617,14 +623,17 @@ def rerope(q, k, v, window, causal=True, sm_scale=None, base=10000.0, leaky=None
     :func:`kernels.rerope_decode`, which spreads the keys over the whole GPU; the prefill kernels
     would give each query head a single program.
     """
+    inv_freq = as_frequencies(inv_freq)   # checked and cached: cheap per call
     tensors = (q, k, v)
-    settings = (window, causal, sm_scale, base, leaky, logn_len, rotated)
+    settings = (window, causal, sm_scale, base, leaky, logn_len, rotated, inv_freq)
     plan = _cached_plan(_plan_fused, tensors, settings)
     if plan.decode:                   # a decode step: split-KV (chapter 8)
         from .decode import rerope_decode
         return rerope_decode(q, k, v, window, sm_scale=sm_scale, base=base, leaky=leaky,
-                             logn_len=logn_len, rotated=rotated)
+                             logn_len=logn_len, rotated=rotated, inv_freq=inv_freq)
     (q, k, v), restore = prepare_for_device(q, k, v)
     if torch.compiler.is_compiling():
-        return restore(_fused_fwd(q, k, v, *plan.settings)[0])
+        *settings, inv_freq = plan.settings
+        return restore(_fused_fwd(q, k, v, *settings,
+                                  None if inv_freq is None else list(inv_freq))[0])
     return restore(_FusedAttention.apply(q, k, v, *plan.settings[:3], plan.operands))

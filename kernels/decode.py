@@ -43,13 +43,13 @@ import torch
 import triton
 import triton.language as tl
 
-from ._validate import (check_head_dim, check_logn_overflow, check_qkv,
+from ._validate import (as_frequencies, check_head_dim, check_logn_overflow, check_qkv,
                         check_rope_args, check_sm_scale)
 from .launch import Launcher, PlanCache, signature
 from .online_softmax import LOG2E, _softmax_step
 from .regions import INSIDE, OUTSIDE, _nth_tile, _tile_count
 from .rotary import (_logn_scale, _rotate, _table_rows, _unrotate, logn_factor,
-                     rope_table, rotation_offset, rotation_plan)
+                     rotation_tables)
 from .runtime import INTERPRET, dot_precision, prepare_for_device
 
 MAX_QUERIES = 16          # Nq per row: one token, or a few speculative ones
@@ -389,6 +389,8 @@ def default_num_splits(batch, kv_heads, group, n_queries, n_max, sms=132):
     batch 8: 4; batch 33 and more: 1.
     """
     programs = batch * kv_heads * triton.cdiv(group * n_queries, block_m(group, n_queries))
+    if programs == 0:                 # an empty batch (or no query head): nothing to spread
+        return 1
     fits = (PROGRAMS_PER_SM * sms) // programs
     return max(1, min(fits, triton.cdiv(n_max, MIN_KEYS_PER_SPLIT), MAX_SPLITS))
 
@@ -410,11 +412,11 @@ def _check_lengths_on_host(cache_seqlens, n_queries, n_max):
 
 
 def _check_decode_args(q, k_cache, v_cache, window, cache_seqlens, sm_scale, base, leaky,
-                       logn_len, rotated, num_splits):
+                       logn_len, rotated, num_splits, inv_freq=None):
     batch, hq, hkv, n_queries, n_max, d = check_qkv(
         {"q": q}, {"k_cache": k_cache, "v_cache": v_cache}, fewer_queries=True)
     check_head_dim(d)
-    check_rope_args(q, k_cache, window, base, leaky, logn_len, rotated)
+    check_rope_args(q, k_cache, window, base, leaky, logn_len, rotated, inv_freq)
     check_sm_scale(sm_scale)
     if n_queries > MAX_QUERIES:
         raise ValueError(f"q has {n_queries} queries per row; rerope_decode takes 1 to "
@@ -442,7 +444,7 @@ def _check_decode_args(q, k_cache, v_cache, window, cache_seqlens, sm_scale, bas
 
 
 def rerope_decode(q, k_cache, v_cache, window, cache_seqlens=None, sm_scale=None, base=10000.0,
-                  leaky=None, logn_len=None, rotated=True, num_splits=None):
+                  leaky=None, logn_len=None, rotated=True, num_splits=None, inv_freq=None):
     """(Leaky) ReRoPE attention of a few new queries against a KV cache (forward only).
 
     The decode step of generation: each batch row's ``Nq`` newest tokens attend, causally, to the
@@ -480,22 +482,46 @@ def rerope_decode(q, k_cache, v_cache, window, cache_seqlens=None, sm_scale=None
         num_splits: ``None`` (chosen from the shapes, :func:`default_num_splits`) or an int
             ``>= 1``: chunks per row. More splits than key tiles is allowed (the spare ones
             are empty).
+        inv_freq: ``None`` (the frequencies ``base ** (-2t / D)``), or RoPE's ``headdim / 2``
+            angular frequencies, a 1-D tensor or a sequence of positive finite floats (a model's
+            own, e.g. ``model.model.rotary_emb.inv_freq`` for ``llama3``, ``linear`` or YaRN
+            RoPE); ``base`` must then stay at its default. As in :func:`kernels.rerope`: a
+            tensor not seen before is read on the host (a sync, so do it in the call before
+            capturing a CUDA graph), a :class:`kernels.rope.Frequencies` never is.
 
     fp16, bf16 or fp32; ``headdim`` in 16, 32, 64, 128, 256. Returns ``out``:
-    ``(batch_size, nheads, seqlen_q, headdim)`` in ``q``'s dtype. Allocates the output and,
-    when ``num_splits > 1``, the fp32 partials ``(num_splits, batch_size, nheads, seqlen_q,
-    headdim)`` and their log-sum-exps.
+    ``(batch_size, nheads, seqlen_q, headdim)`` in ``q``'s dtype (empty for an empty batch).
+    Allocates the output and, when ``num_splits > 1``, the fp32 partials ``(num_splits,
+    batch_size, nheads, seqlen_q, headdim)`` and their log-sum-exps. Forward only: with grad
+    mode on, inputs that require grad raise ``ValueError`` (use :func:`kernels.rerope`).
     """
     if torch.compiler.is_compiling():          # an opaque op for the compiler (see _decode_op)
+        inv_freq = as_frequencies(inv_freq)
         return _decode_op(q, k_cache, v_cache, cache_seqlens, window, sm_scale, base, leaky,
-                          logn_len, rotated, num_splits)
+                          logn_len, rotated, num_splits,
+                          None if inv_freq is None else list(inv_freq))
+    _check_forward_only(q, k_cache, v_cache)
     plan = _plan(q, k_cache, v_cache, window, cache_seqlens, sm_scale, base, leaky, logn_len,
-                 rotated, num_splits)
+                 rotated, num_splits, as_frequencies(inv_freq))
     return _run(plan, q, k_cache, v_cache, cache_seqlens)
+
+
+def _check_forward_only(q, k_cache, v_cache):
+    """``rerope_decode`` has no backward: refuse inputs that want one rather than return an
+    output silently cut from the graph."""
+    if torch.is_grad_enabled():
+        for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+            if getattr(t, "requires_grad", False):
+                raise ValueError(
+                    f"{name} requires grad, but rerope_decode is forward-only (no backward): "
+                    "use kernels.rerope for gradients, or call rerope_decode under "
+                    "torch.no_grad() / torch.inference_mode()")
 
 
 def _run(plan, q, k_cache, v_cache, cache_seqlens):
     """Launch a call's :class:`_Plan`: allocate the output (and partials), one or two launches."""
+    if q.numel() == 0:                             # an empty batch: nothing to attend
+        return torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if cache_seqlens is None:
         cache_seqlens = plan.full_lengths
     elif cache_seqlens.device.type == "cpu":       # free to read here; on a GPU it would sync
@@ -521,9 +547,10 @@ def _run(plan, q, k_cache, v_cache, cache_seqlens):
 def _decode_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                cache_seqlens: Optional[torch.Tensor], window: int, sm_scale: Optional[float],
                base: float, leaky: Optional[float], logn_len: Optional[float], rotated: bool,
-               num_splits: Optional[int]) -> torch.Tensor:
+               num_splits: Optional[int], inv_freq: Optional[list[float]] = None
+               ) -> torch.Tensor:
     plan = _plan(q, k_cache, v_cache, window, cache_seqlens, sm_scale, base, leaky, logn_len,
-                 rotated, num_splits)
+                 rotated, num_splits, as_frequencies(inv_freq))
     return _run(plan, q, k_cache, v_cache, cache_seqlens)
 
 
@@ -551,7 +578,7 @@ _PLANS = PlanCache(limit=64)   # a growing cache makes a new signature every ste
 
 
 def _plan(q, k_cache, v_cache, window, cache_seqlens, sm_scale, base, leaky, logn_len, rotated,
-          num_splits):
+          num_splits, inv_freq=None):
     """The call's :class:`_Plan`, checked and built once per distinct set of shapes, dtypes,
     devices and settings: a decode loop over a fixed-size cache pays the Python checks only on
     its first step (a growing cache, as in a Hugging Face model, once per step, not per layer)."""
@@ -559,24 +586,24 @@ def _plan(q, k_cache, v_cache, window, cache_seqlens, sm_scale, base, leaky, log
         key = (signature(q, k_cache, v_cache, cache_seqlens),
                type(cache_seqlens),
                tuple((type(x), x) for x in (window, sm_scale, base, leaky, logn_len, rotated,
-                                            num_splits)),
+                                            num_splits, inv_freq)),
                tuple(GPU_CONFIG.items()), PROGRAMS_PER_SM)
         plan = _PLANS.get(key)
     except (AttributeError, TypeError):    # not tensors, unhashable settings: checks will say
         key, plan = None, None
     if plan is None:
         plan = _make_plan(q, k_cache, v_cache, window, cache_seqlens, sm_scale, base, leaky,
-                          logn_len, rotated, num_splits)
+                          logn_len, rotated, num_splits, inv_freq)
         if key is not None:
             _PLANS.put(key, plan)
     return plan
 
 
 def _make_plan(q, k_cache, v_cache, window, cache_seqlens, sm_scale, base, leaky, logn_len,
-               rotated, num_splits):
+               rotated, num_splits, inv_freq=None):
     batch, hq, hkv, n_queries, n_max, d = _check_decode_args(
         q, k_cache, v_cache, window, cache_seqlens, sm_scale, base, leaky, logn_len, rotated,
-        num_splits)
+        num_splits, inv_freq)
     group = hq // hkv
     scale = d ** -0.5 if sm_scale is None else float(sm_scale)
     window = min(int(window), n_max)       # every pair has i - j <= Nmax - 1
@@ -585,13 +612,7 @@ def _make_plan(q, k_cache, v_cache, window, cache_seqlens, sm_scale, base, leaky
     rows_per_program = block_m(group, n_queries)
     if num_splits is None:
         num_splits = default_num_splits(batch, hkv, group, n_queries, n_max, sm_count(device))
-    inside, outside = rotation_plan(window, leaky, rotated)
-    tables = []
-    for rotation in (inside, outside):
-        offset = rotation_offset(d, base, rotation.offset, device)
-        table = (rope_table(n_max, d, base, rotation.speed, device) if rotation.rotates_keys
-                 else offset)
-        tables += [table, offset]
+    rotation = rotation_tables(n_max, d, window, leaky, rotated, device, base, inv_freq)
     # the strides the kernel will see (under the interpreter bf16 runs as an fp32 copy)
     prepared, _ = prepare_for_device(q, k_cache, v_cache)
     strides = tuple(s for t in prepared for s in t.stride())
@@ -606,8 +627,8 @@ def _make_plan(q, k_cache, v_cache, window, cache_seqlens, sm_scale, base, leaky
     split = Launcher(
         _decode_split_kernel,
         (batch * hkv, num_splits, triton.cdiv(group * n_queries, rows_per_program)),
-        HEAD_DIM=d, BLOCK_M=rows_per_program, ROT_KEYS_IN=inside.rotates_keys,
-        ROT_KEYS_OUT=outside.rotates_keys, LOGN=logn_len is not None, WRITE_LSE=num_splits > 1,
+        HEAD_DIM=d, BLOCK_M=rows_per_program, ROT_KEYS_IN=rotation.flags["TURN_IN"],
+        ROT_KEYS_OUT=rotation.flags["TURN_OUT"], LOGN=logn_len is not None, WRITE_LSE=num_splits > 1,
         DOT_PRECISION=dot_precision(compute_dtype), **config)
     merge = Launcher(_decode_merge_kernel, (n_rows,), HEAD_DIM=d,
                      SPLITS_BLOCK=min(triton.next_power_of_2(num_splits), 16))
@@ -616,7 +637,7 @@ def _make_plan(q, k_cache, v_cache, window, cache_seqlens, sm_scale, base, leaky
         full_lengths=torch.full((batch,), n_max, dtype=torch.int32, device=device),
         part_shape=(num_splits, batch, hq, n_queries, d),
         split=split,
-        split_args=(*tables, *strides, *part_strides,
+        split_args=(*rotation.tables, *strides, *part_strides,
                     *lse_strides, hkv, group, n_queries, n_max, num_splits, window,
                     scale * LOG2E, logn_factor(logn_len)),
         merge=merge, merge_args=(n_rows, num_splits))

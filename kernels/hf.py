@@ -43,10 +43,23 @@ computed on the device (:class:`StaticRows`), no slicing, no host sync. The ops 
 the graph where the mask function reads the padding mask on the host (as transformers' own
 sdpa mask does): use the static cache for compiled generation.
 
+RoPE types. ``default``, ``linear``, ``llama3`` (Llama 3.x) and static ``yarn`` differ only in
+the per-frequency angles ``θ_t`` (and YaRN's attention factor, below). The kernels turn tiles by
+a table of angles, so the table is built from the model's own frequencies: the ``inv_freq`` of
+its rotary embedding (``model.model.rotary_emb``), read once by :func:`enable_rerope` and passed
+as ``inv_freq=`` to every kernel call. YaRN's attention factor ``s`` (``attention_scaling``)
+multiplies cos and sin, so it is inside the rotated ``q`` and ``k`` the layers hand over:
+``q_rot · k_rot = s² · (R(i) q · R(j) k)``, and the kernels' turned pair outside the window is
+``R(w − i) q_rot · R(−j) k_rot = s² · R(w) q · k``: every score, in both products, carries
+``s²``, as in the stock model; nothing is applied twice. ``dynamic`` (frequencies that change
+with the sequence length) and ``longrope`` (two sets switched by length) are refused.
+
 transformers is imported inside the functions, so ``import kernels`` stays light.
 """
 
+import copy
 import functools
+import hashlib
 import math
 import numbers
 import weakref
@@ -55,14 +68,19 @@ from typing import Optional
 
 import torch
 
-from ._validate import HEAD_DIMS, check_rope_settings
+from ._validate import DEFAULT_BASE, HEAD_DIMS, Frequencies, as_frequencies, check_rope_settings
 from .attention import rerope
 from .decode import MAX_QUERIES, rerope_decode
+from .rope import rope_frequencies
 
 # Model types whose attention layers are verified to match what this module expects
 # (``rotate_half`` RoPE applied before the registry call, the dynamic cache updated with the
 # rotated keys, ``position_ids`` passed through): tests/test_hf.py runs each one.
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+# RoPE types (``rope_parameters["rope_type"]``) whose angles are fixed per frequency, so that the
+# kernels' angle tables built from the model's ``inv_freq`` are exact: tests/test_hf.py runs each.
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 _PREFIX = "rerope_w"
 _PREVIOUS = weakref.WeakKeyDictionary()   # model -> attention implementation before ReRoPE
@@ -70,20 +88,32 @@ _PREVIOUS = weakref.WeakKeyDictionary()   # model -> attention implementation be
 
 @dataclass(frozen=True)
 class Settings:
-    """One registered ReRoPE implementation: its window and options (as :func:`kernels.rerope`)."""
+    """One registered ReRoPE implementation: its window and options (as :func:`kernels.rerope`)
+    and the model's RoPE frequencies, resolved once by :func:`enable_rerope`: ``base`` (the
+    frequencies ``base ** (-2t / D)``) or ``inv_freq`` (:class:`kernels.rope.Frequencies`, the
+    model's own; ``base`` then stays at its default), and the RoPE type they came from."""
 
     window: int
     leaky: Optional[float] = None
     logn_len: Optional[float] = None
+    base: float = DEFAULT_BASE
+    inv_freq: Optional[Frequencies] = None
+    rope_type: str = "default"
 
     @property
     def name(self):
-        """The registry name, e.g. ``rerope_w512``, ``rerope_w512_leaky16.0_logn4096.0``."""
+        """The registry name, e.g. ``rerope_w512``, ``rerope_w512_leaky16.0_logn4096.0``,
+        ``rerope_w512_base500000.0``, ``rerope_w512_llama3_3c1f0e9a2b`` (the frequencies' digest)."""
         name = f"{_PREFIX}{self.window}"
         if self.leaky is not None:
             name += f"_leaky{self.leaky!r}"
         if self.logn_len is not None:
             name += f"_logn{self.logn_len!r}"
+        if self.inv_freq is not None:
+            digest = hashlib.sha1(repr(tuple(self.inv_freq)).encode()).hexdigest()[:10]
+            name += f"_{self.rope_type}_{digest}"
+        elif self.base != DEFAULT_BASE:
+            name += f"_base{self.base!r}"
         return name
 
 
@@ -95,25 +125,34 @@ def enable_rerope(model, window, leaky=None, logn_len=None):
 
     Args:
         model: a transformers ``PreTrainedModel`` of a Llama-style architecture (``model_type``
-            in :data:`SUPPORTED_MODEL_TYPES`), with default RoPE (no linear / dynamic / YaRN /
-            llama3 scaling), full causal attention (no sliding window), a head dim in
-            ``16, 32, 64, 128, 256`` and fp16, bf16 or fp32 weights.
+            in :data:`SUPPORTED_MODEL_TYPES`), with RoPE of a type in
+            :data:`SUPPORTED_ROPE_TYPES` (``default``, ``linear``, ``llama3``, static ``yarn``;
+            not ``dynamic`` nor ``longrope``) over the whole head dim, full causal attention
+            (no sliding window), a head dim in ``16, 32, 64, 128, 256`` and fp16, bf16 or fp32
+            weights.
         window: int ``>= 1``, ReRoPE's window ``w``: relative positions below ``w`` keep RoPE,
             the rest are clamped to ``w`` (or grow as ``w + (d - w) / leaky``).
         leaky: ``None`` (ReRoPE) or Leaky ReRoPE's factor ``> 1``.
         logn_len: ``None`` or the training length: queries are scaled by
             ``max(1, log(i + 1) / log(logn_len))`` at their position ``i``.
 
-    The RoPE base is read from the config (``rope_parameters["rope_theta"]``, or ``rope_theta``).
-    The switch is made on ``model.config``: models built from the same config object switch
-    together. Undo with :func:`disable_rerope`. Prefill (and training: the op is
-    differentiable) runs :func:`kernels.rerope`, generation steps of up to 16 new tokens
-    :func:`kernels.rerope_decode`, both with ``rotated=True`` on the model's own cache.
+    RoPE's frequencies are read here, once, from the model's rotary embedding (its
+    ``inv_freq`` buffer: what really rotates ``q`` and ``k``, also after ``model.to(bfloat16)``
+    rounded it), or computed from the config when the model has none; for ``default`` RoPE
+    whose buffer is ``rope_theta``'s frequencies, the base itself. Enable after casting the
+    model (``model.to(dtype)`` casts that buffer too). YaRN's attention factor is already in
+    the rotated ``q, k`` (module docstring). The switch is made on ``model.config``: models
+    built from the same config object switch together. Undo with :func:`disable_rerope`.
+    Prefill (and training: the op is differentiable) runs :func:`kernels.rerope`, generation
+    steps of up to 16 new tokens :func:`kernels.rerope_decode`, both with ``rotated=True`` on
+    the model's own cache.
     """
     config = _check_model(model)
-    check_rope_settings(window, _rope_base(config), leaky, logn_len)
+    rope_type, base, inv_freq = _model_frequencies(model, config)
+    check_rope_settings(window, base, leaky, logn_len, inv_freq=inv_freq)
     settings = Settings(int(window), None if leaky is None else float(leaky),
-                        None if logn_len is None else float(logn_len))
+                        None if logn_len is None else float(logn_len), base, inv_freq,
+                        rope_type)
     _register(settings)
     current = config._attn_implementation
     if not _is_rerope(current):
@@ -185,15 +224,98 @@ def _check_model(model):
                          "None before building the model)")
     if not getattr(config, "is_causal", True):
         raise ValueError("config.is_causal is False: ReRoPE here supports causal attention only")
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    head_dim = _head_dim(config)
     if head_dim not in HEAD_DIMS:
         raise ValueError(f"the model's head dim is {head_dim}; the kernels take {HEAD_DIMS}")
-    _rope_base(config)
+    _rope_type(_rope_parameters(config))
     return config
 
 
-def _rope_base(config):
-    """RoPE's base from ``config``; ``ValueError`` unless the RoPE is the default kind.
+def _head_dim(config):
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def _rope_type(params, where="config.rope_parameters"):
+    """``params``' RoPE type; ``ValueError`` unless it is in :data:`SUPPORTED_ROPE_TYPES`."""
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type in ("dynamic", "longrope"):
+        raise ValueError(
+            f"the model's RoPE has rope_type {rope_type!r} ({where} = {params!r}): its "
+            "frequencies change with the sequence length, so no fixed table of angles matches "
+            "them; supported rope types: " + ", ".join(SUPPORTED_ROPE_TYPES))
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(
+            f"the model's RoPE has rope_type {rope_type!r} ({where} = {params!r}), which "
+            "kernels.hf does not support; supported rope types: "
+            + ", ".join(SUPPORTED_ROPE_TYPES))
+    return rope_type
+
+
+def _model_frequencies(model, config):
+    """``(rope_type, base, inv_freq)`` of ``model``, for :class:`Settings` (called once, by
+    :func:`enable_rerope`).
+
+    The frequencies are the model's rotary embedding's ``inv_freq`` (what rotates its ``q, k``;
+    its ``rope_type`` is checked too), or, without such a module, those transformers' own
+    ``ROPE_INIT_FUNCTIONS`` compute from the config. For ``default`` RoPE whose frequencies are
+    ``rope_theta``'s (to float32 rounding), ``inv_freq`` is ``None`` and the kernels compute
+    them in float64 from the base; otherwise (a scaled RoPE, or a buffer rounded by
+    ``model.to(bfloat16)``) ``base`` is the default and ``inv_freq`` the model's values.
+    """
+    params = _rope_parameters(config)
+    rope_type = _rope_type(params)
+    base = _rope_base(params)
+    head_dim = _head_dim(config)
+    rotary = _rotary_embedding(model)
+    values = None
+    if rotary is not None:
+        module_type = getattr(rotary, "rope_type", rope_type)
+        if module_type != rope_type:
+            _rope_type({"rope_type": module_type}, where=f"{type(rotary).__name__}.rope_type")
+            rope_type = module_type            # the module is what rotates q and k
+        if rotary.inv_freq.device.type != "meta":
+            values = rotary.inv_freq
+    if values is None:
+        values = _frequencies_from_config(config, rope_type, base, head_dim)
+    inv_freq = as_frequencies(values, name="the model's inv_freq")
+    if len(inv_freq) != head_dim // 2:
+        raise ValueError(f"the model's rotary embedding has {len(inv_freq)} frequencies, but its "
+                         f"head dim {head_dim} needs {head_dim // 2}: RoPE on part of the head "
+                         "dim is not supported, the kernels rotate every dimension")
+    if rope_type == "default":
+        exact = rope_frequencies(head_dim, base)
+        error = (torch.tensor(inv_freq, dtype=torch.float64) - exact).abs()
+        if bool((error <= 1e-6 * exact).all()):      # the base's, rounded to float32 at most
+            return rope_type, base, None
+    return rope_type, DEFAULT_BASE, inv_freq
+
+
+def _rotary_embedding(model):
+    """The model's one rotary embedding module (the module with an ``inv_freq`` tensor), or
+    ``None``; ``ValueError`` if several hold different frequencies."""
+    found = [m for m in model.modules() if isinstance(getattr(m, "inv_freq", None), torch.Tensor)]
+    for other in found[1:]:
+        if (other.inv_freq.shape != found[0].inv_freq.shape
+                or not torch.equal(other.inv_freq.cpu(), found[0].inv_freq.cpu())):
+            raise ValueError(f"the model has {len(found)} rotary embeddings with different "
+                             "frequencies (per-layer RoPE), which kernels.hf does not support")
+    return found[0] if found else None
+
+
+def _frequencies_from_config(config, rope_type, base, head_dim):
+    """RoPE's frequencies as transformers computes them from ``config`` (float32, CPU)."""
+    if rope_type == "default":
+        return rope_frequencies(head_dim, base)
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    # a copy: these functions may rewrite the config's RoPE parameters in place
+    inv_freq, _attention_factor = ROPE_INIT_FUNCTIONS[rope_type](copy.deepcopy(config), "cpu")
+    return inv_freq
+
+
+def _rope_parameters(config):
+    """RoPE's parameters from ``config`` as one dict; ``ValueError`` for per-layer-type RoPE
+    or RoPE on part of the head dim.
 
     transformers 5 keeps ``config.rope_parameters = {"rope_type": ..., "rope_theta": ...}``;
     4.x kept ``config.rope_theta`` and ``config.rope_scaling`` (``None`` for default RoPE).
@@ -205,16 +327,15 @@ def _rope_base(config):
     if not isinstance(params, dict) or any(isinstance(v, dict) for v in params.values()):
         raise ValueError(f"config.rope_parameters = {params!r}: per-layer-type RoPE parameters "
                          "are not supported; expected one dict with rope_type and rope_theta")
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type != "default":
-        raise ValueError(
-            f"the model's RoPE has rope_type {rope_type!r} (config.rope_parameters = {params!r}): "
-            "linear, dynamic NTK, YaRN, llama3 and other scalings change RoPE's angles, which "
-            "the ReRoPE kernels do not implement; only rope_type 'default' is supported")
     partial = params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))
     if partial not in (None, 1, 1.0):
         raise ValueError(f"partial_rotary_factor = {partial}: RoPE on part of the head dim is "
                          "not supported, the kernels rotate every dimension")
+    return params
+
+
+def _rope_base(params):
+    """``rope_theta`` from :func:`_rope_parameters`' dict, as a float."""
     base = params.get("rope_theta")
     if isinstance(base, bool) or not isinstance(base, numbers.Real):
         raise ValueError(f"the config has no usable rope_theta (RoPE base): got {base!r}")
@@ -353,7 +474,7 @@ def rerope_attention_forward(settings, module, query, key, value, attention_mask
     """The attention function registered with ``AttentionInterface`` (bound to ``settings``).
 
     Args:
-        module: the model's attention layer (``module.config`` gives RoPE's base).
+        module: the model's attention layer.
         query: ``(B, Hq, Nq, D)``, RoPE-rotated at each token's position.
         key, value: ``(B, Hkv, Nk, D)``, the whole KV cache (keys rotated), ``Nk >= Nq``, the
             new tokens in the last ``Nq`` slots; ``Hq % Hkv == 0`` (never repeated here).
@@ -366,16 +487,15 @@ def rerope_attention_forward(settings, module, query, key, value, attention_mask
     Returns ``(out (B, Nq, Hq, D), None)``; rows' padding queries get zeros.
     """
     _check_call(module, attention_mask, dropout, is_causal, kwargs)
-    base = _rope_base(module.config)
     n_q, n_k = query.shape[2], key.shape[2]
     rows = attention_mask
     if is_static_lengths(rows):
-        return _attend_static(settings, query, key, value, rows.view(-1), scaling, base,
+        return _attend_static(settings, query, key, value, rows.view(-1), scaling,
                               kwargs), None
     offsets = _position_offsets(kwargs.get("position_ids"), rows, query.shape[0], n_q, n_k)
     if rows is None:
         query, logn_len = _logn_here(query, settings, offsets, kwargs, kernel_offset=0)
-        out = _attend(query, key, value, settings.window, scaling, base, settings.leaky, logn_len)
+        out = _attend(query, key, value, settings, scaling, logn_len)
     else:
         if rows.n_keys != n_k or len(rows.starts) != query.shape[0]:
             raise ValueError(f"the padding mask was made for {len(rows.starts)} rows of "
@@ -392,8 +512,8 @@ def rerope_attention_forward(settings, module, query, key, value, attention_mask
                                        kernel_offset=-start,
                                        rows=(b, lo - first_query, end - first_query))
             out[b:b + 1, :, lo - first_query:end - first_query] = _attend(
-                q_b, key[b:b + 1, :, start:end], value[b:b + 1, :, start:end], settings.window,
-                scaling, base, settings.leaky, logn_len)
+                q_b, key[b:b + 1, :, start:end], value[b:b + 1, :, start:end], settings,
+                scaling, logn_len)
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -415,7 +535,7 @@ def _check_call(module, attention_mask, dropout, is_causal, kwargs):
                              "ReRoPE kernels do not support")
 
 
-def _attend_static(settings, query, key, value, seqlens, scaling, base, kwargs):
+def _attend_static(settings, query, key, value, seqlens, scaling, kwargs):
     """Attention over a static cache: ``key, value`` the whole preallocated cache,
     ``seqlens`` ``(B,)`` int32 the filled slots per row (:func:`is_static_lengths`). A generation
     step runs the decode kernel on the whole cache with ``cache_seqlens=seqlens`` (no slicing, no
@@ -442,25 +562,28 @@ def _attend_static(settings, query, key, value, seqlens, scaling, base, kwargs):
         query, logn_len = _logn_here(query, settings, offsets, kwargs, kernel_offset=0)
     if decode:
         out = rerope_decode(query, key, value, settings.window, cache_seqlens=seqlens,
-                            sm_scale=scaling, base=base, leaky=settings.leaky,
-                            logn_len=logn_len, rotated=True)
+                            sm_scale=scaling, base=settings.base, leaky=settings.leaky,
+                            logn_len=logn_len, rotated=True, inv_freq=settings.inv_freq)
     else:
         out = rerope(query, key[:, :, :n_keys], value[:, :, :n_keys], settings.window,
-                     causal=True, sm_scale=scaling, base=base, leaky=settings.leaky,
-                     logn_len=logn_len, rotated=True)
+                     causal=True, sm_scale=scaling, base=settings.base, leaky=settings.leaky,
+                     logn_len=logn_len, rotated=True, inv_freq=settings.inv_freq)
     return out.transpose(1, 2).contiguous()
 
 
-def _attend(q, k, v, window, scaling, base, leaky, logn_len):
+def _attend(q, k, v, settings, scaling, logn_len):
     """One kernel call: ``kernels.rerope_decode`` for a generation step (few new queries against
-    a longer cache, no gradient needed), else ``kernels.rerope``; both on rotated inputs."""
+    a longer cache, no gradient needed), else ``kernels.rerope``; both on rotated inputs, with
+    the model's RoPE frequencies (``settings.base`` or ``settings.inv_freq``)."""
     n_q, n_k = q.shape[2], k.shape[2]
     needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     if n_q <= MAX_QUERIES and n_q < n_k and not needs_grad:
-        return rerope_decode(q, k, v, window, sm_scale=scaling, base=base, leaky=leaky,
-                             logn_len=logn_len, rotated=True)
-    return rerope(q, k, v, window, causal=True, sm_scale=scaling, base=base, leaky=leaky,
-                  logn_len=logn_len, rotated=True)
+        return rerope_decode(q, k, v, settings.window, sm_scale=scaling, base=settings.base,
+                             leaky=settings.leaky, logn_len=logn_len, rotated=True,
+                             inv_freq=settings.inv_freq)
+    return rerope(q, k, v, settings.window, causal=True, sm_scale=scaling, base=settings.base,
+                  leaky=settings.leaky, logn_len=logn_len, rotated=True,
+                  inv_freq=settings.inv_freq)
 
 
 # --- positions ----------------------------------------------------------------------------------

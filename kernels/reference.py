@@ -13,7 +13,7 @@ import torch
 
 from ._validate import (REFERENCE_DTYPES, check_flag, check_qkv, check_rope_args, check_sm_scale,
                         check_window)
-from .rope import apply_rope, logn_scale, relative_positions, rerope_inputs, rope_frequencies
+from .rope import apply_rope, frequencies, logn_scale, relative_positions, rerope_inputs
 
 
 def _expand_heads(t, group):
@@ -61,20 +61,21 @@ def rerope_attention(q1, q2, k1, k2, v, window, causal=True, sm_scale=None):
 
 
 def rerope(q, k, v, window, causal=True, sm_scale=None, base=10000.0, leaky=None, logn_len=None,
-           rotated=False):
+           rotated=False, inv_freq=None):
     """(Leaky) ReRoPE attention from ``q, k, v``: build the five tensors, then the naive op.
 
     Arguments as :func:`kernels.rerope` (``q`` ``(B, Hq, Nq, D)``, ``k, v`` ``(B, Hkv, Nk, D)``,
-    ``Nq <= Nk``; ``rotated=True``: ``q, k`` already carry RoPE at their positions).
+    ``Nq <= Nk``; ``rotated=True``: ``q, k`` already carry RoPE at their positions;
+    ``inv_freq``: the ``D/2`` frequencies instead of ``base``'s).
     """
     check_qkv({"q": q}, {"k": k, "v": v}, dtypes=REFERENCE_DTYPES, fewer_queries=True)
     q1, q2, k1, k2 = rerope_inputs(q, k, window, base=base, leaky=leaky, logn_len=logn_len,
-                                   rotated=rotated)
+                                   rotated=rotated, inv_freq=inv_freq)
     return rerope_attention(q1, q2, k1, k2, v, window, causal=causal, sm_scale=sm_scale)
 
 
 def rerope_from_relative_positions(q, k, v, window, causal=True, sm_scale=None, base=10000.0,
-                                   leaky=None, logn_len=None, rotated=False):
+                                   leaky=None, logn_len=None, rotated=False, inv_freq=None):
     """Independent oracle: each score straight from its ReRoPE relative position.
 
     With halves ``q = [a, b]``, ``k = [c, d]`` and frequencies ``θ_t``, RoPE's score at relative
@@ -83,17 +84,19 @@ def rerope_from_relative_positions(q, k, v, window, causal=True, sm_scale=None, 
     ``(B, Hkv, Nk, D)``, ``Nq <= Nk``, queries at the last ``Nq`` positions; with ``rotated``,
     ``q, k`` carry RoPE at their positions and are rotated back first (in float64). Computes in
     float64; returns the input dtype. Memory ``O(B·H·Nq·Nk)``: for small test sizes.
+    ``inv_freq``: the ``D/2`` frequencies ``θ_t`` instead of ``base``'s
+    (:func:`kernels.rope.frequencies`).
     """
     _, hq, hkv, n_queries, n_keys, d = check_qkv({"q": q}, {"k": k, "v": v},
                                                  dtypes=REFERENCE_DTYPES, fewer_queries=True)
-    check_rope_args(q, k, window, base, leaky, logn_len, rotated)
+    inv_freq = check_rope_args(q, k, window, base, leaky, logn_len, rotated, inv_freq)
     check_sm_scale(sm_scale, kernel=False)
     check_flag("causal", causal)
     qd, kd = q.double(), _expand_heads(k, hq // hkv).double()
     if rotated:
         key_pos = torch.arange(n_keys, dtype=torch.float64, device=q.device)
-        qd = apply_rope(qd, -key_pos[n_keys - n_queries:], base)
-        kd = apply_rope(kd, -key_pos, base)
+        qd = apply_rope(qd, -key_pos[n_keys - n_queries:], base, inv_freq)
+        kd = apply_rope(kd, -key_pos, base, inv_freq)
     if logn_len is not None:
         qd = qd * logn_scale(n_keys, logn_len, device=q.device)[n_keys - n_queries:, None]
     scale = d ** -0.5 if sm_scale is None else sm_scale
@@ -101,7 +104,7 @@ def rerope_from_relative_positions(q, k, v, window, causal=True, sm_scale=None, 
     c, e = kd[..., : d // 2], kd[..., d // 2:]
     rel = relative_positions(n_queries, window, leaky=leaky, device=q.device, n_keys=n_keys)
     scores = torch.zeros(*q.shape[:2], n_queries, n_keys, dtype=torch.float64, device=q.device)
-    for t, theta in enumerate(rope_frequencies(d, base, device=q.device)):
+    for t, theta in enumerate(frequencies(d, base, inv_freq, device=q.device)):
         same = a[..., t, None] * c[..., None, :, t] + b[..., t, None] * e[..., None, :, t]
         cross = a[..., t, None] * e[..., None, :, t] - b[..., t, None] * c[..., None, :, t]
         scores += same * torch.cos(rel * theta) + cross * torch.sin(rel * theta)

@@ -3,7 +3,10 @@
 Chapter 1 of the book. Conventions (Llama / Hugging Face):
 
 * ``R(p) x = x * cos(p θ) + rotate_half(x) * sin(p θ)``, with ``rotate_half([a, b]) = [-b, a]``
-  acting on the two *halves* of the head vector and ``θ_t = base ** (-2t / D)``.
+  acting on the two *halves* of the head vector and ``θ_t = base ** (-2t / D)``
+  (:func:`rope_frequencies`), or any other vector of ``D/2`` frequencies passed as ``inv_freq``:
+  a model's own, e.g. Llama 3's ``llama3``, ``linear`` or YaRN scaling, which change the
+  per-frequency angles only (:func:`frequencies`).
 * ``(R(p) q) · (R(s) k)`` depends on ``p - s`` only: attention sees relative positions.
 
 ReRoPE with window ``w`` uses the relative position ``i - j`` while ``|i - j| < w`` and ``w``
@@ -20,7 +23,8 @@ import math
 
 import torch
 
-from ._validate import check_logn_overflow, check_rope_args
+from ._validate import Frequencies  # noqa: F401  (kernels.rope.Frequencies: inv_freq, checked)
+from ._validate import check_inv_freq, check_logn_overflow, check_rope_args
 
 
 def rotate_half(x):
@@ -35,15 +39,27 @@ def rope_frequencies(head_dim, base=10000.0, device=None):
     return base ** (-exponents)
 
 
-def apply_rope(x, positions, base=10000.0):
+def frequencies(head_dim, base=10000.0, inv_freq=None, device=None):
+    """The ``D/2`` angular frequencies in float64: ``inv_freq`` when given (a 1-D tensor or a
+    sequence of ``D/2`` positive finite floats, e.g. a transformers model's
+    ``rotary_emb.inv_freq``; ``base`` must then stay at its default), else
+    :func:`rope_frequencies` of ``base``."""
+    freqs = check_inv_freq(inv_freq, head_dim, base)
+    if freqs is None:
+        return rope_frequencies(head_dim, base, device=device)
+    return torch.tensor(freqs, dtype=torch.float64, device=device)
+
+
+def apply_rope(x, positions, base=10000.0, inv_freq=None):
     """Rotate every head vector of ``x`` (``(..., N, D)``) by RoPE at ``positions`` (``(N,)``).
 
     ``positions`` may be fractional (Leaky ReRoPE) or all equal (ReRoPE's ``R(w)``). Angles are
     formed in float64 and the rotation is done in float32 (float64 for float64 input), then cast
-    back to ``x.dtype``, so low-precision inputs are rounded once.
+    back to ``x.dtype``, so low-precision inputs are rounded once. ``inv_freq``: the ``D/2``
+    frequencies instead of ``base``'s (:func:`frequencies`).
     """
     compute_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
-    theta = rope_frequencies(x.shape[-1], base, device=x.device)
+    theta = frequencies(x.shape[-1], base, inv_freq, device=x.device)
     angles = positions.to(torch.float64)[:, None] * theta[None, :]      # (N, D/2)
     angles = torch.cat((angles, angles), dim=-1)                        # cos/sin repeat over halves
     cos, sin = angles.cos().to(compute_dtype), angles.sin().to(compute_dtype)
@@ -57,7 +73,8 @@ def logn_scale(seq_len, train_len, device=None):
     return torch.clamp(torch.log(positions + 1) / math.log(train_len), min=1.0)
 
 
-def rerope_inputs(q, k, window, base=10000.0, leaky=None, logn_len=None, rotated=False):
+def rerope_inputs(q, k, window, base=10000.0, leaky=None, logn_len=None, rotated=False,
+                  inv_freq=None):
     """Build the five-tensor form ``(q1, q2, k1, k2)`` of (Leaky) ReRoPE.
 
     Args:
@@ -71,29 +88,31 @@ def rerope_inputs(q, k, window, base=10000.0, leaky=None, logn_len=None, rotated
         logn_len: if given, scale queries by ``max(1, log(i + 1) / log(logn_len))`` first.
         rotated: ``q, k`` already carry RoPE at their positions (as a Hugging Face model and its
             KV cache hold them); they are rotated back first (``R(-p) R(p) x = x``).
+        inv_freq: ``None``, or the ``D/2`` frequencies to rotate with instead of ``base``'s
+            (:func:`frequencies`; ``base`` must then stay at its default).
 
     Returns ``(q1, q2, k1, k2)`` in the dtype of ``q``/``k``; differentiable. A ``logn_len`` whose
     scale overflows that dtype is refused or warned about (:func:`check_logn_overflow`).
     """
-    check_rope_args(q, k, window, base, leaky, logn_len, rotated)
+    inv_freq = check_rope_args(q, k, window, base, leaky, logn_len, rotated, inv_freq)
     n_queries, n_keys = q.shape[-2], k.shape[-2]
     check_logn_overflow(logn_len, n_keys, q.dtype)
     window = min(window, n_keys)       # any w >= Nk is plain RoPE (and float(w) is finite)
     key_pos = torch.arange(n_keys, dtype=torch.float64, device=q.device)
     query_pos = key_pos[n_keys - n_queries:]
     if rotated:
-        q, k = apply_rope(q, -query_pos, base), apply_rope(k, -key_pos, base)
+        q, k = apply_rope(q, -query_pos, base, inv_freq), apply_rope(k, -key_pos, base, inv_freq)
     if logn_len is not None:
         scale = logn_scale(n_keys, logn_len, device=q.device)[n_keys - n_queries:, None]
         q = (q.to(torch.float64 if q.dtype == torch.float64 else torch.float32) * scale).to(q.dtype)
-    q1 = apply_rope(q, query_pos, base)
-    k1 = apply_rope(k, key_pos, base)
+    q1 = apply_rope(q, query_pos, base, inv_freq)
+    k1 = apply_rope(k, key_pos, base, inv_freq)
     if leaky is None:
-        q2 = apply_rope(q, torch.full_like(query_pos, float(window)), base)
+        q2 = apply_rope(q, torch.full_like(query_pos, float(window)), base, inv_freq)
         k2 = k
     else:
-        q2 = apply_rope(q, (query_pos + window * (leaky - 1)) / leaky, base)
-        k2 = apply_rope(k, key_pos / leaky, base)
+        q2 = apply_rope(q, (query_pos + window * (leaky - 1)) / leaky, base, inv_freq)
+        k2 = apply_rope(k, key_pos / leaky, base, inv_freq)
     return q1, q2, k1, k2
 
 

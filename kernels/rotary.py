@@ -24,8 +24,12 @@ outside (Leaky, κ)    ``1/κ - c``       ``w (κ - 1) / κ``
 key rotation at all: raw inputs need none outside the window, rotated inputs none inside.
 
 Angles come from a float64-accurate table of ``cos(speed · p · θ_t), sin(speed · p · θ_t)``
-(:func:`rope_table`, cached per speed, head dim, base and device, shared by every head, batch
-and layer), not from ``sin``/``cos`` of an fp32 angle, which at ``p ≈ 10⁵`` is off by 10⁻² rad.
+(:func:`rope_table`, cached per speed, head dim, frequencies and device, shared by every head,
+batch and layer), not from ``sin``/``cos`` of an fp32 angle, which at ``p ≈ 10⁵`` is off by
+10⁻² rad. The frequencies ``θ_t`` are ``base ** (-2t / D)`` or any vector ``inv_freq`` of
+``D/2`` of them (a model's scaled RoPE: ``linear``, ``llama3``, YaRN): the kernels only read
+the table, so nothing else changes. :func:`rotation_tables` builds the four tensors a kernel
+reads for one setting.
 The kernels load the two halves of a head vector separately, so ``rotate_half`` is free:
 ``R x = [a cos − b sin, b cos + a sin]`` for halves ``[a, b]``, and a score is two ``D/2``-wide
 products into one accumulator (:func:`_rotate`).
@@ -38,36 +42,45 @@ import torch
 import triton
 import triton.language as tl
 
-from .rope import rope_frequencies
+from .rope import frequencies
 
 _TABLES = {}
 _OFFSETS = {}
 
 
-def rope_table(n, head_dim, base, speed, device):
+def _frequency_key(base, inv_freq):
+    """What the tables are keyed by: ``base`` (its default frequencies) or the frequencies
+    themselves (a :class:`kernels.rope.Frequencies`, hashable)."""
+    return float(base) if inv_freq is None else inv_freq
+
+
+def rope_table(n, head_dim, base, speed, device, inv_freq=None):
     """``(capacity, D)`` float32: row ``p`` is ``[cos(speed·p·θ) | sin(speed·p·θ)]``.
 
     ``capacity >= n + 256`` is a multiple of 4096, so a kernel may read whole tiles of rows
     past ``n`` without masks. The table grows as longer sequences come and is shared by every
-    call with the same ``(head_dim, base, speed, device)``. Computed in float64, stored in float32.
+    call with the same ``(head_dim, base or inv_freq, speed, device)``; ``θ`` is
+    :func:`kernels.rope.frequencies` (``inv_freq``: :class:`kernels.rope.Frequencies` or
+    ``None``). Computed in float64, stored in float32.
     """
-    key = (head_dim, float(base), float(speed), str(device))
+    key = (head_dim, _frequency_key(base, inv_freq), float(speed), str(device))
     table = _TABLES.get(key)
     if table is None or table.shape[0] < n + 256:
         capacity = -(-(n + 256) // 4096) * 4096
         positions = torch.arange(capacity, dtype=torch.float64, device=device) * float(speed)
-        angles = positions[:, None] * rope_frequencies(head_dim, base, device=device)[None, :]
+        angles = positions[:, None] * frequencies(head_dim, base, inv_freq, device=device)[None, :]
         table = torch.cat((angles.cos(), angles.sin()), dim=-1).to(torch.float32).contiguous()
         _TABLES[key] = table
     return table
 
 
-def rotation_offset(head_dim, base, offset, device):
-    """``(D,)`` float32 ``[cos(offset·θ) | sin(offset·θ)]``: a query rotation shared by all rows."""
-    key = (head_dim, float(base), float(offset), str(device))
+def rotation_offset(head_dim, base, offset, device, inv_freq=None):
+    """``(D,)`` float32 ``[cos(offset·θ) | sin(offset·θ)]``: a query rotation shared by all rows
+    (``θ`` as in :func:`rope_table`)."""
+    key = (head_dim, _frequency_key(base, inv_freq), float(offset), str(device))
     vector = _OFFSETS.get(key)
     if vector is None:
-        angles = float(offset) * rope_frequencies(head_dim, base, device=device)
+        angles = float(offset) * frequencies(head_dim, base, inv_freq, device=device)
         vector = torch.cat((angles.cos(), angles.sin())).to(torch.float32).contiguous()
         _OFFSETS[key] = vector
     return vector
@@ -99,6 +112,39 @@ def rotation_plan(window, leaky=None, rotated=False):
     else:
         outside = Rotation(speed=1.0 / leaky - c, offset=window * (leaky - 1.0) / leaky)
     return inside, outside
+
+
+@dataclass(frozen=True)
+class RotationTables:
+    """What a kernel reads to rotate one setting's products (:func:`rotation_tables`).
+
+    ``tables``: ``(inside table, inside offset, outside table, outside offset)``, each product's
+    :func:`rope_table` (its :func:`rotation_offset` in the table's place when the product turns
+    no key) and :func:`rotation_offset`. ``flags``: the kernels' compile-time switches,
+    ``TURN_IN`` / ``TURN_OUT`` (the product turns keys: its speed is not 0) and ``SHIFT_IN`` /
+    ``SHIFT_OUT`` (its query offset is not 0).
+    """
+
+    tables: tuple
+    flags: dict
+
+
+def rotation_tables(n_keys, head_dim, window, leaky, rotated, device, base=10000.0,
+                    inv_freq=None):
+    """The :class:`RotationTables` of (Leaky) ReRoPE with ``window`` over ``n_keys`` keys, for raw
+    or ``rotated`` inputs (speeds and offsets of :func:`rotation_plan`), with the frequencies of
+    ``base`` or ``inv_freq`` (:class:`kernels.rope.Frequencies` or ``None``). The tensors are
+    the shared cached tables: building this costs a few dictionary look-ups."""
+    inside, outside = rotation_plan(window, leaky, rotated)
+    tables = []
+    for rotation in (inside, outside):
+        offset = rotation_offset(head_dim, base, rotation.offset, device, inv_freq)
+        table = (rope_table(n_keys, head_dim, base, rotation.speed, device, inv_freq)
+                 if rotation.rotates_keys else offset)
+        tables += [table, offset]
+    flags = dict(TURN_IN=inside.rotates_keys, SHIFT_IN=inside.offset != 0,
+                 TURN_OUT=outside.rotates_keys, SHIFT_OUT=outside.offset != 0)
+    return RotationTables(tables=tuple(tables), flags=flags)
 
 
 def logn_factor(logn_len):

@@ -13,6 +13,11 @@ weights, fp32, the kernels in Triton's interpreter. What is checked:
   steps really ran ``kernels.rerope_decode``;
 * padded batches: left-padded ``generate`` equals each prompt generated alone; a right-padded
   forward equals each row alone; right-padded ``generate`` (padding between tokens) raises;
+* RoPE types ``linear``, ``llama3`` and ``yarn`` (the model's own frequencies, YaRN's attention
+  factor): the stock logits for window >= length, a float64 reference that un-rotates with the
+  model's frequencies for a shorter window, ``generate`` with the cache equal to recomputation;
+  a default-RoPE model whose frequencies were rounded by ``model.to(bfloat16)`` uses those;
+  ``dynamic`` and ``longrope`` are refused;
 * ``disable_rerope`` restores stock behaviour; bad input raises a clear error;
 * importing transformers with this repository first on ``sys.path``: transformers probes for
   the Hugging Face package also named ``kernels`` and must not take ours for it.
@@ -79,23 +84,28 @@ def max_error(actual, expected):
 # --- the reference model: float64 kernels.reference.rerope on un-rotated q, k, every layer ------
 
 
-def unrotate(x, positions, base):
+def unrotate(x, positions, base, inv_freq=None):
     """Undo the model's RoPE (rotate_half convention) in float64: ``R(-p) x`` per position.
-    ``x`` ``(B, H, N, D)``, ``positions`` ``(1 or B, N)``."""
+    ``x`` ``(B, H, N, D)``, ``positions`` ``(1 or B, N)``; the frequencies of ``base``, or
+    ``inv_freq`` (float64 ``(D/2,)``) when given."""
     d = x.shape[-1]
-    theta = base ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)
+    theta = (base ** (-torch.arange(0, d, 2, dtype=torch.float64) / d) if inv_freq is None
+             else inv_freq)
     angles = -positions.double()[:, None, :, None] * torch.cat([theta, theta])
     x = x.double()
     halves = torch.cat([-x[..., d // 2:], x[..., : d // 2]], dim=-1)
     return x * torch.cos(angles) + halves * torch.sin(angles)
 
 
-def register_reference(window, base, leaky=None, logn_len=None):
+def register_reference(window, base, leaky=None, logn_len=None, inv_freq=None):
     """Register an attention implementation that runs ``kernels.reference.rerope`` in float64
     on the un-rotated inputs; returns its name. Positions come from ``position_ids`` (keys at
     the queries' positions when there is no cache, else at 0 … Nk-1); log-n is applied here at
-    those positions, so that shifted position ids are judged too."""
+    those positions, so that shifted position ids are judged too. ``inv_freq``: the model's
+    frequencies (float64), used to un-rotate and re-rotate instead of ``base``'s."""
     name = f"test_reference_w{window}_b{base}_l{leaky}_n{logn_len}"
+    if inv_freq is not None:
+        name += "_f" + "_".join(f"{x:.17g}" for x in inv_freq.tolist())
 
     def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
                   **kwargs):
@@ -104,13 +114,14 @@ def register_reference(window, base, leaky=None, logn_len=None):
         positions = kwargs["position_ids"][:1]
         key_positions = positions if n_q == n_k else torch.arange(n_k)[None]
         assert n_q == n_k or torch.equal(positions[0], torch.arange(n_k - n_q, n_k))
-        q_raw = unrotate(query, positions, base)
+        q_raw = unrotate(query, positions, base, inv_freq)
         if logn_len is not None:
             scale = torch.clamp(torch.log(positions.double() + 1) / math.log(logn_len), min=1.0)
             q_raw = q_raw * scale[:, None, :, None]
-        k_raw = unrotate(key, key_positions, base)
-        out = reference.rerope(q_raw, k_raw, value.double(), window, sm_scale=scaling, base=base,
-                               leaky=leaky)
+        k_raw = unrotate(key, key_positions, base, inv_freq)
+        rope = dict(base=base) if inv_freq is None else dict(inv_freq=inv_freq)
+        out = reference.rerope(q_raw, k_raw, value.double(), window, sm_scale=scaling,
+                               leaky=leaky, **rope)
         return out.to(query.dtype).transpose(1, 2).contiguous(), None
 
     AttentionInterface.register(name, attention)
@@ -332,16 +343,176 @@ def test_models_that_are_not_llama_style_raise():
 
 
 @pytest.mark.parametrize("rope", [
-    {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0},
     {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0},
-    {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+    {"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8,
      "original_max_position_embeddings": 128, "rope_theta": 10000.0},
-], ids=["linear", "dynamic", "llama3"])
-def test_rope_scaling_raises(rope):
+], ids=["dynamic", "longrope"])
+def test_length_dependent_rope_raises(rope):
     model = build(tiny_config(rope_parameters=rope))
-    expected = f"rope_type '{rope['rope_type']}'.*only rope_type 'default'"
+    expected = (f"rope_type '{rope['rope_type']}'.*change with the sequence length.*"
+                "supported rope types: default, linear, llama3, yarn")
     with pytest.raises(ValueError, match=expected):
         hf.enable_rerope(model, 4)
+    assert model.config._attn_implementation == "sdpa"
+
+
+def test_rope_type_of_the_rotary_module_is_checked():
+    """The model's rotary embedding is what rotates q, k: a dynamic one is refused even where
+    the config was changed to a supported type after building the model."""
+    model = build(tiny_config(rope_parameters={"rope_type": "dynamic", "factor": 2.0,
+                                               "rope_theta": 10000.0}))
+    model.config.rope_parameters = {"rope_type": "default", "rope_theta": 10000.0}
+    with pytest.raises(ValueError, match="LlamaRotaryEmbedding.rope_type.*'dynamic'"):
+        hf.enable_rerope(model, 4)
+    model.model.rotary_emb.rope_type = "mystery"
+    with pytest.raises(ValueError, match="rope_type 'mystery'.*kernels.hf does not support"):
+        hf.enable_rerope(model, 4)
+    assert model.config._attn_implementation == "sdpa"
+
+
+# --- RoPE types: the model's own frequencies ------------------------------------------------------
+
+# Scaled RoPE of each supported type, chosen so that the tiny models' 8 frequencies (head dim 16)
+# really change: llama3 keeps the two fastest, smooths one and divides the rest by 8; YaRN (its
+# attention factor 0.1·ln 4 + 1 ≈ 1.139 multiplies cos and sin) interpolates the slow ones.
+ROPE_TYPES = {
+    "linear": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0},
+    "llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 128,
+               "rope_theta": 10000.0},
+    "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128,
+             "rope_theta": 10000.0},
+}
+
+
+def config_frequencies(config):
+    """The frequencies transformers computes for ``config`` (its ROPE_INIT_FUNCTIONS, not the
+    module kernels.hf reads), float64, and the attention factor."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    inv_freq, factor = ROPE_INIT_FUNCTIONS[config.rope_parameters["rope_type"]](
+        copy.deepcopy(config), "cpu")
+    return inv_freq.double(), factor
+
+
+@pytest.mark.parametrize("kind", list(ROPE_TYPES))
+def test_scaled_rope_window_covering_the_sequence_gives_the_stock_logits(kind):
+    config = tiny_config(kv_heads=2, rope_parameters=dict(ROPE_TYPES[kind]))
+    model = build(config)
+    ids = torch.randint(0, VOCAB, (1, 21), generator=torch.Generator().manual_seed(12))
+    stock = logits_of(model, ids)
+    hf.enable_rerope(model, window=21)
+    assert model.config._attn_implementation.startswith(f"rerope_w21_{kind}_")
+    assert max_error(logits_of(model, ids), stock) < 1e-4
+
+
+@pytest.mark.parametrize("kind", list(ROPE_TYPES))
+def test_scaled_rope_short_window_matches_the_reference_model(kind):
+    """Window 5 < 23 tokens: equal to the float64 reference that un-rotates q, k with the
+    model's frequencies, clamps and re-rotates; different from the reference with the default
+    frequencies (so the frequencies are really used), and from stock."""
+    config = tiny_config(kv_heads=2, rope_parameters=dict(ROPE_TYPES[kind]))
+    inv_freq, attention_factor = config_frequencies(config)
+    default = 10000.0 ** (-torch.arange(0, 16, 2, dtype=torch.float64) / 16)
+    assert (inv_freq / default - 1).abs().max() > 0.4, "the scaling should change frequencies"
+    if kind == "yarn":
+        assert attention_factor > 1.1, "YaRN's attention factor should be in play"
+    window, n = 5, 23
+    ids = torch.randint(0, VOCAB, (1, n), generator=torch.Generator().manual_seed(13))
+    expected_model = build(config)
+    stock = logits_of(expected_model, ids)
+    expected_model.set_attn_implementation(register_reference(window, 10000.0,
+                                                              inv_freq=inv_freq))
+    expected = logits_of(expected_model, ids)
+    expected_model.set_attn_implementation(register_reference(window, 10000.0))
+    with_default_frequencies = logits_of(expected_model, ids)
+    model = hf.enable_rerope(build(config), window)
+    actual = logits_of(model, ids)
+    assert max_error(actual, expected) < 1e-4
+    assert max_error(with_default_frequencies, expected) > 1e-2
+    assert max_error(expected, stock) > 0.1, "ReRoPE should change these logits"
+
+
+@pytest.mark.parametrize("kind", list(ROPE_TYPES))
+def test_scaled_rope_generate_with_the_cache_equals_recomputation(kind, monkeypatch):
+    model = build(tiny_config(heads=2, kv_heads=1, rope_parameters=dict(ROPE_TYPES[kind])))
+    prompt = torch.randint(0, VOCAB, (1, 5), generator=torch.Generator().manual_seed(14))
+    hf.enable_rerope(model, window=4, leaky=3.0 if kind == "llama3" else None)
+    decode_calls = []
+
+    def counted_decode(*args, **kwargs):
+        decode_calls.append(kwargs["inv_freq"])
+        return kernels.rerope_decode(*args, **kwargs)
+
+    monkeypatch.setattr(hf, "rerope_decode", counted_decode)
+    with torch.no_grad():
+        cached = model.generate(prompt, max_new_tokens=8, do_sample=False)
+    assert len(decode_calls) == 2 * 7
+    assert all(type(f) is kernels.rope.Frequencies for f in decode_calls)
+    assert torch.equal(cached, greedy_by_recomputation(model, prompt, 8))
+
+
+def test_frequencies_are_resolved_once_at_enable_time(monkeypatch):
+    """Layer calls pass the frequencies stored in the registered settings: the config is not
+    read again, and two models with other RoPE and the same window keep their own."""
+    linear = hf.enable_rerope(build(tiny_config(rope_parameters=dict(ROPE_TYPES["linear"]))), 4)
+    yarn = hf.enable_rerope(build(tiny_config(rope_parameters=dict(ROPE_TYPES["yarn"]))), 4)
+    assert linear.config._attn_implementation != yarn.config._attn_implementation
+    ids = torch.randint(0, VOCAB, (1, 11), generator=torch.Generator().manual_seed(15))
+    before = logits_of(linear, ids)
+
+    def no_config_reading(*args):
+        raise AssertionError("RoPE parameters read during a forward")
+
+    monkeypatch.setattr(hf, "_rope_parameters", no_config_reading)
+    monkeypatch.setattr(hf, "_model_frequencies", no_config_reading)
+    assert torch.equal(logits_of(linear, ids), before)
+    expected = build(tiny_config(rope_parameters=dict(ROPE_TYPES["linear"])))
+    expected.set_attn_implementation(register_reference(
+        4, 10000.0, inv_freq=config_frequencies(expected.config)[0]))
+    assert max_error(before, logits_of(expected, ids)) < 1e-4
+
+
+@pytest.mark.parametrize("kind", ["default", *ROPE_TYPES])
+def test_frequencies_without_a_rotary_module_come_from_the_config(kind, monkeypatch):
+    """A model without a module holding ``inv_freq`` (none of the supported ones today): the
+    frequencies transformers computes from the config, the same as the module's."""
+    rope = {"rope_type": "default", "rope_theta": 500.0} if kind == "default" else ROPE_TYPES[kind]
+    model = build(tiny_config(rope_parameters=dict(rope)))
+    from_module = hf._model_frequencies(model, model.config)
+    monkeypatch.setattr(hf, "_rotary_embedding", lambda model: None)
+    from_config = hf._model_frequencies(model, model.config)
+    assert from_config == from_module
+    assert from_config[1:] == ((500.0, None) if kind == "default" else
+                               (10000.0, tuple(config_frequencies(model.config)[0].tolist())))
+
+
+def test_default_rope_rounded_by_a_cast_uses_the_models_frequencies():
+    """``model.to(torch.bfloat16)`` rounds the rotary embedding's ``inv_freq`` buffer to bf16,
+    and the model rotates q, k with those frequencies: ReRoPE must un-rotate with the same ones.
+    (Emulated in fp32: the buffer replaced by its bf16 rounding.)"""
+    config = tiny_config(kv_heads=2)
+    window, n = 5, 23
+    ids = torch.randint(0, VOCAB, (1, n), generator=torch.Generator().manual_seed(16))
+
+    def rounded(model):
+        buffer = model.model.rotary_emb.inv_freq
+        buffer.copy_(buffer.to(torch.bfloat16).float())
+        return model
+
+    model = hf.enable_rerope(rounded(build(config)), window)
+    assert model.config._attn_implementation.startswith("rerope_w5_default_")
+    expected_model = rounded(build(config))
+    bf16_frequencies = expected_model.model.rotary_emb.inv_freq.double()
+    expected_model.set_attn_implementation(register_reference(window, 10000.0,
+                                                              inv_freq=bf16_frequencies))
+    expected = logits_of(expected_model, ids)
+    expected_model.set_attn_implementation(register_reference(window, 10000.0))
+    exact_frequencies = logits_of(expected_model, ids)
+    assert max_error(logits_of(model, ids), expected) < 1e-4
+    assert max_error(exact_frequencies, expected) > 1e-3, "the rounding should show"
+    unrounded = hf.enable_rerope(build(tiny_config(kv_heads=2, rope_theta=1000.0)), window)
+    assert unrounded.config._attn_implementation == "rerope_w5_base1000.0"
 
 
 def test_unsupported_attention_layouts_raise():

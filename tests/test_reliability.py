@@ -564,3 +564,56 @@ def test_rounding_of_rotated_operands_under_sharp_softmax(dtype, gen):
     assert fused <= 1.5 * five_path, (
         f"fused rotation worse than rounding the five tensors: {fused:.3g} > 1.5 · "
         f"{five_path:.3g}")
+
+
+# --- issue 24: an empty batch, and decode asked for gradients ----------------------------------
+
+
+@pytest.mark.parametrize("batch, heads", [(0, 2), (2, 0)], ids=["B0", "Hq0"])
+def test_empty_batch_gives_an_empty_output(batch, heads, gen):
+    """``B = 0`` (or no query head) used to raise ZeroDivisionError in ``rerope_decode`` and in
+    ``kernels.rerope``'s short no-grad calls (the splits rule divided by the program count).
+    Every op returns an empty output; the training ops empty gradients."""
+    device = kernel_device()
+    q = randn(gen, batch, heads, 5, 16, dtype=F32, device=device)
+    k, v = (randn(gen, batch, 1, 5, 16, dtype=F32, device=device) for _ in range(2))
+    with torch.no_grad():
+        for rotated in (False, True):
+            outs = [kernels.rerope_decode(q[:, :, -1:], k, v, 3, rotated=rotated),
+                    kernels.rerope_decode(q[:, :, -2:], k, v, 3, rotated=rotated, num_splits=4,
+                                          cache_seqlens=torch.full((batch,), 5, dtype=torch.int32)),
+                    kernels.rerope(q, k, v, 3, rotated=rotated)]
+            for out, n in zip(outs, (1, 2, 5)):
+                assert out.shape == (batch, heads, n, 16) and out.dtype == q.dtype
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    for op in (lambda q, k, v: kernels.rerope(q, k, v, 3, rotated=True),
+               lambda q, k, v: kernels.rerope_attention(q, q, k, k, v, 3)):
+        out = op(*leaves)
+        assert out.shape == q.shape
+        grads = torch.autograd.grad(out.sum(), leaves)
+        assert [g.shape for g in grads] == [t.shape for t in leaves]
+
+
+@pytest.mark.parametrize("name", ["q", "k_cache", "v_cache"])
+def test_decode_refuses_inputs_that_want_gradients(name, gen):
+    """``rerope_decode`` has no backward: with grad mode on, an input that requires grad used to
+    give an output cut from the graph (no error, no gradient). Now: a clear error naming the
+    input; under ``torch.no_grad()`` the same call runs."""
+    device = kernel_device()
+    tensors = {"q": randn(gen, 1, 2, 1, 16, dtype=F32, device=device),
+               "k_cache": randn(gen, 1, 1, 9, 16, dtype=F32, device=device),
+               "v_cache": randn(gen, 1, 1, 9, 16, dtype=F32, device=device)}
+    tensors[name].requires_grad_()
+    with pytest.raises(ValueError, match=f"{name} requires grad, but rerope_decode is "
+                                         "forward-only.*use kernels.rerope for gradients"):
+        kernels.rerope_decode(tensors["q"], tensors["k_cache"], tensors["v_cache"], 4)
+    with torch.no_grad():
+        out = kernels.rerope_decode(tensors["q"], tensors["k_cache"], tensors["v_cache"], 4)
+    want = reference.rerope_from_relative_positions(
+        *(t.detach().double() for t in tensors.values()), 4, rotated=True)
+    assert not results_problems({"out": out}, {"out": want}, tolerance(F32))
+    # kernels.rerope with grad mode on takes the differentiable path and gives gradients
+    out = kernels.rerope(tensors["q"], tensors["k_cache"], tensors["v_cache"], 4, rotated=True)
+    assert out.requires_grad
+    out.sum().backward()
+    assert tensors[name].grad is not None
