@@ -16,7 +16,7 @@ host, perf/runs/host_fused_v1.json).
 
 import functools
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -55,7 +55,7 @@ def _capability(device):
     return torch.cuda.get_device_capability(device)
 
 
-def _launch(kernel, blocks_of, rows, programs, args, **constexprs):
+def _launch(kernel, blocks_of, rows, programs, args, launchers=None, **constexprs):
     """Launch ``kernel`` over ``(cdiv(rows, meta[blocks_of]), programs)``.
 
     On a GPU the kernel is autotuned (:func:`_autotuned`) on its first call per key, and the
@@ -74,16 +74,26 @@ def _launch(kernel, blocks_of, rows, programs, args, **constexprs):
         return Launcher(tuned, lambda meta: (triton.cdiv(rows, meta[blocks_of]), programs),
                         **constexprs)
 
-    _bound((kernel, rows, programs), args, constexprs, make)(*args)
+    _bound((kernel, rows, programs), args, constexprs, make, launchers)(*args)
 
 
 _LAUNCHERS = PlanCache(limit=256)
 
 
-def _bound(where, args, constexprs, make):
-    """The :class:`kernels.launch.Launcher` of a launch, kept per exact argument list: integers
-    by value, tensors by dtype and pointer alignment (what Triton specialises a compiled kernel
-    on), with ``where`` (kernel and grid) and the constexprs; ``make()`` builds a new one."""
+def _bound(where, args, constexprs, make, launchers=None):
+    """The :class:`kernels.launch.Launcher` of a launch; ``make()`` builds a new one.
+
+    ``launchers``: a plan's own dict (see :func:`_cached_plan`), whose call signature already
+    fixes every argument of the launch (shapes, strides, alignment; outputs and scratch are fresh
+    contiguous tensors): kept there per ``where`` (kernel and grid) and constexprs, a short key.
+    Without one, kept in :data:`_LAUNCHERS` per exact argument list: integers by value, tensors
+    by dtype and pointer alignment (what Triton specialises a compiled kernel on)."""
+    if launchers is not None:
+        key = (where, tuple(constexprs.items()))
+        launcher = launchers.get(key)
+        if launcher is None:
+            launcher = launchers[key] = make()
+        return launcher
     key = (where, tuple(constexprs.items()),
            tuple((a.dtype, a.data_ptr() % 16 == 0) if isinstance(a, torch.Tensor) else a
                  for a in args))
@@ -250,7 +260,8 @@ def preturn_backward(n_k, extra_bytes, device):
     return n_k >= PRETURN_BWD_MIN_KEYS and extra_bytes <= preturn_memory_limit(device)
 
 
-def rerope_forward(q1, q2, k1, k2, v, window, causal, sm_scale, operands=None, preturn=None):
+def rerope_forward(q1, q2, k1, k2, v, window, causal, sm_scale, operands=None, preturn=None,
+                   launchers=None):
     """Run the forward kernel; returns ``(out, lse)`` (``lse`` in log2 units, ``(B·Hq, Nq)``).
 
     ``operands=None``: the five-tensor form. Otherwise ``q1 is q2`` is ``q``, ``k1 is k2`` is
@@ -269,7 +280,7 @@ def rerope_forward(q1, q2, k1, k2, v, window, causal, sm_scale, operands=None, p
         if turn_keys_out:
             k2 = turn_keys(k2, operands.tables[2])
         turn_keys_in = turn_keys_out = False
-    _launch("fwd", "BLOCK_M", n_q, batch * n_heads,
+    _launch("fwd", "BLOCK_M", n_q, batch * n_heads, launchers=launchers, args=
             [q1, q2, k1, k2, v, out, lse, *operands.tables, *_strides(q1, q2, k1, k2, v, out),
              n_heads, n_heads // k1.shape[1], n_q, n_k, window, sm_scale * LOG2E,
              operands.logn_factor],
@@ -280,7 +291,7 @@ def rerope_forward(q1, q2, k1, k2, v, window, causal, sm_scale, operands=None, p
 
 
 def rerope_backward(dout, q1, q2, k1, k2, v, out, lse, window, causal, sm_scale, operands=None,
-                    preturn=None):
+                    preturn=None, launchers=None):
     """Run the three backward kernels: ``(dq1, dq2, dk1, dk2, dv)`` in the five-tensor form,
     ``(dq, dk, dv)`` with ``operands`` (see :func:`rerope_forward`).
 
@@ -288,8 +299,11 @@ def rerope_backward(dout, q1, q2, k1, k2, v, out, lse, window, causal, sm_scale,
     memory, see :func:`preturn_backward`; ``None``: that function decides) or turn tiles in
     registers (``False``; also where no product changes an operand). Both give ``dq, dk, dv``
     of the input dtype, contiguous, equal within rounding (``dq`` bit for bit where both run
-    one dot per score, D = 16).
+    one dot per score, D = 16). ``launchers``: the forward's plan's (see :func:`_bound`); the
+    backward keeps its own per layout of ``dout``, the one argument the plan does not fix.
     """
+    if launchers is not None:
+        launchers = launchers.setdefault(("backward", *signature(dout)), {})
     batch, n_heads, n_q, head_dim = q1.shape
     n_kv_heads, n_k = k1.shape[1], k1.shape[2]
     group = n_heads // n_kv_heads
@@ -298,7 +312,7 @@ def rerope_backward(dout, q1, q2, k1, k2, v, out, lse, window, causal, sm_scale,
     grid = (triton.cdiv(n_q, configs.DELTA_BLOCK_M), batch * n_heads)
     constexprs = dict(HEAD_DIM=head_dim, BLOCK_M=configs.DELTA_BLOCK_M)
     _bound(("delta", grid), args, constexprs,
-           lambda: Launcher(_bwd_delta_kernel, grid, **constexprs))(*args)
+           lambda: Launcher(_bwd_delta_kernel, grid, **constexprs), launchers)(*args)
     split = operands is not None
     operands = operands or _five_tensors(lse)
     constexprs = operands.constexprs(head_dim)
@@ -321,11 +335,11 @@ def rerope_backward(dout, q1, q2, k1, k2, v, out, lse, window, causal, sm_scale,
     strides = _strides(q1, q2, k1, k2, v, dout)
     common = dict(HEAD_DIM=head_dim, CAUSAL=causal, DOT_PRECISION=dot_precision(q1.dtype),
                   TMA=_use_tma(q1, q2, k1, k2, v, dout), **constexprs)
-    _launch("dkdv", "BLOCK_N", n_k, batch * n_kv_heads,
+    _launch("dkdv", "BLOCK_N", n_k, batch * n_kv_heads, launchers=launchers, args=
             [q1, q2, k1, k2, v, dout, lse, delta, dk[0], dk[-1], dv, *operands.tables, *strides,
              n_heads, n_kv_heads, group, n_q, n_k, window, sm_scale * LOG2E, sm_scale,
              operands.logn_factor], **common)
-    _launch("dq", "BLOCK_M", n_q, batch * n_heads,
+    _launch("dq", "BLOCK_M", n_q, batch * n_heads, launchers=launchers, args=
             [q1, q2, k1, k2, v, dout, lse, delta, dq[0], dq[-1], *operands.tables, *strides,
              n_heads, group, n_q, n_k, window, sm_scale * LOG2E, sm_scale,
              operands.logn_factor], **common)
@@ -450,25 +464,30 @@ class _FiveTensorAttention(torch.autograd.Function):
     """Eager autograd for the five-tensor op (see the module docstring)."""
 
     @staticmethod
-    def forward(ctx, q1, q2, k1, k2, v, window, causal, sm_scale):
-        out, lse = rerope_forward(q1, q2, k1, k2, v, window, causal, sm_scale)
+    def forward(ctx, q1, q2, k1, k2, v, window, causal, sm_scale, launchers):
+        out, lse = rerope_forward(q1, q2, k1, k2, v, window, causal, sm_scale,
+                                  launchers=launchers)
         ctx.save_for_backward(q1, q2, k1, k2, v, out, lse)
         ctx.settings = (window, causal, sm_scale)
+        ctx.launchers = launchers
         return out
 
     @staticmethod
     @_first_order_only
     def backward(ctx, dout):
         *tensors, out, lse = ctx.saved_tensors
-        return (*rerope_backward(dout, *tensors, out, lse, *ctx.settings), None, None, None)
+        grads = rerope_backward(dout, *tensors, out, lse, *ctx.settings, launchers=ctx.launchers)
+        return (*grads, None, None, None, None)
 
 
 class _FusedAttention(torch.autograd.Function):
     """Eager autograd for the fused-rotation op (see the module docstring)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, window, causal, sm_scale, operands):
-        out, lse = rerope_forward(q, q, k, k, v, window, causal, sm_scale, operands)
+    def forward(ctx, q, k, v, window, causal, sm_scale, operands, launchers):
+        out, lse = rerope_forward(q, q, k, k, v, window, causal, sm_scale, operands,
+                                  launchers=launchers)
+        ctx.launchers = launchers
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.settings = (window, causal, sm_scale, operands)
         return out
@@ -478,8 +497,9 @@ class _FusedAttention(torch.autograd.Function):
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         window, causal, sm_scale, operands = ctx.settings
-        grads = rerope_backward(dout, q, q, k, k, v, out, lse, window, causal, sm_scale, operands)
-        return (*grads, *(None,) * 4)
+        grads = rerope_backward(dout, q, q, k, k, v, out, lse, window, causal, sm_scale, operands,
+                                launchers=ctx.launchers)
+        return (*grads, *(None,) * 5)
 
 
 # --- the public ops: checked and planned once per call signature ----------------------------------
@@ -515,9 +535,13 @@ def _cached_plan(make, tensors, settings):
 
 @dataclass(frozen=True)
 class _FivePlan:
+    """A ``kernels.rerope_attention`` call's checked settings and its bound launches
+    (:func:`_bound`), filled by its first call."""
+
     window: int
     causal: bool
     scale: float
+    launchers: dict = field(default_factory=dict)
 
 
 def _plan_five(q1, q2, k1, k2, v, window, causal, sm_scale):
@@ -556,17 +580,19 @@ def rerope_attention(q1, q2, k1, k2, v, window, causal=True, sm_scale=None):
     if torch.compiler.is_compiling():
         return restore(_five_fwd(q1, q2, k1, k2, v, plan.window, plan.causal, plan.scale)[0])
     return restore(_FiveTensorAttention.apply(q1, q2, k1, k2, v, plan.window, plan.causal,
-                                              plan.scale))
+                                              plan.scale, plan.launchers))
 
 
 @dataclass(frozen=True)
 class _FusedPlan:
-    """A ``kernels.rerope`` call's checked settings, its rotation operands, and its route:
-    ``decode`` for a decode step (see :func:`rerope`)."""
+    """A ``kernels.rerope`` call's checked settings, its rotation operands, its route
+    (``decode`` for a decode step, see :func:`rerope`) and its bound launches (:func:`_bound`),
+    filled by its first call."""
 
     settings: tuple     # (window, causal, scale, base, leaky, logn_len, rotated, inv_freq), checked
     operands: Operands
     decode: bool
+    launchers: dict = field(default_factory=dict)
 
 
 def _plan_fused(q, k, v, window, causal, sm_scale, base, leaky, logn_len, rotated, inv_freq):
@@ -636,4 +662,5 @@ def rerope(q, k, v, window, causal=True, sm_scale=None, base=10000.0, leaky=None
         *settings, inv_freq = plan.settings
         return restore(_fused_fwd(q, k, v, *settings,
                                   None if inv_freq is None else list(inv_freq))[0])
-    return restore(_FusedAttention.apply(q, k, v, *plan.settings[:3], plan.operands))
+    return restore(_FusedAttention.apply(q, k, v, *plan.settings[:3], plan.operands,
+                                         plan.launchers))

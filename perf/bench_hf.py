@@ -164,11 +164,25 @@ def decode_ms(model, ids, steps):
         return sum(times) / steps, max(times)
 
 
-def generate(model, ids, new_tokens):
-    """Greedy ``generate`` of exactly ``new_tokens`` tokens with a static cache."""
-    with torch.no_grad():
-        return model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                              do_sample=False, cache_implementation="static")
+def static_generator(model, ids, steps):
+    """``generate(n)``: greedy ``generate`` of exactly ``n <= steps + 1`` tokens on one
+    preallocated ``StaticCache``, reset before each call (one cache object for every call: a new
+    cache per length would make new static buffers, a recompile and, under CUDA graphs, outputs
+    of one graph overwritten by the next — what the first harness met)."""
+    from transformers import StaticCache
+
+    cache = StaticCache(config=model.config, max_cache_len=ids.shape[1] + steps + 8)
+    keyword = cache_keyword(model)
+
+    def generate(new_tokens):
+        cache.reset()
+        if hasattr(torch.compiler, "cudagraph_mark_step_begin"):
+            torch.compiler.cudagraph_mark_step_begin()
+        with torch.no_grad():
+            return model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                                  do_sample=False, **{keyword: cache})
+
+    return generate
 
 
 def static_compiled_ms(model, ids, steps, reps):
@@ -182,11 +196,12 @@ def static_compiled_ms(model, ids, steps, reps):
     eager_forward = model.forward
     model.forward = torch.compile(eager_forward, mode="reduce-overhead", fullgraph=True)
     try:
+        generate = static_generator(model, ids, steps)
         start = time.time()
-        generate(model, ids, 4), generate(model, ids, 4)
+        generate(4), generate(4)
         compile_s = time.time() - start
-        short = wall_ms(lambda: generate(model, ids, 1), reps)
-        long = wall_ms(lambda: generate(model, ids, steps + 1), reps)
+        short = wall_ms(lambda: generate(1), reps)
+        long = wall_ms(lambda: generate(steps + 1), reps)
     finally:
         model.forward = eager_forward
         torch._dynamo.reset()

@@ -15,8 +15,10 @@ import sys
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [os.path.join(ROOT, "tests"), ROOT]   # tests/conftest.py before ./conftest.py
+sys.path[:0] = [os.path.join(ROOT, "tests"), ROOT, os.path.join(ROOT, "perf")]
+# (tests/ first: its conftest.py, not the root's, is what test_generation imports)
 
+from bench_hf import event_ms  # noqa: E402
 from test_generation import Block  # noqa: E402
 
 
@@ -27,19 +29,6 @@ def step_results(block, x):
     out.float().square().mean().backward()
     return {"out": out.detach(), "dx": x.grad,
             **{name: p.grad.clone() for name, p in block.named_parameters()}}
-
-
-def median_ms(fn, reps=20):
-    fn(), fn()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
 
 
 def main():
@@ -62,8 +51,8 @@ def main():
         scale = {k: eager_r[k].float().abs().max().item() for k in eager_r}
         row = dict(dtype=str(dtype).replace("torch.", ""), N=args.n, dim=args.dim,
                    heads=args.heads, max_abs_diff=diffs, max_abs=scale,
-                   eager_ms=median_ms(lambda: step_results(block, x)),
-                   compiled_ms=median_ms(lambda: step_results(compiled, x)))
+                   eager_ms=event_ms(lambda: step_results(block, x)),
+                   compiled_ms=event_ms(lambda: step_results(compiled, x)))
         rows.append(row)
         print(json.dumps(row), flush=True)
     import triton

@@ -260,6 +260,26 @@ def test_static_cache_generate_equals_dynamic(prompt):
     assert compiled.tolist() == dynamic.tolist(), _first_difference(compiled, dynamic)
 
 
+def test_dynamic_cache_compiled_forward_generates():
+    """``torch.compile(model.forward)`` (not fullgraph) with the default dynamic cache: the
+    decode op is opaque to the compiler (it used to trace into Triton's interpreter and fail at
+    the first step, issue 24); the mask function's host reads break the graph; the tokens equal
+    eager generation."""
+    import torch._dynamo
+
+    model = _tiny_model(window=6)
+    torch.manual_seed(4)
+    ids = torch.randint(1, 97, (1, 9), device=kernel_device())
+    options = dict(max_new_tokens=6, do_sample=False)
+    with torch.no_grad():
+        eager = model.generate(ids, **options)
+        torch._dynamo.reset()
+        model.forward = torch.compile(model.forward, backend="aot_eager")
+        compiled = model.generate(ids, **options)
+        torch._dynamo.reset()
+    assert compiled.tolist() == eager.tolist(), _first_difference(compiled, eager)
+
+
 def test_static_cache_refuses_padding():
     model = _tiny_model(window=8)
     ids = torch.randint(1, 97, (2, 10), device=kernel_device())
