@@ -23,6 +23,7 @@ checker                    chapter     what the reader writes
 :func:`check_window_bounds`      4     the cut points of an asymmetric window (plain Python)
 :func:`check_delta_kernel`       5     the δ kernel, ``rowsum(dO ∘ O)``
 :func:`check_ds_routing`         5     the routing of ``dS`` to ``dQ1`` / ``dQ2``
+:func:`check_band_tiles`         6     how many tiles need both products (plain Python)
 :func:`check_rope_kernel`        6     a RoPE rotation kernel (the five-tensor interface's cost)
 :func:`check_turn_tile`          7     a tile's halves turned by ``R(speed·p ± offset)`` in registers
 :func:`check_turn_back_tile`     7     the transpose, for gradients (``dq = Rᵀ dq_rot``)
@@ -44,7 +45,7 @@ from . import reference
 from .forward import _keep
 from .online_softmax import LOG2E, _softmax_step, plain_attention
 from .regions import (INSIDE, INSIDE_CLEAN, INSIDE_MASKED, OUTSIDE, OUTSIDE_CLEAN,
-                      OUTSIDE_MASKED, _schedule, tile_map)
+                      OUTSIDE_MASKED, _mark, _schedule, tile_map)
 from .rope import apply_rope
 from .runtime import INTERPRET
 
@@ -98,6 +99,64 @@ def _bad_rows(got, want, atol, rtol=0.0):
     while bad.dim() > 1:
         bad = bad.any(-1)
     return bad.nonzero().flatten().tolist()
+
+
+# --- guard regions: a reader's kernel must not write (or read) past its tensors -----------------
+#
+# Under the interpreter a store past the end of a tensor lands in whatever the heap holds there:
+# the process aborts later (``free(): invalid pointer``), in Jupyter the kernel dies, often after
+# the checker has printed its verdict. So every tensor a reader's kernel touches lives in the
+# middle of a larger buffer: ``GUARD`` elements of poison on each side. Stores past the end hit
+# the poison (checked after the launch and reported), loads past the end read it (NaN, or a
+# sentinel for integers) and show up as wrong rows.
+
+GUARD = 4096           # elements each side: more than a missing mask can reach (a ragged block)
+_INT_POISON = -7       # an int tensor's "never written"
+_SENTINEL = -12288.0   # the guard of an output: finite and exact in fp16/fp32/int32, so that a
+                       # stray store of NaN (a load past the end) shows up as well
+
+
+def _poison(dtype):
+    return float("nan") if dtype.is_floating_point else _INT_POISON
+
+
+def _guarded(values, name, guard_value=None):
+    """``values`` copied into the middle of a buffer with ``GUARD`` poisoned elements on each
+    side (``guard_value``; default NaN, or -7 for integers, so that loads past the end give wrong
+    rows); returns ``(view, guard)``: ``view`` (same shape, contiguous) goes to the kernel,
+    ``guard`` to :func:`_guard_verdict` after the launch."""
+    guard_value = _poison(values.dtype) if guard_value is None else guard_value
+    flat = values.contiguous().reshape(-1)
+    buffer = torch.full((flat.numel() + 2 * GUARD,), guard_value, dtype=values.dtype,
+                        device=values.device)
+    view = buffer[GUARD:GUARD + flat.numel()].view(values.shape)
+    view.copy_(values)
+    return view, (name, buffer, guard_value)
+
+
+def _guarded_empty(shape, dtype, device, name):
+    """An output: NaN (-7 for integers) inside, :data:`_SENTINEL` in the guard regions."""
+    return _guarded(torch.full(shape, _poison(dtype), dtype=dtype, device=device), name,
+                    _SENTINEL)
+
+
+def _guard_verdict(*guards):
+    """``None`` if no guard region changed, else a message naming the tensor, the side and how
+    far the writes reached."""
+    for name, buffer, guard_value in guards:
+        inner = buffer.numel() - 2 * GUARD
+        for side, region in (("before its first", buffer[:GUARD].flip(0)),
+                             ("past its last", buffer[GUARD + inner:])):
+            region = region.cpu().double()
+            same = (region.isnan() if guard_value != guard_value else region == guard_value)
+            changed = (~same).nonzero().flatten()
+            if changed.numel():
+                return (f"your kernel wrote {changed.numel()} element(s) {side} element of "
+                        f"{name} (up to {int(changed.max()) + 1} away): a store without the "
+                        "right mask writes the ragged block's lanes outside the tensor (caught "
+                        "here in a guard region; unguarded, the interpreter corrupts memory and "
+                        "the process dies, a GPU overwrites a neighbour's data or faults)")
+    return None
 
 
 # --- chapter 3: the online-softmax step ----------------------------------------------------------
@@ -349,8 +408,10 @@ def _rerope_exercise_fwd_kernel(Q1, Q2, K1, K2, V, Out, n_ctx, window, qk_scale,
     tl.store(Out + q_ptrs, acc / l_i[:, None], mask=rows[:, None] < n_ctx)
 
 
-def _exercise_forward(masked_pass, band_pass, five, window, causal, block_m, block_n):
-    n, d = five[0].shape
+def _exercise_forward(masked_pass, band_pass, five, window, causal, block_m, block_n, n=None):
+    """The teaching forward on ``five`` (its first ``n`` rows: the rest is padding)."""
+    n = five[0].shape[0] if n is None else n
+    d = five[0].shape[1]
     out = torch.full((n, d), float("nan"), dtype=torch.float32, device=five[0].device)
     with _quiet():
         _rerope_exercise_fwd_kernel[(triton.cdiv(n, block_m),)](
@@ -359,16 +420,40 @@ def _exercise_forward(masked_pass, band_pass, five, window, causal, block_m, blo
     return out
 
 
+@triton.jit
+def _walk_map_kernel(Map, n_tiles, n_ctx, window, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     CAUSAL: tl.constexpr):
+    """Per query block, the key tiles of its masked walks: +1 band, +2 diagonal/end (q1·k1),
+    +4 diagonal/end (q2·k2), from the kernels' own :func:`kernels.regions._schedule`."""
+    row = Map + tl.program_id(0) * n_tiles
+    outside_clean, inside_clean, band, edge_inside, edge_outside = _schedule(
+        tl.program_id(0) * BLOCK_M, BLOCK_M, BLOCK_N, n_ctx, window, CAUSAL, True)
+    _mark(row, band, 1, BLOCK_N)
+    _mark(row, edge_inside, 2, BLOCK_N)
+    _mark(row, edge_outside, 4, BLOCK_N)
+
+
+def _walk_tiles(n, window, block_m, block_n, causal):
+    """``{program: {"band": [tile, …], "diagonal/end": [tile, …]}}``: the masked walks of each
+    query block of the teaching forward, by :func:`_walk_map_kernel` (tile = key tile index)."""
+    n_rows, n_tiles = triton.cdiv(n, block_m), triton.cdiv(n, block_n)
+    flags = torch.zeros(n_rows, n_tiles, dtype=torch.int32, device=_device())
+    _walk_map_kernel[(n_rows,)](flags, n_tiles, n, window, BLOCK_M=block_m, BLOCK_N=block_n,
+                                CAUSAL=causal)
+    return {p: {"band": [c for c, f in enumerate(row) if f & 1],
+                "diagonal/end": [c for c, f in enumerate(row) if f & 6]}
+            for p, row in enumerate(flags.cpu().tolist())}
+
+
+def _tile_keys(tiles, block_n):
+    return ", ".join(f"[{c * block_n}, {(c + 1) * block_n})" for c in tiles) or "none"
+
+
 def _masked_tiles(n, window, block_m, block_n, causal, program):
-    """The key tiles one program visits with a masked pass, by kind, from the kernels' map."""
-    flags = tile_map(n, window, block_m, block_n, causal=causal)[program]
-    band = [c for c, f in enumerate(flags.tolist())
-            if (f & (INSIDE_CLEAN | INSIDE_MASKED)) and (f & (OUTSIDE_CLEAN | OUTSIDE_MASKED))]
-    edge = [c for c, f in enumerate(flags.tolist())
-            if f & (INSIDE_MASKED | OUTSIDE_MASKED) and c not in band]
-    def keys(tiles):
-        return ", ".join(f"[{c * block_n}, {(c + 1) * block_n})" for c in tiles) or "none"
-    return f"band tiles {keys(band)}; diagonal/end tiles {keys(edge)}"
+    """The key tiles one program visits with a masked pass, by walk, from the kernels' schedule."""
+    walks = _walk_tiles(n, window, block_m, block_n, causal)[program]
+    return (f"band tiles {_tile_keys(walks['band'], block_n)}; diagonal/end tiles "
+            f"{_tile_keys(walks['diagonal/end'], block_n)}")
 
 
 def check_masked_pass(masked_pass):
@@ -386,8 +471,10 @@ def check_masked_pass(masked_pass):
              (40, 1, True, 16, 16)]       # only i = j is inside
     for n, window, causal, block_m, block_n in cases:
         d = 16
-        five = [_randn(gen, n, d) for _ in range(5)]
-        want = reference.rerope_attention(*(t.double()[None, None] for t in five), window,
+        plain = [_randn(gen, n, d) for _ in range(5)]
+        # K and V sit in NaN-padded buffers: a load past n_ctx reads NaN, not whatever follows
+        five = [_guarded(t, name)[0] for t, name in zip(plain, ("Q1", "Q2", "K1", "K2", "V"))]
+        want = reference.rerope_attention(*(t.double()[None, None] for t in plain), window,
                                           causal=causal)[0, 0]
         got = _exercise_forward(masked_pass, masked_pass, five, window, causal, block_m, block_n)
         rows = _bad_rows(got, want, atol=5e-3, rtol=5e-3)
@@ -395,17 +482,32 @@ def check_masked_pass(masked_pass):
             continue
         shape = (f"N={n}, w={window}, {'causal' if causal else 'non-causal'}, "
                  f"{block_m}x{block_n} tiles")
+        program = rows[0] // block_m
+        block_rows = f"rows {program * block_m}–{min((program + 1) * block_m, n) - 1}"
+        mine = [r for r in rows if r // block_m == program]
+        walks = _walk_tiles(n, window, block_m, block_n, causal)[program]
+        zero_padded = [torch.cat([t, torch.zeros(block_n, d, dtype=t.dtype, device=t.device)])
+                       for t in plain]
+        if not _bad_rows(_exercise_forward(masked_pass, masked_pass, zero_padded, window, causal,
+                                           block_m, block_n, n), want, atol=5e-3, rtol=5e-3):
+            last = (n - 1) // block_n
+            return (f"{shape}: rows {_spans(rows)} are wrong, and right when the rows of K and V "
+                    f"past N = {n} are zeros instead of NaN: your pass reads keys past n_ctx. "
+                    f"Program {program} ({block_rows}) walks the ragged tile "
+                    f"[{last * block_n}, {(last + 1) * block_n}); load K and V with "
+                    "mask=cols[:, None] < n_ctx, other=0.0")
         band_only = _exercise_forward(_reference_masked_pass, masked_pass, five, window, causal,
                                       block_m, block_n)
         edges_only = _exercise_forward(masked_pass, _reference_masked_pass, five, window, causal,
                                        block_m, block_n)
         wrong_on = [name for name, out in (("band", band_only), ("diagonal/end", edges_only))
-                    if _bad_rows(out, want, atol=5e-3, rtol=5e-3)]
-        program = rows[0] // block_m
-        return (f"{shape}: rows {_spans(rows)} are wrong; wrong on the "
-                f"{' and '.join(wrong_on) or 'combined'} walks. Program {program} (rows "
-                f"{program * block_m}–{min((program + 1) * block_m, n) - 1}) visits "
-                + _masked_tiles(n, window, block_m, block_n, causal, program))
+                    if set(_bad_rows(out, want, atol=5e-3, rtol=5e-3)) & set(mine)]
+        visited = "; ".join(f"{name} tiles {_tile_keys(walks[name], block_n)}"
+                            for name in (wrong_on or ("band", "diagonal/end")))
+        return (f"{shape}: rows {_spans(rows)} are wrong. Program {program} ({block_rows}) "
+                + (f"goes wrong on its {' and '.join(wrong_on)} walk"
+                   f"{'s' if len(wrong_on) > 1 else ''}: {visited}" if wrong_on else
+                   f"is right with your pass on either walk alone, wrong with both: {visited}"))
     return CORRECT
 
 
@@ -461,11 +563,16 @@ def check_delta_kernel(delta_kernel):
     """
     gen = torch.Generator().manual_seed(6)
     for bh, n, d, block_m in ((3, 40, 32, 16), (2, 64, 16, 32), (1, 7, 64, 16)):
-        o, do = _randn(gen, bh, n, d), _randn(gen, bh, n, d)
-        delta = torch.full((bh, n), float("nan"), dtype=torch.float32, device=o.device)
+        (o, o_guard), (do, do_guard) = (_guarded(_randn(gen, bh, n, d), name)
+                                        for name in ("Out", "DO"))
+        delta, delta_guard = _guarded_empty((bh, n), torch.float32, o.device, "Delta")
         with _quiet():
             delta_kernel[(triton.cdiv(n, block_m), bh)](o, do, delta, n, BLOCK_M=block_m,
                                                          HEAD_DIM=d)
+        shape = f"B·H={bh}, N={n}, D={d}, BLOCK_M={block_m}"
+        spilled = _guard_verdict(delta_guard, o_guard, do_guard)
+        if spilled:
+            return f"{shape}: {spilled}"
         want = (o.double() * do.double()).sum(-1)
         got = delta.double().cpu()
         for head in range(bh):
@@ -571,6 +678,49 @@ def check_ds_routing(route):
     return CORRECT
 
 
+# --- chapter 6: counting band tiles ---------------------------------------------------------------
+
+# (N, w, block_m, block_n, causal): windows that are multiples of both block sizes, and windows
+# smaller than both (a thin band along the diagonal, where "half the non-causal count" is wrong)
+_BAND_CASES = ((256, 64, 32, 16, True), (256, 32, 32, 16, False), (512, 96, 32, 32, False),
+               (384, 64, 64, 32, True), (256, 8, 32, 16, True), (256, 8, 16, 16, True),
+               (256, 1, 32, 16, True), (256, 8, 32, 16, False), (256, 256, 32, 16, True))
+
+
+def schedule_band_tiles(n_ctx, window, block_m, block_n, causal):
+    """How many tiles the kernels' own schedule (:func:`kernels.regions.tile_map`) visits with
+    both products."""
+    flags = tile_map(n_ctx, window, block_m, block_n, causal=causal)
+    both = (((flags & (INSIDE_CLEAN | INSIDE_MASKED)) != 0)
+            & ((flags & (OUTSIDE_CLEAN | OUTSIDE_MASKED)) != 0))
+    return int(both.sum())
+
+
+def check_band_tiles(band_tiles):
+    """Chapter 6: ``band_tiles(n_ctx, window, block_m, block_n, causal)`` must count the tiles
+    that hold valid pairs on both sides of the window, as the kernels' schedule visits them.
+
+    Cases: windows that are multiples of both block sizes, causal and not, and windows smaller
+    than a tile (the diagonal's own tiles are then band tiles too), w = 1 and w >= N. Reports the
+    first case that differs, with the count of the closest wrong rule when it is one of them.
+    """
+    for n_ctx, window, block_m, block_n, causal in _BAND_CASES:
+        want = schedule_band_tiles(n_ctx, window, block_m, block_n, causal)
+        got = band_tiles(n_ctx, window, block_m, block_n, causal)
+        if got is None:
+            return "not solved yet: band_tiles returned None"
+        if got != want:
+            hint = ""
+            if causal and got == schedule_band_tiles(n_ctx, window, block_m, block_n, False) // 2:
+                hint = (": that is half the non-causal count, but with a window narrower than a "
+                        "tile the diagonal's tiles hold pairs on both sides too, and they are not "
+                        "mirrored")
+            return (f"N={n_ctx}, w={window}, {block_m}x{block_n} tiles, "
+                    f"{'causal' if causal else 'non-causal'}: got {got}, the schedule has {want}"
+                    + hint)
+    return CORRECT
+
+
 # --- chapter 6: a RoPE kernel -------------------------------------------------------------------
 
 def rope_tables(n, head_dim, base=10000.0, device=None):
@@ -592,12 +742,16 @@ def check_rope_kernel(rope_kernel):
     gen = torch.Generator().manual_seed(8)
     for bh, n, d, block_n, dtype in ((2, 40, 32, 16, torch.float16), (3, 70, 64, 32, torch.float32),
                                      (1, 5, 16, 16, torch.float16)):
-        x = _randn(gen, bh, n, d).to(dtype)
-        cos, sin = rope_tables(n, d, device=x.device)
-        out = torch.full_like(x, float("nan"))
+        x, x_guard = _guarded(_randn(gen, bh, n, d).to(dtype), "X")
+        (cos, cos_guard), (sin, sin_guard) = (_guarded(t, name) for t, name in zip(
+            rope_tables(n, d, device=x.device), ("Cos", "Sin")))
+        out, out_guard = _guarded_empty(x.shape, dtype, x.device, "Out")
         with _quiet():
             rope_kernel[(triton.cdiv(n, block_n), bh)](x, cos, sin, out, n, BLOCK_N=block_n,
                                                        HEAD_DIM=d)
+        spilled = _guard_verdict(out_guard, x_guard, cos_guard, sin_guard)
+        if spilled:
+            return f"B·H={bh}, N={n}, D={d}, {str(dtype)[6:]}, BLOCK_N={block_n}: {spilled}"
         want = apply_rope(x.double(), torch.arange(n, dtype=torch.float64, device=x.device))
         tol = 2e-3 if dtype == torch.float16 else 1e-5
         for head in range(bh):
@@ -723,11 +877,14 @@ def check_logn_kernel(logn_kernel):
                                              ("the last 37 queries of 300", 37, 300, 64, 16),
                                              ("training length 256, 4096 positions", 50, 4096,
                                               256, 64)):
-        q = _randn(gen, n_q, 32)
-        out = torch.full((n_q, 32), float("nan"), dtype=torch.float32, device=q.device)
+        q, q_guard = _guarded(_randn(gen, n_q, 32), "Q")
+        out, out_guard = _guarded_empty((n_q, 32), torch.float32, q.device, "Out")
         with _quiet():
             logn_kernel[(triton.cdiv(n_q, block),)](q, out, n_q, n_k, 1.0 / np.log2(train_len),
                                                     BLOCK=block, HEAD_DIM=32)
+        spilled = _guard_verdict(out_guard, q_guard)
+        if spilled:
+            return f"{what} (n_q={n_q}, n_k={n_k}, BLOCK={block}): {spilled}"
         want = q.double().cpu() * logn_scale(n_k, train_len)[n_k - n_q:, None]
         bad = _bad_rows(out, want, atol=1e-3, rtol=1e-3)
         if bad:
@@ -761,11 +918,14 @@ def check_positions_kernel(positions_kernel):
              ("right padding (a single forward)", [[1, 1, 1, 1, 1, 0, 0, 0]], 8),
              ("n = 13, BLOCK = 16", [[0] * 4 + [1] * 9, [1] * 13], 16))
     for what, rows, block in cases:
-        mask = torch.tensor(rows, dtype=torch.int32, device=device)
+        mask, mask_guard = _guarded(torch.tensor(rows, dtype=torch.int32, device=device), "Mask")
         n = mask.shape[1]
-        out = torch.full(mask.shape, -7, dtype=torch.int32, device=device)
+        out, out_guard = _guarded_empty(mask.shape, torch.int32, device, "Positions")
         with _quiet():
             positions_kernel[(mask.shape[0],)](mask, out, n, BLOCK=block)
+        spilled = _guard_verdict(out_guard, mask_guard)
+        if spilled:
+            return f"{what}: {spilled}"
         want = reference_positions(mask.cpu())
         got = out.cpu().long()
         for row in range(mask.shape[0]):
@@ -811,10 +971,14 @@ def check_merge_kernel(merge_kernel):
         if empty is not None:
             lse[empty] = float("-inf")
             part[empty] = 0.0
-        part, lse = part.to(_device()), lse.to(_device())
-        out = torch.full((rows, d), float("nan"), dtype=torch.float32, device=part.device)
+        (part, part_guard), (lse, lse_guard) = (_guarded(t.to(_device()), name)
+                                                for t, name in ((part, "Part"), (lse, "Lse")))
+        out, out_guard = _guarded_empty((rows, d), torch.float32, part.device, "Out")
         with _quiet():
             merge_kernel[(rows,)](part, lse, out, n_splits, HEAD_DIM=d, SPLITS=splits)
+        spilled = _guard_verdict(out_guard, part_guard, lse_guard)
+        if spilled:
+            return f"{what} (n_splits={n_splits}, SPLITS={splits}): {spilled}"
         bad = _bad_rows(out, _merge_reference(part.cpu(), lse.cpu()), atol=1e-4, rtol=1e-4)
         if bad:
             return (f"{what} (n_splits={n_splits}, SPLITS={splits}): rows {_spans(bad)} wrong "
