@@ -582,10 +582,11 @@ def _rerope_fused_band_kernel(Q1, Q2, K1, K2, V, Out, n_ctx, window, qk_scale,
                               BAND_PASS: tl.constexpr, CAUSAL: tl.constexpr,
                               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                               HEAD_DIM: tl.constexpr):
-    """The teaching forward with the band walked **once**: ``BAND_PASS`` gets both query blocks
-    and both key tensors and must compute both products of each band tile. The unmasked walks
-    are :func:`_clean_pass`, the diagonal/end walks the package's mask
-    (:func:`_reference_masked_pass`), as in :func:`_rerope_exercise_fwd_kernel`."""
+    """A teaching ReRoPE forward (one head, contiguous ``(N, D)`` tensors, the walks of
+    :func:`kernels.regions._schedule`) with the band walked **once**: ``BAND_PASS`` gets both
+    query blocks and both key tensors and must compute both products of each band tile. The
+    unmasked walks are :func:`_clean_pass`; the diagonal/end walks, one product each, use the
+    package's mask (:func:`_reference_masked_pass`, built on ``kernels.forward._keep``)."""
     start_m = tl.program_id(0) * BLOCK_M
     rows = start_m + tl.arange(0, BLOCK_M)
     dims = tl.arange(0, HEAD_DIM)
@@ -664,7 +665,7 @@ def check_band_pass(band_pass):
         band = _walk_tiles(n, window, block_m, block_n, causal)[program]["band"]
         return (f"{shape}: rows {_spans(rows)} are wrong. Program {program} ({block_rows}) "
                 f"walks the band tiles {_tile_keys(band, block_n)}: each entry must take "
-                "q1·k1 where |i − j| < w, q2·k2 elsewhere, -inf past n_ctx")
+                "q1·k1 where |i − j| < w and q2·k2 elsewhere")
     return CORRECT
 
 
