@@ -114,11 +114,13 @@ def _bad_rows(got, want, atol, rtol=0.0):
 # Under the interpreter a store past the end of a tensor lands in whatever the heap holds there:
 # the process aborts later (``free(): invalid pointer``), in Jupyter the kernel dies, often after
 # the checker has printed its verdict. So every tensor a reader's kernel touches lives in the
-# middle of a larger buffer: ``GUARD`` elements of poison on each side. Stores past the end hit
+# middle of a larger buffer: poison on each side, as long as the tensor (``GUARD`` elements at
+# least). Stores past the end hit
 # the poison (checked after the launch and reported), loads past the end read it (NaN, or a
 # sentinel for integers) and show up as wrong rows.
 
-GUARD = 4096           # elements each side: more than a missing mask can reach (a ragged block)
+GUARD = 4096           # elements each side at least (and at least the tensor's own size): more
+                       # than a missing mask (a ragged block) or a wrong stride can reach
 _INT_POISON = -7       # an int tensor's "never written"
 _SENTINEL = -12288.0   # the guard of an output: finite and exact in fp16/fp32/int32, so that a
                        # stray store of NaN (a load past the end) shows up as well
@@ -129,17 +131,18 @@ def _poison(dtype):
 
 
 def _guarded(values, name, guard_value=None):
-    """``values`` copied into the middle of a buffer with ``GUARD`` poisoned elements on each
-    side (``guard_value``; default NaN, or -7 for integers, so that loads past the end give wrong
+    """``values`` copied into the middle of a buffer with ``max(GUARD, values.numel())``
+    poisoned elements on each side (``guard_value``; default NaN, or -7 for integers, so that loads past the end give wrong
     rows); returns ``(view, guard)``: ``view`` (same shape, contiguous) goes to the kernel,
     ``guard`` to :func:`_guard_verdict` after the launch."""
     guard_value = _poison(values.dtype) if guard_value is None else guard_value
     flat = values.contiguous().reshape(-1)
-    buffer = torch.full((flat.numel() + 2 * GUARD,), guard_value, dtype=values.dtype,
+    guard = max(GUARD, flat.numel())
+    buffer = torch.full((flat.numel() + 2 * guard,), guard_value, dtype=values.dtype,
                         device=values.device)
-    view = buffer[GUARD:GUARD + flat.numel()].view(values.shape)
+    view = buffer[guard:guard + flat.numel()].view(values.shape)
     view.copy_(values)
-    return view, (name, buffer, guard_value)
+    return view, (name, buffer, guard_value, guard)
 
 
 def _guarded_empty(shape, dtype, device, name):
@@ -151,10 +154,10 @@ def _guarded_empty(shape, dtype, device, name):
 def _guard_verdict(*guards):
     """``None`` if no guard region changed, else a message naming the tensor, the side and how
     far the writes reached."""
-    for name, buffer, guard_value in guards:
-        inner = buffer.numel() - 2 * GUARD
-        for side, region in (("before its first", buffer[:GUARD].flip(0)),
-                             ("past its last", buffer[GUARD + inner:])):
+    for name, buffer, guard_value, guard in guards:
+        inner = buffer.numel() - 2 * guard
+        for side, region in (("before its first", buffer[:guard].flip(0)),
+                             ("past its last", buffer[guard + inner:])):
             region = region.cpu().double()
             same = (region.isnan() if guard_value != guard_value else region == guard_value)
             changed = (~same).nonzero().flatten()

@@ -338,6 +338,16 @@ def delta_in_fp16(Out, DO, Delta, n_ctx, BLOCK_M: tl.constexpr, HEAD_DIM: tl.con
     tl.store(Delta + base + rows, tl.sum(o * do, 1).to(tl.float16), mask=rows < n_ctx)
 
 
+@triton.jit
+def delta_row_stride(Out, DO, Delta, n_ctx, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    base = tl.program_id(1) * n_ctx
+    ptrs = (base + rows[:, None]) * HEAD_DIM + tl.arange(0, HEAD_DIM)[None, :]
+    o = tl.load(Out + ptrs, mask=rows[:, None] < n_ctx, other=0.0).to(tl.float32)
+    do = tl.load(DO + ptrs, mask=rows[:, None] < n_ctx, other=0.0).to(tl.float32)
+    tl.store(Delta + (base + rows) * HEAD_DIM, tl.sum(o * do, 1), mask=rows < n_ctx)  # Out's stride
+
+
 def test_delta_kernel():
     assert exercises.check_delta_kernel(delta_right) == "correct"
     verdict = exercises.check_delta_kernel(delta_first_head_only)
@@ -348,6 +358,9 @@ def test_delta_kernel():
         assert verdict.startswith("B·H=3, N=40, D=32, BLOCK_M=16: your kernel wrote 8 "
                                   "element(s) past its last element of Delta"), verdict
     assert exercises.check_delta_kernel(delta_in_fp16) != "correct"
+    # Out's row stride used for Delta: writes thousands of elements past Delta, still caught
+    verdict = exercises.check_delta_kernel(delta_row_stride)
+    assert "past its last element of Delta" in verdict, verdict
 
 
 @triton.jit
