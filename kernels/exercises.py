@@ -42,6 +42,7 @@ checker                            chapter  what the reader writes
 """
 
 import contextlib
+import io
 import warnings
 
 import numpy as np
@@ -77,6 +78,30 @@ def _quiet():
     with warnings.catch_warnings(), np.errstate(all="ignore"):
         warnings.simplefilter("ignore", RuntimeWarning)
         yield
+
+
+def assert_rejected(checker, wrong_answers):
+    """The test of a checker: each of ``wrong_answers`` (``{what the slip is: answer}``) must be
+    rejected with a message.
+
+    Works for the checkers here (they return the verdict) and for the notebooks' own
+    ``check_exercise_N`` (they print it). A wrong answer that the checker calls correct, that
+    gets no message, or on which the checker itself raises is an ``AssertionError`` naming it.
+    Prints nothing, so that a notebook cell calling it has no output to compare.
+    """
+    problems = []
+    for what, answer in wrong_answers.items():
+        printed = io.StringIO()
+        try:
+            with contextlib.redirect_stdout(printed), _quiet():
+                returned = checker(answer)
+        except Exception as error:                    # a checker must not crash on an answer
+            problems.append(f"{what!r}: the checker raised {type(error).__name__}: {error}")
+            continue
+        verdict = (returned if isinstance(returned, str) else printed.getvalue()).strip()
+        if not verdict or verdict.startswith(CORRECT) or verdict.startswith("not solved yet"):
+            problems.append(f"{what!r}: verdict {verdict!r}")
+    assert not problems, "wrong answers the checker does not reject:\n" + "\n".join(problems)
 
 
 def _device():

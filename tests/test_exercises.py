@@ -988,3 +988,12 @@ def test_ntk_base():
     assert verdict.startswith("D=64, α=16, pair 8: pair 8 turns"), verdict
     assert "pair 0" not in exercises.check_ntk_base(lambda b, d, a, t: b * a)
     assert "turns 0.0" in exercises.check_ntk_base(lambda b, d, a, t: b / a ** (d / (2 * t)))
+
+
+def test_assert_rejected():
+    exercises.assert_rejected(exercises.check_split_free_batch, {"one": lambda *args: 1})
+    with pytest.raises(AssertionError, match="'right': verdict 'correct'"):
+        exercises.assert_rejected(exercises.check_ntk_base,
+                                  {"right": lambda b, d, a, t: b * a ** (d / (2 * t))})
+    with pytest.raises(AssertionError, match="the checker raised TypeError"):
+        exercises.assert_rejected(exercises.check_ntk_base, {"wrong arity": lambda b: b})

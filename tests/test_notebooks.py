@@ -265,3 +265,22 @@ def test_prose_numbers_match_data(page, template, value):
     flat = " ".join(prose.split())
     assert expected in prose or " ".join(expected.split()) in flat, (
         f"{page}: the text should say {expected!r} (from book/data), and does not")
+
+
+@pytest.mark.parametrize("page", CHAPTERS)
+def test_every_checker_has_wrong_answers(page):
+    """Each checker a chapter defines (``def check_exercise_N``) is tested on plausible wrong
+    answers in the same notebook (a cell calling ``exercises.assert_rejected``, run by nbval and
+    removed from the site); the checkers of kernels.exercises have theirs in
+    tests/test_exercises.py."""
+    sources = [text(cell["source"]) for _, cell in code_cells(load(page))]
+    for name in sorted({m for s in sources for m in re.findall(r"^def (check_exercise_\d+)\(", s,
+                                                                   flags=re.M)}):
+        tests = [(i, s) for i, (_, cell) in enumerate(code_cells(load(page)))
+                 for s in [text(cell["source"])] if f"assert_rejected({name}," in s]
+        assert tests, f"{page}: {name} has no wrong-answer test (exercises.assert_rejected)"
+        for index, _ in tests:
+            tags = code_cells(load(page))[index][1].get("metadata", {}).get("tags", [])
+            assert "remove-cell" in tags and not {"nbval-skip", "nbval-ignore-output"} & set(tags), (
+                f"{page}: the wrong-answer test of {name} must be checked by nbval and left out "
+                f"of the site (tags: {tags})")
