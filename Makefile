@@ -4,6 +4,8 @@
 #               unit tests, the notebooks (nbval) and the rendered-site test in one pytest run
 #   make test-floor  the oldest supported Triton (kernels/_compat.py) in a venv of its own,
 #               .venv-floor: the sm_75/80/89/90 cross-compile, a few interpreter cases
+#   make lab    the .venv plus JupyterLab (requirements-lab.txt, not part of make test), then
+#               `jupyter lab book/`: the notebooks, opened locally
 # Setup runs once: .venv/.setup-stamp records it, and it reruns only when requirements.txt
 # changes. Override e.g. `make test PYTHON=python3.12 TORCH=torch==2.11.0`.
 
@@ -30,7 +32,7 @@ FLOOR_NUMPY  ?= numpy<2.4
 FLOOR_BIN    := $(FLOOR_VENV)/bin
 FLOOR_PINS   := "$(TORCH)" "$(FLOOR_TRITON)" "$(FLOOR_NUMPY)" pytest
 
-.PHONY: book test test-floor setup setup-floor browser clean
+.PHONY: book test test-floor setup setup-floor browser clean lab
 
 book: $(STAMP)
 	$(BIN)/jupyter-book build $(JB_FLAGS) .
@@ -54,6 +56,11 @@ test-floor: setup-floor
 	    $(PYTEST_FLAGS)
 
 setup: $(STAMP)
+
+# JupyterLab only here: CI and `make test` never install it.
+lab: $(STAMP)
+	$(PIP) -r requirements-lab.txt
+	$(BIN)/jupyter lab book/
 
 # A venv at $(1), with Debian's python3-venv installed first when `python -m venv` fails.
 define make-venv

@@ -1,10 +1,13 @@
 """Checkers for the book's Triton exercises, and the palette of its tile figures.
 
-Every exercise of chapters 3 to 6 that asks for Triton code is checked here, in the style of
-Triton-Puzzles: the reader writes a ``@triton.jit`` function or kernel, a checker runs it (through
-the CPU interpreter on a machine with no GPU, compiled on a GPU) on small shapes, compares it with
-the package's own kernel or reference, and returns a one-line verdict that says *where* the
-answer is wrong: which key tile, which rows, which quantity. ``"correct"`` means it passed.
+Every exercise of chapters 3 to 10 that asks for Triton code is checked here (and a few plain
+Python ones, so that the tests can feed them wrong answers), in the style of Triton-Puzzles: the
+reader writes a ``@triton.jit`` function or kernel, a checker runs it (through the CPU
+interpreter on a machine with no GPU, compiled on a GPU) on small shapes, compares it with the
+package's own kernel or reference, and returns a one-line verdict that says *where* the answer is
+wrong: which key tile, which rows, which quantity. ``"correct"`` means it passed. Every tensor a
+reader's kernel touches lies inside guard regions (:func:`_guarded`), so a missing mask is a
+verdict, never a crash.
 
 The harness kernels below are small on purpose: they are the book's own code, shown with
 :func:`kernels.source`, and they use only the stable building blocks of the package
@@ -14,25 +17,32 @@ never the internals of :mod:`kernels.forward` or :mod:`kernels.backward`.
 Inputs are fp16 on both machines (the interpreter computes fp16 ``tl.dot`` correctly; bf16 it
 does not), so a checker's verdict reads the same on a CPU and on a GPU.
 
-=========================  ==========  ========================================================
-checker                    chapter     what the reader writes
-=========================  ==========  ========================================================
-:func:`check_softmax_step`       3     ``_softmax_step``, safe for ``m = -inf``
-:func:`check_causal_mask`        3     the causal mask and the loop end of the plain kernel
-:func:`check_masked_pass`        4     one masked pass (band / diagonal) of the ReRoPE forward
-:func:`check_window_bounds`      4     the cut points of an asymmetric window (plain Python)
-:func:`check_delta_kernel`       5     the δ kernel, ``rowsum(dO ∘ O)``
-:func:`check_ds_routing`         5     the routing of ``dS`` to ``dQ1`` / ``dQ2``
-:func:`check_rope_kernel`        6     a RoPE rotation kernel (the five-tensor interface's cost)
-:func:`check_turn_tile`          7     a tile's halves turned by ``R(speed·p ± offset)`` in registers
-:func:`check_turn_back_tile`     7     the transpose, for gradients (``dq = Rᵀ dq_rot``)
-:func:`check_merge_kernel`       8     the split-KV merge of partial outputs by their LSEs
-:func:`check_positions_kernel`   9     positions from a left-padded mask, as ``generate`` gives
-:func:`check_logn_kernel`       10     the log-n query scale, ``max(1, log(i + 1) / log(L))``
-=========================  ==========  ========================================================
+=================================  =======  ============================================================
+checker                            chapter  what the reader writes
+=================================  =======  ============================================================
+:func:`check_softcap_step`               3  a soft-capped ``_softmax_step``, safe for ``m = -inf``
+:func:`check_causal_mask`                3  the causal mask and the loop end of the plain kernel
+:func:`check_masked_pass`                4  one masked pass (band / diagonal) of the ReRoPE forward
+:func:`check_band_pass`                  4  the band walk with both products in one tile
+:func:`check_window_bounds`              4  the cut points of an asymmetric window (plain Python)
+:func:`check_delta_kernel`               5  the δ kernel, ``rowsum(dO ∘ O)``
+:func:`check_delta_varlen_kernel`        5  the δ kernel for packed sequences of different lengths
+:func:`check_ds_routing`                 5  the routing of ``dS`` to ``dQ1`` / ``dQ2``
+:func:`check_band_tiles`                 6  how many tiles need both products (plain Python)
+:func:`check_rope_kernel`                6  a RoPE rotation kernel (the five-tensor interface's cost)
+:func:`check_turn_tile`                  7  a tile's halves turned by ``R(speed·p ± offset)`` in registers
+:func:`check_turn_back_tile`             7  the transpose, for gradients (``dq = Rᵀ dq_rot``)
+:func:`check_merge_kernel`               8  the split-KV merge of partial outputs by their LSEs
+:func:`check_merge_lse_kernel`           8  the merge that also writes the merged LSE (mergeable again)
+:func:`check_split_free_batch`           8  the first batch at which the split rule stops splitting
+:func:`check_positions_kernel`           9  positions from a left-padded mask, as ``generate`` gives
+:func:`check_logn_kernel`               10  the log-n query scale, ``max(1, log(i + 1) / log(L))``
+:func:`check_ntk_base`                  10  the RoPE base that slows one chosen frequency by α
+=================================  =======  ============================================================
 """
 
 import contextlib
+import io
 import warnings
 
 import numpy as np
@@ -44,7 +54,7 @@ from . import reference
 from .forward import _keep
 from .online_softmax import LOG2E, _softmax_step, plain_attention
 from .regions import (INSIDE, INSIDE_CLEAN, INSIDE_MASKED, OUTSIDE, OUTSIDE_CLEAN,
-                      OUTSIDE_MASKED, _schedule, tile_map)
+                      OUTSIDE_MASKED, _mark, _schedule, tile_map)
 from .rope import apply_rope
 from .runtime import INTERPRET
 
@@ -68,6 +78,30 @@ def _quiet():
     with warnings.catch_warnings(), np.errstate(all="ignore"):
         warnings.simplefilter("ignore", RuntimeWarning)
         yield
+
+
+def assert_rejected(checker, wrong_answers):
+    """The test of a checker: each of ``wrong_answers`` (``{what the slip is: answer}``) must be
+    rejected with a message.
+
+    Works for the checkers here (they return the verdict) and for the notebooks' own
+    ``check_exercise_N`` (they print it). A wrong answer that the checker calls correct, that
+    gets no message, or on which the checker itself raises is an ``AssertionError`` naming it.
+    Prints nothing, so that a notebook cell calling it has no output to compare.
+    """
+    problems = []
+    for what, answer in wrong_answers.items():
+        printed = io.StringIO()
+        try:
+            with contextlib.redirect_stdout(printed), _quiet():
+                returned = checker(answer)
+        except Exception as error:                    # a checker must not crash on an answer
+            problems.append(f"{what!r}: the checker raised {type(error).__name__}: {error}")
+            continue
+        verdict = (returned if isinstance(returned, str) else printed.getvalue()).strip()
+        if not verdict or verdict.startswith(CORRECT) or verdict.startswith("not solved yet"):
+            problems.append(f"{what!r}: verdict {verdict!r}")
+    assert not problems, "wrong answers the checker does not reject:\n" + "\n".join(problems)
 
 
 def _device():
@@ -100,19 +134,80 @@ def _bad_rows(got, want, atol, rtol=0.0):
     return bad.nonzero().flatten().tolist()
 
 
+# --- guard regions: a reader's kernel must not write (or read) past its tensors -----------------
+#
+# Under the interpreter a store past the end of a tensor lands in whatever the heap holds there:
+# the process aborts later (``free(): invalid pointer``), in Jupyter the kernel dies, often after
+# the checker has printed its verdict. So every tensor a reader's kernel touches lives in the
+# middle of a larger buffer: poison on each side, as long as the tensor (``GUARD`` elements at
+# least). Stores past the end hit
+# the poison (checked after the launch and reported), loads past the end read it (NaN, or a
+# sentinel for integers) and show up as wrong rows.
+
+GUARD = 4096           # elements each side at least (and at least the tensor's own size): more
+                       # than a missing mask (a ragged block) or a wrong stride can reach
+_INT_POISON = -7       # an int tensor's "never written"
+_SENTINEL = -12288.0   # the guard of an output: finite and exact in fp16/fp32/int32, so that a
+                       # stray store of NaN (a load past the end) shows up as well
+
+
+def _poison(dtype):
+    return float("nan") if dtype.is_floating_point else _INT_POISON
+
+
+def _guarded(values, name, guard_value=None):
+    """``values`` copied into the middle of a buffer with ``max(GUARD, values.numel())``
+    poisoned elements on each side (``guard_value``; default NaN, or -7 for integers, so that loads past the end give wrong
+    rows); returns ``(view, guard)``: ``view`` (same shape, contiguous) goes to the kernel,
+    ``guard`` to :func:`_guard_verdict` after the launch."""
+    guard_value = _poison(values.dtype) if guard_value is None else guard_value
+    flat = values.contiguous().reshape(-1)
+    guard = max(GUARD, flat.numel())
+    buffer = torch.full((flat.numel() + 2 * guard,), guard_value, dtype=values.dtype,
+                        device=values.device)
+    view = buffer[guard:guard + flat.numel()].view(values.shape)
+    view.copy_(values)
+    return view, (name, buffer, guard_value, guard)
+
+
+def _guarded_empty(shape, dtype, device, name):
+    """An output: NaN (-7 for integers) inside, :data:`_SENTINEL` in the guard regions."""
+    return _guarded(torch.full(shape, _poison(dtype), dtype=dtype, device=device), name,
+                    _SENTINEL)
+
+
+def _guard_verdict(*guards):
+    """``None`` if no guard region changed, else a message naming the tensor, the side and how
+    far the writes reached."""
+    for name, buffer, guard_value, guard in guards:
+        inner = buffer.numel() - 2 * guard
+        for side, region in (("before its first", buffer[:guard].flip(0)),
+                             ("past its last", buffer[guard + inner:])):
+            region = region.cpu().double()
+            same = (region.isnan() if guard_value != guard_value else region == guard_value)
+            changed = (~same).nonzero().flatten()
+            if changed.numel():
+                return (f"your kernel wrote {changed.numel()} element(s) {side} element of "
+                        f"{name} (up to {int(changed.max()) + 1} away): a store without the "
+                        "right mask writes the ragged block's lanes outside the tensor (caught "
+                        "here in a guard region; unguarded, the interpreter corrupts memory and "
+                        "the process dies, a GPU overwrites a neighbour's data or faults)")
+    return None
+
+
 # --- chapter 3: the online-softmax step ----------------------------------------------------------
 
 @triton.jit
-def _step_trace_kernel(Q, K, V, TraceM, TraceL, TraceAcc, n_ctx, qk_scale, m_start, shift,
-                       STEP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+def _step_trace_kernel(Q, K, V, TraceM, TraceL, TraceAcc, n_ctx, qk_scale, softcap, m_start,
+                       shift, STEP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                        HEAD_DIM: tl.constexpr):
     """Attention of one head that records the online-softmax state after every key tile.
 
-    ``STEP`` is a ``@triton.jit`` function with the signature of ``_softmax_step``. Row ``i``
-    sees the keys ``j >= shift · i`` (``shift = 0``: all of them), so with ``shift > 0`` the
-    later rows meet fully masked tiles first. The state starts at ``m = m_start``, ``l = 0``,
-    ``acc = 0``; after key tile ``t`` the rows' ``m``, ``l`` (``(n_tiles, N)``) and ``acc``
-    (``(n_tiles, N, D)``) are stored.
+    ``STEP`` is a ``@triton.jit`` function with the signature of ``_softmax_step`` plus a
+    ``softcap`` argument before ``DOT_PRECISION``. Row ``i`` sees the keys ``j >= shift · i``
+    (``shift = 0``: all of them), so with ``shift > 0`` the later rows meet fully masked tiles
+    first. The state starts at ``m = m_start``, ``l = 0``, ``acc = 0``; after key tile ``t`` the
+    rows' ``m``, ``l`` (``(n_tiles, N)``) and ``acc`` (``(n_tiles, N, D)``) are stored.
     """
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     dims = tl.arange(0, HEAD_DIM)
@@ -128,14 +223,43 @@ def _step_trace_kernel(Q, K, V, TraceM, TraceL, TraceAcc, n_ctx, qk_scale, m_sta
         v = tl.load(V + cols[:, None] * HEAD_DIM + dims[None, :], mask=col_ok[:, None], other=0.0)
         visible = col_ok[None, :] & (cols[None, :] >= shift * rows[:, None])
         scores = tl.where(visible, tl.dot(q, tl.trans(k)), float("-inf"))
-        acc, l_i, m_i = STEP(acc, l_i, m_i, scores, v, qk_scale, "tf32")
+        acc, l_i, m_i = STEP(acc, l_i, m_i, scores, v, qk_scale, softcap, "tf32")
         tl.store(TraceM + t * n_ctx + rows, m_i, mask=row_ok)
         tl.store(TraceL + t * n_ctx + rows, l_i, mask=row_ok)
         tl.store(TraceAcc + (t * n_ctx + rows[:, None]) * HEAD_DIM + dims[None, :], acc,
                  mask=row_ok[:, None])
 
 
-def _step_trace(step, q, k, v, block_m, block_n, m_start, shift):
+@triton.jit
+def _tanh(x):
+    """``tanh`` from ``exp2`` (exact to fp32 rounding; some Triton versions lack a tanh)."""
+    e = tl.math.exp2(-2.8853900817779268 * tl.abs(x))          # exp(-2|x|), in (0, 1]
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(x < 0, -t, t)
+
+
+@triton.jit
+def _softcap_step(acc, l_i, m_i, scores, v, qk_scale, softcap, DOT_PRECISION: tl.constexpr):
+    """What :func:`check_softcap_step` compares with: the online-softmax step on soft-capped
+    scores ``softcap · tanh(s / softcap)``, ``s = scores · qk_scale`` (log2 units), masked
+    entries kept at ``-inf``, safe for ``m = -inf``."""
+    s = scores * qk_scale
+    s = tl.where(scores == float("-inf"), float("-inf"), softcap * _tanh(s / softcap))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.math.exp2(m_i - m_ref)
+    p = tl.math.exp2(s - m_ref[:, None])
+    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
+    return acc, l_i * alpha + tl.sum(p, 1), m_new
+
+
+@triton.jit
+def _plain_step(acc, l_i, m_i, scores, v, qk_scale, softcap, DOT_PRECISION: tl.constexpr):
+    """The package's ``_softmax_step`` in the trace kernel's signature (``softcap`` unused)."""
+    return _softmax_step(acc, l_i, m_i, scores, v, qk_scale, DOT_PRECISION)
+
+
+def _step_trace(step, q, k, v, block_m, block_n, m_start, shift, softcap=1.0):
     n, d = q.shape
     n_tiles = triton.cdiv(n, block_n)
     trace_m = torch.full((n_tiles, n), float("nan"), device=q.device)
@@ -143,58 +267,87 @@ def _step_trace(step, q, k, v, block_m, block_n, m_start, shift):
     trace_acc = torch.full((n_tiles, n, d), float("nan"), device=q.device)
     with _quiet():
         _step_trace_kernel[(triton.cdiv(n, block_m),)](
-            q, k, v, trace_m, trace_l, trace_acc, n, d ** -0.5 * LOG2E, m_start, shift, STEP=step,
-            BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=d)
+            q, k, v, trace_m, trace_l, trace_acc, n, d ** -0.5 * LOG2E, softcap, m_start, shift,
+            STEP=step, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=d)
     return trace_m.cpu(), trace_l.cpu(), trace_acc.cpu()
 
 
-def check_softmax_step(step):
-    """Chapter 3: ``step`` must be ``_softmax_step`` made safe for ``m = -inf``.
+def _compare_traces(mine, want, n, block_n, shift, case, cap_hint=False):
+    """The first tile after which ``mine`` and ``want`` (``(m, l, acc)`` traces) differ, as a
+    verdict; ``None`` if they agree."""
+    for t in range(want[0].shape[0]):
+        keys = f"{case}, after key tile {t} (keys {t * block_n}–{min((t + 1) * block_n, n) - 1})"
+        nan_rows = (mine[0][t].isnan() | mine[1][t].isnan()
+                    | mine[2][t].isnan().any(-1)).nonzero().flatten().tolist()
+        if nan_rows:
+            return (f"{keys}: NaN in rows {_spans(nan_rows)}. A row whose scores so far are "
+                    "all -inf has m = -inf, and exp2(-inf - (-inf)) is NaN: a fully masked "
+                    "tile must leave its state unchanged")
+        seen = torch.arange(n) * shift <= min((t + 1) * block_n, n) - 1
+        if cap_hint:
+            early = (~seen & (mine[1][t] != 0)).nonzero().flatten().tolist()
+            if early:
+                return (f"{keys}: rows {_spans(early)} have seen no key yet but l > 0: their "
+                        "masked scores count. A masked entry is -inf, and softcap · tanh(-inf) = "
+                        "-softcap is finite: keep -inf where the score was -inf")
+        for name, got, expected in zip(("m", "l", "acc"), mine, want):
+            got, expected = got[t].clone(), expected[t].clone()
+            if name == "m":                         # unseen rows: -inf (yours) vs -1e30
+                got[~seen], expected[~seen] = 0.0, 0.0
+            scale = expected.abs().max().item()
+            rows = _bad_rows(got, expected, atol=1e-3 * scale, rtol=1e-3)
+            if rows:
+                r = rows[0]
+                detail = (f"row {r}: got {got[r].item():.4g}, expected {expected[r].item():.4g}"
+                          if name != "acc" else f"row {r}: largest error "
+                          f"{(got[r] - expected[r]).abs().max().item():.3g}")
+                hint = {"m": " (m is in log2 units: the row max of the "
+                             + ("capped " if cap_hint else "") + "scores · qk_scale)",
+                        "l": " (l is the sum of 2^(s − m), rescaled by α; 0 until a row sees a "
+                             "key)",
+                        "acc": " (acc is rescaled by α, then gets P·V)"}[name]
+                if cap_hint and name == "l" and bool((got[rows] > expected[rows]).all()):
+                    hint += (". Too large: do masked entries count? softcap · tanh(-inf) = "
+                             "-softcap is finite: keep -inf where the score was -inf (here the "
+                             "ragged tile's keys past N are masked)")
+                return (f"wrong in the case {keys}: {name} differs in rows {_spans(rows)}; "
+                        f"{detail}{hint}")
+    return None
 
-    Runs attention over key tiles with ``step`` starting from ``m = -inf``, and with the
-    package's :func:`kernels.online_softmax._softmax_step` starting from ``m = -1e30`` (a finite
-    start needs no guard); same kernel, same fp16 inputs. Two cases: every key
-    visible, with a row maximum that arrives late; and row ``i`` seeing keys ``j >= i`` only, so
-    that rows meet fully masked tiles before their first key. After every tile: no NaN; rows that
-    have seen a key must have the package's ``(m, l, acc)``; rows that have not, ``l = 0`` and
-    ``acc = 0``. The first difference is reported: the tile, the quantity and the rows.
-    """
+
+def _step_inputs():
     gen = torch.Generator().manual_seed(3)
     n, d, block_m, block_n = 40, 16, 16, 16          # ragged: the last key tile is part empty
     q = _randn(gen, n, d, scale=2.0)                 # sharp scores: the running max moves
     k, v = _randn(gen, n, d), _randn(gen, n, d)
     k[33] = 4.0 * q[5]                               # row 5's largest score arrives late
-    for shift in (0, 1):
-        case = "every key visible" if shift == 0 else "row i sees keys j >= i"
-        mine = _step_trace(step, q, k, v, block_m, block_n, float("-inf"), shift)
-        want = _step_trace(_softmax_step, q, k, v, block_m, block_n, -1.0e30, shift)
-        for t in range(want[0].shape[0]):
-            keys = f"{case}, after key tile {t} (keys {t * block_n}–{min((t + 1) * block_n, n) - 1})"
-            nan_rows = (mine[0][t].isnan() | mine[1][t].isnan()
-                        | mine[2][t].isnan().any(-1)).nonzero().flatten().tolist()
-            if nan_rows:
-                return (f"{keys}: NaN in rows {_spans(nan_rows)}. A row whose scores so far are "
-                        "all -inf has m = -inf, and exp2(-inf - (-inf)) is NaN: a fully masked "
-                        "tile must leave its state unchanged")
-            seen = torch.arange(n)[:, None] * shift <= min((t + 1) * block_n, n) - 1
-            seen = seen[:, 0]
-            for name, got, expected in zip(("m", "l", "acc"), mine, want):
-                got, expected = got[t].clone(), expected[t].clone()
-                if name == "m":                         # unseen rows: -inf (yours) vs -1e30
-                    got[~seen], expected[~seen] = 0.0, 0.0
-                scale = expected.abs().max().item()
-                rows = _bad_rows(got, expected, atol=1e-3 * scale, rtol=1e-3)
-                if rows:
-                    r = rows[0]
-                    detail = (f"row {r}: got {got[r].item():.4g}, expected {expected[r].item():.4g}"
-                              if name != "acc" else f"row {r}: largest error "
-                              f"{(got[r] - expected[r]).abs().max().item():.3g}")
-                    hint = {"m": " (m is in log2 units: the row max of scores · qk_scale)",
-                            "l": " (l is the sum of 2^(scores·qk_scale − m), rescaled by α; "
-                                 "0 until a row sees a key)",
-                            "acc": " (acc is rescaled by α, then gets P·V)"}[name]
-                    return (f"wrong in the case {keys}: {name} differs in rows {_spans(rows)}; "
-                            f"{detail}{hint}")
+    return q, k, v, block_m, block_n
+
+
+def check_softcap_step(step):
+    """Chapter 3: ``step(acc, l_i, m_i, scores, v, qk_scale, softcap, DOT_PRECISION)`` must be
+    the online-softmax step on soft-capped scores (as Gemma 2 caps its logits): with
+    ``s = scores · qk_scale`` (log2 units) it folds in ``softcap · tanh(s / softcap)``, leaves
+    masked entries (``-inf``) at ``-inf``, and is safe for ``m = -inf``.
+
+    Same kernel and inputs as the plain step's check (every key visible with a late row maximum;
+    row ``i`` seeing keys ``j >= i`` only), at ``softcap`` 3 and 30 (log2 units; the scores reach
+    about 10), both starting from ``m = -inf``, compared tile by tile with :func:`_softcap_step`.
+    Reports the first tile, quantity and rows that differ, and names the two classic slips: NaN
+    from ``-inf − (-inf)``, and masked entries capped to a finite ``-softcap``.
+    """
+    q, k, v, block_m, block_n = _step_inputs()
+    for softcap in (3.0, 30.0):
+        for shift in (0, 1):
+            case = (f"softcap {softcap:g}, "
+                    + ("every key visible" if shift == 0 else "row i sees keys j >= i"))
+            mine = _step_trace(step, q, k, v, block_m, block_n, float("-inf"), shift, softcap)
+            want = _step_trace(_softcap_step, q, k, v, block_m, block_n, float("-inf"), shift,
+                               softcap)
+            verdict = _compare_traces(mine, want, q.shape[0], block_n, shift, case,
+                                      cap_hint=True)
+            if verdict:
+                return verdict
     return CORRECT
 
 
@@ -349,8 +502,10 @@ def _rerope_exercise_fwd_kernel(Q1, Q2, K1, K2, V, Out, n_ctx, window, qk_scale,
     tl.store(Out + q_ptrs, acc / l_i[:, None], mask=rows[:, None] < n_ctx)
 
 
-def _exercise_forward(masked_pass, band_pass, five, window, causal, block_m, block_n):
-    n, d = five[0].shape
+def _exercise_forward(masked_pass, band_pass, five, window, causal, block_m, block_n, n=None):
+    """The teaching forward on ``five`` (its first ``n`` rows: the rest is padding)."""
+    n = five[0].shape[0] if n is None else n
+    d = five[0].shape[1]
     out = torch.full((n, d), float("nan"), dtype=torch.float32, device=five[0].device)
     with _quiet():
         _rerope_exercise_fwd_kernel[(triton.cdiv(n, block_m),)](
@@ -359,16 +514,40 @@ def _exercise_forward(masked_pass, band_pass, five, window, causal, block_m, blo
     return out
 
 
+@triton.jit
+def _walk_map_kernel(Map, n_tiles, n_ctx, window, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     CAUSAL: tl.constexpr):
+    """Per query block, the key tiles of its masked walks: +1 band, +2 diagonal/end (q1·k1),
+    +4 diagonal/end (q2·k2), from the kernels' own :func:`kernels.regions._schedule`."""
+    row = Map + tl.program_id(0) * n_tiles
+    outside_clean, inside_clean, band, edge_inside, edge_outside = _schedule(
+        tl.program_id(0) * BLOCK_M, BLOCK_M, BLOCK_N, n_ctx, window, CAUSAL, True)
+    _mark(row, band, 1, BLOCK_N)
+    _mark(row, edge_inside, 2, BLOCK_N)
+    _mark(row, edge_outside, 4, BLOCK_N)
+
+
+def _walk_tiles(n, window, block_m, block_n, causal):
+    """``{program: {"band": [tile, …], "diagonal/end": [tile, …]}}``: the masked walks of each
+    query block of the teaching forward, by :func:`_walk_map_kernel` (tile = key tile index)."""
+    n_rows, n_tiles = triton.cdiv(n, block_m), triton.cdiv(n, block_n)
+    flags = torch.zeros(n_rows, n_tiles, dtype=torch.int32, device=_device())
+    _walk_map_kernel[(n_rows,)](flags, n_tiles, n, window, BLOCK_M=block_m, BLOCK_N=block_n,
+                                CAUSAL=causal)
+    return {p: {"band": [c for c, f in enumerate(row) if f & 1],
+                "diagonal/end": [c for c, f in enumerate(row) if f & 6]}
+            for p, row in enumerate(flags.cpu().tolist())}
+
+
+def _tile_keys(tiles, block_n):
+    return ", ".join(f"[{c * block_n}, {(c + 1) * block_n})" for c in tiles) or "none"
+
+
 def _masked_tiles(n, window, block_m, block_n, causal, program):
-    """The key tiles one program visits with a masked pass, by kind, from the kernels' map."""
-    flags = tile_map(n, window, block_m, block_n, causal=causal)[program]
-    band = [c for c, f in enumerate(flags.tolist())
-            if (f & (INSIDE_CLEAN | INSIDE_MASKED)) and (f & (OUTSIDE_CLEAN | OUTSIDE_MASKED))]
-    edge = [c for c, f in enumerate(flags.tolist())
-            if f & (INSIDE_MASKED | OUTSIDE_MASKED) and c not in band]
-    def keys(tiles):
-        return ", ".join(f"[{c * block_n}, {(c + 1) * block_n})" for c in tiles) or "none"
-    return f"band tiles {keys(band)}; diagonal/end tiles {keys(edge)}"
+    """The key tiles one program visits with a masked pass, by walk, from the kernels' schedule."""
+    walks = _walk_tiles(n, window, block_m, block_n, causal)[program]
+    return (f"band tiles {_tile_keys(walks['band'], block_n)}; diagonal/end tiles "
+            f"{_tile_keys(walks['diagonal/end'], block_n)}")
 
 
 def check_masked_pass(masked_pass):
@@ -386,8 +565,10 @@ def check_masked_pass(masked_pass):
              (40, 1, True, 16, 16)]       # only i = j is inside
     for n, window, causal, block_m, block_n in cases:
         d = 16
-        five = [_randn(gen, n, d) for _ in range(5)]
-        want = reference.rerope_attention(*(t.double()[None, None] for t in five), window,
+        plain = [_randn(gen, n, d) for _ in range(5)]
+        # K and V sit in NaN-padded buffers: a load past n_ctx reads NaN, not whatever follows
+        five = [_guarded(t, name)[0] for t, name in zip(plain, ("Q1", "Q2", "K1", "K2", "V"))]
+        want = reference.rerope_attention(*(t.double()[None, None] for t in plain), window,
                                           causal=causal)[0, 0]
         got = _exercise_forward(masked_pass, masked_pass, five, window, causal, block_m, block_n)
         rows = _bad_rows(got, want, atol=5e-3, rtol=5e-3)
@@ -395,17 +576,124 @@ def check_masked_pass(masked_pass):
             continue
         shape = (f"N={n}, w={window}, {'causal' if causal else 'non-causal'}, "
                  f"{block_m}x{block_n} tiles")
+        program = rows[0] // block_m
+        block_rows = f"rows {program * block_m}–{min((program + 1) * block_m, n) - 1}"
+        mine = [r for r in rows if r // block_m == program]
+        walks = _walk_tiles(n, window, block_m, block_n, causal)[program]
+        zero_padded = [torch.cat([t, torch.zeros(block_n, d, dtype=t.dtype, device=t.device)])
+                       for t in plain]
+        if not _bad_rows(_exercise_forward(masked_pass, masked_pass, zero_padded, window, causal,
+                                           block_m, block_n, n), want, atol=5e-3, rtol=5e-3):
+            last = (n - 1) // block_n
+            return (f"{shape}: rows {_spans(rows)} are wrong, and right when the rows of K and V "
+                    f"past N = {n} are zeros instead of NaN: your pass reads keys past n_ctx. "
+                    f"Program {program} ({block_rows}) walks the ragged tile "
+                    f"[{last * block_n}, {(last + 1) * block_n}); load K and V with "
+                    "mask=cols[:, None] < n_ctx, other=0.0")
         band_only = _exercise_forward(_reference_masked_pass, masked_pass, five, window, causal,
                                       block_m, block_n)
         edges_only = _exercise_forward(masked_pass, _reference_masked_pass, five, window, causal,
                                        block_m, block_n)
         wrong_on = [name for name, out in (("band", band_only), ("diagonal/end", edges_only))
-                    if _bad_rows(out, want, atol=5e-3, rtol=5e-3)]
+                    if set(_bad_rows(out, want, atol=5e-3, rtol=5e-3)) & set(mine)]
+        visited = "; ".join(f"{name} tiles {_tile_keys(walks[name], block_n)}"
+                            for name in (wrong_on or ("band", "diagonal/end")))
+        return (f"{shape}: rows {_spans(rows)} are wrong. Program {program} ({block_rows}) "
+                + (f"goes wrong on its {' and '.join(wrong_on)} walk"
+                   f"{'s' if len(wrong_on) > 1 else ''}: {visited}" if wrong_on else
+                   f"is right with your pass on either walk alone, wrong with both: {visited}"))
+    return CORRECT
+
+
+@triton.jit
+def _rerope_fused_band_kernel(Q1, Q2, K1, K2, V, Out, n_ctx, window, qk_scale,
+                              BAND_PASS: tl.constexpr, CAUSAL: tl.constexpr,
+                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                              HEAD_DIM: tl.constexpr):
+    """A teaching ReRoPE forward (one head, contiguous ``(N, D)`` tensors, the walks of
+    :func:`kernels.regions._schedule`) with the band walked **once**: ``BAND_PASS`` gets both
+    query blocks and both key tensors and must compute both products of each band tile. The
+    unmasked walks are :func:`_clean_pass`; the diagonal/end walks, one product each, use the
+    package's mask (:func:`_reference_masked_pass`, built on ``kernels.forward._keep``)."""
+    start_m = tl.program_id(0) * BLOCK_M
+    rows = start_m + tl.arange(0, BLOCK_M)
+    dims = tl.arange(0, HEAD_DIM)
+    outside_clean, inside_clean, band, edge_inside, edge_outside = _schedule(
+        start_m, BLOCK_M, BLOCK_N, n_ctx, window, CAUSAL, True)
+    m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    q_ptrs = rows[:, None] * HEAD_DIM + dims[None, :]
+    q2 = tl.load(Q2 + q_ptrs, mask=rows[:, None] < n_ctx, other=0.0)
+    q1 = tl.load(Q1 + q_ptrs, mask=rows[:, None] < n_ctx, other=0.0)
+    lo1, hi1, lo2, hi2 = outside_clean
+    acc, l_i, m_i = _clean_pass(acc, l_i, m_i, q2, K2, V, lo1, hi1, qk_scale, BLOCK_N, HEAD_DIM)
+    acc, l_i, m_i = _clean_pass(acc, l_i, m_i, q2, K2, V, lo2, hi2, qk_scale, BLOCK_N, HEAD_DIM)
+    lo1, hi1, lo2, hi2 = edge_outside
+    acc, l_i, m_i = _reference_masked_pass(acc, l_i, m_i, q2, K2, V, rows, lo1, hi1, n_ctx,
+                                           window, qk_scale, OUTSIDE, CAUSAL, BLOCK_N, HEAD_DIM)
+    acc, l_i, m_i = _reference_masked_pass(acc, l_i, m_i, q2, K2, V, rows, lo2, hi2, n_ctx,
+                                           window, qk_scale, OUTSIDE, CAUSAL, BLOCK_N, HEAD_DIM)
+    lo1, hi1, lo2, hi2 = inside_clean
+    acc, l_i, m_i = _clean_pass(acc, l_i, m_i, q1, K1, V, lo1, hi1, qk_scale, BLOCK_N, HEAD_DIM)
+    lo1, hi1, lo2, hi2 = edge_inside
+    acc, l_i, m_i = _reference_masked_pass(acc, l_i, m_i, q1, K1, V, rows, lo1, hi1, n_ctx,
+                                           window, qk_scale, INSIDE, CAUSAL, BLOCK_N, HEAD_DIM)
+    acc, l_i, m_i = _reference_masked_pass(acc, l_i, m_i, q1, K1, V, rows, lo2, hi2, n_ctx,
+                                           window, qk_scale, INSIDE, CAUSAL, BLOCK_N, HEAD_DIM)
+    lo1, hi1, lo2, hi2 = band                                   # the reader's pass, once
+    acc, l_i, m_i = BAND_PASS(acc, l_i, m_i, q1, q2, K1, K2, V, rows, lo1, hi1, n_ctx, window,
+                              qk_scale, CAUSAL, BLOCK_N, HEAD_DIM)
+    acc, l_i, m_i = BAND_PASS(acc, l_i, m_i, q1, q2, K1, K2, V, rows, lo2, hi2, n_ctx, window,
+                              qk_scale, CAUSAL, BLOCK_N, HEAD_DIM)
+    tl.store(Out + q_ptrs, acc / l_i[:, None], mask=rows[:, None] < n_ctx)
+
+
+def _fused_band_forward(band_pass, five, window, causal, block_m, block_n):
+    n, d = five[0].shape
+    out = torch.full((n, d), float("nan"), dtype=torch.float32, device=five[0].device)
+    with _quiet():
+        _rerope_fused_band_kernel[(triton.cdiv(n, block_m),)](
+            *five, out, n, window, d ** -0.5 * LOG2E, BAND_PASS=band_pass, CAUSAL=causal,
+            BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=d)
+    return out
+
+
+def check_band_pass(band_pass):
+    """Chapter 4: ``band_pass(acc, l_i, m_i, q1, q2, K1, K2, V, rows, lo, hi, n_ctx, window,
+    qk_scale, CAUSAL, BLOCK_N, HEAD_DIM)``: the band walk with **both products per tile** (the
+    package visits a band tile twice, once per product).
+
+    Runs :func:`_rerope_fused_band_kernel` with it (the other walks are the package's), compares
+    with the float64 naive reference on the same fp16 inputs (K and V in NaN-padded buffers).
+    The schedule hands every tile that the causal diagonal or the end of the sequence crosses to
+    the diagonal/end walk, so a band pass without causal or length masks is right too. Reports
+    the case, the wrong rows and the band tiles of the first wrong row's program.
+    """
+    gen = torch.Generator().manual_seed(5)
+    cases = [(40, 13, True, 16, 16),      # the window cuts through tiles, ragged end
+             (40, 13, False, 16, 16),     # non-causal: bands on both sides, one holds the end
+             (48, 20, True, 32, 16),      # query blocks taller than key tiles
+             (64, 16, True, 16, 16),      # the window on a tile edge: i - j = w - 1, w
+             (40, 1, True, 16, 16)]       # only i = j is inside
+    for n, window, causal, block_m, block_n in cases:
+        d = 16
+        plain = [_randn(gen, n, d) for _ in range(5)]
+        five = [_guarded(t, name)[0] for t, name in zip(plain, ("Q1", "Q2", "K1", "K2", "V"))]
+        want = reference.rerope_attention(*(t.double()[None, None] for t in plain), window,
+                                          causal=causal)[0, 0]
+        rows = _bad_rows(_fused_band_forward(band_pass, five, window, causal, block_m, block_n),
+                         want, atol=5e-3, rtol=5e-3)
+        if not rows:
+            continue
+        shape = (f"N={n}, w={window}, {'causal' if causal else 'non-causal'}, "
+                 f"{block_m}x{block_n} tiles")
         program = rows[0] // block_m
-        return (f"{shape}: rows {_spans(rows)} are wrong; wrong on the "
-                f"{' and '.join(wrong_on) or 'combined'} walks. Program {program} (rows "
-                f"{program * block_m}–{min((program + 1) * block_m, n) - 1}) visits "
-                + _masked_tiles(n, window, block_m, block_n, causal, program))
+        block_rows = f"rows {program * block_m}–{min((program + 1) * block_m, n) - 1}"
+        band = _walk_tiles(n, window, block_m, block_n, causal)[program]["band"]
+        return (f"{shape}: rows {_spans(rows)} are wrong. Program {program} ({block_rows}) "
+                f"walks the band tiles {_tile_keys(band, block_n)}: each entry must take "
+                "q1·k1 where |i − j| < w and q2·k2 elsewhere")
     return CORRECT
 
 
@@ -461,11 +749,16 @@ def check_delta_kernel(delta_kernel):
     """
     gen = torch.Generator().manual_seed(6)
     for bh, n, d, block_m in ((3, 40, 32, 16), (2, 64, 16, 32), (1, 7, 64, 16)):
-        o, do = _randn(gen, bh, n, d), _randn(gen, bh, n, d)
-        delta = torch.full((bh, n), float("nan"), dtype=torch.float32, device=o.device)
+        (o, o_guard), (do, do_guard) = (_guarded(_randn(gen, bh, n, d), name)
+                                        for name in ("Out", "DO"))
+        delta, delta_guard = _guarded_empty((bh, n), torch.float32, o.device, "Delta")
         with _quiet():
             delta_kernel[(triton.cdiv(n, block_m), bh)](o, do, delta, n, BLOCK_M=block_m,
                                                          HEAD_DIM=d)
+        shape = f"B·H={bh}, N={n}, D={d}, BLOCK_M={block_m}"
+        spilled = _guard_verdict(delta_guard, o_guard, do_guard)
+        if spilled:
+            return f"{shape}: {spilled}"
         want = (o.double() * do.double()).sum(-1)
         got = delta.double().cpu()
         for head in range(bh):
@@ -480,6 +773,76 @@ def check_delta_kernel(delta_kernel):
                 return (f"B·H={bh}, N={n}, D={d}, BLOCK_M={block_m}: head {head}, rows "
                         f"{_spans(rows)} are wrong; row {r}: got {got[head, r].item():.4g}, "
                         f"expected {want[head, r].item():.4g}")
+    return CORRECT
+
+
+def check_delta_varlen_kernel(delta_kernel):
+    """Chapter 5: ``delta_kernel(Out, DO, Delta, CuSeqlens, BLOCK_M, HEAD_DIM)``, the δ kernel
+    for **packed** sequences of different lengths (as FlashAttention's ``varlen`` functions take
+    them): ``Out`` and ``DO`` contiguous fp16 ``(total, D)``, the sequences one after another,
+    sequence ``b`` at rows ``CuSeqlens[b] … CuSeqlens[b + 1] - 1`` (int32 ``(B + 1,)``, starting
+    at 0); ``Delta`` fp32 ``(total,)`` gets ``rowsum(O ∘ dO)``. Grid ``(cdiv(longest,
+    BLOCK_M), B)``: ``tl.program_id(1)`` is the sequence, ``tl.program_id(0)`` a block of its
+    rows.
+
+    Every tensor sits in a guarded buffer (a store past the end is reported, not a crash);
+    ``Delta`` starts as NaN. Then each sequence's programs run alone (grid ``(…, 1)`` on that
+    sequence's two offsets): a program that writes rows of another sequence — a store masked
+    by the total length instead of the sequence's end — is named.
+    """
+    gen = torch.Generator().manual_seed(6)
+    # the first case ends on a block boundary: a store without the sequence's mask spills into
+    # the next sequence only, which then overwrites it: only the runs one sequence at a time see it
+    for lengths, d, block_m in (([16, 5, 32], 32, 16), ([5, 40, 17], 32, 16),
+                                ([64, 1, 33], 16, 32), ([7], 64, 16)):
+        total = sum(lengths)
+        offsets = [0]
+        for length in lengths:
+            offsets.append(offsets[-1] + length)
+        shape = f"lengths {lengths}, D={d}, BLOCK_M={block_m}"
+        grid = (triton.cdiv(max(lengths), block_m), len(lengths))
+        (o, o_guard), (do, do_guard) = (_guarded(_randn(gen, total, d), name)
+                                        for name in ("Out", "DO"))
+        cu, cu_guard = _guarded(torch.tensor(offsets, dtype=torch.int32, device=o.device),
+                                "CuSeqlens")
+        delta, delta_guard = _guarded_empty((total,), torch.float32, o.device, "Delta")
+        with _quiet():
+            delta_kernel[grid](o, do, delta, cu, BLOCK_M=block_m, HEAD_DIM=d)
+        spilled = _guard_verdict(delta_guard, o_guard, do_guard, cu_guard)
+        if spilled:
+            return f"{shape}: {spilled}"
+        for b in range(len(lengths)):                   # one sequence's programs at a time
+            alone, alone_guard = _guarded_empty((total,), torch.float32, o.device, "Delta")
+            with _quiet():
+                delta_kernel[(grid[0], 1)](o, do, alone, cu[b:], BLOCK_M=block_m, HEAD_DIM=d)
+            spilled = _guard_verdict(alone_guard)
+            if spilled:
+                return f"{shape}, sequence {b}'s programs alone: {spilled}"
+            written = (~alone.cpu().isnan()).nonzero().flatten().tolist()
+            foreign = [r for r in written if not offsets[b] <= r < offsets[b + 1]]
+            if foreign:
+                owners = sorted({next(c for c in range(len(lengths)) if r < offsets[c + 1])
+                                 for r in foreign})
+                return (f"{shape}: the programs of sequence {b} (rows {offsets[b]}–"
+                        f"{offsets[b + 1] - 1}) also wrote packed rows {_spans(foreign)}, which "
+                        f"belong to sequence(s) {', '.join(map(str, owners))}: programs (·, b) "
+                        "own the packed rows CuSeqlens[b] … CuSeqlens[b + 1] − 1 only (offset by "
+                        "the start, mask with the end)")
+        want = (o.double() * do.double()).sum(-1).cpu()
+        got = delta.double().cpu()
+        for b, length in enumerate(lengths):
+            rows = slice(offsets[b], offsets[b + 1])
+            never = got[rows].isnan().nonzero().flatten().tolist()
+            if never:
+                return (f"{shape}: sequence {b} (rows {offsets[b]}–{offsets[b + 1] - 1} of the "
+                        f"packed tensor), its rows {_spans(never)} were never written (program "
+                        f"({never[0] // block_m}, {b}) owns its row {never[0]})")
+            bad = _bad_rows(got[rows][:, None], want[rows][:, None], atol=1e-3, rtol=1e-3)
+            if bad:
+                r = bad[0]
+                return (f"{shape}: sequence {b}, its rows {_spans(bad)} are wrong; its row {r} "
+                        f"(packed row {offsets[b] + r}): got {got[offsets[b] + r].item():.4g}, "
+                        f"expected {want[offsets[b] + r].item():.4g}")
     return CORRECT
 
 
@@ -571,6 +934,49 @@ def check_ds_routing(route):
     return CORRECT
 
 
+# --- chapter 6: counting band tiles ---------------------------------------------------------------
+
+# (N, w, block_m, block_n, causal): windows that are multiples of both block sizes, and windows
+# smaller than both (a thin band along the diagonal, where "half the non-causal count" is wrong)
+_BAND_CASES = ((256, 64, 32, 16, True), (256, 32, 32, 16, False), (512, 96, 32, 32, False),
+               (384, 64, 64, 32, True), (256, 8, 32, 16, True), (256, 8, 16, 16, True),
+               (256, 1, 32, 16, True), (256, 8, 32, 16, False), (256, 256, 32, 16, True))
+
+
+def schedule_band_tiles(n_ctx, window, block_m, block_n, causal):
+    """How many tiles the kernels' own schedule (:func:`kernels.regions.tile_map`) visits with
+    both products."""
+    flags = tile_map(n_ctx, window, block_m, block_n, causal=causal)
+    both = (((flags & (INSIDE_CLEAN | INSIDE_MASKED)) != 0)
+            & ((flags & (OUTSIDE_CLEAN | OUTSIDE_MASKED)) != 0))
+    return int(both.sum())
+
+
+def check_band_tiles(band_tiles):
+    """Chapter 6: ``band_tiles(n_ctx, window, block_m, block_n, causal)`` must count the tiles
+    that hold valid pairs on both sides of the window, as the kernels' schedule visits them.
+
+    Cases: windows that are multiples of both block sizes, causal and not, and windows smaller
+    than a tile (the diagonal's own tiles are then band tiles too), w = 1 and w >= N. Reports the
+    first case that differs, with the count of the closest wrong rule when it is one of them.
+    """
+    for n_ctx, window, block_m, block_n, causal in _BAND_CASES:
+        want = schedule_band_tiles(n_ctx, window, block_m, block_n, causal)
+        got = band_tiles(n_ctx, window, block_m, block_n, causal)
+        if got is None:
+            return "not solved yet: band_tiles returned None"
+        if got != want:
+            hint = ""
+            if causal and got == schedule_band_tiles(n_ctx, window, block_m, block_n, False) // 2:
+                hint = (": that is half the non-causal count, but with a window narrower than a "
+                        "tile the diagonal's tiles hold pairs on both sides too, and they are not "
+                        "mirrored")
+            return (f"N={n_ctx}, w={window}, {block_m}x{block_n} tiles, "
+                    f"{'causal' if causal else 'non-causal'}: got {got}, the schedule has {want}"
+                    + hint)
+    return CORRECT
+
+
 # --- chapter 6: a RoPE kernel -------------------------------------------------------------------
 
 def rope_tables(n, head_dim, base=10000.0, device=None):
@@ -592,12 +998,16 @@ def check_rope_kernel(rope_kernel):
     gen = torch.Generator().manual_seed(8)
     for bh, n, d, block_n, dtype in ((2, 40, 32, 16, torch.float16), (3, 70, 64, 32, torch.float32),
                                      (1, 5, 16, 16, torch.float16)):
-        x = _randn(gen, bh, n, d).to(dtype)
-        cos, sin = rope_tables(n, d, device=x.device)
-        out = torch.full_like(x, float("nan"))
+        x, x_guard = _guarded(_randn(gen, bh, n, d).to(dtype), "X")
+        (cos, cos_guard), (sin, sin_guard) = (_guarded(t, name) for t, name in zip(
+            rope_tables(n, d, device=x.device), ("Cos", "Sin")))
+        out, out_guard = _guarded_empty(x.shape, dtype, x.device, "Out")
         with _quiet():
             rope_kernel[(triton.cdiv(n, block_n), bh)](x, cos, sin, out, n, BLOCK_N=block_n,
                                                        HEAD_DIM=d)
+        spilled = _guard_verdict(out_guard, x_guard, cos_guard, sin_guard)
+        if spilled:
+            return f"B·H={bh}, N={n}, D={d}, {str(dtype)[6:]}, BLOCK_N={block_n}: {spilled}"
         want = apply_rope(x.double(), torch.arange(n, dtype=torch.float64, device=x.device))
         tol = 2e-3 if dtype == torch.float16 else 1e-5
         for head in range(bh):
@@ -723,11 +1133,14 @@ def check_logn_kernel(logn_kernel):
                                              ("the last 37 queries of 300", 37, 300, 64, 16),
                                              ("training length 256, 4096 positions", 50, 4096,
                                               256, 64)):
-        q = _randn(gen, n_q, 32)
-        out = torch.full((n_q, 32), float("nan"), dtype=torch.float32, device=q.device)
+        q, q_guard = _guarded(_randn(gen, n_q, 32), "Q")
+        out, out_guard = _guarded_empty((n_q, 32), torch.float32, q.device, "Out")
         with _quiet():
             logn_kernel[(triton.cdiv(n_q, block),)](q, out, n_q, n_k, 1.0 / np.log2(train_len),
                                                     BLOCK=block, HEAD_DIM=32)
+        spilled = _guard_verdict(out_guard, q_guard)
+        if spilled:
+            return f"{what} (n_q={n_q}, n_k={n_k}, BLOCK={block}): {spilled}"
         want = q.double().cpu() * logn_scale(n_k, train_len)[n_k - n_q:, None]
         bad = _bad_rows(out, want, atol=1e-3, rtol=1e-3)
         if bad:
@@ -761,11 +1174,14 @@ def check_positions_kernel(positions_kernel):
              ("right padding (a single forward)", [[1, 1, 1, 1, 1, 0, 0, 0]], 8),
              ("n = 13, BLOCK = 16", [[0] * 4 + [1] * 9, [1] * 13], 16))
     for what, rows, block in cases:
-        mask = torch.tensor(rows, dtype=torch.int32, device=device)
+        mask, mask_guard = _guarded(torch.tensor(rows, dtype=torch.int32, device=device), "Mask")
         n = mask.shape[1]
-        out = torch.full(mask.shape, -7, dtype=torch.int32, device=device)
+        out, out_guard = _guarded_empty(mask.shape, torch.int32, device, "Positions")
         with _quiet():
             positions_kernel[(mask.shape[0],)](mask, out, n, BLOCK=block)
+        spilled = _guard_verdict(out_guard, mask_guard)
+        if spilled:
+            return f"{what}: {spilled}"
         want = reference_positions(mask.cpu())
         got = out.cpu().long()
         for row in range(mask.shape[0]):
@@ -811,14 +1227,132 @@ def check_merge_kernel(merge_kernel):
         if empty is not None:
             lse[empty] = float("-inf")
             part[empty] = 0.0
-        part, lse = part.to(_device()), lse.to(_device())
-        out = torch.full((rows, d), float("nan"), dtype=torch.float32, device=part.device)
+        (part, part_guard), (lse, lse_guard) = (_guarded(t.to(_device()), name)
+                                                for t, name in ((part, "Part"), (lse, "Lse")))
+        out, out_guard = _guarded_empty((rows, d), torch.float32, part.device, "Out")
         with _quiet():
             merge_kernel[(rows,)](part, lse, out, n_splits, HEAD_DIM=d, SPLITS=splits)
+        spilled = _guard_verdict(out_guard, part_guard, lse_guard)
+        if spilled:
+            return f"{what} (n_splits={n_splits}, SPLITS={splits}): {spilled}"
         bad = _bad_rows(out, _merge_reference(part.cpu(), lse.cpu()), atol=1e-4, rtol=1e-4)
         if bad:
             return (f"{what} (n_splits={n_splits}, SPLITS={splits}): rows {_spans(bad)} wrong "
                     "(NaN or inf: an empty split's 2^(-inf - M), or 2^lse without the maximum "
                     "subtracted)" if out.isnan().any() or out.isinf().any() else
                     f"{what} (n_splits={n_splits}, SPLITS={splits}): rows {_spans(bad)} wrong")
+    return CORRECT
+
+
+
+def check_merge_lse_kernel(merge_kernel):
+    """Chapter 8: ``merge_kernel(Part, Lse, Out, LseOut, n_splits, HEAD_DIM: tl.constexpr,
+    SPLITS: tl.constexpr)``: the merge of :func:`check_merge_kernel` that also writes each row's
+    **merged** log-sum-exp into ``LseOut`` (fp32 ``(rows,)``, log2 units), so that merged states
+    can be merged again (a tree of merges; a prefix shared by several requests, merged once).
+
+    The merged log-sum-exp is ``M + log2 Σ_s 2^(lse_s − M)``, ``M`` the row's largest. Same cases
+    as :func:`check_merge_kernel`; every tensor in a guarded buffer. Then the result is merged
+    once more: the rows split in two groups of splits, each merged by your kernel, the two
+    results merged by your kernel, which must give the one-step merge.
+    """
+    gen = torch.Generator().manual_seed(8)
+    for what, n_splits, splits, spread, empty in (("one split", 1, 1, 0.0, None),
+                                                  ("three splits, the last one empty", 3, 4,
+                                                   4.0, 2),
+                                                  ("eight splits, log-sum-exps 300 apart", 8, 8,
+                                                   300.0, None)):
+        rows, d = 12, 32
+        part = torch.randn(n_splits, rows, d, generator=gen, dtype=torch.float64).float()
+        lse = (spread * torch.rand(n_splits, rows, generator=gen, dtype=torch.float64)).float()
+        if empty is not None:
+            lse[empty] = float("-inf")
+            part[empty] = 0.0
+
+        def run(part, lse, n_splits, splits):
+            (part_d, part_guard), (lse_d, lse_guard) = (
+                _guarded(t.contiguous().to(_device()), name)
+                for t, name in ((part, "Part"), (lse, "Lse")))
+            out, out_guard = _guarded_empty((rows, d), torch.float32, part_d.device, "Out")
+            lse_out, lse_out_guard = _guarded_empty((rows,), torch.float32, part_d.device,
+                                                    "LseOut")
+            with _quiet():
+                merge_kernel[(rows,)](part_d, lse_d, out, lse_out, n_splits, HEAD_DIM=d,
+                                      SPLITS=splits)
+            return out.cpu(), lse_out.cpu(), _guard_verdict(out_guard, lse_out_guard, part_guard,
+                                                            lse_guard)
+
+        case = f"{what} (n_splits={n_splits}, SPLITS={splits})"
+        out, lse_out, spilled = run(part, lse, n_splits, splits)
+        if spilled:
+            return f"{case}: {spilled}"
+        bad = _bad_rows(out, _merge_reference(part, lse), atol=1e-4, rtol=1e-4)
+        if bad:
+            return f"{case}: Out, rows {_spans(bad)} wrong"
+        m = lse.double().amax(0)
+        want_lse = m + torch.log2(torch.exp2(lse.double() - m).nan_to_num(nan=0.0).sum(0))
+        bad = _bad_rows(lse_out[:, None], want_lse[:, None], atol=1e-4, rtol=1e-5)
+        if bad:
+            r = bad[0]
+            never = lse_out[bad].isnan().all().item()
+            return (f"{case}: LseOut, rows {_spans(bad)} "
+                    + ("never written" if never else
+                       f"wrong; row {r}: got {lse_out[r].item():.6g}, expected "
+                       f"{want_lse[r].item():.6g} (log2 units: M + log2 Σ 2^(lse − M))"))
+        if n_splits >= 2:                                       # merge the merges
+            cut = n_splits // 2
+            first = run(part[:cut], lse[:cut], cut, triton.next_power_of_2(cut))
+            second = run(part[cut:], lse[cut:], n_splits - cut,
+                         triton.next_power_of_2(n_splits - cut))
+            again, _, spilled = run(torch.stack([first[0], second[0]]),
+                                    torch.stack([first[1], second[1]]), 2, 2)
+            bad = _bad_rows(again, out, atol=1e-4, rtol=1e-4)
+            if spilled or bad:
+                return (f"{case}: splits 0–{cut - 1} and {cut}–{n_splits - 1} merged apart, "
+                        f"then merged with their LseOut: rows {_spans(bad)} differ from the "
+                        "one-step merge" if bad else f"{case}: {spilled}")
+    return CORRECT
+
+
+def check_split_free_batch(split_free_batch):
+    """Chapter 8: ``split_free_batch(kv_heads, n_keys, sms)``: the smallest batch for which
+    :func:`kernels.decode.default_num_splits` (group 4, one query per row) cuts no row's keys,
+    i.e. picks 1 split. Compared with a search over the rule itself, for many shapes."""
+    from . import decode
+
+    for kv_heads in (1, 4, 8, 12):
+        for n_keys in (1, 255, 256, 257, 4096, 131072):
+            for sms in (80, 132):
+                want = next(b for b in range(1, 10 ** 5)
+                            if decode.default_num_splits(b, kv_heads, 4, 1, n_keys, sms) == 1)
+                got = split_free_batch(kv_heads, n_keys, sms)
+                if got is None:
+                    return "not solved yet: my_split_free_batch returned None"
+                if got != want:
+                    splits = decode.default_num_splits(max(int(got), 1), kv_heads, 4, 1, n_keys,
+                                                       sms)
+                    return (f"Hkv={kv_heads}, {n_keys} keys, {sms} SMs: got batch {got}, where "
+                            f"the rule picks {splits} split(s); the first batch with 1 is {want}")
+    return CORRECT
+
+
+def check_ntk_base(ntk_base):
+    """Chapter 10: ``ntk_base(base, head_dim, alpha, pair)`` must return the RoPE base for which
+    frequency ``pair`` (``θ_pair = b^(-2·pair/D)``, ``0 < pair < D/2``) turns ``alpha`` times
+    slower (pair 0, ``θ_0 = 1``, stays whatever the base). ``pair = D/2 - 1`` is NTK-aware
+    scaling. Reports the case and how much slower that pair and the slowest one turn."""
+    from .rope import rope_frequencies
+
+    for head_dim, alpha, pair in ((64, 16.0, 31), (64, 16.0, 8), (128, 4.0, 40), (16, 2.5, 3),
+                                  (32, 8.0, 1)):
+        got = ntk_base(10000.0, head_dim, alpha, pair)
+        if got is None:
+            return "not solved yet: my_ntk_base returned None"
+        old, new = rope_frequencies(head_dim, 10000.0), rope_frequencies(head_dim, float(got))
+        case = f"D={head_dim}, α={alpha:g}, pair {pair}"
+        slowed = float(old[pair] / new[pair])
+        if abs(slowed - alpha) > 1e-6 * alpha:
+            return (f"{case}: pair {pair} turns {slowed:.4f} times slower, not {alpha:g}"
+                    + ("" if pair == head_dim // 2 - 1 else f" (the slowest, pair "
+                       f"{head_dim // 2 - 1}: {float(old[-1] / new[-1]):.4f} times)"))
     return CORRECT

@@ -20,54 +20,92 @@ pytestmark = pytest.mark.skipif(not kernels.runtime.INTERPRET, reason="CPU inter
 # --- chapter 3 ----------------------------------------------------------------------------------
 
 @triton.jit
-def step_right(acc, l_i, m_i, scores, v, qk_scale, DOT_PRECISION: tl.constexpr):
-    m_new = tl.maximum(m_i, tl.max(scores * qk_scale, 1))
+def cap(s, softcap):
+    return softcap * exercises._tanh(s / softcap)
+
+
+@triton.jit
+def step_right(acc, l_i, m_i, scores, v, qk_scale, softcap, DOT_PRECISION: tl.constexpr):
+    s = tl.where(scores == float("-inf"), float("-inf"), cap(scores * qk_scale, softcap))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
     m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)    # nothing seen yet: any finite value
+    alpha = tl.exp2(m_i - m_ref)
+    p = tl.exp2(s - m_ref[:, None])
+    return acc * alpha[:, None] + tl.dot(p.to(v.dtype), v), l_i * alpha + tl.sum(p, 1), m_new
+
+
+@triton.jit
+def step_uncapped(acc, l_i, m_i, scores, v, qk_scale, softcap, DOT_PRECISION: tl.constexpr):
+    # the package's step: right but for the cap
+    m_new = tl.maximum(m_i, tl.max(scores * qk_scale, 1))
+    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp2(m_i - m_ref)
     p = tl.exp2(scores * qk_scale - m_ref[:, None])
     return acc * alpha[:, None] + tl.dot(p.to(v.dtype), v), l_i * alpha + tl.sum(p, 1), m_new
 
 
 @triton.jit
-def step_unsafe(acc, l_i, m_i, scores, v, qk_scale, DOT_PRECISION: tl.constexpr):
-    m_new = tl.maximum(m_i, tl.max(scores * qk_scale, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(scores * qk_scale - m_new[:, None])
+def step_caps_the_mask(acc, l_i, m_i, scores, v, qk_scale, softcap, DOT_PRECISION: tl.constexpr):
+    s = cap(scores * qk_scale, softcap)                     # -inf becomes -softcap
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_ref)
+    p = tl.exp2(s - m_ref[:, None])
     return acc * alpha[:, None] + tl.dot(p.to(v.dtype), v), l_i * alpha + tl.sum(p, 1), m_new
 
 
 @triton.jit
-def step_unchanged(acc, l_i, m_i, scores, v, qk_scale, DOT_PRECISION: tl.constexpr):
+def step_unsafe(acc, l_i, m_i, scores, v, qk_scale, softcap, DOT_PRECISION: tl.constexpr):
+    s = tl.where(scores == float("-inf"), float("-inf"), cap(scores * qk_scale, softcap))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    return acc * alpha[:, None] + tl.dot(p.to(v.dtype), v), l_i * alpha + tl.sum(p, 1), m_new
+
+
+@triton.jit
+def step_cap_before_scale(acc, l_i, m_i, scores, v, qk_scale, softcap,
+                          DOT_PRECISION: tl.constexpr):
+    s = tl.where(scores == float("-inf"), float("-inf"), cap(scores, softcap) * qk_scale)
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_ref)
+    p = tl.exp2(s - m_ref[:, None])
+    return acc * alpha[:, None] + tl.dot(p.to(v.dtype), v), l_i * alpha + tl.sum(p, 1), m_new
+
+
+@triton.jit
+def step_unchanged(acc, l_i, m_i, scores, v, qk_scale, softcap, DOT_PRECISION: tl.constexpr):
     return acc, l_i, m_i
 
 
 @triton.jit
-def step_no_rescale(acc, l_i, m_i, scores, v, qk_scale, DOT_PRECISION: tl.constexpr):
-    m_new = tl.maximum(m_i, tl.max(scores * qk_scale, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(scores * qk_scale - m_new[:, None])
+def step_no_rescale(acc, l_i, m_i, scores, v, qk_scale, softcap, DOT_PRECISION: tl.constexpr):
+    s = tl.where(scores == float("-inf"), float("-inf"), cap(scores * qk_scale, softcap))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_ref)
+    p = tl.exp2(s - m_ref[:, None])
     return acc + tl.dot(p.to(v.dtype), v), l_i * alpha + tl.sum(p, 1), m_new
 
 
-@triton.jit
-def step_natural_exp(acc, l_i, m_i, scores, v, qk_scale, DOT_PRECISION: tl.constexpr):
-    m_new = tl.maximum(m_i, tl.max(scores * qk_scale, 1))
-    alpha = tl.exp(m_i - m_new)
-    p = tl.exp(scores * qk_scale - m_new[:, None])
-    return acc * alpha[:, None] + tl.dot(p.to(v.dtype), v), l_i * alpha + tl.sum(p, 1), m_new
-
-
-def test_softmax_step():
-    assert exercises.check_softmax_step(step_right) == "correct"
-    verdict = exercises.check_softmax_step(step_unchanged)
-    assert verdict.startswith("wrong in the case every key visible, after key tile 0 (keys 0–15): "
-                              "m differs in rows 0–39; row 0: got -inf"), verdict
-    verdict = exercises.check_softmax_step(step_no_rescale)
+def test_softcap_step():
+    assert exercises.check_softcap_step(step_right) == "correct"
+    assert exercises.check_softcap_step(exercises._softcap_step) == "correct"
+    verdict = exercises.check_softcap_step(step_unchanged)
+    assert verdict.startswith("wrong in the case softcap 3, every key visible, after key tile 0 "
+                              "(keys 0–15): m differs in rows 0–39; row 0: got -inf"), verdict
+    verdict = exercises.check_softcap_step(step_uncapped)
+    assert verdict.startswith("wrong in the case softcap 3, every key visible, after key tile 0 "
+                              "(keys 0–15): m differs"), verdict
+    verdict = exercises.check_softcap_step(step_caps_the_mask)
+    assert "Too large: do masked entries count?" in verdict and "keep -inf" in verdict, verdict
+    verdict = exercises.check_softcap_step(step_unsafe)
+    assert verdict.startswith("softcap 3, row i sees keys j >= i, after key tile 0 (keys 0–15): "
+                              "NaN in rows 16–39"), verdict
+    assert exercises.check_softcap_step(step_cap_before_scale) != "correct"
+    verdict = exercises.check_softcap_step(step_no_rescale)
     assert "acc differs" in verdict and "key tile 0" not in verdict, verdict
-    assert "l differs" in exercises.check_softmax_step(step_natural_exp)
-    verdict = exercises.check_softmax_step(step_unsafe)
-    assert verdict.startswith("row i sees keys j >= i, after key tile 0 (keys 0–15): NaN in rows "
-                              "16–39") or "NaN in rows 16–39" in verdict, verdict
 
 
 @triton.jit
@@ -151,11 +189,82 @@ def pass_no_window_side(acc, l_i, m_i, q, K, V, rows, lo, hi, n_ctx, window, qk_
     return acc, l_i, m_i
 
 
+@triton.jit
+def pass_no_load_mask(acc, l_i, m_i, q, K, V, rows, lo, hi, n_ctx, window, qk_scale,
+                      PRODUCT: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr,
+                      HEAD_DIM: tl.constexpr):
+    # the right masks on the scores, but K and V loaded past n_ctx
+    dims = tl.arange(0, HEAD_DIM)
+    for start_n in range(lo, hi, BLOCK_N):
+        cols = start_n + tl.arange(0, BLOCK_N)
+        k = tl.load(K + cols[:, None] * HEAD_DIM + dims[None, :])
+        v = tl.load(V + cols[:, None] * HEAD_DIM + dims[None, :])
+        gap = rows[:, None] - cols[None, :]
+        keep = (gap < window) & (-gap < window)
+        if PRODUCT == OUTSIDE:
+            keep = ~keep
+        keep = keep & (cols[None, :] < n_ctx)
+        if CAUSAL:
+            keep = keep & (gap >= 0)
+        scores = tl.where(keep, tl.dot(q, tl.trans(k)), float("-inf"))
+        acc, l_i, m_i = kernels.online_softmax._softmax_step(acc, l_i, m_i, scores, v, qk_scale,
+                                                             "tf32")
+    return acc, l_i, m_i
+
+
+@triton.jit
+def pass_skipped(acc, l_i, m_i, q, K, V, rows, lo, hi, n_ctx, window, qk_scale,
+                 PRODUCT: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr,
+                 HEAD_DIM: tl.constexpr):
+    return acc, l_i, m_i
+
+
+def walk_keys(n, window, block_m, block_n, causal, program, walk):
+    tiles = exercises._walk_tiles(n, window, block_m, block_n, causal)[program][walk]
+    return exercises._tile_keys(tiles, block_n)
+
+
+def test_walk_tiles_match_the_tile_map():
+    """The masked walks the diagnosis names are those the kernels' schedule makes."""
+    from kernels.regions import INSIDE_MASKED, OUTSIDE_MASKED
+    for n, window, causal, block_m, block_n in ((40, 13, True, 16, 16), (48, 20, True, 32, 16),
+                                                (40, 13, False, 16, 16)):
+        flags = exercises.tile_map(n, window, block_m, block_n, causal=causal)
+        for program, walks in exercises._walk_tiles(n, window, block_m, block_n, causal).items():
+            masked = {c for c, f in enumerate(flags[program].tolist())
+                      if f & (INSIDE_MASKED | OUTSIDE_MASKED)}
+            assert set(walks["band"]) | set(walks["diagonal/end"]) == masked
+
+
+def verdict_names_only_visited_walks(verdict, n, window, block_m, block_n, causal):
+    """Each walk the verdict blames is one its program makes, with exactly that walk's tiles."""
+    program = int(verdict.split("Program ")[1].split()[0])
+    blamed = verdict.split("goes wrong on its ")[1]
+    for walk in ("band", "diagonal/end"):
+        if f"{walk} tiles" in blamed:
+            keys = walk_keys(n, window, block_m, block_n, causal, program, walk)
+            assert keys != "none" and f"{walk} tiles {keys}" in blamed, (walk, verdict)
+    return True
+
+
 def test_masked_pass():
     assert exercises.check_masked_pass(pass_right) == "correct"
     verdict = exercises.check_masked_pass(pass_no_window_side)
     assert verdict.startswith("N=40, w=13, causal, 16x16 tiles: rows"), verdict
-    assert "wrong on the band and diagonal/end walks" in verdict and "band tiles [" in verdict
+    assert verdict_names_only_visited_walks(verdict, 40, 13, 16, 16, True)
+    # a pass without load masks: blamed on the read past n_ctx, in a walk the program makes
+    verdict = exercises.check_masked_pass(pass_no_load_mask)
+    assert "your pass reads keys past n_ctx" in verdict and "mask=cols[:, None] < n_ctx" in verdict
+    program = int(verdict.split("Program ")[1].split()[0])
+    ragged = verdict.split("the ragged tile ")[1].split(";")[0]
+    walks = exercises._walk_tiles(40, 13, 16, 16, True)[program]
+    assert ragged in exercises._tile_keys(walks["band"] + walks["diagonal/end"], 16), verdict
+    # the starter: every walk the verdict names is one the program makes
+    verdict = exercises.check_masked_pass(pass_skipped)
+    assert verdict.startswith("N=40, w=13, causal, 16x16 tiles: rows 0–39 are wrong. Program 0 "
+                              "(rows 0–15) goes wrong on its diagonal/end walk: diagonal/end "
+                              "tiles [0, 16)"), verdict
+    assert verdict_names_only_visited_walks(verdict, 40, 13, 16, 16, True)
 
 
 def window_bounds_right(start, self_block, other_block, before, after):
@@ -199,10 +308,59 @@ def delta_first_head_only(Out, DO, Delta, n_ctx, BLOCK_M: tl.constexpr, HEAD_DIM
     tl.store(Delta + rows, tl.sum(o * do, 1), mask=rows < n_ctx)
 
 
+@triton.jit
+def delta_no_store_mask(Out, DO, Delta, n_ctx, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    base = tl.program_id(1) * n_ctx
+    ptrs = (base + rows[:, None]) * HEAD_DIM + tl.arange(0, HEAD_DIM)[None, :]
+    o = tl.load(Out + ptrs, mask=rows[:, None] < n_ctx, other=0.0).to(tl.float32)
+    do = tl.load(DO + ptrs, mask=rows[:, None] < n_ctx, other=0.0).to(tl.float32)
+    tl.store(Delta + base + rows, tl.sum(o * do, 1))             # the ragged block spills
+
+
+@triton.jit
+def delta_no_masks(Out, DO, Delta, n_ctx, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    base = tl.program_id(1) * n_ctx
+    ptrs = (base + rows[:, None]) * HEAD_DIM + tl.arange(0, HEAD_DIM)[None, :]
+    o = tl.load(Out + ptrs).to(tl.float32)
+    do = tl.load(DO + ptrs).to(tl.float32)
+    tl.store(Delta + base + rows, tl.sum(o * do, 1))
+
+
+@triton.jit
+def delta_in_fp16(Out, DO, Delta, n_ctx, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    base = tl.program_id(1) * n_ctx
+    ptrs = (base + rows[:, None]) * HEAD_DIM + tl.arange(0, HEAD_DIM)[None, :]
+    o = tl.load(Out + ptrs, mask=rows[:, None] < n_ctx, other=0.0)
+    do = tl.load(DO + ptrs, mask=rows[:, None] < n_ctx, other=0.0)
+    tl.store(Delta + base + rows, tl.sum(o * do, 1).to(tl.float16), mask=rows < n_ctx)
+
+
+@triton.jit
+def delta_row_stride(Out, DO, Delta, n_ctx, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    base = tl.program_id(1) * n_ctx
+    ptrs = (base + rows[:, None]) * HEAD_DIM + tl.arange(0, HEAD_DIM)[None, :]
+    o = tl.load(Out + ptrs, mask=rows[:, None] < n_ctx, other=0.0).to(tl.float32)
+    do = tl.load(DO + ptrs, mask=rows[:, None] < n_ctx, other=0.0).to(tl.float32)
+    tl.store(Delta + (base + rows) * HEAD_DIM, tl.sum(o * do, 1), mask=rows < n_ctx)  # Out's stride
+
+
 def test_delta_kernel():
     assert exercises.check_delta_kernel(delta_right) == "correct"
     verdict = exercises.check_delta_kernel(delta_first_head_only)
     assert "head 1, rows 0–39 were never written (program (0, 1) owns row 0)" in verdict
+    # no store mask: caught in the guard region after Delta, not a heap corruption
+    for wrong in (delta_no_store_mask, delta_no_masks):
+        verdict = exercises.check_delta_kernel(wrong)
+        assert verdict.startswith("B·H=3, N=40, D=32, BLOCK_M=16: your kernel wrote 8 "
+                                  "element(s) past its last element of Delta"), verdict
+    assert exercises.check_delta_kernel(delta_in_fp16) != "correct"
+    # Out's row stride used for Delta: writes thousands of elements past Delta, still caught
+    verdict = exercises.check_delta_kernel(delta_row_stride)
+    assert "past its last element of Delta" in verdict, verdict
 
 
 @triton.jit
@@ -257,8 +415,26 @@ def rope_sign_flipped(X, Cos, Sin, Out, n_ctx, BLOCK_N: tl.constexpr, HEAD_DIM: 
     tl.store(o_ptrs + HEAD_DIM // 2, (b * cos - a * sin).to(Out.dtype.element_ty), mask=ok)
 
 
+@triton.jit
+def rope_no_store_mask(X, Cos, Sin, Out, n_ctx, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    half = tl.arange(0, HEAD_DIM // 2)
+    ok = rows[:, None] < n_ctx
+    x_ptrs = X + (tl.program_id(1) * n_ctx + rows[:, None]) * HEAD_DIM + half[None, :]
+    o_ptrs = Out + (tl.program_id(1) * n_ctx + rows[:, None]) * HEAD_DIM + half[None, :]
+    cos = tl.load(Cos + rows[:, None] * (HEAD_DIM // 2) + half[None, :], mask=ok)
+    sin = tl.load(Sin + rows[:, None] * (HEAD_DIM // 2) + half[None, :], mask=ok)
+    a = tl.load(x_ptrs, mask=ok).to(tl.float32)
+    b = tl.load(x_ptrs + HEAD_DIM // 2, mask=ok).to(tl.float32)
+    tl.store(o_ptrs, (a * cos - b * sin).to(Out.dtype.element_ty))
+    tl.store(o_ptrs + HEAD_DIM // 2, (b * cos + a * sin).to(Out.dtype.element_ty))
+
+
 def test_rope_kernel():
     assert exercises.check_rope_kernel(rope_right) == "correct"
+    verdict = exercises.check_rope_kernel(rope_no_store_mask)
+    assert verdict.startswith("B·H=2, N=40, D=32, float16, BLOCK_N=16: your kernel wrote") and (
+        "past its last element of Out" in verdict), verdict
     verdict = exercises.check_rope_kernel(rope_sign_flipped)
     assert verdict.startswith("B·H=2, N=40, D=32, float16, BLOCK_N=16: head 0, positions 1–39, "
                               "the first half"), verdict
@@ -326,3 +502,498 @@ def test_spans():
 def test_palette_names_every_tile_class():
     assert set(exercises.TILE_COLOURS) == {"skipped", "outside", "inside", "band", "edge_inside",
                                            "edge_outside"}
+
+
+# --- chapter 6: band tiles (plain Python) ---------------------------------------------------------
+
+def band_tiles_brute(n_ctx, window, block_m, block_n, causal):
+    count = 0
+    for q_start in range(0, n_ctx, block_m):
+        i = torch.arange(q_start, min(q_start + block_m, n_ctx))[:, None]
+        for k_start in range(0, n_ctx, block_n):
+            j = torch.arange(k_start, min(k_start + block_n, n_ctx))[None, :]
+            valid = (j <= i) if causal else torch.ones(i.shape[0], j.shape[1], dtype=torch.bool)
+            near = (i - j).abs() < window
+            count += bool((valid & near).any()) and bool((valid & ~near).any())
+    return count
+
+
+def test_band_cases_agree_with_brute_force():
+    """The checker's shapes are those where the schedule's count is the brute-force count."""
+    for case in exercises._BAND_CASES:
+        assert exercises.schedule_band_tiles(*case) == band_tiles_brute(*case), case
+
+
+def test_band_tiles():
+    assert exercises.check_band_tiles(band_tiles_brute) == "correct"
+    assert "not solved yet" in exercises.check_band_tiles(lambda *args: None)
+
+    def half_of_non_causal(n_ctx, window, block_m, block_n, causal):
+        both = band_tiles_brute(n_ctx, window, block_m, block_n, False)
+        return both // 2 if causal else both
+    verdict = exercises.check_band_tiles(half_of_non_causal)
+    assert verdict.startswith("N=256, w=8, 32x16 tiles, causal: got 15, the schedule has 23: "
+                              "that is half the non-causal count"), verdict
+
+    def whole_rows_of_tiles(n_ctx, window, block_m, block_n, causal):   # every straddled tile
+        return band_tiles_brute(n_ctx, window, block_m, block_n, False)
+    assert "causal: got" in exercises.check_band_tiles(whole_rows_of_tiles)
+
+    def closed_or_open(n_ctx, window, block_m, block_n, causal):        # |i - j| <= w
+        return band_tiles_brute(n_ctx, window + 1, block_m, block_n, causal)
+    assert exercises.check_band_tiles(closed_or_open).startswith("N=256, w=1, 32x16 tiles")
+
+
+# --- chapter 8: the split-KV merge ----------------------------------------------------------------
+
+@triton.jit
+def merge_right(Part, Lse, Out, n_splits, HEAD_DIM: tl.constexpr, SPLITS: tl.constexpr):
+    row = tl.program_id(0)
+    n_rows = tl.num_programs(0)
+    splits = tl.arange(0, SPLITS)
+    dims = tl.arange(0, HEAD_DIM)
+    ok = splits < n_splits
+    lse = tl.load(Lse + splits * n_rows + row, mask=ok, other=float("-inf"))
+    w = tl.math.exp2(lse - tl.max(lse, 0))
+    part = tl.load(Part + (splits[:, None] * n_rows + row) * HEAD_DIM + dims[None, :],
+                   mask=ok[:, None], other=0.0)
+    tl.store(Out + row * HEAD_DIM + dims, tl.sum(w[:, None] * part, 0) / tl.sum(w, 0))
+
+
+@triton.jit
+def merge_without_max(Part, Lse, Out, n_splits, HEAD_DIM: tl.constexpr, SPLITS: tl.constexpr):
+    row = tl.program_id(0)
+    n_rows = tl.num_programs(0)
+    splits = tl.arange(0, SPLITS)
+    dims = tl.arange(0, HEAD_DIM)
+    ok = splits < n_splits
+    w = tl.math.exp2(tl.load(Lse + splits * n_rows + row, mask=ok, other=float("-inf")))
+    part = tl.load(Part + (splits[:, None] * n_rows + row) * HEAD_DIM + dims[None, :],
+                   mask=ok[:, None], other=0.0)
+    tl.store(Out + row * HEAD_DIM + dims, tl.sum(w[:, None] * part, 0) / tl.sum(w, 0))
+
+
+@triton.jit
+def merge_unmasked_loads(Part, Lse, Out, n_splits, HEAD_DIM: tl.constexpr, SPLITS: tl.constexpr):
+    row = tl.program_id(0)
+    n_rows = tl.num_programs(0)
+    splits = tl.arange(0, SPLITS)
+    dims = tl.arange(0, HEAD_DIM)
+    lse = tl.load(Lse + splits * n_rows + row)                    # reads SPLITS > n_splits rows
+    w = tl.math.exp2(lse - tl.max(lse, 0))
+    part = tl.load(Part + (splits[:, None] * n_rows + row) * HEAD_DIM + dims[None, :])
+    tl.store(Out + row * HEAD_DIM + dims, tl.sum(w[:, None] * part, 0) / tl.sum(w, 0))
+
+
+@triton.jit
+def merge_plain_mean(Part, Lse, Out, n_splits, HEAD_DIM: tl.constexpr, SPLITS: tl.constexpr):
+    row = tl.program_id(0)
+    n_rows = tl.num_programs(0)
+    splits = tl.arange(0, SPLITS)
+    dims = tl.arange(0, HEAD_DIM)
+    ok = splits < n_splits
+    part = tl.load(Part + (splits[:, None] * n_rows + row) * HEAD_DIM + dims[None, :],
+                   mask=ok[:, None], other=0.0)
+    tl.store(Out + row * HEAD_DIM + dims, tl.sum(part, 0) / n_splits)
+
+
+def test_merge_kernel():
+    assert exercises.check_merge_kernel(merge_right) == "correct"
+    assert "NaN or inf" in exercises.check_merge_kernel(merge_without_max)
+    assert exercises.check_merge_kernel(merge_unmasked_loads).startswith(
+        "three splits, the last one empty (n_splits=3, SPLITS=4): rows 0–11 wrong")
+    assert exercises.check_merge_kernel(merge_plain_mean).startswith(
+        "three splits, the last one empty")
+
+
+# --- chapter 9: positions from a padding mask -----------------------------------------------------
+
+@triton.jit
+def positions_right(Mask, Positions, n, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    slots = tl.arange(0, BLOCK)
+    live = slots < n
+    mask = tl.load(Mask + row * n + slots, mask=live, other=0)
+    tl.store(Positions + row * n + slots, tl.where(mask != 0, tl.cumsum(mask, 0) - 1, 0),
+             mask=live)
+
+
+@triton.jit
+def positions_no_store_mask(Mask, Positions, n, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    slots = tl.arange(0, BLOCK)
+    mask = tl.load(Mask + row * n + slots, mask=slots < n, other=0)
+    tl.store(Positions + row * n + slots, tl.where(mask != 0, tl.cumsum(mask, 0) - 1, 0))
+
+
+@triton.jit
+def positions_arange(Mask, Positions, n, BLOCK: tl.constexpr):     # ignores the padding
+    row = tl.program_id(0)
+    slots = tl.arange(0, BLOCK)
+    tl.store(Positions + row * n + slots, slots, mask=slots < n)
+
+
+@triton.jit
+def positions_padding_minus_one(Mask, Positions, n, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    slots = tl.arange(0, BLOCK)
+    live = slots < n
+    mask = tl.load(Mask + row * n + slots, mask=live, other=0)
+    tl.store(Positions + row * n + slots, tl.cumsum(mask, 0) - 1, mask=live)
+
+
+def test_positions_kernel():
+    assert exercises.check_positions_kernel(positions_right) == "correct"
+    # printed "correct", then aborted with a corrupted heap before the guard regions
+    verdict = exercises.check_positions_kernel(positions_no_store_mask)
+    assert verdict.startswith("n = 13, BLOCK = 16: your kernel wrote 3 element(s) past its last "
+                              "element of Positions"), verdict
+    assert exercises.check_positions_kernel(positions_arange).startswith(
+        "left padding (mask row [0, 0, 0, 1, 1, 1, 1, 1]): slots 1–7 wrong, got [1, 2, 3, 4]")
+    assert "slots 0–2 wrong, got [-1, -1, -1], want [0, 0, 0]" in (
+        exercises.check_positions_kernel(positions_padding_minus_one))
+
+
+# --- chapter 10: the log-n scale ------------------------------------------------------------------
+
+@triton.jit
+def logn_right(Q, Out, n_q, n_k, logn_factor, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    dims = tl.arange(0, HEAD_DIM)
+    ok = rows[:, None] < n_q
+    q = tl.load(Q + rows[:, None] * HEAD_DIM + dims[None, :], mask=ok, other=0.0).to(tl.float32)
+    scale = tl.maximum(1.0, tl.log2((n_k - n_q + rows + 1).to(tl.float32)) * logn_factor)
+    tl.store(Out + rows[:, None] * HEAD_DIM + dims[None, :], q * scale[:, None], mask=ok)
+
+
+@triton.jit
+def logn_no_store_mask(Q, Out, n_q, n_k, logn_factor, BLOCK: tl.constexpr,
+                       HEAD_DIM: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    dims = tl.arange(0, HEAD_DIM)
+    ok = rows[:, None] < n_q
+    q = tl.load(Q + rows[:, None] * HEAD_DIM + dims[None, :], mask=ok, other=0.0).to(tl.float32)
+    scale = tl.maximum(1.0, tl.log2((n_k - n_q + rows + 1).to(tl.float32)) * logn_factor)
+    tl.store(Out + rows[:, None] * HEAD_DIM + dims[None, :], q * scale[:, None])
+
+
+@triton.jit
+def logn_chunk_positions(Q, Out, n_q, n_k, logn_factor, BLOCK: tl.constexpr,
+                         HEAD_DIM: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)       # forgets the chunk's offset
+    dims = tl.arange(0, HEAD_DIM)
+    ok = rows[:, None] < n_q
+    q = tl.load(Q + rows[:, None] * HEAD_DIM + dims[None, :], mask=ok, other=0.0).to(tl.float32)
+    scale = tl.maximum(1.0, tl.log2((rows + 1).to(tl.float32)) * logn_factor)
+    tl.store(Out + rows[:, None] * HEAD_DIM + dims[None, :], q * scale[:, None], mask=ok)
+
+
+def test_logn_kernel():
+    assert exercises.check_logn_kernel(logn_right) == "correct"
+    assert "past its last element of Out" in exercises.check_logn_kernel(logn_no_store_mask)
+    assert exercises.check_logn_kernel(logn_chunk_positions).startswith(
+        "the last 37 queries of 300")
+
+
+# --- chapter 4: the band walk with both products --------------------------------------------------
+
+@triton.jit
+def band_right(acc, l_i, m_i, q1, q2, K1, K2, V, rows, lo, hi, n_ctx, window, qk_scale,
+               CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr):
+    dims = tl.arange(0, HEAD_DIM)
+    for start_n in range(lo, hi, BLOCK_N):
+        cols = start_n + tl.arange(0, BLOCK_N)
+        ptrs = cols[:, None] * HEAD_DIM + dims[None, :]
+        ok = cols[:, None] < n_ctx
+        k1 = tl.load(K1 + ptrs, mask=ok, other=0.0)
+        k2 = tl.load(K2 + ptrs, mask=ok, other=0.0)
+        v = tl.load(V + ptrs, mask=ok, other=0.0)
+        gap = rows[:, None] - cols[None, :]
+        scores = tl.where((gap < window) & (gap > -window), tl.dot(q1, tl.trans(k1)),
+                          tl.dot(q2, tl.trans(k2)))
+        keep = cols[None, :] < n_ctx
+        if CAUSAL:
+            keep = keep & (gap >= 0)
+        acc, l_i, m_i = kernels.online_softmax._softmax_step(
+            acc, l_i, m_i, tl.where(keep, scores, float("-inf")), v, qk_scale, "tf32")
+    return acc, l_i, m_i
+
+
+@triton.jit
+def band_core(acc, l_i, m_i, q1, q2, K1, K2, V, rows, lo, hi, n_ctx, window, qk_scale,
+              CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+              SLIP: tl.constexpr):
+    """band_right with one slip: 1 one product everywhere, 2 |i - j| <= w, 3 one side of the
+    window only; 4 no causal mask and 5 no load masks are not slips: the schedule gives every
+    tile that the diagonal or the end of the sequence crosses to the diagonal/end walk."""
+    dims = tl.arange(0, HEAD_DIM)
+    for start_n in range(lo, hi, BLOCK_N):
+        cols = start_n + tl.arange(0, BLOCK_N)
+        ptrs = cols[:, None] * HEAD_DIM + dims[None, :]
+        ok = cols[:, None] < n_ctx
+        if SLIP == 5:
+            k1 = tl.load(K1 + ptrs)
+            k2 = tl.load(K2 + ptrs)
+            v = tl.load(V + ptrs)
+        else:
+            k1 = tl.load(K1 + ptrs, mask=ok, other=0.0)
+            k2 = tl.load(K2 + ptrs, mask=ok, other=0.0)
+            v = tl.load(V + ptrs, mask=ok, other=0.0)
+        gap = rows[:, None] - cols[None, :]
+        inside = (gap < window) & (gap > -window)
+        if SLIP == 2:
+            inside = (gap <= window) & (gap >= -window)
+        if SLIP == 3:
+            inside = gap < window
+        near = tl.dot(q1, tl.trans(k1))
+        if SLIP == 1:
+            near = tl.dot(q2, tl.trans(k2))
+        scores = tl.where(inside, near, tl.dot(q2, tl.trans(k2)))
+        keep = cols[None, :] < n_ctx
+        if CAUSAL and SLIP != 4:
+            keep = keep & (gap >= 0)
+        acc, l_i, m_i = kernels.online_softmax._softmax_step(
+            acc, l_i, m_i, tl.where(keep, scores, float("-inf")), v, qk_scale, "tf32")
+    return acc, l_i, m_i
+
+
+@triton.jit
+def band_slip_1(acc, l_i, m_i, q1, q2, K1, K2, V, rows, lo, hi, n_ctx, window, qk_scale,
+                CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr):
+    return band_core(acc, l_i, m_i, q1, q2, K1, K2, V, rows, lo, hi, n_ctx, window, qk_scale,
+                     CAUSAL, BLOCK_N, HEAD_DIM, 1)
+
+
+@triton.jit
+def band_slip_2(acc, l_i, m_i, q1, q2, K1, K2, V, rows, lo, hi, n_ctx, window, qk_scale,
+                CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr):
+    return band_core(acc, l_i, m_i, q1, q2, K1, K2, V, rows, lo, hi, n_ctx, window, qk_scale,
+                     CAUSAL, BLOCK_N, HEAD_DIM, 2)
+
+
+@triton.jit
+def band_slip_3(acc, l_i, m_i, q1, q2, K1, K2, V, rows, lo, hi, n_ctx, window, qk_scale,
+                CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr):
+    return band_core(acc, l_i, m_i, q1, q2, K1, K2, V, rows, lo, hi, n_ctx, window, qk_scale,
+                     CAUSAL, BLOCK_N, HEAD_DIM, 3)
+
+
+@triton.jit
+def band_slip_4(acc, l_i, m_i, q1, q2, K1, K2, V, rows, lo, hi, n_ctx, window, qk_scale,
+                CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr):
+    return band_core(acc, l_i, m_i, q1, q2, K1, K2, V, rows, lo, hi, n_ctx, window, qk_scale,
+                     CAUSAL, BLOCK_N, HEAD_DIM, 4)
+
+
+@triton.jit
+def band_slip_5(acc, l_i, m_i, q1, q2, K1, K2, V, rows, lo, hi, n_ctx, window, qk_scale,
+                CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr):
+    return band_core(acc, l_i, m_i, q1, q2, K1, K2, V, rows, lo, hi, n_ctx, window, qk_scale,
+                     CAUSAL, BLOCK_N, HEAD_DIM, 5)
+
+
+BAND_SLIPS = {1: band_slip_1, 2: band_slip_2, 3: band_slip_3, 4: band_slip_4, 5: band_slip_5}
+
+
+@pytest.mark.parametrize("slip, what", [(1, "one product everywhere"), (2, "|i - j| <= w"),
+                                        (3, "one side of the window")])
+def test_band_pass_wrong(slip, what):
+    verdict = exercises.check_band_pass(BAND_SLIPS[slip])
+    assert verdict != "correct" and "are wrong" in verdict, (what, verdict)
+    assert "walks the band tiles [" in verdict and "none" not in verdict, (what, verdict)
+
+
+def test_band_pass():
+    assert exercises.check_band_pass(band_right) == "correct"
+    assert exercises.check_band_pass(band_slip_4) == "correct"      # the band is below the diagonal
+    assert exercises.check_band_pass(band_slip_5) == "correct"      # ... and before the ragged end
+
+
+# --- chapter 5: δ for packed sequences ------------------------------------------------------------
+
+@triton.jit
+def varlen_core(Out, DO, Delta, CuSeqlens, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr,
+                SLIP: tl.constexpr):
+    """The right varlen δ kernel, or one slip: 1 no store mask, 2 the local row index masked with
+    the packed end,
+    3 rows counted from 0 instead of the sequence's start, 4 the fp16 product."""
+    seq = tl.program_id(1)
+    start = tl.load(CuSeqlens + seq)
+    end = tl.load(CuSeqlens + seq + 1)
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    if SLIP == 3:
+        packed = rows
+    else:
+        packed = start + rows
+    ok = packed < end
+    if SLIP == 2:
+        ok = rows < end                    # the sequence's row index against a packed offset
+    ptrs = packed[:, None] * HEAD_DIM + tl.arange(0, HEAD_DIM)[None, :]
+    o = tl.load(Out + ptrs, mask=ok[:, None], other=0.0)
+    do = tl.load(DO + ptrs, mask=ok[:, None], other=0.0)
+    if SLIP == 4:
+        delta = tl.sum(o * do, 1).to(tl.float16).to(tl.float32)
+    else:
+        delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    if SLIP == 1:
+        tl.store(Delta + packed, delta)
+    else:
+        tl.store(Delta + packed, delta, mask=ok)
+
+
+@triton.jit
+def varlen_0(Out, DO, Delta, CuSeqlens, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr):
+    varlen_core(Out, DO, Delta, CuSeqlens, BLOCK_M, HEAD_DIM, 0)
+
+
+@triton.jit
+def varlen_1(Out, DO, Delta, CuSeqlens, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr):
+    varlen_core(Out, DO, Delta, CuSeqlens, BLOCK_M, HEAD_DIM, 1)
+
+
+@triton.jit
+def varlen_2(Out, DO, Delta, CuSeqlens, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr):
+    varlen_core(Out, DO, Delta, CuSeqlens, BLOCK_M, HEAD_DIM, 2)
+
+
+@triton.jit
+def varlen_3(Out, DO, Delta, CuSeqlens, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr):
+    varlen_core(Out, DO, Delta, CuSeqlens, BLOCK_M, HEAD_DIM, 3)
+
+
+@triton.jit
+def varlen_4(Out, DO, Delta, CuSeqlens, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr):
+    varlen_core(Out, DO, Delta, CuSeqlens, BLOCK_M, HEAD_DIM, 4)
+
+
+def test_delta_varlen_kernel():
+    assert exercises.check_delta_varlen_kernel(varlen_0) == "correct"
+    # no store mask: inside the packed tensor, caught when one sequence's programs run alone
+    verdict = exercises.check_delta_varlen_kernel(varlen_1)
+    assert verdict.startswith("lengths [16, 5, 32], D=32, BLOCK_M=16: the programs of sequence 0 "
+                              "(rows 0–15) also wrote packed rows 16–31, which belong to "
+                              "sequence(s) 1, 2"), verdict
+    verdict = exercises.check_delta_varlen_kernel(varlen_2)
+    assert "past its last element of Delta" in verdict or "also wrote packed rows" in verdict, (
+        verdict)
+    verdict = exercises.check_delta_varlen_kernel(varlen_3)
+    assert verdict.startswith("lengths [16, 5, 32], D=32, BLOCK_M=16: the programs of sequence 1 "
+                              "(rows 16–20) also wrote packed rows 0–15"), verdict
+    assert "are wrong" in exercises.check_delta_varlen_kernel(varlen_4)
+    verdict = exercises.check_delta_varlen_kernel(varlen_nothing)
+    assert verdict.startswith("lengths [16, 5, 32], D=32, BLOCK_M=16: sequence 0 (rows 0–15 of the "
+                              "packed tensor), its rows 0–15 were never written"), verdict
+
+
+@triton.jit
+def varlen_nothing(Out, DO, Delta, CuSeqlens, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr):
+    pass
+
+
+# --- chapter 8: the merge that writes its LSE, the split-free batch -------------------------------
+
+@triton.jit
+def merge_lse_core(Part, Lse, Out, LseOut, n_splits, HEAD_DIM: tl.constexpr, SPLITS: tl.constexpr,
+                   SLIP: tl.constexpr):
+    """Right, or: 1 LseOut = the max only, 2 natural log, 3 LseOut never written,
+    4 the log of the sum without M added back."""
+    row = tl.program_id(0)
+    n_rows = tl.num_programs(0)
+    splits = tl.arange(0, SPLITS)
+    dims = tl.arange(0, HEAD_DIM)
+    ok = splits < n_splits
+    lse = tl.load(Lse + splits * n_rows + row, mask=ok, other=float("-inf"))
+    m = tl.max(lse, 0)
+    w = tl.math.exp2(lse - m)
+    part = tl.load(Part + (splits[:, None] * n_rows + row) * HEAD_DIM + dims[None, :],
+                   mask=ok[:, None], other=0.0)
+    total = tl.sum(w, 0)
+    tl.store(Out + row * HEAD_DIM + dims, tl.sum(w[:, None] * part, 0) / total)
+    if SLIP == 0:
+        tl.store(LseOut + row, m + tl.math.log2(total))
+    if SLIP == 1:
+        tl.store(LseOut + row, m)
+    if SLIP == 2:
+        tl.store(LseOut + row, m + tl.log(total))
+    if SLIP == 4:
+        tl.store(LseOut + row, tl.math.log2(total))
+
+
+@triton.jit
+def merge_lse_0(Part, Lse, Out, LseOut, n_splits, HEAD_DIM: tl.constexpr, SPLITS: tl.constexpr):
+    merge_lse_core(Part, Lse, Out, LseOut, n_splits, HEAD_DIM, SPLITS, 0)
+
+
+@triton.jit
+def merge_lse_1(Part, Lse, Out, LseOut, n_splits, HEAD_DIM: tl.constexpr, SPLITS: tl.constexpr):
+    merge_lse_core(Part, Lse, Out, LseOut, n_splits, HEAD_DIM, SPLITS, 1)
+
+
+@triton.jit
+def merge_lse_2(Part, Lse, Out, LseOut, n_splits, HEAD_DIM: tl.constexpr, SPLITS: tl.constexpr):
+    merge_lse_core(Part, Lse, Out, LseOut, n_splits, HEAD_DIM, SPLITS, 2)
+
+
+@triton.jit
+def merge_lse_3(Part, Lse, Out, LseOut, n_splits, HEAD_DIM: tl.constexpr, SPLITS: tl.constexpr):
+    merge_lse_core(Part, Lse, Out, LseOut, n_splits, HEAD_DIM, SPLITS, 3)
+
+
+@triton.jit
+def merge_lse_4(Part, Lse, Out, LseOut, n_splits, HEAD_DIM: tl.constexpr, SPLITS: tl.constexpr):
+    merge_lse_core(Part, Lse, Out, LseOut, n_splits, HEAD_DIM, SPLITS, 4)
+
+
+def test_merge_lse_kernel():
+    assert exercises.check_merge_lse_kernel(merge_lse_0) == "correct"
+    verdict = exercises.check_merge_lse_kernel(merge_lse_1)
+    assert verdict.startswith("three splits, the last one empty (n_splits=3, SPLITS=4): LseOut, "
+                              "rows 0–11 wrong"), verdict
+    assert "LseOut, rows" in exercises.check_merge_lse_kernel(merge_lse_2)
+    assert exercises.check_merge_lse_kernel(merge_lse_3).endswith("never written")
+    assert "LseOut, rows" in exercises.check_merge_lse_kernel(merge_lse_4)
+
+
+def test_split_free_batch():
+    from kernels import decode
+
+    def right(kv_heads, n_keys, sms):
+        if -(-n_keys // decode.MIN_KEYS_PER_SPLIT) <= 1:
+            return 1
+        return decode.PROGRAMS_PER_SM * sms // (2 * kv_heads) + 1
+    assert exercises.check_split_free_batch(right) == "correct"
+    assert "not solved yet" in exercises.check_split_free_batch(lambda *args: None)
+
+    def one_wave(kv_heads, n_keys, sms):          # "a wave's worth of programs": off by a factor
+        return decode.PROGRAMS_PER_SM * sms // kv_heads + 1
+    assert "the first batch with 1 is" in exercises.check_split_free_batch(one_wave)
+
+    def no_plus_one(kv_heads, n_keys, sms):
+        return right(kv_heads, n_keys, sms) - (n_keys > decode.MIN_KEYS_PER_SPLIT)
+    verdict = exercises.check_split_free_batch(no_plus_one)
+    assert "where the rule picks 2 split(s)" in verdict, verdict
+
+    def ignores_short_caches(kv_heads, n_keys, sms):
+        return decode.PROGRAMS_PER_SM * sms // (2 * kv_heads) + 1
+    assert exercises.check_split_free_batch(ignores_short_caches).startswith("Hkv=1, 1 keys")
+
+
+# --- chapter 10: NTK-aware scaling for a chosen frequency -----------------------------------------
+
+def test_ntk_base():
+    assert exercises.check_ntk_base(lambda b, d, a, t: b * a ** (d / (2 * t))) == "correct"
+    assert "not solved yet" in exercises.check_ntk_base(lambda *args: None)
+    # the slowest frequency's formula (the page's): right only for pair D/2 - 1
+    verdict = exercises.check_ntk_base(lambda b, d, a, t: b * a ** (d / (d - 2)))
+    assert verdict.startswith("D=64, α=16, pair 8: pair 8 turns"), verdict
+    assert "pair 0" not in exercises.check_ntk_base(lambda b, d, a, t: b * a)
+    assert "turns 0.0" in exercises.check_ntk_base(lambda b, d, a, t: b / a ** (d / (2 * t)))
+
+
+def test_assert_rejected():
+    exercises.assert_rejected(exercises.check_split_free_batch, {"one": lambda *args: 1})
+    with pytest.raises(AssertionError, match="'right': verdict 'correct'"):
+        exercises.assert_rejected(exercises.check_ntk_base,
+                                  {"right": lambda b, d, a, t: b * a ** (d / (2 * t))})
+    with pytest.raises(AssertionError, match="the checker raised TypeError"):
+        exercises.assert_rejected(exercises.check_ntk_base, {"wrong arity": lambda b: b})

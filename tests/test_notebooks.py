@@ -183,3 +183,104 @@ def test_shows_package_source(number, page):
     nb = load(page)
     assert any("kernels.source(" in text(cell["source"]) for _, cell in code_cells(nb)), (
         f"{page} (chapter {number}) never shows the package's code with kernels.source(...)")
+
+
+# --- numbers in the prose, against the data files they describe ---------------------------------
+
+DATA = ROOT / "book" / "data"
+
+
+def markdown(page):
+    return "\n".join(text(cell["source"]) for cell in load(page)["cells"]
+                     if cell["cell_type"] == "markdown")
+
+
+def _bench_ms(impl, n, d, mode="fwd"):
+    rows = json.loads((DATA / "bench_h200.json").read_text())["rows"]
+    found = [r["ms"] for r in rows if r["impl"] == impl and r["N"] == n and r["D"] == d
+             and r["mode"] == mode and r["dtype"] == "float16" and r["causal"]
+             and (r["B"], r["H"], r["window"]) == (1, 32, 2048) and r["ms"] is not None]
+    return found[0]
+
+
+def _cost_range(d):
+    """Chapter 10's 'price': ReRoPE forward over cuDNN plain attention, N from 4k to 32k."""
+    ratios = [_bench_ms("rerope", n, d) / _bench_ms("sdpa_cudnn", n, d)
+              for n in (4096, 8192, 16384, 32768)]
+    return f"{min(ratios):.2f}–{max(ratios):.2f}×"
+
+
+def _extrapolation():
+    return json.loads((DATA / "extrapolation_h200.json").read_text())
+
+
+def _mean(key, n):
+    return f"{_extrapolation()['methods'][key]['mean'][str(n)]:.3f}"
+
+
+def _best_ablation_window():
+    ablation = _extrapolation()["window_ablation"]
+    longest = max(ablation["lengths"])
+    return str(min(ablation["windows"], key=lambda w: ablation["rerope"][str(w)]["mean"][str(longest)]))
+
+
+def _hf(impl, phase, field="ms"):
+    rows = json.loads((DATA / "hf_h200.json").read_text())["rows"]
+    return next(r[field] for r in rows if (r["impl"], r["phase"]) == (impl, phase))
+
+
+def _attention_share(impl):
+    return f"{_hf(impl, 'decode', 'attention_ms') / _hf(impl, 'decode'):.0%}".replace("%", " %")
+
+
+PROSE_NUMBERS = [
+    # (page, a template whose {} holds the number, how the number comes from the data)
+    ("book/06_speed", "headline\ntable's {}", lambda: f"{_bench_ms('sdpa_cudnn', 8192, 64) / _bench_ms('rerope', 8192, 64):.2f}"),
+    ("book/09_huggingface", "the attention op is {} of\nReRoPE's step", lambda: _attention_share("rerope")),
+    ("book/09_huggingface", "and {} of FlashAttention-2's", lambda: _attention_share("stock_sdpa_flash")),
+    ("book/09_huggingface", "and {} ms after (the table above)", lambda: f"{_hf('rerope', 'decode'):.2f}"),
+    ("book/10_extrapolation", "takes {} plain\nattention's time at D = 64", lambda: _cost_range(64)),
+    ("book/10_extrapolation", "and {} at D = 128", lambda: _cost_range(128)),
+    ("book/10_extrapolation", "makes RoPE worse ({}", lambda: f"{_mean('rope', 4096)} → {_mean('rope+logn', 4096)}"),
+    ("book/10_extrapolation", "slightly worse ({})", lambda: f"{_mean('ntk', 4096)} → {_mean('ntk+logn', 4096)}"),
+    ("book/10_extrapolation", "Here it is {} of 256 in the window ablation", _best_ablation_window),
+    ("book/10_extrapolation", "the best window is {} at every length", _best_ablation_window),
+    ("book/10_extrapolation", "goes from 0.926 at 1× to {} at 2× and", lambda: _mean("rope", 512)),
+    ("book/10_extrapolation", "at 2× and {} at 16×", lambda: _mean("rope", 4096)),
+    ("book/10_extrapolation", "the mean loss *falls* from {} at 1×", lambda: _mean("rerope128", 256)),
+    ("book/10_extrapolation", "at 16× it is {} ({} with log-n)", lambda: (_mean("rerope128", 4096), _mean("rerope128+logn", 4096))),
+    ("book/10_extrapolation", "drifts up to {} at 16×", lambda: _mean("rerope256", 4096)),
+    ("book/10_extrapolation", "$L \\le w + \\kappa (T - w) = {}$", lambda: f"{512 + 16 * (4096 - 512):,}".replace(",", "\\,")),
+]
+
+
+@pytest.mark.parametrize("page, template, value", PROSE_NUMBERS,
+                         ids=[f"{page}: {template[:40]}" for page, template, _ in PROSE_NUMBERS])
+def test_prose_numbers_match_data(page, template, value):
+    """A number quoted in a chapter's text is the one its data file gives (so text and tables
+    cannot drift apart again)."""
+    got = value()
+    expected = template.format(*(got if isinstance(got, tuple) else (got,)))
+    prose = markdown(page)
+    flat = " ".join(prose.split())
+    assert expected in prose or " ".join(expected.split()) in flat, (
+        f"{page}: the text should say {expected!r} (from book/data), and does not")
+
+
+@pytest.mark.parametrize("page", CHAPTERS)
+def test_every_checker_has_wrong_answers(page):
+    """Each checker a chapter defines (``def check_exercise_N``) is tested on plausible wrong
+    answers in the same notebook (a cell calling ``exercises.assert_rejected``, run by nbval and
+    removed from the site); the checkers of kernels.exercises have theirs in
+    tests/test_exercises.py."""
+    sources = [text(cell["source"]) for _, cell in code_cells(load(page))]
+    for name in sorted({m for s in sources for m in re.findall(r"^def (check_exercise_\d+)\(", s,
+                                                                   flags=re.M)}):
+        tests = [(i, s) for i, (_, cell) in enumerate(code_cells(load(page)))
+                 for s in [text(cell["source"])] if f"assert_rejected({name}," in s]
+        assert tests, f"{page}: {name} has no wrong-answer test (exercises.assert_rejected)"
+        for index, _ in tests:
+            tags = code_cells(load(page))[index][1].get("metadata", {}).get("tags", [])
+            assert "remove-cell" in tags and not {"nbval-skip", "nbval-ignore-output"} & set(tags), (
+                f"{page}: the wrong-answer test of {name} must be checked by nbval and left out "
+                f"of the site (tags: {tags})")

@@ -161,3 +161,13 @@ def test_page(browser, page):
     assert not stderr_errors, f"{page}: stderr output with an error:\n{stderr_errors[0][:2000]}"
     outputs = "\n".join(text_of(browser, "div.cell_output"))
     assert "Traceback (most recent call last)" not in outputs, f"{page}: a traceback in an output"
+
+    # nothing cut off behind a scroll bar at 1280 px: outputs wrap (tools/site_static/book.css)
+    # and the code of the cells, written to 100 columns, fits the article column
+    browser.set_window_size(1280, 800)
+    clipped = browser.execute_script(
+        "return Array.from(document.querySelectorAll('div.cell_output pre, div.cell_input pre'))"
+        ".filter(p => p.offsetParent !== null && p.scrollWidth > p.clientWidth + 2)"
+        ".map(p => p.textContent.split('\\n').reduce((a, b) => a.length >= b.length ? a : b))")
+    assert not clipped, (f"{page}: {len(clipped)} code/output block(s) wider than the column, "
+                         f"e.g. {clipped[0][:120]!r}")
