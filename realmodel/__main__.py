@@ -1,12 +1,16 @@
-"""``python -m realmodel``: the quick start. SmolLM2-135M reads one long Python file with stock RoPE
+"""``python -m realmodel``: the quick start. SmolLM2-135M reads a long Python text with stock RoPE
 and with ReRoPE, prints both losses by position, and continues the text with ReRoPE.
 
     python -m realmodel                     # a GPU: 32768 tokens (4x the training length)
     python -m realmodel --length 65536      # 8x
-    python -m realmodel --length 256        # the default on a CPU (kernels interpreted: slow)
 
-The file is the Python standard library's ``_pydecimal.py`` (about 60k tokens; any other with
-``--file``). On a GPU the model runs in bf16, on a CPU in float32.
+On a CPU the ReRoPE kernels run through Triton's interpreter, seconds per layer even for a few
+tokens, so the default there is a 16-token smoke run (several minutes for the 30 layers) that
+checks the pipeline but cannot show the point: that needs a GPU.
+
+The text is the evaluation's first document (``realmodel.smollm2.source_documents``: standard
+library files, whole, concatenated), or any file with ``--file``. On a GPU the model runs in
+bf16, on a CPU in float32.
 """
 
 import argparse
@@ -19,25 +23,19 @@ import torch
 from . import smollm2
 
 
-def default_file():
-    from extrapolation.data import stdlib_dir
-
-    return str(stdlib_dir() / "_pydecimal.py")
-
-
 def main(argv=None):
     gpu = torch.cuda.is_available()
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--file", default=None, help="text to read (default: the standard "
-                        "library's _pydecimal.py)")
-    parser.add_argument("--length", type=int, default=32768 if gpu else 256,
-                        help="tokens to read (default 32768 on a GPU, 256 on a CPU)")
-    parser.add_argument("--window", type=int, default=2048 if gpu else 64,
-                        help="ReRoPE's window (default 2048 on a GPU, 64 on a CPU)")
+    parser.add_argument("--file", default=None, help="text to read (default: standard library "
+                        "files, concatenated as in the evaluation)")
+    parser.add_argument("--length", type=int, default=32768 if gpu else 16,
+                        help="tokens to read (default 32768 on a GPU, 16 on a CPU)")
+    parser.add_argument("--window", type=int, default=2048 if gpu else 4,
+                        help="ReRoPE's window (default 2048 on a GPU, 4 on a CPU)")
     parser.add_argument("--no-logn", action="store_true", help="ReRoPE without log-n scaling")
-    parser.add_argument("--new-tokens", type=int, default=48 if gpu else 8,
-                        help="tokens to generate after the text (default 48 on a GPU, 8 on a CPU)")
-    parser.add_argument("--bins", type=int, default=8, help="rows of the loss table")
+    parser.add_argument("--new-tokens", type=int, default=48 if gpu else 2,
+                        help="tokens to generate after the text (default 48 on a GPU, 2 on a CPU)")
+    parser.add_argument("--bins", type=int, default=8 if gpu else 2, help="rows of the loss table")
     args = parser.parse_args(argv)
     if args.length < 2 * args.bins:
         parser.error(f"--length must be at least {2 * args.bins}")
@@ -45,16 +43,20 @@ def main(argv=None):
     from tqdm.auto import tqdm
 
     device, dtype = ("cuda", torch.bfloat16) if gpu else ("cpu", torch.float32)
-    path = args.file or default_file()
     bar = tqdm(total=3 + args.new_tokens, unit="step", file=sys.stdout,
                bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}]")
     bar.set_description("loading the model")
     model, tokenizer = smollm2.load(device, dtype)
-    with open(path, encoding="utf-8", errors="replace") as file:
-        ids = tokenizer(file.read())["input_ids"]
-    if len(ids) < args.length + 1:
-        raise SystemExit(f"{path} holds {len(ids)} tokens, fewer than --length {args.length} + 1")
-    ids = torch.tensor([ids[:args.length + 1]], device=device)
+    if args.file is None:
+        docs, files = smollm2.source_documents(tokenizer, 1, args.length + 1)
+        ids, name = docs.to(device), f"{len(files[0])} standard-library files"
+    else:
+        with open(args.file, encoding="utf-8", errors="replace") as file:
+            ids = tokenizer(file.read())["input_ids"]
+        if len(ids) < args.length + 1:
+            raise SystemExit(f"{args.file} holds {len(ids)} tokens, fewer than --length "
+                             f"{args.length} + 1")
+        ids, name = torch.tensor([ids[:args.length + 1]], device=device), os.path.basename(args.file)
     bar.update()
     stock = smollm2.Method("rope", "RoPE (stock)", "rope")
     rerope = smollm2.Method("rerope", f"ReRoPE w={args.window}" + ("" if args.no_logn
@@ -72,7 +74,6 @@ def main(argv=None):
     new = smollm2.greedy(model, ids[:, :-1], args.new_tokens, step=bar.update)
     bar.close()
 
-    name = os.path.basename(path)
     print(f"\n{name}, {args.length} tokens ({args.length / smollm2.TRAIN_LEN:.2g}x the "
           f"training length {smollm2.TRAIN_LEN}), {dtype} on {device}; loss in nats per token")
     print(f"{'positions':>15}  {stock.label:>14}  {rerope.label:>22}")

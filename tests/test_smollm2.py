@@ -55,7 +55,7 @@ def test_the_model_knows_python(loaded, ids):
     losses = smollm2.token_losses(model, ids, chunk=7)
     full = torch.nn.functional.cross_entropy(logits(model, ids)[0, :-1], ids[0, 1:],
                                              reduction="none")
-    torch.testing.assert_close(losses[0].double(), full, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(losses[0].double(), full, atol=1e-3, rtol=0)   # float32 sums
     assert losses.mean() < 2.5, float(losses.mean())
 
 
