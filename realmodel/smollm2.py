@@ -19,8 +19,10 @@ Position methods (:class:`Method`), all on the same weights:
 
 import contextlib
 import importlib.util
+import inspect
 import os
 import random
+import warnings
 from dataclasses import dataclass
 from typing import Optional
 
@@ -62,7 +64,9 @@ def _quiet_transformers():
     The GGUF reader's bar is a plain ``tqdm`` of ``transformers.modeling_gguf_pytorch_utils``,
     replaced here by the bare iterable for the duration.
     """
-    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+    with warnings.catch_warnings():         # tqdm.auto's "IProgress not found" in a notebook
+        warnings.filterwarnings("ignore", message="IProgress not found")
+        from transformers import modeling_gguf_pytorch_utils as gguf_utils
     from transformers.utils import logging
 
     level = logging.get_verbosity()
@@ -88,7 +92,9 @@ def load(device="cpu", dtype=torch.float32):
     The model is in eval mode with stock RoPE and SDPA attention. Use ``dtype=torch.bfloat16``
     on a GPU (the evaluation does), ``torch.float32`` on a CPU (the interpreter's kernels).
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    with warnings.catch_warnings():         # tqdm.auto's "IProgress not found" in a notebook
+        warnings.filterwarnings("ignore", message="IProgress not found")
+        from transformers import AutoModelForCausalLM, AutoTokenizer
 
     folder = model_folder()
     with _quiet_transformers():
@@ -247,7 +253,9 @@ def greedy(model, ids, new_tokens, step=None, return_logits=False):
     from transformers import DynamicCache
 
     cache = DynamicCache(config=model.config)
-    out = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    # the forward's own keyword: ``cache`` from transformers 5.2x on, ``past_key_values`` before
+    keyword = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    out = model(input_ids=ids, use_cache=True, logits_to_keep=1, **{keyword: cache})
     tokens, logits = [], []
     for _ in range(new_tokens):
         logits.append(out.logits[:, -1].float())
@@ -256,7 +264,7 @@ def greedy(model, ids, new_tokens, step=None, return_logits=False):
             step()
         if len(tokens) == new_tokens:
             break
-        out = model(input_ids=tokens[-1], past_key_values=out.past_key_values, use_cache=True)
+        out = model(input_ids=tokens[-1], use_cache=True, **{keyword: cache})   # updated in place
     tokens = torch.cat(tokens, 1)
     return (tokens, torch.stack(logits, 1)) if return_logits else tokens
 

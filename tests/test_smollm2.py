@@ -78,7 +78,8 @@ def test_rerope_with_a_window_past_the_sequence_is_the_stock_model(loaded, ids):
         back = logits(model, ids)
     torch.testing.assert_close(same, stock, atol=2e-3, rtol=0)
     torch.testing.assert_close(clamped[0, :4], stock[0, :4], atol=2e-3, rtol=0)  # all i - j < 4
-    assert (clamped[0, 4:] - stock[0, 4:]).abs().amax(-1).min() > 1e-2             # each row moved
+    moved = (clamped[0] - stock[0]).abs().amax(-1)        # query 4 clamps one key only (j = 0)
+    assert moved.max() > 0.5 and moved[5:].min() > 1e-2, moved
     torch.testing.assert_close(back, stock, atol=0, rtol=0)                        # switched back
 
 
