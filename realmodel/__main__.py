@@ -49,7 +49,7 @@ def main(argv=None):
     model, tokenizer = smollm2.load(device, dtype)
     if args.file is None:
         docs, files = smollm2.source_documents(tokenizer, 1, args.length + 1)
-        ids, name = docs.to(device), f"{len(files[0])} standard-library files"
+        ids, name = docs.to(device), f"standard-library files ({len(files[0])})"
     else:
         with open(args.file, encoding="utf-8", errors="replace") as file:
             ids = tokenizer(file.read())["input_ids"]
