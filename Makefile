@@ -6,8 +6,8 @@
 #               .venv-floor: the sm_75/80/89/90 cross-compile, a few interpreter cases
 #   make lab    the .venv plus JupyterLab (requirements-lab.txt, not part of make test), then
 #               `jupyter lab book/`: the notebooks, opened locally
-# Setup runs once: .venv/.setup-stamp records it, and it reruns only when requirements.txt
-# changes. Override e.g. `make test PYTHON=python3.12 TORCH=torch==2.11.0`.
+# Setup runs once: .venv/.setup-stamp records it, and it reruns only when requirements.txt or
+# requirements-nodeps.txt changes. Override e.g. `make test PYTHON=python3.12 TORCH=torch==2.11.0`.
 
 PYTHON ?= python3
 # On the project's CPU machines torch==2.13.0 is a CPU wheel on local disk. It is installed
@@ -74,10 +74,11 @@ define make-venv
 	fi
 endef
 
-$(STAMP): requirements.txt
+$(STAMP): requirements.txt requirements-nodeps.txt
 	$(call make-venv,$(VENV))
 	$(PIP) "$(TORCH)"
 	$(PIP) -r requirements.txt
+	$(PIP) --no-deps -r requirements-nodeps.txt
 	touch $@
 
 # Reinstalls only when the pins change (the stamp holds them).
