@@ -1203,6 +1203,24 @@ def _merge_reference(part, lse):
     return (weights[..., None] * part.double()).sum(0) / weights.sum(0)[:, None]
 
 
+def _merge_cases(rows=12, d=32):
+    """The merge checkers' cases: ``(what, n_splits, SPLITS, part, lse)``, fp32 on the CPU —
+    one split; three splits of which one is empty (``lse = -inf``, zero partials); eight splits
+    whose log-sum-exps lie up to 300 apart."""
+    gen = torch.Generator().manual_seed(8)
+    for what, n_splits, splits, spread, empty in (("one split", 1, 1, 0.0, None),
+                                                  ("three splits, the last one empty", 3, 4,
+                                                   4.0, 2),
+                                                  ("eight splits, log-sum-exps 300 apart", 8, 8,
+                                                   300.0, None)):
+        part = torch.randn(n_splits, rows, d, generator=gen, dtype=torch.float64).float()
+        lse = (spread * torch.rand(n_splits, rows, generator=gen, dtype=torch.float64)).float()
+        if empty is not None:
+            lse[empty] = float("-inf")
+            part[empty] = 0.0
+        yield what, n_splits, splits, part, lse
+
+
 def check_merge_kernel(merge_kernel):
     """Chapter 8: ``merge_kernel(Part, Lse, Out, n_splits, HEAD_DIM: tl.constexpr,
     SPLITS: tl.constexpr)``, one program per output row, must combine the ``n_splits`` partial
@@ -1215,18 +1233,8 @@ def check_merge_kernel(merge_kernel):
     up to 300 apart (a merge that exponentiates without subtracting the maximum overflows fp32).
     Reports the case and the wrong rows.
     """
-    gen = torch.Generator().manual_seed(8)
-    for what, n_splits, splits, spread, empty in (("one split", 1, 1, 0.0, None),
-                                                  ("three splits, the last one empty", 3, 4,
-                                                   4.0, 2),
-                                                  ("eight splits, log-sum-exps 300 apart", 8, 8,
-                                                   300.0, None)):
-        rows, d = 12, 32
-        part = torch.randn(n_splits, rows, d, generator=gen, dtype=torch.float64).float()
-        lse = (spread * torch.rand(n_splits, rows, generator=gen, dtype=torch.float64)).float()
-        if empty is not None:
-            lse[empty] = float("-inf")
-            part[empty] = 0.0
+    rows, d = 12, 32
+    for what, n_splits, splits, part, lse in _merge_cases(rows, d):
         (part, part_guard), (lse, lse_guard) = (_guarded(t.to(_device()), name)
                                                 for t, name in ((part, "Part"), (lse, "Lse")))
         out, out_guard = _guarded_empty((rows, d), torch.float32, part.device, "Out")
@@ -1256,18 +1264,8 @@ def check_merge_lse_kernel(merge_kernel):
     once more: the rows split in two groups of splits, each merged by your kernel, the two
     results merged by your kernel, which must give the one-step merge.
     """
-    gen = torch.Generator().manual_seed(8)
-    for what, n_splits, splits, spread, empty in (("one split", 1, 1, 0.0, None),
-                                                  ("three splits, the last one empty", 3, 4,
-                                                   4.0, 2),
-                                                  ("eight splits, log-sum-exps 300 apart", 8, 8,
-                                                   300.0, None)):
-        rows, d = 12, 32
-        part = torch.randn(n_splits, rows, d, generator=gen, dtype=torch.float64).float()
-        lse = (spread * torch.rand(n_splits, rows, generator=gen, dtype=torch.float64)).float()
-        if empty is not None:
-            lse[empty] = float("-inf")
-            part[empty] = 0.0
+    rows, d = 12, 32
+    for what, n_splits, splits, part, lse in _merge_cases(rows, d):
 
         def run(part, lse, n_splits, splits):
             (part_d, part_guard), (lse_d, lse_guard) = (
