@@ -10,7 +10,9 @@ Read in the order the book teaches:
 6. :mod:`kernels.forward`         the ReRoPE forward kernel, five tensors or q, k (4, 7)
 7. :mod:`kernels.backward`        the three backward kernels (5, 7)
 8. :mod:`kernels.configs`         launch configurations, pruned by shared memory (6)
-9. :mod:`kernels.attention`       launchers, autograd, the public ops
+   :mod:`kernels.launch`          plans per call signature, launches bound to compiled kernels (9)
+9. :mod:`kernels.attention`       launchers, autograd, the public ops (each planned once per call
+                                  signature)
 10. :mod:`kernels.bench`          the benchmark, ``python -m kernels.bench`` (6)
 11. :mod:`kernels.decode`         split-KV decoding against a KV cache (8);
     :mod:`kernels.bench_decode`   its benchmark
