@@ -100,17 +100,16 @@ def test_decode_plan_key_has_strides(gen):
 
 
 def _layouts(gen, b=1, h=2, n=12, d=16, dtype=F32):
-    """``q, k, v`` in the layouts models produce (MHA: one ``Linear`` for all three)."""
+    """``q, k, v`` in the layouts models produce: views of one fused ``Linear`` output (MHA),
+    and ``(B, N, H, D)`` buffers seen as ``(B, H, N, D)``."""
     device = kernel_device()
     fused = randn(gen, b, n, 3, h, d, dtype=dtype, device=device).permute(2, 0, 3, 1, 4)
     bnhd = [randn(gen, b, n, h, d, dtype=dtype, device=device).transpose(1, 2)
             for _ in range(3)]
-    contiguous = [t.contiguous() for t in bnhd]
-    return {"fused_qkv": tuple(fused), "bnhd_transposed": tuple(bnhd),
-            "contiguous": tuple(contiguous)}
+    return {"fused_qkv": tuple(fused), "bnhd_transposed": tuple(bnhd)}
 
 
-@pytest.mark.parametrize("layout", ["fused_qkv", "bnhd_transposed", "contiguous"])
+@pytest.mark.parametrize("layout", ["fused_qkv", "bnhd_transposed"])
 def test_opcheck_fused_ops(layout, gen):
     """``torch.library.opcheck`` of the fused forward and backward ops: schema, fake tensors
     (output strides equal the real ones), autograd registration, AOT dispatch."""
@@ -245,7 +244,7 @@ def test_static_cache_generate_equals_dynamic(prompt):
     model = _tiny_model(window=8)
     torch.manual_seed(3)
     ids = torch.randint(1, 97, (1, prompt), device=kernel_device())
-    options = dict(max_new_tokens=8, do_sample=False)
+    options = dict(max_new_tokens=4, do_sample=False)
     with torch.no_grad():
         dynamic = model.generate(ids, **options)
         static = model.generate(ids, cache_implementation="static", **options)
