@@ -136,7 +136,6 @@ class Launcher:
         return self._compiled is not None
 
 
-
 def _no_launch_hooks():
     """Whether Triton has no launch hooks installed (``None``, or an empty ``HookChain`` from
     Triton 3.5 on): a direct launch then skips nothing that ``kernel[grid]`` would run."""
