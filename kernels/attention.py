@@ -137,6 +137,18 @@ def _use_tma(*tensors):
     return all(_tma_layout_ok(t) for t in tensors)   # the cheap checks first: this runs per call
 
 
+def _tma_of(launchers, where, *tensors):
+    """:func:`_use_tma`, decided once per plan (``launchers``, see :func:`_bound`: the plan's
+    call signature fixes every layout and alignment it looks at) and ``KERNELS_TMA`` mode."""
+    if launchers is None:
+        return _use_tma(*tensors)
+    key = ("tma", where, configs.TMA)
+    tma = launchers.get(key)
+    if tma is None:
+        tma = launchers[key] = _use_tma(*tensors)
+    return tma
+
+
 # --- how the kernels read q and k ----------------------------------------------------------------
 
 
@@ -285,8 +297,8 @@ def rerope_forward(q1, q2, k1, k2, v, window, causal, sm_scale, operands=None, p
              n_heads, n_heads // k1.shape[1], n_q, n_k, window, sm_scale * LOG2E,
              operands.logn_factor],
             HEAD_DIM=head_dim, CAUSAL=causal, DOT_PRECISION=dot_precision(q1.dtype),
-            TMA=_use_tma(q1, q2, k1, k2, v), TURN_K_IN=turn_keys_in, TURN_K_OUT=turn_keys_out,
-            **operands.constexprs(head_dim))
+            TMA=_tma_of(launchers, "fwd", q1, q2, k1, k2, v), TURN_K_IN=turn_keys_in,
+            TURN_K_OUT=turn_keys_out, **operands.constexprs(head_dim))
     return out, lse
 
 
@@ -334,7 +346,7 @@ def rerope_backward(dout, q1, q2, k1, k2, v, out, lse, window, causal, sm_scale,
     dv = torch.empty(k1.shape, dtype=k1.dtype, device=k1.device)
     strides = _strides(q1, q2, k1, k2, v, dout)
     common = dict(HEAD_DIM=head_dim, CAUSAL=causal, DOT_PRECISION=dot_precision(q1.dtype),
-                  TMA=_use_tma(q1, q2, k1, k2, v, dout), **constexprs)
+                  TMA=_tma_of(launchers, "bwd", q1, q2, k1, k2, v, dout), **constexprs)
     _launch("dkdv", "BLOCK_N", n_k, batch * n_kv_heads, launchers=launchers, args=
             [q1, q2, k1, k2, v, dout, lse, delta, dk[0], dk[-1], dv, *operands.tables, *strides,
              n_heads, n_kv_heads, group, n_q, n_k, window, sm_scale * LOG2E, sm_scale,

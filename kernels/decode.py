@@ -566,7 +566,7 @@ class _Plan:
     n_queries: int
     n_max: int
     num_splits: int
-    full_lengths: torch.Tensor
+    full_lengths: Optional[torch.Tensor]    # the lengths of a call that gives none
     part_shape: tuple
     split: Launcher           # the split kernel, bound (kernels.launch)
     split_args: tuple         # its arguments after the six tensors: tables, strides, scalars
@@ -634,7 +634,10 @@ def _make_plan(q, k_cache, v_cache, window, cache_seqlens, sm_scale, base, leaky
                      SPLITS_BLOCK=min(triton.next_power_of_2(num_splits), 16))
     return _Plan(
         n_queries=n_queries, n_max=n_max, num_splits=num_splits,
-        full_lengths=torch.full((batch,), n_max, dtype=torch.int32, device=device),
+        # only where no lengths come: a plan built inside a compiled forward's CUDA-graph
+        # warm-up must keep no tensor of its own (it would sit in the graph's memory pool)
+        full_lengths=(torch.full((batch,), n_max, dtype=torch.int32, device=device)
+                      if cache_seqlens is None else None),
         part_shape=(num_splits, batch, hq, n_queries, d),
         split=split,
         split_args=(*rotation.tables, *strides, *part_strides,

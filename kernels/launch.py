@@ -81,9 +81,8 @@ class Launcher:
         compiled = self._compiled
         if compiled is None or not _no_launch_hooks():
             return self._slow_launch(args)
-        stream = self._stream(args[0].device.index)
-        compiled.run(*self._grid3, stream, compiled.function, compiled.packed_metadata, None,
-                     None, None, *args, *self._tail)
+        compiled.run(*self._grid3, self._stream(self._device), compiled.function,
+                     compiled.packed_metadata, None, None, None, *args, *self._tail)
 
     def _slow_launch(self, args):
         """``kernel[grid](...)``; the first time on a GPU, also bind the compiled kernel."""
@@ -127,6 +126,7 @@ class Launcher:
         self._grid3 = tuple(grid) + (1,) * (3 - len(grid))
         self._tail = tuple(tail)
         self._stream = driver.active.get_current_stream
+        self._device = args[0].device.index   # the plan's tensors all live on one device
         compiled.run                          # load the module now (not inside a graph capture)
         self._compiled = compiled
 
@@ -136,12 +136,19 @@ class Launcher:
         return self._compiled is not None
 
 
+try:
+    from triton.knobs import runtime as _runtime_knobs
+except ImportError:              # an older Triton: keep to its own launch path
+    _runtime_knobs = None
+
+
+def _unset(hook):
+    return hook is None or (hasattr(hook, "calls") and not hook.calls)
+
+
 def _no_launch_hooks():
     """Whether Triton has no launch hooks installed (``None``, or an empty ``HookChain`` from
-    Triton 3.5 on): a direct launch then skips nothing that ``kernel[grid]`` would run."""
-    try:
-        from triton import knobs
-    except ImportError:          # an older Triton: keep to its own launch path
-        return False
-    return all(hook is None or (hasattr(hook, "calls") and not hook.calls)
-               for hook in (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook))
+    Triton 3.5 on): a direct launch then skips nothing that ``kernel[grid]`` would run. Read
+    per launch (a profiler may install one at any time), so kept to two attribute reads."""
+    return (_runtime_knobs is not None and _unset(_runtime_knobs.launch_enter_hook)
+            and _unset(_runtime_knobs.launch_exit_hook))

@@ -164,15 +164,17 @@ def decode_ms(model, ids, steps):
         return sum(times) / steps, max(times)
 
 
-def static_generator(model, ids, steps):
+def static_generator(model, ids, steps, compile_config=None):
     """``generate(n)``: greedy ``generate`` of exactly ``n <= steps + 1`` tokens on one
     preallocated ``StaticCache``, reset before each call (one cache object for every call: a new
     cache per length would make new static buffers, a recompile and, under CUDA graphs, outputs
-    of one graph overwritten by the next — what the first harness met)."""
+    of one graph overwritten by the next — what the first harness met). With ``compile_config``
+    (a ``transformers.CompileConfig``) ``generate`` compiles the decode steps itself."""
     from transformers import StaticCache
 
     cache = StaticCache(config=model.config, max_cache_len=ids.shape[1] + steps + 8)
     keyword = cache_keyword(model)
+    options = {} if compile_config is None else {"compile_config": compile_config}
 
     def generate(new_tokens):
         cache.reset()
@@ -180,31 +182,38 @@ def static_generator(model, ids, steps):
             torch.compiler.cudagraph_mark_step_begin()
         with torch.no_grad():
             return model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                                  do_sample=False, **{keyword: cache})
+                                  do_sample=False, **{keyword: cache}, **options)
 
     return generate
 
 
 def static_compiled_ms(model, ids, steps, reps):
-    """transformers' fast-generation recipe: a static cache and ``model.forward =
-    torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)`` (CUDA graphs per
-    step). ``(prefill ms, decode ms per token, compile s)``: the prefill is ``generate`` of one
-    token, a token's decode the difference to ``generate`` of ``steps + 1`` over ``steps``
-    (medians of ``reps`` runs each, after two warm-up generations that compile and capture)."""
-    import torch._dynamo
+    """transformers' fast-generation recipe: a static cache, whose decode steps ``generate``
+    compiles itself (``CompileConfig(fullgraph=True, mode="reduce-overhead")``: one CUDA graph
+    per step; the prefill runs eager, which also allocates the cache's buffers as static
+    addresses). ``(prefill ms, decode ms per token, compile s)``: the prefill is ``generate`` of
+    one token, a token's decode the difference to ``generate`` of ``steps + 1`` over ``steps``
+    (medians of ``reps`` runs each, after two warm-up generations that compile and capture).
 
-    eager_forward = model.forward
-    model.forward = torch.compile(eager_forward, mode="reduce-overhead", fullgraph=True)
+    (Wrapping ``model.forward`` in ``torch.compile`` instead, the older recipe, also compiles
+    the prefill, and the cache then initialises inside the graph: Inductor skips CUDA graphs
+    for the "mutated inputs", and on the H200's torch 2.11 its static launcher crashed.)"""
+    import torch._dynamo
+    from transformers import CompileConfig
+
+    generate = static_generator(model, ids, steps,
+                                CompileConfig(fullgraph=True, mode="reduce-overhead"))
     try:
-        generate = static_generator(model, ids, steps)
         start = time.time()
         generate(4), generate(4)
         compile_s = time.time() - start
         short = wall_ms(lambda: generate(1), reps)
         long = wall_ms(lambda: generate(steps + 1), reps)
     finally:
-        model.forward = eager_forward
         torch._dynamo.reset()
+        for name in ("_compiled_call", "_last_compile_config"):
+            if hasattr(model, name):
+                delattr(model, name)
     return short, (long - short) / steps, compile_s
 
 

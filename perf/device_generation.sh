@@ -5,7 +5,8 @@
 #   TESTS (pytest -m gpu of $TEST_FILES), REDUCE (the reduce-overhead generate test, alone, and
 #   again without Inductor's static launcher if it fails), HOST (HOST_PROFILE=prefix also
 #   writes cProfile tables), BENCH, BLOCK, HF ($HF_ARGS passed to perf/bench_hf.py).
-#   Call A (2026-12-01): all stages with defaults.
+#   Call A (2026-12-01): all stages with defaults. Call C (session 2): REDUCE and HF with
+#   HF_ARGS="--impls stock_static_compiled,rerope_static_compiled --skip-checks".
 set -o pipefail
 export PYTHONUNBUFFERED=1 KERNELS_AUTOTUNE=0
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -23,7 +24,7 @@ if [ "${REDUCE:-1}" = 1 ]; then
 timeout 150 python3 -m pytest tests/test_generation.py -m gpu -q -p no:cacheprovider \
     -k reduce_overhead > "$OUT/reduce.log" 2>&1 || \
 TORCHINDUCTOR_USE_STATIC_CUDA_LAUNCHER=0 timeout 150 python3 -m pytest tests/test_generation.py \
-    -m gpu -q -p no:cacheprovider -k reduce_overhead > "$OUT/reduce_no_static_launcher.log" 2>&1
+    -m gpu -q -p no:cacheprovider -k reduce_overhead > "$OUT/reduce_nsl.log" 2>&1
 tail -n 3 "$OUT"/reduce*.log | tee -a "$log"; stamp reduce-overhead
 fi
 if [ "${HOST:-1}" = 1 ]; then
@@ -42,5 +43,10 @@ fi
 if [ "${HF:-1}" = 1 ]; then
 timeout ${HF_TIMEOUT:-260} python3 perf/bench_hf.py --steps 32 --reps 3 ${HF_ARGS} \
     --out "$OUT/hf_h200.json" > "$OUT/hf.log" 2>&1
-grep -E "^ *[0-9]+ s |ratio|Error" "$OUT/hf.log" | tail -n 20 | tee -a "$log"; stamp hf
+if [ $? -eq 139 ]; then          # a segfault (Inductor's static launcher once): again without it
+    echo "hf: segfault; again with TORCHINDUCTOR_USE_STATIC_CUDA_LAUNCHER=0" | tee -a "$log"
+    TORCHINDUCTOR_USE_STATIC_CUDA_LAUNCHER=0 timeout ${HF_TIMEOUT:-260} python3 perf/bench_hf.py \
+        --steps 32 --reps 3 ${HF_ARGS} --out "$OUT/hf_h200.json" > "$OUT/hf_nsl.log" 2>&1
+fi
+grep -hE "^ *[0-9]+ s |ratio|Error" "$OUT"/hf*.log | tail -n 20 | tee -a "$log"; stamp hf
 fi

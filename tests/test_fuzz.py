@@ -40,7 +40,7 @@ from kernels.rope import rerope_inputs
 from rerope_testing import kernel_device, poisoned_empty, results_problems, tolerance
 
 settings.register_profile(
-    "ci", max_examples=12, derandomize=True,
+    "ci", max_examples=9, derandomize=True,
     database=None, deadline=None, print_blob=True,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 settings.register_profile(

@@ -337,23 +337,46 @@ def test_gpu_launchers_are_bound(gen):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
-def test_gpu_static_generate_reduce_overhead():
-    """transformers' fast-generation recipe: a static cache and ``torch.compile(model.forward,
-    mode="reduce-overhead", fullgraph=True)`` (CUDA graphs around the decode kernel) gives the
-    eager dynamic cache's tokens (bf16, greedy)."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpu_static_generate_reduce_overhead(dtype):
+    """transformers' fast-generation recipe: a static cache, whose decode steps ``generate``
+    compiles with ``mode="reduce-overhead", fullgraph=True`` (a CUDA graph around each step, the
+    decode kernel inside), against eager generation with the dynamic cache (greedy).
+
+    float32: the same tokens. bf16: Inductor's fused RMSNorm, MLP and rounding differ from eager
+    (its first H200 run differed at the 19th new token of 24), so the step scores must agree
+    within bf16's rounding until the first differing token, and there eager's two best tokens
+    must be a near tie."""
     import torch._dynamo
-    pytest.importorskip("transformers")
+    transformers = pytest.importorskip("transformers")
     import kernels.hf as hf
     from test_hf import build, tiny_config
 
-    model = build(tiny_config(head_dim=64, hidden_size=256, heads=4)).to("cuda", torch.bfloat16)
+    model = build(tiny_config(head_dim=64, hidden_size=256, heads=4)).to("cuda", dtype)
     hf.enable_rerope(model, window=32)
-    ids = torch.randint(1, 97, (1, 40), device="cuda")
-    options = dict(max_new_tokens=24, do_sample=False)
+    ids = torch.randint(1, 97, (1, 40), generator=torch.Generator().manual_seed(3)).to("cuda")
+    options = dict(max_new_tokens=24, do_sample=False, output_scores=True,
+                   return_dict_in_generate=True)
+    config = transformers.CompileConfig(fullgraph=True, mode="reduce-overhead")
     with torch.no_grad():
         dynamic = model.generate(ids, **options)
         torch._dynamo.reset()
-        model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
-        compiled = model.generate(ids, cache_implementation="static", **options)
+        compiled = model.generate(ids, cache_implementation="static", compile_config=config,
+                                  **options)
+        assert hasattr(model, "_compiled_call"), "generate did not compile the decode steps"
         torch._dynamo.reset()
-    assert compiled.tolist() == dynamic.tolist(), _first_difference(compiled, dynamic)
+    got, want = compiled.sequences, dynamic.sequences
+    if dtype == torch.float32:
+        assert got.tolist() == want.tolist(), _first_difference(got, want)
+        return
+    new = (got[0, ids.shape[1]:] != want[0, ids.shape[1]:]).nonzero()
+    agree = len(dynamic.scores) if len(new) == 0 else int(new[0])
+    scale = max(float(s.abs().max()) for s in dynamic.scores)
+    for step in range(agree):
+        torch.testing.assert_close(compiled.scores[step], dynamic.scores[step], rtol=0,
+                                   atol=0.05 * scale, msg=lambda m: f"step {step}: {m}")
+    if agree < len(dynamic.scores):
+        top = dynamic.scores[agree][0].topk(2).values
+        assert float(top[0] - top[1]) <= 0.05 * scale, (
+            f"tokens differ at new token {agree} without a near tie: "
+            + _first_difference(got, want))
