@@ -733,6 +733,10 @@ def targets(rows, window=2048, D=None, dtype=None, Nq=1, layout="contiguous"):
     return out
 
 
+IMPL_COLORS = {"rerope_decode": "tab:red", "sdpa_cudnn": "tab:green", "sdpa_flash": "tab:orange",
+               "rerotate_torch": "tab:blue", "flash_attn_kvcache": "tab:purple"}
+
+
 def plot_latency(rows, ax=None, *, B=1, window=2048, impls=None, key="us", D=D,
                  dtype=DTYPE):
     """Per-step latency (µs, log-log) against context for each impl (one query, contiguous
@@ -750,7 +754,8 @@ def plot_latency(rows, ax=None, *, B=1, window=2048, impls=None, key="us", D=D,
         picked.sort(key=lambda r: r["context"])
         if not picked:
             continue
-        style = dict(linestyle="--", color="k") if impl == "hbm_bound" else dict(marker="o")
+        style = (dict(linestyle="--", color="k") if impl == "hbm_bound" else
+                 dict(marker="o", color=IMPL_COLORS.get(impl)))
         ax.plot([r["context"] for r in picked], [r[key] for r in picked], label=impl, **style)
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
