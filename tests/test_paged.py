@@ -273,3 +273,90 @@ def test_page_address_checker():
         "page only": page_only, "logical slots": logical, "swapped": swapped,
         "whole table": full_rows, "floats": floats, "raises": crashes,
         "one tensor": lambda t, n, s: torch.cat(right(t, n, s))})
+
+
+# --- the benchmark's reading of paged rows (no GPU) ---------------------------------------------
+
+
+def test_bench_targets_keep_layouts_head_dims_and_queries_apart():
+    from kernels import bench_decode
+
+    def row(impl, us, **kw):
+        return bench_decode.make_row(impl, 8, 2048, 32768, us, None, 100.0, **kw)
+
+    rows = [row("rerope_decode", 200.0, D=64), row("sdpa_cudnn", 150.0, D=64),
+            row("sdpa_flash", 180.0, D=64), row("rerope_decode", 250.0, D=64, page_size=16,
+                                                 layout="paged"),
+            row("rerope_decode", 400.0, D=128), row("sdpa_cudnn", 300.0, D=128),
+            row("rerope_decode", 210.0, D=64, Nq=4), row("sdpa_cudnn", 630.0, D=64, Nq=4),
+            row("rerope_decode", 190.0, D=64, rotated=False)]
+    (plain,) = bench_decode.targets(rows, D=64)
+    assert plain["us"] == 200.0 and plain["vs_best_sdpa"] == 150.0 / 200.0
+    (paged,) = bench_decode.targets(rows, D=64, layout="paged")
+    assert paged["page_size"] == 16 and paged["vs_contiguous"] == 200.0 / 250.0
+    (spec,) = bench_decode.targets(rows, D=64, Nq=4)
+    assert spec["vs_best_sdpa"] == 3.0
+    (big,) = bench_decode.targets(rows, D=128)
+    assert big["hbm_fraction"] == 100.0 / 400.0
+
+
+# --- GPU: full size, and a CUDA graph over a changing block table -------------------------------
+
+needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("d", [64, 128])
+def test_gpu_paged_equals_contiguous_at_32k(d):
+    """Benchmark-sized caches (B=3, 32k keys, bf16) in random pages of 16, 64 and 256 keys:
+    bit-identical to the contiguous call (the same tiles in the same order), rows of different
+    lengths; pages past a length are NaN."""
+    from kernels import bench_decode
+
+    torch.manual_seed(0)
+    k, v = torch.randn(2, 3, 8, 32768, d, device="cuda", dtype=BF16).unbind(0)
+    q = torch.randn(3, 32, 1, d, device="cuda", dtype=BF16)
+    lengths = torch.tensor([32768, 20000, 4099], dtype=torch.int32, device="cuda")
+    want = kernels.rerope_decode(q, k, v, 2048, cache_seqlens=lengths)
+    for page in (16, 64, 256):
+        k_pages, v_pages, table = bench_decode.paged_copy(k, v, page)
+        for b, n in enumerate(lengths.tolist()):        # the pages past each length: NaN
+            unused = table[b, -(-n // page):].long()
+            k_pages[unused] = v_pages[unused] = float("nan")
+        with poisoned_empty():
+            got = kernels.rerope_decode(q, k_pages, v_pages, 2048, cache_seqlens=lengths,
+                                        block_table=table)
+        assert torch.equal(got, want), f"page {page}: differs from the contiguous call"
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_gpu_paged_graph_replay_and_bad_entries(gen):
+    """A CUDA graph captured once replays a paged call after the lengths and the block table
+    change in place (a sequence moved to other pages); an out-of-range entry gives a NaN row."""
+    case = PagedCase(64, (300, 130, 64), n_queries=2, hq=8, hkv=2, d=64, dtype=F16,
+                     num_splits=3, max_blocks=6)
+    q, k, v, k_pages, v_pages, table, lengths = build(gen, case, "cuda")
+    settings = dict(cache_seqlens=lengths, num_splits=3, block_table=table)
+    eager = kernels.rerope_decode(q, k_pages, v_pages, case.window, **settings)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = kernels.rerope_decode(q, k_pages, v_pages, case.window, **settings)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, eager)
+    # row 1's first two pages trade places in the pool and in its table; row 2 shrinks
+    first, second = int(table[1, 0]), int(table[1, 1])
+    for pool in (k_pages, v_pages):
+        pool[[first, second]] = pool[[second, first]]
+    table[1, :2] = torch.tensor([second, first], dtype=torch.int32)
+    lengths[2] = 40
+    graph.replay()
+    torch.cuda.synchronize()
+    want = oracle(q, k, v, lengths.cpu(), case)
+    assert not close_problems("replay", captured, want, tolerance(F16, "gpu"))
+    table[2, 0] = k_pages.shape[0] + 5                      # out of the pool: no host check
+    graph.replay()
+    torch.cuda.synchronize()
+    assert captured[2].isnan().all() and torch.isfinite(captured[:2]).all()
