@@ -17,6 +17,10 @@ things keep it there:
   rotated cache the product inside the window needs no rotation at all (``q_rot · k_rot`` is
   RoPE's score), and outside it the key is turned back by ``R(-j)``: ``R(w - i) q_rot ·
   R(-j) k_rot = R(w) q · k``, ReRoPE's clamped score.
+* **Contiguous or paged.** The cache is ``(B, Hkv, Nmax, D)`` (any strides), or a paged pool
+  ``(num_blocks, block_size, Hkv, D)`` with a block table, FlashAttention's layout
+  (``block_table=``): only where a key tile is loaded from changes (:func:`_key_rows`, the
+  ``PAGED`` constexpr); positions, rotations, regions and splits stay logical.
 
 Regions along a row's keys ``0 … L-1`` (queries at ``L-Nq … L-1``, causal): keys before
 ``L - Nq - w + 1`` are outside the window for every query — nearly all of a long cache — and
