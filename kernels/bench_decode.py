@@ -131,12 +131,13 @@ def _read_kernel_factory():
     return read_kernel
 
 
-# (BLOCK, ITERS, num_warps): 2048 x 32 with a rolled loop read 4.37 TB/s on the H200
-READ_CONFIGS = ((2048, 32, 4), (1024, 16, 4), (2048, 8, 4), (4096, 8, 8), (1024, 64, 4),
+# (BLOCK, ITERS, num_warps), the loop unrolled. On the H200 (book/data/decode_h200.json,
+# meta.read_configs_tb_s) 1024 x 16 read fastest, 4.52 TB/s; a rolled 2048 x 32 loop read 4.37.
+READ_CONFIGS = ((1024, 16, 4), (2048, 32, 4), (2048, 8, 4), (4096, 8, 8), (1024, 64, 4),
                 (8192, 4, 8))
 
 
-def triton_read_bandwidth(nbytes=COPY_BYTES, reps=10):
+def triton_read_bandwidth(nbytes=COPY_BYTES, reps=10, configs=READ_CONFIGS):
     """Bytes/s of the fastest of a few Triton read-only kernels (a sum of a large bf16 buffer
     into per-program partials; nothing written but the partials): ``meta.read_tb_s``, the bound
     ``hbm_bound`` and ``hbm_fraction`` use. Returns ``(bytes/s, {config: bytes/s})``."""
@@ -144,7 +145,7 @@ def triton_read_bandwidth(nbytes=COPY_BYTES, reps=10):
     src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda").normal_()
     want, scale = src.sum(dtype=torch.float64).item(), src.abs().sum(dtype=torch.float64).item()
     found = {}
-    for block, iters, warps in READ_CONFIGS:
+    for block, iters, warps in configs:
         programs = src.numel() // (block * iters)
         out = torch.empty(programs, dtype=torch.float32, device="cuda")
         run = lambda: kernel[(programs,)](src, out, BLOCK=block, ITERS=iters, num_warps=warps)
