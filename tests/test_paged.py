@@ -138,9 +138,10 @@ def test_pages_smaller_and_larger_than_the_tile(block_n, page, gen, monkeypatch)
     assert not problems, "\n".join(problems)
 
 
-def test_paged_strided_pools_and_a_cuda_graph_free_plan(gen):
-    """Pools that are views of a ``(num_blocks, block_size, 2, Hkv, D)`` buffer (any strides),
-    and the plan: built once, reused by the next call with the same shapes."""
+def test_paged_strided_pools_tables_and_the_plan(gen):
+    """Pools that are views of a ``(num_blocks, block_size, 2, Hkv, D)`` buffer and a block
+    table that is a slice of a wider one (any strides), and the plan: built once, reused by the
+    next call with the same shapes."""
     case = PagedCase(16, (50, 31), n_queries=2)
     q, k, v, k_pages, v_pages, table, lengths = build(gen, case, kernel_device())
     joint = torch.stack([k_pages, v_pages], dim=2)           # (blocks, page, 2, Hkv, D)
@@ -153,6 +154,11 @@ def test_paged_strided_pools_and_a_cuda_graph_free_plan(gen):
     want = decode_call(q, k, v, lengths, case)
     assert not close_problems("strided pools", got, want, tolerance(F32))
     assert torch.equal(got, again)
+    wide = torch.full((table.shape[0], table.shape[1] + 3), -7, dtype=torch.int32,
+                      device=table.device)
+    wide[:, :table.shape[1]] = table                          # a strided view of a wider table
+    sliced = decode_call(q, k_pages, v_pages, lengths, case, block_table=wide[:, :table.shape[1]])
+    assert torch.equal(sliced, got)
 
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")     # numpy on the NaN rows
