@@ -17,6 +17,10 @@ things keep it there:
   rotated cache the product inside the window needs no rotation at all (``q_rot · k_rot`` is
   RoPE's score), and outside it the key is turned back by ``R(-j)``: ``R(w - i) q_rot ·
   R(-j) k_rot = R(w) q · k``, ReRoPE's clamped score.
+* **Contiguous or paged.** The cache is ``(B, Hkv, Nmax, D)`` (any strides), or a paged pool
+  ``(num_blocks, block_size, Hkv, D)`` with a block table, FlashAttention's layout
+  (``block_table=``): only where a key tile is loaded from changes (:func:`_key_rows`, the
+  ``PAGED`` constexpr); positions, rotations, regions and splits stay logical.
 
 Regions along a row's keys ``0 … L-1`` (queries at ``L-Nq … L-1``, causal): keys before
 ``L - Nq - w + 1`` are outside the window for every query — nearly all of a long cache — and
@@ -65,12 +69,24 @@ MAX_QUERIES = 16          # Nq per row: one token, or a few speculative ones
 # beat 8 by 1.45x at 128k keys; ANGLES 3, 1 and 0 are within 2 % of each other, 32-key tiles
 # 25 % slower.
 GPU_CONFIG = dict(BLOCK_N=64, ANGLES=3, num_warps=4, num_stages=3)
+# Per head dim where the H200 measured a better one (GPU_CONFIG for the others; issue 19,
+# perf/tune_decode.py, perf/runs/tune_decode_h200.json): at D=64, 128-key tiles take B=8 at
+# 128k keys from 669 to 529 µs (8 warps, 256-key tiles or 2 stages lose). At D=128, 4 stages
+# and 3 are within 1.5 %; 128-key tiles lose (1.3x at 4 warps). 3 or 4 programs per SM in the
+# splits rule are no faster than 2 (3 is up to 1.3x slower: a second partial wave). The
+# benchmark's sweep (book/data/decode_h200.json) also timed evict-first loads (EVICT, no
+# change) and 4 stages at D=128 (1-3.5 % faster there; not adopted: the grid ran with 3).
+HEAD_DIM_CONFIGS = {64: dict(BLOCK_N=128, ANGLES=3, num_warps=4, num_stages=3)}
 PROGRAMS_PER_SM = 2
 if os.environ.get("KERNELS_DECODE_CONFIG"):
     _n, _a, _w, _s, PROGRAMS_PER_SM = (int(x) for x in
                                        os.environ["KERNELS_DECODE_CONFIG"].split(","))
     GPU_CONFIG = dict(BLOCK_N=_n, ANGLES=_a, num_warps=_w, num_stages=_s)
+    HEAD_DIM_CONFIGS = {}
 INTERPRETER_CONFIG = dict(BLOCK_N=16, ANGLES=GPU_CONFIG["ANGLES"])
+# Paged caches: pages of 16 to 256 keys, a power of two (a page then holds whole key tiles, or
+# a tile whole pages).
+PAGE_SIZES = (16, 32, 64, 128, 256)
 MIN_BLOCK_M, MAX_BLOCK_M = 16, 64
 
 # The splits rule (see :func:`default_num_splits`).
@@ -94,10 +110,11 @@ def _scores(q_a, q_b, k_a, k_b, HALF: tl.constexpr, DOT_PRECISION: tl.constexpr)
 
 @triton.jit
 def _decode_pass(acc, l_i, m_i, q_a, q_b, K, V, sk_n, sk_d, sv_n, sv_d, Table, cos_r, sin_r,
-                 positions, walk, n_keys, window, qk_scale,
+                 positions, walk, n_keys, window, qk_scale, pages,
                  PRODUCT: tl.constexpr, MASKED: tl.constexpr, ROT_KEYS: tl.constexpr,
                  BLOCK_N: tl.constexpr, HALF: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                 ANGLES: tl.constexpr):
+                 ANGLES: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
+                 EVICT: tl.constexpr):
     """Fold the key tiles of ``walk`` (``(lo1, hi1, lo2, hi2)``) into the softmax state.
 
     ``q_a, q_b``: the halves of the queries, already rotated for this product (fp32).
@@ -111,6 +128,10 @@ def _decode_pass(acc, l_i, m_i, q_a, q_b, K, V, sk_n, sk_d, sv_n, sv_d, Table, c
     a second rotation of ``BLOCK_N`` key rows. ``MASKED`` tiles keep only keys ``j < n_keys``,
     ``j <= i`` and on this product's side of the window; loads past ``n_keys``
     read nothing (a poisoned cache stays unread).
+
+    ``PAGED``: ``K, V`` point at page 0 of this KV head and ``pages`` is ``(BlockTable row,
+    its stride, sk_page, sv_page, num_blocks)``; key ``j`` lives in slot ``j % PAGE_SIZE`` of
+    page ``BlockTable[j // PAGE_SIZE]`` (:func:`_key_rows`).
     """
     offs_n = tl.arange(0, BLOCK_N)
     halves = tl.arange(0, HALF)
@@ -121,17 +142,28 @@ def _decode_pass(acc, l_i, m_i, q_a, q_b, K, V, sk_n, sk_d, sv_n, sv_d, Table, c
     for t in range(0, n1 + _tile_count(lo2, hi2, BLOCK_N)):
         start = tl.multiple_of(_nth_tile(t, lo1, n1, lo2, BLOCK_N), BLOCK_N)
         cols = start + offs_n
-        k_ptrs = K + cols[:, None].to(tl.int64) * sk_n + halves[None, :] * sk_d
-        v_ptrs = V + cols[:, None].to(tl.int64) * sv_n + tl.arange(0, 2 * HALF)[None, :] * sv_d
-        if MASKED:
-            live = (cols < n_keys)[:, None]
-            k_a = tl.load(k_ptrs, mask=live, other=0.0)
-            k_b = tl.load(k_ptrs + HALF * sk_d, mask=live, other=0.0)
-            v = tl.load(v_ptrs, mask=live, other=0.0)
+        if PAGED:
+            k_rows, v_rows, paged_ok = _key_rows(pages, start, cols, n_keys, sk_n, sv_n,
+                                                 BLOCK_N, PAGE_SIZE)
         else:
-            k_a = tl.load(k_ptrs)
-            k_b = tl.load(k_ptrs + HALF * sk_d)
-            v = tl.load(v_ptrs)
+            k_rows, v_rows = cols.to(tl.int64) * sk_n, cols.to(tl.int64) * sv_n
+        k_ptrs = K + k_rows[:, None] + halves[None, :] * sk_d
+        v_ptrs = V + v_rows[:, None] + tl.arange(0, 2 * HALF)[None, :] * sv_d
+        if MASKED or PAGED:
+            if MASKED and PAGED:
+                live = ((cols < n_keys) & paged_ok)[:, None]
+            elif MASKED:
+                live = (cols < n_keys)[:, None]
+            else:
+                live = paged_ok[:, None]
+            k_a = tl.load(k_ptrs, mask=live, other=0.0, eviction_policy=EVICT)
+            k_b = tl.load(k_ptrs + HALF * sk_d, mask=live, other=0.0,
+                          eviction_policy=EVICT)
+            v = tl.load(v_ptrs, mask=live, other=0.0, eviction_policy=EVICT)
+        else:
+            k_a = tl.load(k_ptrs, eviction_policy=EVICT)
+            k_b = tl.load(k_ptrs + HALF * sk_d, eviction_policy=EVICT)
+            v = tl.load(v_ptrs, eviction_policy=EVICT)
         if ROT_KEYS:
             if ANGLES == 2:      # one table row per key
                 cos, sin = _table_rows(Table, cols, HALF)
@@ -159,8 +191,33 @@ def _decode_pass(acc, l_i, m_i, q_a, q_b, K, V, sk_n, sk_d, sv_n, sv_d, Table, c
                 keep = distance >= window
             keep = keep & (cols[None, :] < n_keys)
             scores = tl.where(keep, scores, float("-inf"))
+        if PAGED:       # a block-table entry out of range: NaN scores, the row comes out NaN
+            scores = tl.where(paged_ok[None, :], scores, float("nan"))
         acc, l_i, m_i = _softmax_step(acc, l_i, m_i, scores, v, qk_scale, DOT_PRECISION)
     return acc, l_i, m_i
+
+
+@triton.jit
+def _key_rows(pages, start, cols, n_keys, sk_slot, sv_slot, BLOCK_N: tl.constexpr,
+              PAGE_SIZE: tl.constexpr):
+    """Where the keys ``cols`` (a tile from ``start``) of one row live in a paged cache.
+
+    Returns the K and V row offsets (int64, from page 0 of the KV head) and whether each key's
+    block-table entry is a page of the cache (``0 <= page < num_blocks``; the loads skip the
+    others). Pages of ``PAGE_SIZE >= BLOCK_N`` keys hold a whole tile (both powers of two, the
+    tile aligned): one table entry per tile; smaller pages, one per key, and entries at and
+    past ``n_keys`` are not read (the table may be shorter than the tile).
+    """
+    table, st_page, sk_page, sv_page, num_blocks = pages
+    if PAGE_SIZE >= BLOCK_N:
+        page = tl.load(table + (start // PAGE_SIZE) * st_page).to(tl.int64)
+        page = tl.full([BLOCK_N], 0, tl.int64) + page
+    else:
+        page = tl.load(table + (cols // PAGE_SIZE) * st_page, mask=cols < n_keys,
+                       other=0).to(tl.int64)
+    ok = (page >= 0) & (page < num_blocks)
+    slot = cols % PAGE_SIZE
+    return page * sk_page + slot * sk_slot, page * sv_page + slot * sv_slot, ok
 
 
 @triton.jit
@@ -229,13 +286,14 @@ def chunk_map(n_keys, n_queries, window, num_splits, block_n):
 # multiple of 16, in the middle of generation.
 @triton.jit(do_not_specialize=["n_max"])
 def _decode_split_kernel(
-    Q, K, V, SeqLens, Out, Lse, TableIn, OffsetIn, TableOut, OffsetOut,
+    Q, K, V, SeqLens, BlockTable, Out, Lse, TableIn, OffsetIn, TableOut, OffsetOut,
     sq_b, sq_h, sq_n, sq_d, sk_b, sk_h, sk_n, sk_d, sv_b, sv_h, sv_n, sv_d,
-    so_s, so_b, so_h, so_n, so_d, sl_s, sl_b, sl_h, sl_n,
+    so_s, so_b, so_h, so_n, so_d, sl_s, sl_b, sl_h, sl_n, st_b, st_p, num_blocks,
     n_kv_heads, group, n_queries, n_max, num_splits, window, qk_scale, logn_factor,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     ROT_KEYS_IN: tl.constexpr, ROT_KEYS_OUT: tl.constexpr, LOGN: tl.constexpr,
     WRITE_LSE: tl.constexpr, DOT_PRECISION: tl.constexpr, ANGLES: tl.constexpr,
+    PAGED: tl.constexpr = False, PAGE_SIZE: tl.constexpr = 16, EVICT: tl.constexpr = "",
 ):
     """Grid ``(B · Hkv, num_splits, cdiv(group · Nq, BLOCK_M))``: one chunk of one row's keys
     for the ``BLOCK_M`` (head, query) rows of one KV-head group.
@@ -244,6 +302,11 @@ def _decode_split_kernel(
     the final output when ``num_splits == 1``, then ``WRITE_LSE`` is off) and its log-sum-exp
     (log2 units, ``-inf`` for a chunk with no visible key) to ``Lse``. A row whose
     ``cache_seqlens`` entry is out of range (``< Nq`` or ``> Nmax``) gets NaN.
+
+    ``PAGED``: ``K, V`` are ``(num_blocks, PAGE_SIZE, Hkv, D)`` pools (the ``sk_b, sk_n``
+    strides step pages and slots) and ``BlockTable`` ``(B, max_blocks)`` (strides ``st_b,
+    st_p``) maps a row's logical page ``j // PAGE_SIZE`` to its page; ``Nmax = max_blocks ·
+    PAGE_SIZE``. A row with an entry outside ``[0, num_blocks)`` among its pages gets NaN.
     """
     HALF: tl.constexpr = HEAD_DIM // 2
     # the KV heads of one chunk side by side (they read the same rows of the angle table)
@@ -264,8 +327,14 @@ def _decode_split_kernel(
     lo, c1, c2, c3, hi = _chunk_walks(n_keys, n_queries, window, split, num_splits, BLOCK_N)
 
     b64 = batch.to(tl.int64)
-    K = K + b64 * sk_b + kv_head.to(tl.int64) * sk_h
-    V = V + b64 * sv_b + kv_head.to(tl.int64) * sv_h
+    K = K + kv_head.to(tl.int64) * sk_h
+    V = V + kv_head.to(tl.int64) * sv_h
+    if PAGED:    # pages: this row's block table; the keys' rows come from it tile by tile
+        pages = (BlockTable + b64 * st_b, st_p, sk_b, sv_b, num_blocks)
+    else:        # contiguous: this row's keys from slot 0
+        K = K + b64 * sk_b
+        V = V + b64 * sv_b
+        pages = (BlockTable, st_p, sk_b, sv_b, num_blocks)
     halves = tl.arange(0, HALF)
     q_ptrs = (Q + b64 * sq_b + head[:, None].to(tl.int64) * sq_h + query[:, None] * sq_n
               + halves[None, :] * sq_d)
@@ -289,12 +358,12 @@ def _decode_split_kernel(
         cos_r, sin_r = _table_rows(TableOut, offs_r, HALF)
     acc, l_i, m_i = _decode_pass(acc, l_i, m_i, qo_a, qo_b, K, V, sk_n, sk_d, sv_n, sv_d,
                                  TableOut, cos_r, sin_r, positions, (lo, c1, c1, c1), n_keys,
-                                 window, qk_scale, OUTSIDE, False, ROT_KEYS_OUT, BLOCK_N, HALF,
-                                 DOT_PRECISION, ANGLES)
+                                 window, qk_scale, pages, OUTSIDE, False, ROT_KEYS_OUT, BLOCK_N,
+                                 HALF, DOT_PRECISION, ANGLES, PAGED, PAGE_SIZE, EVICT)
     acc, l_i, m_i = _decode_pass(acc, l_i, m_i, qo_a, qo_b, K, V, sk_n, sk_d, sv_n, sv_d,
                                  TableOut, cos_r, sin_r, positions, (c1, c2, c2, c2), n_keys,
-                                 window, qk_scale, OUTSIDE, True, ROT_KEYS_OUT, BLOCK_N, HALF,
-                                 DOT_PRECISION, ANGLES)
+                                 window, qk_scale, pages, OUTSIDE, True, ROT_KEYS_OUT, BLOCK_N,
+                                 HALF, DOT_PRECISION, ANGLES, PAGED, PAGE_SIZE, EVICT)
     # inside the window: the last `window` keys
     qi_a, qi_b = _query_halves(q_a, q_b, TableIn, OffsetIn, positions, ROT_KEYS_IN,
                                HALF)
@@ -302,12 +371,12 @@ def _decode_split_kernel(
         cos_r, sin_r = _table_rows(TableIn, offs_r, HALF)
     acc, l_i, m_i = _decode_pass(acc, l_i, m_i, qi_a, qi_b, K, V, sk_n, sk_d, sv_n, sv_d,
                                  TableIn, cos_r, sin_r, positions, (c2, c3, c3, c3), n_keys,
-                                 window, qk_scale, INSIDE, False, ROT_KEYS_IN, BLOCK_N, HALF,
-                                 DOT_PRECISION, ANGLES)
+                                 window, qk_scale, pages, INSIDE, False, ROT_KEYS_IN, BLOCK_N,
+                                 HALF, DOT_PRECISION, ANGLES, PAGED, PAGE_SIZE, EVICT)
     acc, l_i, m_i = _decode_pass(acc, l_i, m_i, qi_a, qi_b, K, V, sk_n, sk_d, sv_n, sv_d,
                                  TableIn, cos_r, sin_r, positions, (c1, c2, c3, hi), n_keys,
-                                 window, qk_scale, INSIDE, True, ROT_KEYS_IN, BLOCK_N, HALF,
-                                 DOT_PRECISION, ANGLES)
+                                 window, qk_scale, pages, INSIDE, True, ROT_KEYS_IN, BLOCK_N,
+                                 HALF, DOT_PRECISION, ANGLES, PAGED, PAGE_SIZE, EVICT)
 
     seen = l_i > 0.0
     out = acc / tl.where(seen, l_i, 1.0)[:, None]
@@ -374,6 +443,12 @@ def sm_count(device):
     return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
+def launch_config(head_dim):
+    """The split kernel's launch configuration for ``head_dim`` on a GPU (``BLOCK_N``,
+    ``ANGLES``, ``num_warps``, ``num_stages``): ``HEAD_DIM_CONFIGS`` or ``GPU_CONFIG``."""
+    return HEAD_DIM_CONFIGS.get(head_dim, GPU_CONFIG)
+
+
 def block_m(group, n_queries):
     """Rows per program: the group's heads × queries, a power of two in [16, 64]."""
     return min(max(MIN_BLOCK_M, triton.next_power_of_2(group * n_queries)), MAX_BLOCK_M)
@@ -411,12 +486,85 @@ def _check_lengths_on_host(cache_seqlens, n_queries, n_max):
                          f"size Nmax = {n_max}")
 
 
+def _check_block_table_on_host(block_table, cache_seqlens, page_size, num_blocks):
+    """Every entry a row's keys use (``j < cdiv(cache_seqlens[b], page_size)``) names a page of
+    the cache (CPU tensors only)."""
+    used = torch.arange(block_table.shape[1])[None, :] * page_size < cache_seqlens[:, None].long()
+    bad = used & ((block_table < 0) | (block_table >= num_blocks))
+    if bool(bad.any()):
+        row, entry = (int(x) for x in bad.nonzero()[0])
+        raise ValueError(
+            f"block_table[{row}, {entry}] = {int(block_table[row, entry])} is not a page of the "
+            f"cache: k_cache and v_cache have num_blocks = {num_blocks} pages, and row {row} "
+            f"uses entries 0 to {-(-int(cache_seqlens[row]) // page_size) - 1}")
+
+
+def _check_paged_args(q, k_cache, v_cache, block_table, cache_seqlens):
+    """The paged layout's tensors; returns ``(B, Hq, Hkv, Nq, Nmax, D)`` with ``Nmax`` the
+    table's capacity ``max_blocks_per_seq · block_size``."""
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache),
+                    ("block_table", block_table)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if q.dim() != 4:
+        raise ValueError(f"q must have rank 4 (B, Hq, Nq, D), got shape {tuple(q.shape)}")
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.dim() != 4:
+            raise ValueError(f"with a block_table, {name} must be a paged cache of rank 4 "
+                             f"(num_blocks, block_size, Hkv, D), got shape {tuple(t.shape)}")
+        if t.dtype != q.dtype:
+            raise TypeError(f"{name} has dtype {t.dtype} but q has {q.dtype}; all inputs must "
+                            "share one dtype")
+        if t.device != q.device:
+            raise ValueError(f"{name} is on {t.device} but q is on {q.device}; all inputs must "
+                             "be on one device")
+    if k_cache.shape != v_cache.shape:
+        raise ValueError(f"k_cache and v_cache pages disagree: k_cache has shape "
+                         f"{tuple(k_cache.shape)}, v_cache {tuple(v_cache.shape)} (both "
+                         "(num_blocks, block_size, Hkv, D))")
+    batch, hq, n_queries, d = q.shape
+    num_blocks, page_size, hkv, d_k = k_cache.shape
+    if d_k != d:
+        raise ValueError(f"k_cache has head dim {d_k}, expected {d} like q")
+    if hkv < 1 or hq % hkv != 0:
+        raise ValueError(f"query heads ({hq}) must be a multiple of key/value heads ({hkv})")
+    if page_size not in PAGE_SIZES:
+        raise ValueError(f"block_size {page_size} (k_cache.shape[1]) is not supported: pages "
+                         f"of {', '.join(map(str, PAGE_SIZES))} keys")
+    if num_blocks < 1:
+        raise ValueError("k_cache and v_cache have no pages (num_blocks = 0)")
+    if block_table.dtype != torch.int32:
+        raise TypeError(f"block_table must have dtype torch.int32, got {block_table.dtype}")
+    if block_table.dim() != 2 or block_table.shape[0] != batch or block_table.shape[1] < 1:
+        raise ValueError(f"block_table must have shape ({batch}, max_blocks_per_seq) with "
+                         f"max_blocks_per_seq >= 1 (one row of page numbers per batch row), got "
+                         f"{tuple(block_table.shape)}")
+    if block_table.device != q.device:
+        raise ValueError(f"block_table must be on q's device ({q.device}), got "
+                         f"{block_table.device}")
+    if cache_seqlens is None:
+        raise ValueError("cache_seqlens is required with a block_table (the number of valid "
+                         "keys of each row): an int32 tensor of shape (B,)")
+    if n_queries < 1:
+        raise ValueError(f"q must have sequence length N >= 1, got {n_queries}")
+    n_max = block_table.shape[1] * page_size
+    if n_queries > n_max:
+        raise ValueError(f"q has {n_queries} queries but the block table holds {n_max} keys")
+    return batch, hq, hkv, n_queries, n_max, d
+
+
 def _check_decode_args(q, k_cache, v_cache, window, cache_seqlens, sm_scale, base, leaky,
-                       logn_len, rotated, num_splits, inv_freq=None):
-    batch, hq, hkv, n_queries, n_max, d = check_qkv(
-        {"q": q}, {"k_cache": k_cache, "v_cache": v_cache}, fewer_queries=True)
+                       logn_len, rotated, num_splits, inv_freq=None, block_table=None):
+    if block_table is None:
+        batch, hq, hkv, n_queries, n_max, d = check_qkv(
+            {"q": q}, {"k_cache": k_cache, "v_cache": v_cache}, fewer_queries=True)
+        keys = k_cache
+    else:
+        batch, hq, hkv, n_queries, n_max, d = _check_paged_args(q, k_cache, v_cache,
+                                                                block_table, cache_seqlens)
+        keys = k_cache[:1, :1, :1].expand(batch, hkv, n_max, d)     # the logical shape
     check_head_dim(d)
-    check_rope_args(q, k_cache, window, base, leaky, logn_len, rotated, inv_freq)
+    check_rope_args(q, keys, window, base, leaky, logn_len, rotated, inv_freq)
     check_sm_scale(sm_scale)
     if n_queries > MAX_QUERIES:
         raise ValueError(f"q has {n_queries} queries per row; rerope_decode takes 1 to "
@@ -444,7 +592,8 @@ def _check_decode_args(q, k_cache, v_cache, window, cache_seqlens, sm_scale, bas
 
 
 def rerope_decode(q, k_cache, v_cache, window, cache_seqlens=None, sm_scale=None, base=10000.0,
-                  leaky=None, logn_len=None, rotated=True, num_splits=None, inv_freq=None):
+                  leaky=None, logn_len=None, rotated=True, num_splits=None, inv_freq=None,
+                  block_table=None):
     """(Leaky) ReRoPE attention of a few new queries against a KV cache (forward only).
 
     The decode step of generation: each batch row's ``Nq`` newest tokens attend, causally, to the
@@ -488,6 +637,18 @@ def rerope_decode(q, k_cache, v_cache, window, cache_seqlens=None, sm_scale=None
             RoPE); ``base`` must then stay at its default. As in :func:`kernels.rerope`: a
             tensor not seen before is read on the host (a sync, so do it in the call before
             capturing a CUDA graph), a :class:`kernels.rope.Frequencies` never is.
+        block_table: ``None`` (the contiguous layout above), or a paged cache as
+            FlashAttention's ``flash_attn_with_kvcache`` keeps it: an int32 tensor
+            ``(batch_size, max_blocks_per_seq)`` on ``q``'s device, and then ``k_cache`` and
+            ``v_cache`` are page pools ``(num_blocks, block_size, nheads_k, headdim)``, any
+            strides, ``block_size`` one of 16, 32, 64, 128, 256. Logical slot ``j`` of row ``b``
+            (the key of position ``j``, rotated at ``j`` if ``rotated``) is slot
+            ``j % block_size`` of page ``block_table[b, j // block_size]``; the cache size is
+            ``seqlen_cache = max_blocks_per_seq * block_size``. ``cache_seqlens`` is then
+            required. Entries for pages past a row's length are never read (they may hold
+            anything). An entry the row does use that is not in ``[0, num_blocks)`` raises
+            ``ValueError`` for CPU tensors; on a GPU (no host sync) its keys are not read and
+            the row comes back as NaN.
 
     fp16, bf16 or fp32; ``headdim`` in 16, 32, 64, 128, 256. Returns ``out``:
     ``(batch_size, nheads, seqlen_q, headdim)`` in ``q``'s dtype (empty for an empty batch).
@@ -499,11 +660,11 @@ def rerope_decode(q, k_cache, v_cache, window, cache_seqlens=None, sm_scale=None
         inv_freq = as_frequencies(inv_freq)
         return _decode_op(q, k_cache, v_cache, cache_seqlens, window, sm_scale, base, leaky,
                           logn_len, rotated, num_splits,
-                          None if inv_freq is None else list(inv_freq))
+                          None if inv_freq is None else list(inv_freq), block_table)
     _check_forward_only(q, k_cache, v_cache)
     plan = _plan(q, k_cache, v_cache, window, cache_seqlens, sm_scale, base, leaky, logn_len,
-                 rotated, num_splits, as_frequencies(inv_freq))
-    return _run(plan, q, k_cache, v_cache, cache_seqlens)
+                 rotated, num_splits, as_frequencies(inv_freq), block_table)
+    return _run(plan, q, k_cache, v_cache, cache_seqlens, block_table)
 
 
 def _check_forward_only(q, k_cache, v_cache):
@@ -518,7 +679,7 @@ def _check_forward_only(q, k_cache, v_cache):
                     "torch.no_grad() / torch.inference_mode()")
 
 
-def _run(plan, q, k_cache, v_cache, cache_seqlens):
+def _run(plan, q, k_cache, v_cache, cache_seqlens, block_table=None):
     """Launch a call's :class:`_Plan`: allocate the output (and partials), one or two launches."""
     if q.numel() == 0:                             # an empty batch: nothing to attend
         return torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -526,6 +687,9 @@ def _run(plan, q, k_cache, v_cache, cache_seqlens):
         cache_seqlens = plan.full_lengths
     elif cache_seqlens.device.type == "cpu":       # free to read here; on a GPU it would sync
         _check_lengths_on_host(cache_seqlens, plan.n_queries, plan.n_max)
+        if block_table is not None:
+            _check_block_table_on_host(block_table, cache_seqlens, plan.page_size,
+                                       k_cache.shape[0])
     cache_seqlens = cache_seqlens.contiguous()     # the kernel reads it with unit stride
     (q, k_cache, v_cache), restore = prepare_for_device(q, k_cache, v_cache)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -534,7 +698,8 @@ def _run(plan, q, k_cache, v_cache, cache_seqlens):
     else:
         part = torch.empty(plan.part_shape, dtype=torch.float32, device=q.device)
         lse = torch.empty(plan.part_shape[:-1], dtype=torch.float32, device=q.device)
-    plan.split(q, k_cache, v_cache, cache_seqlens, part, lse, *plan.split_args)
+    table = cache_seqlens if block_table is None else block_table   # (never read if None)
+    plan.split(q, k_cache, v_cache, cache_seqlens, table, part, lse, *plan.split_args)
     if plan.num_splits > 1:
         plan.merge(part, lse, out, *plan.merge_args)
     return restore(out)
@@ -547,11 +712,11 @@ def _run(plan, q, k_cache, v_cache, cache_seqlens):
 def _decode_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                cache_seqlens: Optional[torch.Tensor], window: int, sm_scale: Optional[float],
                base: float, leaky: Optional[float], logn_len: Optional[float], rotated: bool,
-               num_splits: Optional[int], inv_freq: Optional[list[float]] = None
-               ) -> torch.Tensor:
+               num_splits: Optional[int], inv_freq: Optional[list[float]] = None,
+               block_table: Optional[torch.Tensor] = None) -> torch.Tensor:
     plan = _plan(q, k_cache, v_cache, window, cache_seqlens, sm_scale, base, leaky, logn_len,
-                 rotated, num_splits, as_frequencies(inv_freq))
-    return _run(plan, q, k_cache, v_cache, cache_seqlens)
+                 rotated, num_splits, as_frequencies(inv_freq), block_table)
+    return _run(plan, q, k_cache, v_cache, cache_seqlens, block_table)
 
 
 @_decode_op.register_fake
@@ -566,6 +731,7 @@ class _Plan:
     n_queries: int
     n_max: int
     num_splits: int
+    page_size: Optional[int]  # keys per page of a paged cache, None for a contiguous one
     full_lengths: Optional[torch.Tensor]    # the lengths of a call that gives none
     part_shape: tuple
     split: Launcher           # the split kernel, bound (kernels.launch)
@@ -578,44 +744,49 @@ _PLANS = PlanCache(limit=64)   # a growing cache makes a new signature every ste
 
 
 def _plan(q, k_cache, v_cache, window, cache_seqlens, sm_scale, base, leaky, logn_len, rotated,
-          num_splits, inv_freq=None):
+          num_splits, inv_freq=None, block_table=None):
     """The call's :class:`_Plan`, checked and built once per distinct set of shapes, dtypes,
     devices and settings: a decode loop over a fixed-size cache pays the Python checks only on
     its first step (a growing cache, as in a Hugging Face model, once per step, not per layer)."""
     try:
-        key = (signature(q, k_cache, v_cache, cache_seqlens),
-               type(cache_seqlens),
+        key = (signature(q, k_cache, v_cache, cache_seqlens, block_table),
+               type(cache_seqlens), type(block_table),
                tuple((type(x), x) for x in (window, sm_scale, base, leaky, logn_len, rotated,
                                             num_splits, inv_freq)),
-               tuple(GPU_CONFIG.items()), PROGRAMS_PER_SM)
+               tuple(launch_config(q.shape[-1]).items()), PROGRAMS_PER_SM)
         plan = _PLANS.get(key)
     except (AttributeError, TypeError):    # not tensors, unhashable settings: checks will say
         key, plan = None, None
     if plan is None:
         plan = _make_plan(q, k_cache, v_cache, window, cache_seqlens, sm_scale, base, leaky,
-                          logn_len, rotated, num_splits, inv_freq)
+                          logn_len, rotated, num_splits, inv_freq, block_table)
         if key is not None:
             _PLANS.put(key, plan)
     return plan
 
 
 def _make_plan(q, k_cache, v_cache, window, cache_seqlens, sm_scale, base, leaky, logn_len,
-               rotated, num_splits, inv_freq=None):
+               rotated, num_splits, inv_freq=None, block_table=None):
     batch, hq, hkv, n_queries, n_max, d = _check_decode_args(
         q, k_cache, v_cache, window, cache_seqlens, sm_scale, base, leaky, logn_len, rotated,
-        num_splits, inv_freq)
+        num_splits, inv_freq, block_table)
+    paged = block_table is not None
     group = hq // hkv
     scale = d ** -0.5 if sm_scale is None else float(sm_scale)
     window = min(int(window), n_max)       # every pair has i - j <= Nmax - 1
     device = q.device
-    config = INTERPRETER_CONFIG if INTERPRET else GPU_CONFIG
+    config = INTERPRETER_CONFIG if INTERPRET else launch_config(d)
     rows_per_program = block_m(group, n_queries)
     if num_splits is None:
         num_splits = default_num_splits(batch, hkv, group, n_queries, n_max, sm_count(device))
     rotation = rotation_tables(n_max, d, window, leaky, rotated, device, base, inv_freq)
     # the strides the kernel will see (under the interpreter bf16 runs as an fp32 copy)
     prepared, _ = prepare_for_device(q, k_cache, v_cache)
-    strides = tuple(s for t in prepared for s in t.stride())
+    strides = [t.stride() for t in prepared]
+    if paged:   # (page, slot, head, dim) -> the kernel's (row/page, head, slot, dim) order
+        strides[1:] = [(s[0], s[2], s[1], s[3]) for s in strides[1:]]
+    strides = tuple(s for t in strides for s in t)
+    table_args = ((*block_table.stride(), k_cache.shape[0]) if paged else (0, 0, 0))
     compute_dtype = prepared[0].dtype
     n_rows = batch * hq * n_queries
     # the partials' strides: (S, B, Hq, Nq, D) fp32 and (S, B, Hq, Nq) contiguous; with one split
@@ -629,11 +800,13 @@ def _make_plan(q, k_cache, v_cache, window, cache_seqlens, sm_scale, base, leaky
         (batch * hkv, num_splits, triton.cdiv(group * n_queries, rows_per_program)),
         HEAD_DIM=d, BLOCK_M=rows_per_program, ROT_KEYS_IN=rotation.flags["TURN_IN"],
         ROT_KEYS_OUT=rotation.flags["TURN_OUT"], LOGN=logn_len is not None, WRITE_LSE=num_splits > 1,
-        DOT_PRECISION=dot_precision(compute_dtype), **config)
+        DOT_PRECISION=dot_precision(compute_dtype), PAGED=paged,
+        PAGE_SIZE=k_cache.shape[1] if paged else 16, **config)
     merge = Launcher(_decode_merge_kernel, (n_rows,), HEAD_DIM=d,
                      SPLITS_BLOCK=min(triton.next_power_of_2(num_splits), 16))
     return _Plan(
         n_queries=n_queries, n_max=n_max, num_splits=num_splits,
+        page_size=k_cache.shape[1] if paged else None,
         # only where no lengths come: a plan built inside a compiled forward's CUDA-graph
         # warm-up must keep no tensor of its own (it would sit in the graph's memory pool)
         full_lengths=(torch.full((batch,), n_max, dtype=torch.int32, device=device)
@@ -641,7 +814,7 @@ def _make_plan(q, k_cache, v_cache, window, cache_seqlens, sm_scale, base, leaky
         part_shape=(num_splits, batch, hq, n_queries, d),
         split=split,
         split_args=(*rotation.tables, *strides, *part_strides,
-                    *lse_strides, hkv, group, n_queries, n_max, num_splits, window,
+                    *lse_strides, *table_args, hkv, group, n_queries, n_max, num_splits, window,
                     scale * LOG2E, logn_factor(logn_len)),
         merge=merge, merge_args=(n_rows, num_splits))
 

@@ -1312,6 +1312,80 @@ def check_merge_lse_kernel(merge_kernel):
     return CORRECT
 
 
+def _paged_case(gen, batch, block_size, max_blocks, spare):
+    """A random paged cache: ``(block_table, cache_seqlens, keys, pool)`` where ``keys[b]`` is
+    row ``b``'s logical ``(L_b, 2)`` keys (its row number and position, so a wrong slot shows
+    what it picked) and ``pool`` the ``(num_blocks · block_size, 2)`` flat pool they were
+    scattered into, in random non-monotone pages; unused entries point at spare pages."""
+    lengths = torch.randint(1, max_blocks * block_size + 1, (batch,), generator=gen)
+    lengths[0] = max_blocks * block_size                         # one full row
+    used = [-(-int(n) // block_size) for n in lengths]
+    blocks = sum(used) + spare
+    order = torch.randperm(blocks, generator=gen)
+    pool = torch.full((blocks * block_size, 2), -1, dtype=torch.int64)
+    table = torch.empty(batch, max_blocks, dtype=torch.int32)
+    taken, keys = 0, []
+    for b in range(batch):
+        for j in range(max_blocks):
+            table[b, j] = int(order[taken] if j < used[b] else order[-1 - j % spare])
+            taken += j < used[b]
+        n = int(lengths[b])
+        positions = torch.arange(n)
+        keys.append(torch.stack([torch.full_like(positions, b), positions], 1))
+        flat = table[b, positions // block_size].long() * block_size + positions % block_size
+        pool[flat] = keys[-1]
+    return table, lengths.to(torch.int32), keys, pool
+
+
+def check_page_slots(page_slots):
+    """Chapter 8: ``page_slots(block_table, cache_seqlens, block_size)`` must return, for each
+    batch row ``b``, a 1-D int64 tensor of ``cache_seqlens[b]`` entries: entry ``j`` is where key
+    ``j`` of the row lives in the pool ``k_cache.flatten(0, 1)`` (``(num_blocks · block_size,
+    Hkv, D)``), i.e. slot ``j % block_size`` of page ``block_table[b, j // block_size]``.
+    Checked on random non-monotone tables for block sizes 16 to 256 (entries past a row's
+    length point at spare pages); says which row and key are wrong and what was read there."""
+    gen = torch.Generator().manual_seed(8)
+    for batch, block_size, max_blocks, spare in ((3, 16, 5, 3), (2, 64, 3, 2), (4, 256, 2, 3),
+                                                 (1, 32, 1, 1)):
+        table, lengths, keys, pool = _paged_case(gen, batch, block_size, max_blocks, spare)
+        case = f"B={batch}, block_size={block_size}, lengths {lengths.tolist()}"
+        try:
+            got = page_slots(table.clone(), lengths.clone(), block_size)
+        except Exception as error:                      # the reader's code raised: say so
+            return f"{case}: my_page_slots raised {type(error).__name__}: {error}"
+        if got is None:
+            return "not solved yet: my_page_slots returned None"
+        if isinstance(got, torch.Tensor) or not isinstance(got, (list, tuple)):
+            return (f"{case}: expected a list of {batch} tensors (one per row; rows have "
+                    f"different lengths), got {type(got).__name__}")
+        if len(got) != batch:
+            return f"{case}: expected {batch} tensors, one per batch row, got {len(got)}"
+        for b, slots in enumerate(got):
+            n = int(lengths[b])
+            if not isinstance(slots, torch.Tensor):
+                return f"{case}: row {b} is a {type(slots).__name__}, expected a tensor"
+            if slots.dtype != torch.int64:
+                return f"{case}: row {b} has dtype {slots.dtype}, expected torch.int64 (indices)"
+            if tuple(slots.shape) != (n,):
+                return (f"{case}: row {b} has shape {tuple(slots.shape)}, expected ({n},): one "
+                        f"slot per valid key (cache_seqlens[{b}] = {n})")
+            if bool(((slots < 0) | (slots >= pool.shape[0])).any()):
+                j = int(((slots < 0) | (slots >= pool.shape[0])).nonzero()[0])
+                return (f"{case}: row {b}, key {j}: slot {int(slots[j])} is outside the pool "
+                        f"(0 to {pool.shape[0] - 1})")
+            read = pool[slots]
+            wrong = (read != keys[b]).any(1)
+            if bool(wrong.any()):
+                j = int(wrong.nonzero()[0])
+                found = read[j].tolist()
+                what = ("a slot no row uses" if found[0] < 0 else
+                        f"key {found[1]} of row {found[0]}")
+                return (f"{case}: row {b}, key {j}: slot {int(slots[j])} holds {what}; key {j} "
+                        f"is in page block_table[{b}, {j // block_size}] = "
+                        f"{int(table[b, j // block_size])}, slot {j % block_size}")
+    return CORRECT
+
+
 def check_split_free_batch(split_free_batch):
     """Chapter 8: ``split_free_batch(kv_heads, n_keys, sms)``: the smallest batch for which
     :func:`kernels.decode.default_num_splits` (group 4, one query per row) cuts no row's keys,

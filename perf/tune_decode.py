@@ -1,0 +1,217 @@
+"""Issue 19, first H200 call: launch configurations of the decode kernel per head dim, the
+split rule's programs per SM, the paged layout against the contiguous one, and the read bound.
+
+Run from the repository root on a CUDA GPU (``KERNELS_AUTOTUNE=0``)::
+
+    python perf/tune_decode.py            # writes $OUT/tune_decode.json
+
+Every kernel variant is compiled first, in parallel worker processes on small caches with the
+same specialisation (Triton's on-disk cache), so the timing loop only times. All timings: the
+benchmark's own ``bench_decode.graph_us`` (CUDA-graph replay, L2 flushed), bf16, Hq=32, Hkv=8,
+window 2048, one query, a full rotated cache.
+"""
+
+import concurrent.futures as cf
+import json
+import multiprocessing as mp
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.getcwd())
+
+HQ, HKV, WINDOW = 32, 8, 2048
+CONFIGS = {   # (BLOCK_N, ANGLES, num_warps, num_stages); the first is the current default
+    64: [(64, 3, 4, 3), (128, 3, 4, 3), (128, 3, 4, 4), (128, 3, 8, 3), (256, 3, 8, 3),
+         (64, 3, 4, 4), (128, 3, 4, 2)],
+    128: [(64, 3, 4, 3), (64, 3, 4, 4), (128, 3, 8, 3), (128, 3, 4, 3), (64, 3, 4, 2)],
+}
+SHAPES = [(1, 131072), (8, 32768), (8, 131072), (32, 32768)]
+PER_SM = (2, 3, 4)
+PAGES = (16, 64, 256)
+BUDGET_S = 190
+
+
+def splits_for(batch, per_sm, nq=1):
+    from kernels import decode
+
+    saved = decode.PROGRAMS_PER_SM
+    decode.PROGRAMS_PER_SM = per_sm
+    try:
+        return decode.default_num_splits(batch, HKV, HQ // HKV, nq, 131072, 132)
+    finally:
+        decode.PROGRAMS_PER_SM = saved
+
+
+def paged_copy(k, v, page, seed=0):
+    """``(B, Hkv, N, D)`` caches scattered into random, non-monotone pages of ``page`` keys:
+    ``(k_pages, v_pages, block_table)``, the pool 16-aligned in size plus 16 spare pages."""
+    batch, hkv, n, d = k.shape
+    per_row = n // page
+    blocks = -(-batch * per_row // 16) * 16 + 16
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    table = torch.randperm(blocks, generator=gen)[:batch * per_row].view(batch, per_row)
+    table = table.to(torch.int32).to(k.device)
+    pools = []
+    for x in (k, v):
+        pool = torch.full((blocks, page, hkv, d), float("nan"), dtype=x.dtype, device=x.device)
+        pool[table.flatten().long()] = (x.view(batch, hkv, per_row, page, d)
+                                        .permute(0, 2, 3, 1, 4).reshape(-1, page, hkv, d))
+        pools.append(pool)
+    return pools[0], pools[1], table
+
+
+def set_config(d, cfg):
+    from kernels import decode
+
+    decode.HEAD_DIM_CONFIGS[d] = dict(BLOCK_N=cfg[0], ANGLES=cfg[1], num_warps=cfg[2],
+                                      num_stages=cfg[3])
+
+
+def warm(spec):
+    """Compile one variant on a small cache (same specialisation as the timed call)."""
+    import kernels
+
+    d, batch, nq, cfg, splits, page = spec
+    set_config(d, cfg)
+    n = 4096
+    q = torch.randn(batch, HQ, nq, d, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(batch, HKV, n, d, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    started = time.perf_counter()
+    if page is None:
+        kernels.rerope_decode(q, k, v, WINDOW, num_splits=splits)
+    else:
+        kp, vp, table = paged_copy(k, v, page)
+        lengths = torch.full((batch,), n, dtype=torch.int32, device="cuda")
+        kernels.rerope_decode(q, kp, vp, WINDOW, cache_seqlens=lengths, num_splits=splits,
+                              block_table=table)
+    torch.cuda.synchronize()
+    return spec, time.perf_counter() - started
+
+
+def main():
+    import kernels
+    from kernels import bench_decode as bd
+    from kernels import decode
+
+    started = time.perf_counter()
+    out_dir = os.environ.get("OUT", "/tmp")
+    result = {"meta": {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+                       "triton": __import__("triton").__version__, "cuda": torch.version.cuda}}
+
+    def save():
+        result["meta"]["elapsed_s"] = round(time.perf_counter() - started, 1)
+        with open(os.path.join(out_dir, "tune_decode.json"), "w") as f:
+            json.dump(result, f, indent=1)
+
+    specs = set()
+    for d, cfgs in CONFIGS.items():
+        for cfg in cfgs:
+            for batch, _ in SHAPES:
+                for per_sm in PER_SM:
+                    specs.add((d, batch, 1, cfg, splits_for(batch, per_sm), None))
+        for page in PAGES:
+            for cfg in cfgs[:2]:
+                specs.add((d, 8, 1, cfg, splits_for(8, 2), page))
+    specs = sorted(specs, key=lambda s: (s[3], s[0]), reverse=True)
+    ctx = mp.get_context("spawn")
+    compile_s = []
+    with cf.ProcessPoolExecutor(max_workers=15, mp_context=ctx) as pool:
+        for spec, secs in pool.map(warm, specs):
+            compile_s.append(secs)
+    result["meta"]["warm"] = {"variants": len(specs), "wall_s": round(time.perf_counter() - started, 1),
+                              "max_call_s": max(compile_s)}
+    print(f"warmed {len(specs)} variants in {time.perf_counter() - started:.0f} s "
+          f"(slowest call {max(compile_s):.0f} s)", flush=True)
+
+    read, reads = bd.triton_read_bandwidth()
+    result["meta"].update(read_tb_s=read / 1e12, read_configs={k: v / 1e12 for k, v in reads.items()},
+                          copy_tb_s=bd.copy_bandwidth() / 1e12, amax_tb_s=bd.read_bandwidth() / 1e12)
+    print("bandwidth", {k: result["meta"][k] for k in ("read_tb_s", "copy_tb_s", "amax_tb_s")},
+          reads, flush=True)
+    save()
+
+    bd.TIME_BUDGET_S, bd.MIN_REPS = 0.05, 5
+    torch.manual_seed(0)
+    data = {}
+    for d in CONFIGS:
+        for batch, n in SHAPES:
+            k = torch.randn(batch, HKV, n, d, device="cuda", dtype=torch.bfloat16)
+            data[d, batch, n] = (torch.randn(batch, HQ, 1, d, device="cuda", dtype=torch.bfloat16),
+                                 k, torch.randn_like(k))
+    rows = result["rows"] = []
+    for d in CONFIGS:                      # baselines
+        for batch, n in SHAPES:
+            q, k, v = data[d, batch, n]
+            bound = bd.kv_bytes(batch, n, d=d) / read * 1e6
+            for impl in ("sdpa_flash", "sdpa_cudnn"):
+                us = bd.graph_us(bd.build_step(impl, q, k, v, WINDOW, None))
+                rows.append(dict(impl=impl, D=d, B=batch, context=n, us=us, hbm_fraction=bound / us))
+                print(rows[-1], flush=True)
+    save()
+    for per_sm_first in (True,):
+        for d, cfgs in CONFIGS.items():
+            for cfg in cfgs:
+                set_config(d, cfg)
+                for batch, n in SHAPES:
+                    q, k, v = data[d, batch, n]
+                    bound = bd.kv_bytes(batch, n, d=d) / read * 1e6
+                    for per_sm in PER_SM:
+                        splits = splits_for(batch, per_sm)
+                        if time.perf_counter() - started > BUDGET_S:
+                            break
+                        us = bd.graph_us(lambda: kernels.rerope_decode(q, k, v, WINDOW,
+                                                                       num_splits=splits))
+                        rows.append(dict(impl="rerope_decode", D=d, B=batch, context=n,
+                                         config=list(cfg), per_sm=per_sm, num_splits=splits,
+                                         us=us, hbm_fraction=bound / us))
+                        print(rows[-1], flush=True)
+                save()
+    # paged against contiguous, B=8
+    paged = result["paged"] = []
+    for d, cfgs in CONFIGS.items():
+        for cfg in cfgs[:2]:
+            set_config(d, cfg)
+            for n in (32768, 131072):
+                q, k, v = data[d, 8, n]
+                splits = splits_for(8, 2)
+                want = kernels.rerope_decode(q, k, v, WINDOW, num_splits=splits)
+                cont = bd.graph_us(lambda: kernels.rerope_decode(q, k, v, WINDOW, num_splits=splits))
+                for page in PAGES:
+                    if time.perf_counter() - started > BUDGET_S + 40:
+                        break
+                    kp, vp, table = paged_copy(k, v, page)
+                    lengths = torch.full((8,), n, dtype=torch.int32, device="cuda")
+                    step = lambda: kernels.rerope_decode(q, kp, vp, WINDOW, cache_seqlens=lengths,
+                                                         num_splits=splits, block_table=table)
+                    diff = (step().float() - want.float()).abs().max().item()
+                    us = bd.graph_us(step)
+                    paged.append(dict(D=d, config=list(cfg), context=n, page=page, us=us,
+                                      contiguous_us=cont, max_abs_diff=diff))
+                    print(paged[-1], flush=True)
+                    del kp, vp
+            save()
+    # accuracy of each head dim's first two configs against the float32 reference
+    checks = result["checks"] = []
+    for d, cfgs in CONFIGS.items():
+        for cfg in cfgs[:2]:
+            set_config(d, cfg)
+            q, k, v = data[d, 1, 131072]
+            checks.append(dict(D=d, config=list(cfg), **bd.check_accuracy(q, k, v, WINDOW)))
+            print(checks[-1], flush=True)
+    # the graph anomaly: eager against graph at B=8, 128k, D=128, default config
+    set_config(128, CONFIGS[128][0])
+    q, k, v = data[128, 8, 131072]
+    step = lambda: kernels.rerope_decode(q, k, v, WINDOW)
+    result["anomaly"] = dict(graph_us=bd.graph_us(step), eager_us=bd.eager_us(step),
+                             graph_again_us=bd.graph_us(step))
+    print(result["anomaly"], flush=True)
+    save()
+
+
+if __name__ == "__main__":
+    with torch.no_grad():
+        main()
