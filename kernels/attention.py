@@ -74,7 +74,9 @@ def _launch(kernel, blocks_of, rows, programs, args, launchers=None, **constexpr
         return Launcher(tuned, lambda meta: (triton.cdiv(rows, meta[blocks_of]), programs),
                         **constexprs)
 
-    _bound((kernel, rows, programs), args, constexprs, make, launchers)(*args)
+    launcher = _bound((kernel, rows, programs), args, constexprs, make, launchers)
+    launcher(*args)
+    return launcher
 
 
 _LAUNCHERS = PlanCache(limit=256)
@@ -282,24 +284,56 @@ def rerope_forward(q1, q2, k1, k2, v, window, causal, sm_scale, operands=None, p
     """
     batch, n_heads, n_q, head_dim = q1.shape
     n_k = k1.shape[2]
+    pre = preturn_keys(n_k) if preturn is None else preturn
+    call_key = ("forward call", pre, configs.TMA)
+    if launchers is not None and operands is not None:     # the fused form's plan: its call
+        call = launchers.get(call_key)
+        if call is not None:
+            return call(q1, q2, k1, k2, v)
     out = torch.empty(q1.shape, dtype=q1.dtype, device=q1.device)
     lse = torch.empty(batch * n_heads, n_q, dtype=torch.float32, device=q1.device)
+    fused = operands is not None
     operands = operands or _five_tensors(lse)
     turn_keys_in, turn_keys_out = operands.flags["TURN_IN"], operands.flags["TURN_OUT"]
-    if (turn_keys_in or turn_keys_out) and (preturn_keys(n_k) if preturn is None else preturn):
-        if turn_keys_in:
-            k1 = turn_keys(k1, operands.tables[0])
-        if turn_keys_out:
-            k2 = turn_keys(k2, operands.tables[2])
+    turn_tables = (None, None)
+    if (turn_keys_in or turn_keys_out) and pre:
+        turn_tables = (operands.tables[0] if turn_keys_in else None,
+                       operands.tables[2] if turn_keys_out else None)
+        k1, k2 = _turned_keys(k1, k2, *turn_tables)
         turn_keys_in = turn_keys_out = False
-    _launch("fwd", "BLOCK_M", n_q, batch * n_heads, launchers=launchers, args=
-            [q1, q2, k1, k2, v, out, lse, *operands.tables, *_strides(q1, q2, k1, k2, v, out),
-             n_heads, n_heads // k1.shape[1], n_q, n_k, window, sm_scale * LOG2E,
-             operands.logn_factor],
-            HEAD_DIM=head_dim, CAUSAL=causal, DOT_PRECISION=dot_precision(q1.dtype),
-            TMA=_tma_of(launchers, "fwd", q1, q2, k1, k2, v), TURN_K_IN=turn_keys_in,
-            TURN_K_OUT=turn_keys_out, **operands.constexprs(head_dim))
+    args = [q1, q2, k1, k2, v, out, lse, *operands.tables, *_strides(q1, q2, k1, k2, v, out),
+            n_heads, n_heads // k1.shape[1], n_q, n_k, window, sm_scale * LOG2E,
+            operands.logn_factor]
+    launcher = _launch(
+        "fwd", "BLOCK_M", n_q, batch * n_heads, launchers=launchers, args=args,
+        HEAD_DIM=head_dim, CAUSAL=causal, DOT_PRECISION=dot_precision(q1.dtype),
+        TMA=_tma_of(launchers, "fwd", q1, q2, k1, k2, v), TURN_K_IN=turn_keys_in,
+        TURN_K_OUT=turn_keys_out, **operands.constexprs(head_dim))
+    if launchers is not None and fused:
+        launchers[call_key] = _forward_call(launcher, out.shape, lse.shape, turn_tables,
+                                            tuple(args[7:]))
     return out, lse
+
+
+def _turned_keys(k1, k2, table_in, table_out):
+    """``k1, k2`` with each product's keys turned once where its table is given."""
+    return (k1 if table_in is None else turn_keys(k1, table_in),
+            k2 if table_out is None else turn_keys(k2, table_out))
+
+
+def _forward_call(launcher, out_shape, lse_shape, turn_tables, tail):
+    """A fused-form plan's forward after its first call: everything the call signature fixes
+    (the launcher, the strides, tables and scalars after the seven tensors, whether keys are
+    pre-turned) is kept, and a call allocates its outputs and launches."""
+    def call(q1, q2, k1, k2, v):
+        out = torch.empty(out_shape, dtype=q1.dtype, device=q1.device)
+        lse = torch.empty(lse_shape, dtype=torch.float32, device=q1.device)
+        if turn_tables[0] is not None or turn_tables[1] is not None:
+            k1, k2 = _turned_keys(k1, k2, *turn_tables)
+        launcher(q1, q2, k1, k2, v, out, lse, *tail)
+        return out, lse
+
+    return call
 
 
 def rerope_backward(dout, q1, q2, k1, k2, v, out, lse, window, causal, sm_scale, operands=None,
@@ -316,6 +350,13 @@ def rerope_backward(dout, q1, q2, k1, k2, v, out, lse, window, causal, sm_scale,
     """
     if launchers is not None:
         launchers = launchers.setdefault(("backward", *signature(dout)), {})
+    split = operands is not None
+    call_key = ("backward call", preturn, PRETURN_BWD_MIN_KEYS, PRETURN_BWD_MAX_BYTES,
+                configs.TMA)
+    if launchers is not None and split:            # the fused form's plan: its call
+        call = launchers.get(call_key)
+        if call is not None:
+            return call(dout, q1, k1, v, out, lse)
     batch, n_heads, n_q, head_dim = q1.shape
     n_kv_heads, n_k = k1.shape[1], k1.shape[2]
     group = n_heads // n_kv_heads
@@ -323,23 +364,19 @@ def rerope_backward(dout, q1, q2, k1, k2, v, out, lse, window, causal, sm_scale,
     args = (out, dout, delta, *_strides(out, dout), n_heads, n_q)
     grid = (triton.cdiv(n_q, configs.DELTA_BLOCK_M), batch * n_heads)
     constexprs = dict(HEAD_DIM=head_dim, BLOCK_M=configs.DELTA_BLOCK_M)
-    _bound(("delta", grid), args, constexprs,
-           lambda: Launcher(_bwd_delta_kernel, grid, **constexprs), launchers)(*args)
-    split = operands is not None
+    delta_launcher = _bound(("delta", grid), args, constexprs,
+                            lambda: Launcher(_bwd_delta_kernel, grid, **constexprs), launchers)
+    delta_launcher(*args)
     operands = operands or _five_tensors(lse)
     constexprs = operands.constexprs(head_dim)
+    turn = None
     if split:
         writes, extra = _preturned_shapes(q1, k1, operands)
         if any(writes) and (preturn_backward(n_k, extra, q1.device) if preturn is None
                               else preturn):
             # the five-tensor kernels on each product's operands, gradients turned back
-            tab_in, off_in, tab_out, off_out = operands.tables
-            f = operands.flags
-            q1, q2 = turn_operands(q1, (tab_in, off_in, f["TURN_IN"], f["SHIFT_IN"]),
-                                   (tab_out, off_out, f["TURN_OUT"], f["SHIFT_OUT"]),
-                                   n_k - n_q, operands.logn_factor)
-            k1, k2 = turn_operands(k1, (tab_in, off_in, f["TURN_IN"], False),
-                                   (tab_out, off_out, f["TURN_OUT"], False))
+            turn = _operand_turns(operands, n_k - n_q)
+            q1, q2, k1, k2 = turn(q1, k1)
             constexprs.update(SPLIT=False, TWO_DOTS=False, TURN_BACK=True)
     dq = [torch.empty(q1.shape, dtype=q1.dtype, device=q1.device) for _ in range(1 if split else 2)]
     dk = [torch.empty(k1.shape, dtype=k1.dtype, device=k1.device) for _ in range(1 if split else 2)]
@@ -347,15 +384,59 @@ def rerope_backward(dout, q1, q2, k1, k2, v, out, lse, window, causal, sm_scale,
     strides = _strides(q1, q2, k1, k2, v, dout)
     common = dict(HEAD_DIM=head_dim, CAUSAL=causal, DOT_PRECISION=dot_precision(q1.dtype),
                   TMA=_tma_of(launchers, "bwd", q1, q2, k1, k2, v, dout), **constexprs)
-    _launch("dkdv", "BLOCK_N", n_k, batch * n_kv_heads, launchers=launchers, args=
-            [q1, q2, k1, k2, v, dout, lse, delta, dk[0], dk[-1], dv, *operands.tables, *strides,
-             n_heads, n_kv_heads, group, n_q, n_k, window, sm_scale * LOG2E, sm_scale,
-             operands.logn_factor], **common)
-    _launch("dq", "BLOCK_M", n_q, batch * n_heads, launchers=launchers, args=
-            [q1, q2, k1, k2, v, dout, lse, delta, dq[0], dq[-1], *operands.tables, *strides,
-             n_heads, group, n_q, n_k, window, sm_scale * LOG2E, sm_scale,
-             operands.logn_factor], **common)
+    dkdv_args = [q1, q2, k1, k2, v, dout, lse, delta, dk[0], dk[-1], dv, *operands.tables,
+                 *strides, n_heads, n_kv_heads, group, n_q, n_k, window, sm_scale * LOG2E,
+                 sm_scale, operands.logn_factor]
+    dkdv = _launch("dkdv", "BLOCK_N", n_k, batch * n_kv_heads, launchers=launchers,
+                   args=dkdv_args, **common)
+    dq_args = [q1, q2, k1, k2, v, dout, lse, delta, dq[0], dq[-1], *operands.tables, *strides,
+               n_heads, group, n_q, n_k, window, sm_scale * LOG2E, sm_scale,
+               operands.logn_factor]
+    dq_launcher = _launch("dq", "BLOCK_M", n_q, batch * n_heads, launchers=launchers,
+                          args=dq_args, **common)
+    if launchers is not None and split:
+        launchers[call_key] = _backward_call(
+            (delta_launcher, args[3:]), turn, (dkdv, tuple(dkdv_args[11:])),
+            (dq_launcher, tuple(dq_args[10:])))
     return (dq[0], dk[0], dv) if split else (dq[0], dq[1], dk[0], dk[1], dv)
+
+
+def _operand_turns(operands, first_query):
+    """``turn(q, k) -> (q1, q2, k1, k2)``: each product's operands turned once (extra tensors,
+    :func:`kernels.rotary.turn_operands`) for the pre-turned backward."""
+    tab_in, off_in, tab_out, off_out = operands.tables
+    f = operands.flags
+
+    def turn(q, k):
+        q1, q2 = turn_operands(q, (tab_in, off_in, f["TURN_IN"], f["SHIFT_IN"]),
+                               (tab_out, off_out, f["TURN_OUT"], f["SHIFT_OUT"]),
+                               first_query, operands.logn_factor)
+        k1, k2 = turn_operands(k, (tab_in, off_in, f["TURN_IN"], False),
+                               (tab_out, off_out, f["TURN_OUT"], False))
+        return q1, q2, k1, k2
+
+    return turn
+
+
+def _backward_call(delta, turn, dkdv, dq):
+    """A fused-form plan's backward after its first call (as :func:`_forward_call`): each of
+    ``delta, dkdv, dq`` is a launcher and the arguments after its tensors; ``turn`` pre-turns
+    the operands (:func:`_operand_turns`) or is ``None``."""
+    (delta_launcher, delta_tail), (dkdv_launcher, dkdv_tail), (dq_launcher, dq_tail) = (
+        delta, dkdv, dq)
+
+    def call(dout, q, k, v, out, lse):
+        grad_delta = torch.empty_like(lse)
+        delta_launcher(out, dout, grad_delta, *delta_tail)
+        q1, q2, k1, k2 = (q, q, k, k) if turn is None else turn(q, k)
+        dq = torch.empty(q1.shape, dtype=q1.dtype, device=q1.device)
+        dk = torch.empty(k1.shape, dtype=k1.dtype, device=k1.device)
+        dv = torch.empty(k1.shape, dtype=k1.dtype, device=k1.device)
+        dkdv_launcher(q1, q2, k1, k2, v, dout, lse, grad_delta, dk, dk, dv, *dkdv_tail)
+        dq_launcher(q1, q2, k1, k2, v, dout, lse, grad_delta, dq, dq, *dq_tail)
+        return dq, dk, dv
+
+    return call
 
 
 # --- the ops, registered with torch.library --------------------------------------------------------

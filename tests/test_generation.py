@@ -75,6 +75,31 @@ def test_plan_cache_dtype_and_grad_mode(gen):
     assert len(attention._OP_PLANS) == 2
 
 
+@pytest.mark.parametrize("preturn, rotated", [(False, False), (True, True)],
+                         ids=["in_registers-raw", "preturned-rotated"])
+def test_repeated_call_runs_the_kept_call(preturn, rotated, gen, monkeypatch):
+    """From its second call on, a plan runs the forward and backward it kept (launchers and the
+    arguments after the tensors; keys and operands pre-turned or not as on the first call):
+    the same outputs and gradients, bit for bit, and new data gives new results."""
+    monkeypatch.setattr(attention, "PRETURN_MIN_KEYS", 0 if preturn else 2 ** 62)
+    monkeypatch.setattr(attention, "PRETURN_BWD_MIN_KEYS", 0 if preturn else 2 ** 62)
+    attention._OP_PLANS.clear()
+    first, second = _qkv(gen, hq=4, hkv=2, n=24, d=16), _qkv(gen, hq=4, hkv=2, n=24, d=16)
+    results = []
+    for data in (first, first, second):
+        q, k, v = (t.clone().requires_grad_() for t in data)
+        out = kernels.rerope(q, k, v, 7, rotated=rotated)
+        results.append((out, *torch.autograd.grad(out, (q, k, v), torch.ones_like(out) / 3)))
+    (plan,) = attention._OP_PLANS._plans.values()
+    calls = [key[0] for key in plan.launchers if isinstance(key[0], str)]
+    backward = [key[0] for sub in plan.launchers.values() if isinstance(sub, dict) for key in sub
+                if isinstance(key[0], str)]
+    assert "forward call" in calls and "backward call" in backward, (calls, backward)
+    for a, b in zip(results[0], results[1]):
+        assert torch.equal(a, b)
+    assert not torch.equal(results[0][0], results[2][0]), "the kept call ignored its inputs"
+
+
 def test_plan_cache_is_bounded():
     cache = PlanCache(limit=3)
     for i in range(10):
