@@ -22,6 +22,10 @@ PIP   := $(BIN)/python -m pip --disable-pip-version-check install --progress-bar
 
 JB_FLAGS     ?= --all --warningiserror --keep-going
 PYTEST_FLAGS ?=
+# `make test` spreads the test files over up to 4 processes (pytest-xdist; one file stays in
+# one process, so a notebook's cells run in order in one kernel): on CI's two cores about half
+# the time of one process. PYTEST_PARALLEL= runs everything in one process.
+PYTEST_PARALLEL ?= -n auto --maxprocesses 4 --dist loadfile
 
 # The floor job's venv: the oldest Triton the package supports (kernels/_compat.py, stated in
 # requirements.txt and README.md; tests/test_versions.py checks that all of them agree), numpy
@@ -40,7 +44,8 @@ book: $(STAMP)
 # pytest exits 5 when it collects no test at all; that is not a failure here.
 test: book browser
 	$(BIN)/python -m pytest tests book \
-	    --nbval --nbval-current-env --nbval-sanitize-with book/sanitize.cfg $(PYTEST_FLAGS); \
+	    --nbval --nbval-current-env --nbval-sanitize-with book/sanitize.cfg $(PYTEST_PARALLEL) \
+	    $(PYTEST_FLAGS); \
 	rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests (exit 5): not a failure"; rc=0; fi; \
 	exit $$rc
