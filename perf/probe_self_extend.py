@@ -1,4 +1,4 @@
-"""GPU probe of Self-Extend (``group=G``) beside ReRoPE in the same ops: book/data/self_extend_h200.json.
+"""GPU probe of Self-Extend (``group=G``) beside ReRoPE in the same ops (book/data/self_extend_h200.json).
 
     python perf/probe_self_extend.py check --dtype float16 --d 64 --out check.json
     python perf/probe_self_extend.py time --out time.json

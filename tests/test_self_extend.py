@@ -21,11 +21,12 @@ Self-Extend (Jin et al. 2024, "LLM Maybe LongLM"): a causal pair at distance ``d
 * bad ``group`` values raise ``TypeError`` / ``ValueError`` naming ``group``.
 """
 
-import math
 from dataclasses import asdict, dataclass
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 import kernels
 from kernels import reference, rope
@@ -111,7 +112,8 @@ def test_group_one_and_long_windows_are_plain_rope(gen):
         got = reference.rerope_from_relative_positions(q, k, v, window, group=group)
         assert (got - plain).abs().max() < 1e-12, (window, group)
     # and a real group with a short window is not RoPE
-    assert (reference.rerope_from_relative_positions(q, k, v, 4, group=2) - plain).abs().max() > 1e-3
+    grouped = reference.rerope_from_relative_positions(q, k, v, 4, group=2)
+    assert (grouped - plain).abs().max() > 1e-3
 
 
 # --- the fused kernels against the oracle -------------------------------------------------------
@@ -245,6 +247,32 @@ def test_library_op_and_fake_take_group(gen):
         grads = torch.ops.kernels.rerope_bwd(fout, fq, fk, fv, fout, flse, 8, True, 32 ** -0.5,
                                              10000.0, None, None, True, None, 4)
     assert fout.shape == q.shape and [g.shape for g in grads] == [q.shape, k.shape, v.shape]
+
+
+def test_compiled_forward_backward_and_decode_take_group(gen):
+    """Under ``torch.compile(fullgraph=True)`` the opaque library ops carry ``group``: forward,
+    backward and the decode op equal eager calls."""
+    import torch._dynamo
+    device = kernel_device()
+    q, k, v = (randn(gen, 1, 2, 24, 32, dtype=F32, device=device).requires_grad_()
+               for _ in range(3))
+    out = kernels.rerope(q, k, v, 8, rotated=True, group=4)
+    want = [out.detach(), *torch.autograd.grad(out.sum(), (q, k, v))]
+    torch._dynamo.reset()
+    fn = torch.compile(lambda q, k, v: kernels.rerope(q, k, v, 8, rotated=True, group=4),
+                       fullgraph=True, backend="aot_eager")
+    out = fn(q, k, v)
+    got = [out.detach(), *torch.autograd.grad(out.sum(), (q, k, v))]
+    step = torch.compile(lambda q, k, v: kernels.rerope_decode(q, k, v, 8, group=4),
+                         fullgraph=True, backend="aot_eager")
+    with torch.no_grad():
+        got_step = step(q[:, :, -1:].detach(), k.detach(), v.detach())
+        want_step = kernels.rerope_decode(q[:, :, -1:].detach(), k.detach(), v.detach(), 8,
+                                          group=4)
+    torch._dynamo.reset()
+    for a, b in zip(got, want):
+        assert torch.allclose(a, b, atol=1e-6, rtol=1e-6)
+    assert torch.equal(got_step, want_step)
 
 
 # --- decoding on the model's cache ---------------------------------------------------------------
@@ -397,3 +425,57 @@ def test_hf_bad_group_and_shifted_positions_raise():
     ids = torch.randint(1, test_hf.VOCAB, (1, 20))
     with pytest.raises(ValueError, match="groups absolute positions"):
         test_hf.logits_of(model, ids, position_ids=torch.arange(3, 23)[None])
+
+
+# --- the chapter-7 exercise's checker -------------------------------------------------------------
+
+
+@triton.jit
+def _angles_split(Table, start, BLOCK: tl.constexpr, HALF: tl.constexpr):
+    freqs = tl.arange(0, HALF)[None, :]
+    first = tl.arange(0, BLOCK)[:, None] * (2 * HALF) + freqs
+    cos_r, sin_r = tl.load(Table + first), tl.load(Table + first + HALF)
+    cos_0 = tl.load(Table + start * (2 * HALF) + freqs)
+    sin_0 = tl.load(Table + start * (2 * HALF) + HALF + freqs)
+    return cos_r * cos_0 - sin_r * sin_0, sin_r * cos_0 + cos_r * sin_0
+
+
+@triton.jit
+def _angles_row_per_key(Table, start, BLOCK: tl.constexpr, HALF: tl.constexpr):
+    rows = (start + tl.arange(0, BLOCK))[:, None] * (2 * HALF) + tl.arange(0, HALF)[None, :]
+    return tl.load(Table + rows), tl.load(Table + rows + HALF)
+
+
+@triton.jit
+def _angles_first_tile_only(Table, start, BLOCK: tl.constexpr, HALF: tl.constexpr):
+    rows = tl.arange(0, BLOCK)[:, None] * (2 * HALF) + tl.arange(0, HALF)[None, :]
+    return tl.load(Table + rows), tl.load(Table + rows + HALF)
+
+
+@triton.jit
+def _angles_too_wide(Table, start, BLOCK: tl.constexpr, HALF: tl.constexpr):
+    rows = tl.arange(0, BLOCK)[:, None] * (2 * HALF) + tl.arange(0, 2 * HALF)[None, :]
+    return tl.load(Table + rows), tl.load(Table + rows)
+
+
+@triton.jit
+def _angles_one_value(Table, start, BLOCK: tl.constexpr, HALF: tl.constexpr):
+    rows = tl.arange(0, BLOCK)[:, None] * (2 * HALF) + tl.arange(0, HALF)[None, :]
+    return tl.load(Table + rows)
+
+
+@triton.jit
+def _angles_raises(Table, start, BLOCK: tl.constexpr, HALF: tl.constexpr):
+    return undefined_name(Table)  # noqa: F821
+
+
+def test_tile_angles_checker_accepts_the_split_and_rejects_slips():
+    from kernels import exercises
+
+    assert exercises.check_tile_angles(_angles_split) == "correct"
+    verdict = exercises.check_tile_angles(_angles_row_per_key)
+    assert "read table rows other than" in verdict and "tiles 1–3" in verdict, verdict
+    assert "wrong on tiles 1–3, keys 16–63" in exercises.check_tile_angles(_angles_first_tile_only)
+    for answer in (_angles_too_wide, _angles_one_value, _angles_raises):
+        verdict = exercises.check_tile_angles(answer)
+        assert "your function raised" in verdict and "(BLOCK, HALF)" in verdict, verdict
