@@ -479,3 +479,46 @@ def test_tile_angles_checker_accepts_the_split_and_rejects_slips():
     for answer in (_angles_too_wide, _angles_one_value, _angles_raises):
         verdict = exercises.check_tile_angles(answer)
         assert "your function raised" in verdict and "(BLOCK, HALF)" in verdict, verdict
+
+
+# --- GPU: the benchmark's shape ------------------------------------------------------------------
+
+
+def _float32_reference(leaves, window, **kw):
+    was = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False          # a true float32 reference
+    try:
+        return reference.rerope(*leaves, window, **kw)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = was
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("rotated", [False, True], ids=["raw", "rotated"])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("dtype", [F16, BF16], ids=["fp16", "bf16"])
+def test_gpu_full_size(dtype, d, rotated):
+    """B=1 H=32 N=8192 W=2048 G=8: forward and gradients against a float32 reference on two
+    heads; a decode step against a 32k rotated cache (Hq=32, Hkv=8) on the whole row."""
+    n, w, g = 8192, 2048, 8
+    gen = torch.Generator(device="cuda").manual_seed(d + rotated)
+    q, k, v, dout = (torch.randn(1, 32, n, d, device="cuda", dtype=dtype, generator=gen)
+                     for _ in range(4))
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = kernels.rerope(*leaves, w, rotated=rotated, group=g)
+    got = dict(zip(NAMES, (out, *torch.autograd.grad(out, leaves, dout))))
+    ref_leaves = [t[:, :2].float().requires_grad_() for t in (q, k, v)]
+    ref = _float32_reference(ref_leaves, w, rotated=rotated, group=g)
+    want = dict(zip(NAMES, (ref, *torch.autograd.grad(ref, ref_leaves, dout[:, :2].float()))))
+    tol = tolerance(dtype, "gpu")
+    problems = results_problems({name: t[:, :2] for name, t in got.items()}, want, tol)
+    if rotated:
+        qd = torch.randn(1, 32, 1, d, device="cuda", dtype=dtype, generator=gen)
+        kc, vc = (torch.randn(1, 8, 32768, d, device="cuda", dtype=dtype, generator=gen)
+                  for _ in range(2))
+        with torch.no_grad():
+            step = kernels.rerope_decode(qd, kc, vc, w, group=g)
+        ref = _float32_reference([t.float() for t in (qd, kc, vc)], w, rotated=True, group=g)
+        problems += close_problems("decode", step, ref, tol)
+    assert not problems, "\n".join(problems)
