@@ -107,6 +107,10 @@ class Rotation:
     offset: float
     group: int = None
 
+    def __repr__(self):       # ReRoPE's and Leaky's products print as before
+        grouped = "" if self.group is None else f", group={self.group!r}"
+        return f"Rotation(speed={self.speed!r}, offset={self.offset!r}{grouped})"
+
     @property
     def rotates_keys(self):
         return self.speed != 0 or self.group is not None
