@@ -116,23 +116,27 @@ def check_head_dim(d):
         raise ValueError(f"head dim D={d} is not supported; expected one of {HEAD_DIMS}")
 
 
-def check_rope_args(q, k, window, base, leaky, logn_len, rotated=False, inv_freq=None):
+def check_rope_args(q, k, window, base, leaky, logn_len, rotated=False, inv_freq=None,
+                    group=None):
     """Checks for the RoPE/ReRoPE helpers (``q``, ``k`` and the position settings); returns
     ``inv_freq`` as :class:`Frequencies` (``None`` when not given)."""
     check_qkv({"q": q}, {"k": k}, dtypes=REFERENCE_DTYPES, fewer_queries=True)
     if q.shape[-1] % 2:
         raise ValueError(f"q must have an even head dim for RoPE, got {q.shape[-1]}")
-    return check_rope_settings(window, base, leaky, logn_len, rotated, inv_freq, q.shape[-1])
+    return check_rope_settings(window, base, leaky, logn_len, rotated, inv_freq, q.shape[-1],
+                               group)
 
 
 def check_rope_settings(window, base, leaky, logn_len, rotated=False, inv_freq=None,
-                        head_dim=None):
+                        head_dim=None, group=None):
     """The position settings of :func:`check_rope_args`, for callers that checked the tensors;
     returns ``inv_freq`` as :class:`Frequencies` (``None`` when not given), of ``head_dim / 2``
-    entries when ``head_dim`` is given (:func:`check_inv_freq`)."""
+    entries when ``head_dim`` is given (:func:`check_inv_freq`). ``group``: Self-Extend's group
+    size (:func:`check_group`)."""
     check_flag("rotated", rotated)
     check_window(window)
     check_base(base)
+    check_group(group, window, leaky)
     if leaky is not None:
         if isinstance(leaky, bool) or not isinstance(leaky, numbers.Real):
             raise TypeError(f"leaky must be a float > 1 or None, got {type(leaky).__name__}")
@@ -144,6 +148,27 @@ def check_rope_settings(window, base, leaky, logn_len, rotated=False, inv_freq=N
         if not logn_len > 1:
             raise ValueError(f"logn_len must be > 1 (a training length), got {logn_len}")
     return check_inv_freq(inv_freq, head_dim, base)
+
+
+def check_group(group, window, leaky=None):
+    """Self-Extend's group size: ``None`` (off) or an int ``>= 1`` that divides ``window`` (the
+    grouped query position ``⌊i/G⌋ + w − w/G`` needs ``w/G`` whole), not with ``leaky`` (two
+    different position schemes outside the window). Call after :func:`check_window`."""
+    if group is None:
+        return
+    if isinstance(group, bool) or not isinstance(group, numbers.Integral):
+        raise TypeError(f"group must be an int >= 1 (Self-Extend's group size) or None, got "
+                        f"{type(group).__name__} {group!r}")
+    if group < 1:
+        raise ValueError(f"group must be >= 1 (Self-Extend's group size), got {group}")
+    if leaky is not None:
+        raise ValueError(f"group (Self-Extend) and leaky (Leaky ReRoPE) are two position schemes "
+                         f"for the pairs outside the window; pass one of them, not both "
+                         f"(got group={group!r}, leaky={leaky!r})")
+    if window % group:
+        raise ValueError(f"group must divide window (Self-Extend's grouped query position "
+                         f"⌊i/group⌋ + window − window/group needs window/group whole), got "
+                         f"window={window}, group={group}")
 
 
 def check_base(base):

@@ -183,17 +183,19 @@ def _five_tensors(placeholder):
 _OPERANDS = {}
 
 
-def _rotations(n_k, head_dim, base, window, leaky, logn_len, rotated, device, inv_freq=None):
+def _rotations(n_k, head_dim, base, window, leaky, logn_len, rotated, device, inv_freq=None,
+               group=None):
     """The :class:`Operands` of the fused form, cached per setting (the tables themselves are
     shared by every setting with the same speed and frequencies:
     :func:`kernels.rotary.rotation_tables`). ``inv_freq``: ``None`` (``base``'s frequencies) or
-    :class:`kernels.rope.Frequencies`."""
-    key = (n_k, head_dim, base, window, leaky, logn_len, rotated, device, inv_freq)
+    :class:`kernels.rope.Frequencies`; ``group``: Self-Extend's group size or ``None``."""
+    key = (n_k, head_dim, base, window, leaky, logn_len, rotated, device, inv_freq, group)
     operands = _OPERANDS.get(key)
     if operands is None:
         if len(_OPERANDS) > 256:          # many lengths seen: keep the cache small
             _OPERANDS.clear()
-        rotation = rotation_tables(n_k, head_dim, window, leaky, rotated, device, base, inv_freq)
+        rotation = rotation_tables(n_k, head_dim, window, leaky, rotated, device, base, inv_freq,
+                                   group)
         operands = _OPERANDS[key] = Operands(split=True, tables=rotation.tables,
                                              flags=rotation.flags,
                                              logn_factor=logn_factor(logn_len))
@@ -465,10 +467,10 @@ def _op_frequencies(inv_freq):
 @torch.library.custom_op("kernels::rerope_fwd", mutates_args=())
 def _fused_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int, causal: bool,
                sm_scale: float, base: float, leaky: Optional[float], logn_len: Optional[float],
-               rotated: bool, inv_freq: Optional[list[float]] = None
+               rotated: bool, inv_freq: Optional[list[float]] = None, group: Optional[int] = None
                ) -> tuple[torch.Tensor, torch.Tensor]:
     operands = _rotations(k.shape[2], q.shape[-1], base, window, leaky, logn_len, rotated,
-                          q.device, _op_frequencies(inv_freq))
+                          q.device, _op_frequencies(inv_freq), group)
     return rerope_forward(q, q, k, k, v, window, causal, sm_scale, operands)
 
 
@@ -476,9 +478,10 @@ def _fused_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int, c
 def _fused_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                out: torch.Tensor, lse: torch.Tensor, window: int, causal: bool, sm_scale: float,
                base: float, leaky: Optional[float], logn_len: Optional[float],
-               rotated: bool, inv_freq: Optional[list[float]] = None) -> list[torch.Tensor]:
+               rotated: bool, inv_freq: Optional[list[float]] = None,
+               group: Optional[int] = None) -> list[torch.Tensor]:
     operands = _rotations(k.shape[2], q.shape[-1], base, window, leaky, logn_len, rotated,
-                          q.device, _op_frequencies(inv_freq))
+                          q.device, _op_frequencies(inv_freq), group)
     return list(rerope_backward(dout.contiguous(), q, q, k, k, v, out, lse, window, causal,
                                 sm_scale, operands))
 
@@ -682,33 +685,40 @@ class _FusedPlan:
     (``decode`` for a decode step, see :func:`rerope`) and its bound launches (:func:`_bound`),
     filled by its first call."""
 
-    settings: tuple     # (window, causal, scale, base, leaky, logn_len, rotated, inv_freq), checked
+    settings: tuple     # (window, causal, scale, base, leaky, logn_len, rotated, inv_freq,
+    #                      group), checked
     operands: Operands
     decode: bool
     launchers: dict = field(default_factory=dict)
 
 
-def _plan_fused(q, k, v, window, causal, sm_scale, base, leaky, logn_len, rotated, inv_freq):
+def _plan_fused(q, k, v, window, causal, sm_scale, base, leaky, logn_len, rotated, inv_freq,
+                group):
     check_qkv({"q": q}, {"k": k, "v": v}, fewer_queries=True)
     check_head_dim(q.shape[-1])
     inv_freq = check_rope_settings(window, base, leaky, logn_len, rotated, inv_freq,
-                                   q.shape[-1])
+                                   q.shape[-1], group)
     check_logn_overflow(logn_len, k.shape[2], q.dtype)
     check_flag("causal", causal)
+    if group is not None and not causal:
+        raise ValueError("group (Self-Extend) needs causal=True: its grouped positions are "
+                         "defined for keys at or before the query only")
     check_sm_scale(sm_scale)
     scale = q.shape[-1] ** -0.5 if sm_scale is None else float(sm_scale)
     window = min(int(window), k.shape[2])     # as in rerope_attention: >= Nk means plain RoPE
     settings = (window, causal, scale, float(base), None if leaky is None else float(leaky),
-                None if logn_len is None else float(logn_len), rotated, inv_freq)
+                None if logn_len is None else float(logn_len), rotated, inv_freq,
+                None if group is None else int(group))
     decode = causal and q.shape[2] <= DECODE_MAX_QUERIES and not _needs_grad(q, k, v)
     operands = None if decode else _rotations(k.shape[2], q.shape[-1], float(base), window,
-                                              *settings[4:7], q.device, inv_freq)
+                                              *settings[4:7], q.device, inv_freq, settings[8])
     return _FusedPlan(settings, operands, decode)
 
 
 def rerope(q, k, v, window, causal=True, sm_scale=None, base=10000.0, leaky=None, logn_len=None,
-           rotated=False, inv_freq=None):
-    """(Leaky) ReRoPE attention from ``q, k, v`` as a model holds them, rotation in the kernels.
+           rotated=False, inv_freq=None, group=None):
+    """(Leaky) ReRoPE or Self-Extend attention from ``q, k, v`` as a model holds them, rotation
+    in the kernels.
 
     Args:
         q: ``(B, Hq, Nq, D)`` queries at positions ``Nk - Nq … Nk - 1`` (``Nq <= Nk``: a whole
@@ -716,7 +726,8 @@ def rerope(q, k, v, window, causal=True, sm_scale=None, base=10000.0, leaky=None
         k, v: ``(B, Hkv, Nk, D)`` keys and values at positions ``0 … Nk - 1``, ``Hq % Hkv == 0``
             (grouped-query attention by indexing: K/V are never repeated in memory).
         window: int ``>= 1``: pairs closer than ``window`` get ordinary RoPE, the rest relative
-            position ``window`` (ReRoPE) or ``window + (i - j - window) / leaky`` (Leaky).
+            position ``window`` (ReRoPE), ``window + (i - j - window) / leaky`` (Leaky) or
+            ``⌊i/group⌋ - ⌊j/group⌋ + window - window/group`` (Self-Extend).
         causal: mask keys after the query (``j > i``). Without it, future keys beyond the window
             get position ``+window``, like the far past.
         sm_scale: score scale, ``1/sqrt(D)`` when ``None``.
@@ -732,6 +743,13 @@ def rerope(q, k, v, window, causal=True, sm_scale=None, base=10000.0, leaky=None
             remembered while the same tensor is passed unmodified; a
             :class:`kernels.rope.Frequencies` skips every conversion. An attention factor
             (YaRN's ``attention_scaling``) is not applied here: it is in rotated inputs already.
+        group: ``None``, or Self-Extend's group size ``G``, an int ``>= 1`` that divides
+            ``window`` (``ValueError`` otherwise: the grouped query position
+            ``⌊i/G⌋ + window − window/G`` of Jin et al. 2024 then is the same in prefill and
+            decode); ``causal`` only; not with ``leaky``. ``G = 1`` is plain RoPE. Positions
+            are absolute (``⌊i/G⌋`` depends on ``i`` itself, not only on ``i - j``): key ``j``
+            of ``k`` sits at position ``j``. Same kernels and speed as ReRoPE: the grouped
+            angles are rows of the rotation table (:mod:`kernels.rotary`).
 
     Returns ``(B, Hq, Nq, D)`` in the input dtype; differentiable in ``q, k, v``. fp16, bf16 or
     fp32; ``D`` in 16, 32, 64, 128, 256; any strides. No rotated copy of ``q`` or ``k`` is ever
@@ -744,16 +762,16 @@ def rerope(q, k, v, window, causal=True, sm_scale=None, base=10000.0, leaky=None
     """
     inv_freq = as_frequencies(inv_freq)   # checked and cached: cheap per call
     tensors = (q, k, v)
-    settings = (window, causal, sm_scale, base, leaky, logn_len, rotated, inv_freq)
+    settings = (window, causal, sm_scale, base, leaky, logn_len, rotated, inv_freq, group)
     plan = _cached_plan(_plan_fused, tensors, settings)
     if plan.decode:                   # a decode step: split-KV (chapter 8)
         from .decode import rerope_decode
         return rerope_decode(q, k, v, window, sm_scale=sm_scale, base=base, leaky=leaky,
-                             logn_len=logn_len, rotated=rotated, inv_freq=inv_freq)
+                             logn_len=logn_len, rotated=rotated, inv_freq=inv_freq, group=group)
     (q, k, v), restore = prepare_for_device(q, k, v)
     if torch.compiler.is_compiling():
-        *settings, inv_freq = plan.settings
+        *settings, inv_freq, group = plan.settings
         return restore(_fused_fwd(q, k, v, *settings,
-                                  None if inv_freq is None else list(inv_freq))[0])
+                                  None if inv_freq is None else list(inv_freq), group)[0])
     return restore(_FusedAttention.apply(q, k, v, *plan.settings[:3], plan.operands,
                                          plan.launchers))

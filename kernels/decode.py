@@ -554,7 +554,8 @@ def _check_paged_args(q, k_cache, v_cache, block_table, cache_seqlens):
 
 
 def _check_decode_args(q, k_cache, v_cache, window, cache_seqlens, sm_scale, base, leaky,
-                       logn_len, rotated, num_splits, inv_freq=None, block_table=None):
+                       logn_len, rotated, num_splits, inv_freq=None, block_table=None,
+                       group=None):
     if block_table is None:
         batch, hq, hkv, n_queries, n_max, d = check_qkv(
             {"q": q}, {"k_cache": k_cache, "v_cache": v_cache}, fewer_queries=True)
@@ -564,7 +565,7 @@ def _check_decode_args(q, k_cache, v_cache, window, cache_seqlens, sm_scale, bas
                                                                 block_table, cache_seqlens)
         keys = k_cache[:1, :1, :1].expand(batch, hkv, n_max, d)     # the logical shape
     check_head_dim(d)
-    check_rope_args(q, keys, window, base, leaky, logn_len, rotated, inv_freq)
+    check_rope_args(q, keys, window, base, leaky, logn_len, rotated, inv_freq, group)
     check_sm_scale(sm_scale)
     if n_queries > MAX_QUERIES:
         raise ValueError(f"q has {n_queries} queries per row; rerope_decode takes 1 to "
@@ -593,8 +594,9 @@ def _check_decode_args(q, k_cache, v_cache, window, cache_seqlens, sm_scale, bas
 
 def rerope_decode(q, k_cache, v_cache, window, cache_seqlens=None, sm_scale=None, base=10000.0,
                   leaky=None, logn_len=None, rotated=True, num_splits=None, inv_freq=None,
-                  block_table=None):
-    """(Leaky) ReRoPE attention of a few new queries against a KV cache (forward only).
+                  block_table=None, group=None):
+    """(Leaky) ReRoPE or Self-Extend attention of a few new queries against a KV cache (forward
+    only).
 
     The decode step of generation: each batch row's ``Nq`` newest tokens attend, causally, to the
     row's cached keys, whose last ``Nq`` entries are those tokens themselves (append the new
@@ -649,6 +651,12 @@ def rerope_decode(q, k_cache, v_cache, window, cache_seqlens=None, sm_scale=None
             anything). An entry the row does use that is not in ``[0, num_blocks)`` raises
             ``ValueError`` for CPU tensors; on a GPU (no host sync) its keys are not read and
             the row comes back as NaN.
+        group: ``None``, or Self-Extend's group size ``G`` (an int ``>= 1`` dividing ``window``;
+            not with ``leaky``), as in :func:`kernels.rerope`: beyond the window the relative
+            position is ``⌊i/G⌋ - ⌊j/G⌋ + window - window/G``, on the model's own cache (the
+            keys are turned from ``j`` to ``⌊j/G⌋`` in registers). Tiles split their angles as
+            for ReRoPE when ``G`` divides ``BLOCK_N``; otherwise one table row per key
+            (``ANGLES = 2``).
 
     fp16, bf16 or fp32; ``headdim`` in 16, 32, 64, 128, 256. Returns ``out``:
     ``(batch_size, nheads, seqlen_q, headdim)`` in ``q``'s dtype (empty for an empty batch).
@@ -660,10 +668,10 @@ def rerope_decode(q, k_cache, v_cache, window, cache_seqlens=None, sm_scale=None
         inv_freq = as_frequencies(inv_freq)
         return _decode_op(q, k_cache, v_cache, cache_seqlens, window, sm_scale, base, leaky,
                           logn_len, rotated, num_splits,
-                          None if inv_freq is None else list(inv_freq), block_table)
+                          None if inv_freq is None else list(inv_freq), block_table, group)
     _check_forward_only(q, k_cache, v_cache)
     plan = _plan(q, k_cache, v_cache, window, cache_seqlens, sm_scale, base, leaky, logn_len,
-                 rotated, num_splits, as_frequencies(inv_freq), block_table)
+                 rotated, num_splits, as_frequencies(inv_freq), block_table, group)
     return _run(plan, q, k_cache, v_cache, cache_seqlens, block_table)
 
 
@@ -713,9 +721,10 @@ def _decode_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                cache_seqlens: Optional[torch.Tensor], window: int, sm_scale: Optional[float],
                base: float, leaky: Optional[float], logn_len: Optional[float], rotated: bool,
                num_splits: Optional[int], inv_freq: Optional[list[float]] = None,
-               block_table: Optional[torch.Tensor] = None) -> torch.Tensor:
+               block_table: Optional[torch.Tensor] = None,
+               group: Optional[int] = None) -> torch.Tensor:
     plan = _plan(q, k_cache, v_cache, window, cache_seqlens, sm_scale, base, leaky, logn_len,
-                 rotated, num_splits, as_frequencies(inv_freq), block_table)
+                 rotated, num_splits, as_frequencies(inv_freq), block_table, group)
     return _run(plan, q, k_cache, v_cache, cache_seqlens, block_table)
 
 
@@ -744,7 +753,7 @@ _PLANS = PlanCache(limit=64)   # a growing cache makes a new signature every ste
 
 
 def _plan(q, k_cache, v_cache, window, cache_seqlens, sm_scale, base, leaky, logn_len, rotated,
-          num_splits, inv_freq=None, block_table=None):
+          num_splits, inv_freq=None, block_table=None, group=None):
     """The call's :class:`_Plan`, checked and built once per distinct set of shapes, dtypes,
     devices and settings: a decode loop over a fixed-size cache pays the Python checks only on
     its first step (a growing cache, as in a Hugging Face model, once per step, not per layer)."""
@@ -752,34 +761,37 @@ def _plan(q, k_cache, v_cache, window, cache_seqlens, sm_scale, base, leaky, log
         key = (signature(q, k_cache, v_cache, cache_seqlens, block_table),
                type(cache_seqlens), type(block_table),
                tuple((type(x), x) for x in (window, sm_scale, base, leaky, logn_len, rotated,
-                                            num_splits, inv_freq)),
+                                            num_splits, inv_freq, group)),
                tuple(launch_config(q.shape[-1]).items()), PROGRAMS_PER_SM)
         plan = _PLANS.get(key)
     except (AttributeError, TypeError):    # not tensors, unhashable settings: checks will say
         key, plan = None, None
     if plan is None:
         plan = _make_plan(q, k_cache, v_cache, window, cache_seqlens, sm_scale, base, leaky,
-                          logn_len, rotated, num_splits, inv_freq, block_table)
+                          logn_len, rotated, num_splits, inv_freq, block_table, group)
         if key is not None:
             _PLANS.put(key, plan)
     return plan
 
 
 def _make_plan(q, k_cache, v_cache, window, cache_seqlens, sm_scale, base, leaky, logn_len,
-               rotated, num_splits, inv_freq=None, block_table=None):
+               rotated, num_splits, inv_freq=None, block_table=None, group=None):
     batch, hq, hkv, n_queries, n_max, d = _check_decode_args(
         q, k_cache, v_cache, window, cache_seqlens, sm_scale, base, leaky, logn_len, rotated,
-        num_splits, inv_freq, block_table)
+        num_splits, inv_freq, block_table, group)
+    extend = group                         # Self-Extend's group size; below, group is GQA's
     paged = block_table is not None
     group = hq // hkv
     scale = d ** -0.5 if sm_scale is None else float(sm_scale)
     window = min(int(window), n_max)       # every pair has i - j <= Nmax - 1
     device = q.device
     config = INTERPRETER_CONFIG if INTERPRET else launch_config(d)
+    if extend is not None and config["BLOCK_N"] % extend:  # Self-Extend: ⌊(j0 + r)/G⌋ splits
+        config = dict(config, ANGLES=2)                     # only where G divides the tile
     rows_per_program = block_m(group, n_queries)
     if num_splits is None:
         num_splits = default_num_splits(batch, hkv, group, n_queries, n_max, sm_count(device))
-    rotation = rotation_tables(n_max, d, window, leaky, rotated, device, base, inv_freq)
+    rotation = rotation_tables(n_max, d, window, leaky, rotated, device, base, inv_freq, extend)
     # the strides the kernel will see (under the interpreter bf16 runs as an fp32 copy)
     prepared, _ = prepare_for_device(q, k_cache, v_cache)
     strides = [t.stride() for t in prepared]

@@ -32,6 +32,7 @@ checker                            chapter  what the reader writes
 :func:`check_rope_kernel`                6  a RoPE rotation kernel (the five-tensor interface's cost)
 :func:`check_turn_tile`                  7  a tile's halves turned by ``R(speed·p ± offset)`` in registers
 :func:`check_turn_back_tile`             7  the transpose, for gradients (``dq = Rᵀ dq_rot``)
+:func:`check_tile_angles`                7  a key tile's angles from one table row (Self-Extend too)
 :func:`check_merge_kernel`               8  the split-KV merge of partial outputs by their LSEs
 :func:`check_merge_lse_kernel`           8  the merge that also writes the merged LSE (mergeable again)
 :func:`check_split_free_batch`           8  the first batch at which the split rule stops splitting
@@ -1112,6 +1113,84 @@ def check_turn_back_tile(turn_back):
     of ``R(α + β)ᵀ g = R(-α - β) g``: a gradient with respect to a turned operand, brought back to
     the unturned one. Same cases and report as :func:`check_turn_tile`."""
     return _check_turn(turn_back, back=True)
+
+
+# --- chapter 7: a key tile's angles from one table row (Self-Extend's grouped positions) -------
+
+@triton.jit
+def _tile_angles_kernel(Table, Out, TILE_ANGLES: tl.constexpr, BLOCK: tl.constexpr,
+                        HALF: tl.constexpr):
+    """One program per key tile: ``TILE_ANGLES(Table, start, BLOCK, HALF)`` gives the ``(BLOCK,
+    HALF)`` fp32 ``cos, sin`` of the angles of keys ``start … start + BLOCK - 1`` (``start =
+    program · BLOCK``), stored to rows ``start …`` of ``Out`` (``[cos | sin]``, like the table)."""
+    start = tl.program_id(0) * BLOCK
+    cos, sin = TILE_ANGLES(Table, start, BLOCK, HALF)
+    rows = (start + tl.arange(0, BLOCK))[:, None] * (2 * HALF) + tl.arange(0, HALF)[None, :]
+    tl.store(Out + rows, cos)
+    tl.store(Out + rows + HALF, sin)
+
+
+# (what the table is, speed, group, N keys, D, BLOCK): the key turns of the decode kernel
+_TILE_ANGLE_CASES = (
+    ("ReRoPE outside the window, rotated cache: a(p) = -p", -1.0, None, 64, 32, 16),
+    ("Leaky (κ = 4) outside, rotated cache: a(p) = (1/κ - 1) p", -0.75, None, 64, 32, 16),
+    ("Self-Extend (G = 4) outside, raw cache: a(p) = ⌊p/G⌋", 0.0, 4, 64, 32, 16),
+    ("Self-Extend (G = 8) outside, rotated cache: a(p) = ⌊p/G⌋ - p", -1.0, 8, 96, 32, 16),
+    ("Self-Extend (G = 16 = BLOCK) outside, rotated cache, long context", -1.0, 16, 2048, 64, 16),
+)
+
+
+def check_tile_angles(tile_angles):
+    """Chapter 7: ``tile_angles(Table, start, BLOCK, HALF)`` (``@triton.jit``) must return the
+    ``cos, sin`` ``(BLOCK, HALF)`` of the angles ``a(start + r)``, ``r < BLOCK``, of a key tile,
+    reading only the table's first ``BLOCK`` rows and its row ``start`` (angle addition:
+    ``a(start + r) = a(start) + a(r)``, true for a speed and for Self-Extend's ``⌊p/G⌋`` when
+    ``G`` divides ``start``).
+
+    Runs :func:`_tile_angles_kernel` on tables of :func:`kernels.rotary.rope_table` (speeds and
+    groups of the decode kernel's key turns) whose other rows are NaN, so an answer that reads a
+    row per key, or a wrong one, shows; compares with the table's own rows in float64. Reports
+    the case, the tiles, keys and frequencies that are wrong.
+    """
+    from .rotary import rope_table
+
+    for what, speed, group, n, d, block in _TILE_ANGLE_CASES:
+        half = d // 2
+        table = rope_table(n, d, 10000.0, speed, _device(), group=group)[:n]
+        readable = torch.full_like(table, float("nan"))   # rows 0 … BLOCK-1 and tile starts
+        readable[:block] = table[:block]
+        readable[::block] = table[::block]
+        table_view, table_guard = _guarded(readable, "Table")
+        out, out_guard = _guarded_empty((n, d), torch.float32, table.device, "Out")
+        try:
+            with _quiet():
+                _tile_angles_kernel[(n // block,)](table_view, out, TILE_ANGLES=tile_angles,
+                                                   BLOCK=block, HALF=half)
+        except Exception as error:            # a reader's kernel that does not compile or run
+            text = str(error).strip().splitlines()[-1] if str(error).strip() else ""
+            hint = (" (under the interpreter a function passed to a kernel cannot call Triton's "
+                    "library functions that are themselves written in Triton, such as tl.zeros: "
+                    "build the values from loads and arithmetic)"
+                    if "outside of the scope of a kernel" in text else "")
+            return (f"{what}: your function raised {type(error).__name__}: {text}{hint} (it "
+                    f"must return (cos, sin), each of shape (BLOCK, HALF) = ({block}, {half}), "
+                    "fp32)")
+        spilled = _guard_verdict(out_guard, table_guard)
+        if spilled:
+            return f"{what}: {spilled}"
+        got, want = out.double().cpu(), table.double().cpu()
+        bad = ~((got - want).abs() <= 1e-5)           # NaN (a row read per key) counts
+        if bad.any():
+            keys = bad.any(1).nonzero().flatten()
+            read_nan = got[keys].isnan().any().item()
+            tiles = sorted({int(j) // block for j in keys})
+            by_freq = bad[:, :half] | bad[:, half:]
+            hint = (" (NaN: your function read table rows other than the first BLOCK and the "
+                    "tile's first; use the angle addition formulas)" if read_nan else "")
+            return (f"{what} (N={n}, D={d}, BLOCK={block}): wrong on tiles {_spans(tiles)}, keys "
+                    f"{_spans(keys.tolist())}, frequencies t = "
+                    f"{_spans(by_freq.any(0).nonzero().flatten().tolist())}{hint}")
+    return CORRECT
 
 
 # --- chapter 10: the log-n query scale -----------------------------------------------------------

@@ -3,7 +3,7 @@
 Chapter 9 of the book. One call switches every attention layer of a Llama-style model::
 
     import kernels.hf
-    model = kernels.hf.enable_rerope(model, window=512)     # leaky=, logn_len= as kernels.rerope
+    model = kernels.hf.enable_rerope(model, window=512)     # leaky=, logn_len=, group= as kernels.rerope
     model.generate(input_ids, max_new_tokens=100)                # prefill and decode run ReRoPE
     kernels.hf.disable_rerope(model)                             # back to what it ran before
 
@@ -99,14 +99,18 @@ class Settings:
     base: float = DEFAULT_BASE
     inv_freq: Optional[Frequencies] = None
     rope_type: str = "default"
+    group: Optional[int] = None
 
     @property
     def name(self):
         """The registry name, e.g. ``rerope_w512``, ``rerope_w512_leaky16.0_logn4096.0``,
-        ``rerope_w512_base500000.0``, ``rerope_w512_llama3_3c1f0e9a2b`` (the frequencies' digest)."""
+        ``rerope_w512_group8`` (Self-Extend), ``rerope_w512_base500000.0``,
+        ``rerope_w512_llama3_3c1f0e9a2b`` (the frequencies' digest)."""
         name = f"{_PREFIX}{self.window}"
         if self.leaky is not None:
             name += f"_leaky{self.leaky!r}"
+        if self.group is not None:
+            name += f"_group{self.group}"
         if self.logn_len is not None:
             name += f"_logn{self.logn_len!r}"
         if self.inv_freq is not None:
@@ -120,8 +124,9 @@ class Settings:
 # --- the public calls ---------------------------------------------------------------------------
 
 
-def enable_rerope(model, window, leaky=None, logn_len=None):
-    """Switch every attention layer of ``model`` to (Leaky) ReRoPE; returns ``model``.
+def enable_rerope(model, window, leaky=None, logn_len=None, group=None):
+    """Switch every attention layer of ``model`` to (Leaky) ReRoPE or Self-Extend; returns
+    ``model``.
 
     Args:
         model: a transformers ``PreTrainedModel`` of a Llama-style architecture (``model_type``
@@ -135,6 +140,11 @@ def enable_rerope(model, window, leaky=None, logn_len=None):
         leaky: ``None`` (ReRoPE) or Leaky ReRoPE's factor ``> 1``.
         logn_len: ``None`` or the training length: queries are scaled by
             ``max(1, log(i + 1) / log(logn_len))`` at their position ``i``.
+        group: ``None``, or Self-Extend's group size ``G`` (an int ``>= 1`` dividing
+            ``window``; not with ``leaky``): relative positions ``d >= w`` become
+            ``⌊i/G⌋ - ⌊j/G⌋ + w - w/G`` (:func:`kernels.rerope`). Grouping depends on absolute
+            positions: a row whose ``position_ids`` are not its cache slots counted from its
+            first real token (``generate``'s own, with left padding too) raises ``ValueError``.
 
     RoPE's frequencies are read here, once, from the model's rotary embedding (its
     ``inv_freq`` buffer: what really rotates ``q`` and ``k``, also after ``model.to(bfloat16)``
@@ -149,10 +159,10 @@ def enable_rerope(model, window, leaky=None, logn_len=None):
     """
     config = _check_model(model)
     rope_type, base, inv_freq = _model_frequencies(model, config)
-    check_rope_settings(window, base, leaky, logn_len, inv_freq=inv_freq)
+    check_rope_settings(window, base, leaky, logn_len, inv_freq=inv_freq, group=group)
     settings = Settings(int(window), None if leaky is None else float(leaky),
                         None if logn_len is None else float(logn_len), base, inv_freq,
-                        rope_type)
+                        rope_type, None if group is None else int(group))
     _register(settings)
     current = config._attn_implementation
     if not _is_rerope(current):
@@ -494,6 +504,7 @@ def rerope_attention_forward(settings, module, query, key, value, attention_mask
                               kwargs), None
     offsets = _position_offsets(kwargs.get("position_ids"), rows, query.shape[0], n_q, n_k)
     if rows is None:
+        _check_group_positions(settings, offsets, kernel_offset=0)
         query, logn_len = _logn_here(query, settings, offsets, kwargs, kernel_offset=0)
         out = _attend(query, key, value, settings, scaling, logn_len)
     else:
@@ -508,6 +519,7 @@ def rerope_attention_forward(settings, module, query, key, value, attention_mask
             if lo >= end:
                 continue
             q_b = query[b:b + 1, :, lo - first_query:end - first_query]
+            _check_group_positions(settings, offsets[b:b + 1], kernel_offset=-start)
             q_b, logn_len = _logn_here(q_b, settings, offsets[b:b + 1], kwargs,
                                        kernel_offset=-start,
                                        rows=(b, lo - first_query, end - first_query))
@@ -563,11 +575,13 @@ def _attend_static(settings, query, key, value, seqlens, scaling, kwargs):
     if decode:
         out = rerope_decode(query, key, value, settings.window, cache_seqlens=seqlens,
                             sm_scale=scaling, base=settings.base, leaky=settings.leaky,
-                            logn_len=logn_len, rotated=True, inv_freq=settings.inv_freq)
+                            logn_len=logn_len, rotated=True, inv_freq=settings.inv_freq,
+                            group=settings.group)
     else:
         out = rerope(query, key[:, :, :n_keys], value[:, :, :n_keys], settings.window,
                      causal=True, sm_scale=scaling, base=settings.base, leaky=settings.leaky,
-                     logn_len=logn_len, rotated=True, inv_freq=settings.inv_freq)
+                     logn_len=logn_len, rotated=True, inv_freq=settings.inv_freq,
+                     group=settings.group)
     return out.transpose(1, 2).contiguous()
 
 
@@ -580,10 +594,10 @@ def _attend(q, k, v, settings, scaling, logn_len):
     if n_q <= MAX_QUERIES and n_q < n_k and not needs_grad:
         return rerope_decode(q, k, v, settings.window, sm_scale=scaling, base=settings.base,
                              leaky=settings.leaky, logn_len=logn_len, rotated=True,
-                             inv_freq=settings.inv_freq)
+                             inv_freq=settings.inv_freq, group=settings.group)
     return rerope(q, k, v, settings.window, causal=True, sm_scale=scaling, base=settings.base,
                   leaky=settings.leaky, logn_len=logn_len, rotated=True,
-                  inv_freq=settings.inv_freq)
+                  inv_freq=settings.inv_freq, group=settings.group)
 
 
 # --- positions ----------------------------------------------------------------------------------
@@ -637,6 +651,21 @@ def _position_offsets(position_ids, rows, batch, n_q, n_k):
     _checked.update(position_ids=weakref.ref(position_ids), rows=rows, shape=(batch, n_q, n_k),
                     offsets=offsets)
     return offsets
+
+
+def _check_group_positions(settings, offsets, kernel_offset):
+    """Self-Extend groups absolute positions (``⌊i/G⌋``): the kernels' positions (slots from
+    the row's first key given) must be the model's, i.e. every row's offset ``c`` equal to
+    ``kernel_offset`` (see :func:`_logn_here`); ``ValueError`` otherwise."""
+    if settings.group is None:
+        return
+    for c in offsets:
+        if c is not None and c != kernel_offset:
+            raise ValueError(
+                f"group (Self-Extend) groups absolute positions, but this row's position_ids "
+                f"are its cache slots shifted by {c - kernel_offset}: the kernels would group "
+                "other positions than the model's. Pass position_ids counted from the row's "
+                "first real token (generate's own), or none")
 
 
 def _logn_here(q, settings, offsets, kwargs, kernel_offset, rows=None):

@@ -61,22 +61,33 @@ def rerope_attention(q1, q2, k1, k2, v, window, causal=True, sm_scale=None):
 
 
 def rerope(q, k, v, window, causal=True, sm_scale=None, base=10000.0, leaky=None, logn_len=None,
-           rotated=False, inv_freq=None):
-    """(Leaky) ReRoPE attention from ``q, k, v``: build the five tensors, then the naive op.
+           rotated=False, inv_freq=None, group=None):
+    """(Leaky) ReRoPE or Self-Extend attention from ``q, k, v``: build the five tensors, then the
+    naive op.
 
     Arguments as :func:`kernels.rerope` (``q`` ``(B, Hq, Nq, D)``, ``k, v`` ``(B, Hkv, Nk, D)``,
     ``Nq <= Nk``; ``rotated=True``: ``q, k`` already carry RoPE at their positions;
-    ``inv_freq``: the ``D/2`` frequencies instead of ``base``'s).
+    ``inv_freq``: the ``D/2`` frequencies instead of ``base``'s; ``group``: Self-Extend's group
+    size, dividing ``window``, causal only).
     """
     check_qkv({"q": q}, {"k": k, "v": v}, dtypes=REFERENCE_DTYPES, fewer_queries=True)
+    _check_group_causal(group, causal)
     q1, q2, k1, k2 = rerope_inputs(q, k, window, base=base, leaky=leaky, logn_len=logn_len,
-                                   rotated=rotated, inv_freq=inv_freq)
+                                   rotated=rotated, inv_freq=inv_freq, group=group)
     return rerope_attention(q1, q2, k1, k2, v, window, causal=causal, sm_scale=sm_scale)
 
 
+def _check_group_causal(group, causal):
+    if group is not None and causal is not True:
+        raise ValueError("group (Self-Extend) needs causal=True: its grouped positions are "
+                         "defined for keys at or before the query only")
+
+
 def rerope_from_relative_positions(q, k, v, window, causal=True, sm_scale=None, base=10000.0,
-                                   leaky=None, logn_len=None, rotated=False, inv_freq=None):
-    """Independent oracle: each score straight from its ReRoPE relative position.
+                                   leaky=None, logn_len=None, rotated=False, inv_freq=None,
+                                   group=None):
+    """Independent oracle: each score straight from its ReRoPE (or Self-Extend: ``group``)
+    relative position.
 
     With halves ``q = [a, b]``, ``k = [c, d]`` and frequencies ``θ_t``, RoPE's score at relative
     position ``r`` is ``Σ_t (a_t c_t + b_t d_t) cos(r θ_t) + (a_t d_t - b_t c_t) sin(r θ_t)``.
@@ -89,9 +100,10 @@ def rerope_from_relative_positions(q, k, v, window, causal=True, sm_scale=None, 
     """
     _, hq, hkv, n_queries, n_keys, d = check_qkv({"q": q}, {"k": k, "v": v},
                                                  dtypes=REFERENCE_DTYPES, fewer_queries=True)
-    inv_freq = check_rope_args(q, k, window, base, leaky, logn_len, rotated, inv_freq)
+    inv_freq = check_rope_args(q, k, window, base, leaky, logn_len, rotated, inv_freq, group)
     check_sm_scale(sm_scale, kernel=False)
     check_flag("causal", causal)
+    _check_group_causal(group, causal)
     qd, kd = q.double(), _expand_heads(k, hq // hkv).double()
     if rotated:
         key_pos = torch.arange(n_keys, dtype=torch.float64, device=q.device)
@@ -102,7 +114,8 @@ def rerope_from_relative_positions(q, k, v, window, causal=True, sm_scale=None, 
     scale = d ** -0.5 if sm_scale is None else sm_scale
     a, b = qd[..., : d // 2], qd[..., d // 2:]
     c, e = kd[..., : d // 2], kd[..., d // 2:]
-    rel = relative_positions(n_queries, window, leaky=leaky, device=q.device, n_keys=n_keys)
+    rel = relative_positions(n_queries, window, leaky=leaky, device=q.device, n_keys=n_keys,
+                             group=group)
     scores = torch.zeros(*q.shape[:2], n_queries, n_keys, dtype=torch.float64, device=q.device)
     for t, theta in enumerate(frequencies(d, base, inv_freq, device=q.device)):
         same = a[..., t, None] * c[..., None, :, t] + b[..., t, None] * e[..., None, :, t]

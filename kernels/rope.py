@@ -17,6 +17,11 @@ beyond. In the five-tensor form the attention kernel consumes, that is
 
 Leaky ReRoPE with factor ``leaky = κ > 1`` lets the position grow again, slowly, beyond the
 window: ``w + (i - j - w) / κ``, i.e. ``q2 = R((i + w (κ - 1)) / κ) q_i``, ``k2 = R(j / κ) k_j``.
+
+Self-Extend (Jin et al. 2024, "LLM Maybe LongLM") with group size ``group = G`` (``G`` divides
+``w``) groups positions beyond the window instead: ``⌊i/G⌋ − ⌊j/G⌋ + w − w/G``, i.e.
+``q2 = R(⌊i/G⌋ + w − w/G) q_i``, ``k2 = R(⌊j/G⌋) k_j`` — Leaky ReRoPE with ``κ = G`` and
+the positions floored. At ``i − j = w`` it is ``w``, like the others.
 """
 
 import math
@@ -74,8 +79,8 @@ def logn_scale(seq_len, train_len, device=None):
 
 
 def rerope_inputs(q, k, window, base=10000.0, leaky=None, logn_len=None, rotated=False,
-                  inv_freq=None):
-    """Build the five-tensor form ``(q1, q2, k1, k2)`` of (Leaky) ReRoPE.
+                  inv_freq=None, group=None):
+    """Build the five-tensor form ``(q1, q2, k1, k2)`` of (Leaky) ReRoPE or Self-Extend.
 
     Args:
         q: queries ``(B, Hq, Nq, D)``; k: keys ``(B, Hkv, Nk, D)``, ``Nq <= Nk``: the queries sit
@@ -90,11 +95,13 @@ def rerope_inputs(q, k, window, base=10000.0, leaky=None, logn_len=None, rotated
             KV cache hold them); they are rotated back first (``R(-p) R(p) x = x``).
         inv_freq: ``None``, or the ``D/2`` frequencies to rotate with instead of ``base``'s
             (:func:`frequencies`; ``base`` must then stay at its default).
+        group: ``None``, or Self-Extend's group size ``G >= 1`` dividing ``window`` (not with
+            ``leaky``): ``q2 = R(⌊i/G⌋ + w − w/G) q``, ``k2 = R(⌊j/G⌋) k``.
 
     Returns ``(q1, q2, k1, k2)`` in the dtype of ``q``/``k``; differentiable. A ``logn_len`` whose
     scale overflows that dtype is refused or warned about (:func:`check_logn_overflow`).
     """
-    inv_freq = check_rope_args(q, k, window, base, leaky, logn_len, rotated, inv_freq)
+    inv_freq = check_rope_args(q, k, window, base, leaky, logn_len, rotated, inv_freq, group)
     n_queries, n_keys = q.shape[-2], k.shape[-2]
     check_logn_overflow(logn_len, n_keys, q.dtype)
     window = min(window, n_keys)       # any w >= Nk is plain RoPE (and float(w) is finite)
@@ -107,7 +114,11 @@ def rerope_inputs(q, k, window, base=10000.0, leaky=None, logn_len=None, rotated
         q = (q.to(torch.float64 if q.dtype == torch.float64 else torch.float32) * scale).to(q.dtype)
     q1 = apply_rope(q, query_pos, base, inv_freq)
     k1 = apply_rope(k, key_pos, base, inv_freq)
-    if leaky is None:
+    if group is not None:
+        q2 = apply_rope(q, torch.div(query_pos, group, rounding_mode="floor")
+                        + (window - window // group), base, inv_freq)
+        k2 = apply_rope(k, torch.div(key_pos, group, rounding_mode="floor"), base, inv_freq)
+    elif leaky is None:
         q2 = apply_rope(q, torch.full_like(query_pos, float(window)), base, inv_freq)
         k2 = k
     else:
@@ -116,10 +127,11 @@ def rerope_inputs(q, k, window, base=10000.0, leaky=None, logn_len=None, rotated
     return q1, q2, k1, k2
 
 
-def relative_positions(n, window, leaky=None, device=None, n_keys=None):
+def relative_positions(n, window, leaky=None, device=None, n_keys=None, group=None):
     """The ``(n, n_keys)`` matrix of relative positions ReRoPE assigns to (query ``i``, key ``j``).
 
-    ``i - j`` inside the window; ``w`` (ReRoPE) or ``w + (i - j - w) / leaky`` (Leaky) outside.
+    ``i - j`` inside the window; ``w`` (ReRoPE), ``w + (i - j - w) / leaky`` (Leaky) or
+    ``⌊i/G⌋ - ⌊j/G⌋ + w - w/G`` (Self-Extend, ``group = G`` dividing ``w``) outside.
     With ``window >= n_keys`` it is plain RoPE's ``i - j``. ``n_keys`` (default ``n``) keys sit at
     positions ``0 … n_keys - 1`` and the ``n`` queries at the last ``n`` of them.
     """
@@ -127,5 +139,11 @@ def relative_positions(n, window, leaky=None, device=None, n_keys=None):
     window = min(window, n_keys)               # |i - j| <= n_keys - 1: larger windows are the same
     keys = torch.arange(n_keys, dtype=torch.float64, device=device)
     rel = keys[n_keys - n:, None] - keys[None, :]
-    far = torch.full_like(rel, float(window)) if leaky is None else window + (rel - window) / leaky
+    if group is not None:
+        grouped = torch.div(keys, group, rounding_mode="floor")
+        far = grouped[n_keys - n:, None] - grouped[None, :] + (window - window // group)
+    elif leaky is None:
+        far = torch.full_like(rel, float(window))
+    else:
+        far = window + (rel - window) / leaky
     return torch.where(rel.abs() < window, rel, far)

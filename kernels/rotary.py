@@ -11,17 +11,25 @@ attention itself. Here every rotation is a *speed* and an *offset*: product ``P`
 so that its score is ReRoPE's. With ``c = 1`` for rotated inputs and ``0`` for raw ones
 (:func:`rotation_plan`):
 
-====================  ================  ==================
-product               speed             offset
-====================  ================  ==================
-inside the window     ``1 - c``         ``0``
-outside (ReRoPE)      ``-c``            ``w``
-outside (Leaky, κ)    ``1/κ - c``       ``w (κ - 1) / κ``
-====================  ================  ==================
+=========================  ========================  ==================
+product                    key angle at ``p``        query offset
+=========================  ========================  ==================
+inside the window          ``(1 - c) p``             ``0``
+outside (ReRoPE)           ``-c p``                  ``w``
+outside (Leaky, κ)         ``(1/κ - c) p``           ``w (κ - 1) / κ``
+outside (Self-Extend, G)   ``⌊p/G⌋ - c p``           ``w - w/G``
+=========================  ========================  ==================
 
 (``R(a) x · R(b) y`` depends on ``a - b`` only; e.g. rotated inputs outside the window:
 ``R(w - i) R(i) q · R(-j) R(j) k = R(w) q · k``, ReRoPE's clamped score.) A speed of 0 means no
 key rotation at all: raw inputs need none outside the window, rotated inputs none inside.
+
+Self-Extend's grouped positions are not a speed times ``p``, but the kernels never multiply a
+position by a speed: they read row ``p`` of a table. Its table simply holds the angles of
+``⌊p/G⌋ - c p`` (:func:`rope_table` with ``group``), and every kernel runs unchanged. The one
+place that used linearity, the decode kernel's split of a tile's angles ``R(σ (j0 + r)) =
+R(σ j0) R(σ r)``, still holds for tiles starting at multiples of ``G``:
+``⌊(j0 + r)/G⌋ = j0/G + ⌊r/G⌋`` when ``G`` divides ``j0``.
 
 Angles come from a float64-accurate table of ``cos(speed · p · θ_t), sin(speed · p · θ_t)``
 (:func:`rope_table`, cached per speed, head dim, frequencies and device, shared by every head,
@@ -54,20 +62,24 @@ def _frequency_key(base, inv_freq):
     return float(base) if inv_freq is None else inv_freq
 
 
-def rope_table(n, head_dim, base, speed, device, inv_freq=None):
-    """``(capacity, D)`` float32: row ``p`` is ``[cos(speed·p·θ) | sin(speed·p·θ)]``.
+def rope_table(n, head_dim, base, speed, device, inv_freq=None, group=None):
+    """``(capacity, D)`` float32: row ``p`` is ``[cos(a(p)·θ) | sin(a(p)·θ)]`` with the angle
+    ``a(p) = speed·p``, or ``a(p) = speed·p + ⌊p/group⌋`` with ``group`` (Self-Extend).
 
     ``capacity >= n + 256`` is a multiple of 4096, so a kernel may read whole tiles of rows
     past ``n`` without masks. The table grows as longer sequences come and is shared by every
-    call with the same ``(head_dim, base or inv_freq, speed, device)``; ``θ`` is
+    call with the same ``(head_dim, base or inv_freq, speed, group, device)``; ``θ`` is
     :func:`kernels.rope.frequencies` (``inv_freq``: :class:`kernels.rope.Frequencies` or
     ``None``). Computed in float64, stored in float32.
     """
-    key = (head_dim, _frequency_key(base, inv_freq), float(speed), str(device))
+    key = (head_dim, _frequency_key(base, inv_freq), float(speed), group, str(device))
     table = _TABLES.get(key)
     if table is None or table.shape[0] < n + 256:
         capacity = -(-(n + 256) // 4096) * 4096
-        positions = torch.arange(capacity, dtype=torch.float64, device=device) * float(speed)
+        rows = torch.arange(capacity, dtype=torch.float64, device=device)
+        positions = rows * float(speed)
+        if group is not None:
+            positions = positions + torch.div(rows, group, rounding_mode="floor")
         angles = positions[:, None] * frequencies(head_dim, base, inv_freq, device=device)[None, :]
         table = torch.cat((angles.cos(), angles.sin()), dim=-1).to(torch.float32).contiguous()
         _TABLES[key] = table
@@ -88,26 +100,34 @@ def rotation_offset(head_dim, base, offset, device, inv_freq=None):
 
 @dataclass(frozen=True)
 class Rotation:
-    """How one product rotates its operands: keys by ``R(speed·j)``, queries by
-    ``R(speed·i + offset)``."""
+    """How one product rotates its operands: keys by ``R(a(j))``, queries by ``R(a(i) + offset)``,
+    with ``a(p) = speed·p`` (plus ``⌊p/group⌋`` where ``group`` is set: Self-Extend)."""
 
     speed: float
     offset: float
+    group: int = None
+
+    def __repr__(self):       # ReRoPE's and Leaky's products print as before
+        grouped = "" if self.group is None else f", group={self.group!r}"
+        return f"Rotation(speed={self.speed!r}, offset={self.offset!r}{grouped})"
 
     @property
     def rotates_keys(self):
-        return self.speed != 0
+        return self.speed != 0 or self.group is not None
 
     @property
     def rotates_queries(self):
         return self.speed != 0 or self.offset != 0
 
 
-def rotation_plan(window, leaky=None, rotated=False):
-    """``(inside, outside)``: the :class:`Rotation` of each product (table in the module doc)."""
+def rotation_plan(window, leaky=None, rotated=False, group=None):
+    """``(inside, outside)``: the :class:`Rotation` of each product (table in the module doc);
+    ``group``: Self-Extend's group size (dividing ``window``; not with ``leaky``)."""
     c = 1.0 if rotated else 0.0
     inside = Rotation(speed=1.0 - c, offset=0.0)
-    if leaky is None:
+    if group is not None:
+        outside = Rotation(speed=-c, offset=float(window - window // group), group=int(group))
+    elif leaky is None:
         outside = Rotation(speed=-c, offset=float(window))
     else:
         outside = Rotation(speed=1.0 / leaky - c, offset=window * (leaky - 1.0) / leaky)
@@ -130,17 +150,18 @@ class RotationTables:
 
 
 def rotation_tables(n_keys, head_dim, window, leaky, rotated, device, base=10000.0,
-                    inv_freq=None):
-    """The :class:`RotationTables` of (Leaky) ReRoPE with ``window`` over ``n_keys`` keys, for raw
-    or ``rotated`` inputs (speeds and offsets of :func:`rotation_plan`), with the frequencies of
-    ``base`` or ``inv_freq`` (:class:`kernels.rope.Frequencies` or ``None``). The tensors are
-    the shared cached tables: building this costs a few dictionary look-ups."""
-    inside, outside = rotation_plan(window, leaky, rotated)
+                    inv_freq=None, group=None):
+    """The :class:`RotationTables` of (Leaky) ReRoPE or Self-Extend (``group``) with ``window``
+    over ``n_keys`` keys, for raw or ``rotated`` inputs (speeds and offsets of
+    :func:`rotation_plan`), with the frequencies of ``base`` or ``inv_freq``
+    (:class:`kernels.rope.Frequencies` or ``None``). The tensors are the shared cached tables:
+    building this costs a few dictionary look-ups."""
+    inside, outside = rotation_plan(window, leaky, rotated, group)
     tables = []
     for rotation in (inside, outside):
         offset = rotation_offset(head_dim, base, rotation.offset, device, inv_freq)
-        table = (rope_table(n_keys, head_dim, base, rotation.speed, device, inv_freq)
-                 if rotation.rotates_keys else offset)
+        table = (rope_table(n_keys, head_dim, base, rotation.speed, device, inv_freq,
+                            rotation.group) if rotation.rotates_keys else offset)
         tables += [table, offset]
     flags = dict(TURN_IN=inside.rotates_keys, SHIFT_IN=inside.offset != 0,
                  TURN_OUT=outside.rotates_keys, SHIFT_OUT=outside.offset != 0)
