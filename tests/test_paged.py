@@ -39,6 +39,7 @@ class PagedCase:
     leaky: float = None
     num_splits: int = None
     max_blocks: int = None      # table width; enough for the longest row when None
+    group: int = None           # Self-Extend's group size
 
     def id(self):
         parts = [f"P{self.page}", "L" + "-".join(map(str, self.lengths)), f"q{self.n_queries}",
@@ -48,6 +49,8 @@ class PagedCase:
             parts.append(f"leaky{self.leaky:g}")
         if self.num_splits is not None:
             parts.append(f"splits{self.num_splits}")
+        if self.group is not None:
+            parts.append(f"group{self.group}")
         return "-".join(parts)
 
 
@@ -58,6 +61,9 @@ CASES = [
     PagedCase(64, (130, 5), n_queries=5, window=7, hq=2, hkv=2, dtype=F16, num_splits=2),
     PagedCase(256, (300, 257), window=100, hq=4, hkv=2, dtype=BF16, max_blocks=3),
     PagedCase(16, (48, 48), n_queries=2, window=200, rotated=False),     # window > cache
+    # Self-Extend: G divides the interpreter's 16-key tile (angles split per tile) or not
+    PagedCase(16, (70, 41), n_queries=2, window=20, group=4),
+    PagedCase(32, (66,), window=20, group=5, hkv=1),
 ]
 
 
@@ -100,13 +106,13 @@ def decode_call(q, k, v, lengths, case, **kwargs):
     with poisoned_empty(), torch.no_grad():
         return kernels.rerope_decode(q, k, v, case.window, cache_seqlens=lengths,
                                      rotated=case.rotated, leaky=case.leaky,
-                                     num_splits=case.num_splits, **kwargs)
+                                     num_splits=case.num_splits, group=case.group, **kwargs)
 
 
 def oracle(q, k, v, lengths, case):
     return torch.cat([reference.rerope_from_relative_positions(
         q[b:b + 1].double(), k[b:b + 1, :, :n].double(), v[b:b + 1, :, :n].double(),
-        case.window, causal=True, leaky=case.leaky, rotated=case.rotated)
+        case.window, causal=True, leaky=case.leaky, rotated=case.rotated, group=case.group)
         for b, n in enumerate(lengths.tolist())])
 
 
