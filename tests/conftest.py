@@ -459,7 +459,12 @@ _STARTED = []
 def pytest_collection_finish(session):
     """Let a test module start slow background work as soon as the selected tests are known
     (``start_background_work(items)``: tests/test_compile.py's cross-compiles), so that it
-    overlaps the tests that run before it; ``stop_background_work`` runs at the end."""
+    overlaps the tests that run before it; ``stop_background_work`` runs at the end.
+
+    Not in a pytest-xdist worker: every worker collects every test, and each would start the
+    same work; there the module's own fixture starts it in the one worker that runs it."""
+    if hasattr(session.config, "workerinput"):
+        return
     by_module = {}
     for item in session.items:
         module = getattr(item, "module", None)
