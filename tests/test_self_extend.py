@@ -30,6 +30,7 @@ import triton.language as tl
 
 import kernels
 from kernels import reference, rope
+from test_fused import fused_results, oracle_results   # the kernels and the oracle, forward + backward
 from rerope_testing import (F16, F32, close_problems, describe, kernel_device, poisoned_empty,
                             randn, results_problems, tolerance)
 
@@ -168,28 +169,12 @@ def _inputs(gen, case):
     return leaves, randn(gen, *shapes[0], dtype=case.dtype, device=device)
 
 
-def _kernel_results(leaves, dout, window, **kw):
-    for t in leaves:
-        t.grad = None
-    with poisoned_empty():
-        out = kernels.rerope(*leaves, window, **kw)
-        out.backward(dout)
-    return {"out": out.detach(), **{n: t.grad for n, t in zip(NAMES[1:], leaves)}}
-
-
-def _oracle_results(leaves, dout, window, **kw):
-    ref = [t.detach().double().requires_grad_() for t in leaves]
-    out = reference.rerope_from_relative_positions(*ref, window, **kw)
-    out.backward(dout.double())
-    return {"out": out.detach(), **{n: t.grad for n, t in zip(NAMES[1:], ref)}}
-
-
 @pytest.mark.parametrize("case", CASES, ids=Case.id)
 def test_kernels_match_the_oracle(case, gen):
     leaves, dout = _inputs(gen, case)
     kw = dict(group=case.group, rotated=case.rotated, logn_len=case.logn_len)
-    got = _kernel_results(leaves, dout, case.window, **kw)
-    want = _oracle_results(leaves, dout, case.window, **kw)
+    got = fused_results(leaves, dout, case.window, **kw)
+    want = oracle_results(leaves, dout, case.window, **kw)
     assert {t.dtype for t in got.values()} == {case.dtype}
     problems = results_problems(got, want, tolerance(case.dtype))
     assert not problems, describe(gen, **asdict(case)) + "\n" + "\n".join(problems)
