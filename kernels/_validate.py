@@ -61,6 +61,20 @@ def _check_rank4(name, t):
         raise ValueError(f"{name} must have rank 4 (B, H, N, D), got shape {tuple(t.shape)}")
 
 
+def check_alike(named):
+    """Every tensor of ``named`` (name -> tensor) has the first one's dtype and device; returns
+    that first ``(name, tensor)``."""
+    first_name, first = next(iter(named.items()))
+    for name, t in named.items():
+        if t.dtype != first.dtype:
+            raise TypeError(f"{name} has dtype {t.dtype} but {first_name} has {first.dtype}; "
+                            "all inputs must share one dtype")
+        if t.device != first.device:
+            raise ValueError(f"{name} is on {t.device} but {first_name} is on {first.device}; "
+                             "all inputs must be on one device")
+    return first_name, first
+
+
 def check_qkv(queries, keys, dtypes=KERNEL_DTYPES, fewer_queries=False):
     """Check named query and key/value tensors; return ``(B, Hq, Hkv, N, D)``.
 
@@ -72,14 +86,7 @@ def check_qkv(queries, keys, dtypes=KERNEL_DTYPES, fewer_queries=False):
     named = {**queries, **keys}
     for name, t in named.items():
         _check_rank4(name, t)
-    first_name, first = next(iter(named.items()))
-    for name, t in named.items():
-        if t.dtype != first.dtype:
-            raise TypeError(f"{name} has dtype {t.dtype} but {first_name} has {first.dtype}; "
-                            "all inputs must share one dtype")
-        if t.device != first.device:
-            raise ValueError(f"{name} is on {t.device} but {first_name} is on {first.device}; "
-                             "all inputs must be on one device")
+    first_name, first = check_alike(named)
     if first.dtype not in dtypes:
         raise TypeError(f"{first_name} has unsupported dtype {first.dtype}; "
                         f"expected one of {', '.join(str(d) for d in dtypes)}")

@@ -47,7 +47,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._validate import (as_frequencies, check_head_dim, check_logn_overflow, check_qkv,
+from ._validate import (as_frequencies, check_alike, check_head_dim, check_logn_overflow, check_qkv,
                         check_rope_args, check_sm_scale)
 from .launch import Launcher, PlanCache, signature
 from .online_softmax import LOG2E, _softmax_step
@@ -512,12 +512,7 @@ def _check_paged_args(q, k_cache, v_cache, block_table, cache_seqlens):
         if t.dim() != 4:
             raise ValueError(f"with a block_table, {name} must be a paged cache of rank 4 "
                              f"(num_blocks, block_size, Hkv, D), got shape {tuple(t.shape)}")
-        if t.dtype != q.dtype:
-            raise TypeError(f"{name} has dtype {t.dtype} but q has {q.dtype}; all inputs must "
-                            "share one dtype")
-        if t.device != q.device:
-            raise ValueError(f"{name} is on {t.device} but q is on {q.device}; all inputs must "
-                             "be on one device")
+    check_alike({"q": q, "k_cache": k_cache, "v_cache": v_cache})
     if k_cache.shape != v_cache.shape:
         raise ValueError(f"k_cache and v_cache pages disagree: k_cache has shape "
                          f"{tuple(k_cache.shape)}, v_cache {tuple(v_cache.shape)} (both "
