@@ -30,7 +30,7 @@ from .backward import _bwd_delta_kernel, _bwd_dkdv_kernel, _bwd_dq_kernel
 from .forward import _rerope_fwd_kernel
 from .online_softmax import LOG2E
 from .launch import Launcher, PlanCache, signature
-from .rotary import logn_factor, rotation_tables, turn_keys, turn_operands
+from .rotary import logn_factor, rotation_tables, turn_operands
 from .runtime import INTERPRET, dot_precision, prepare_for_device
 
 _KERNELS = {"fwd": _rerope_fwd_kernel, "dkdv": _bwd_dkdv_kernel, "dq": _bwd_dq_kernel}
@@ -318,9 +318,13 @@ def rerope_forward(q1, q2, k1, k2, v, window, causal, sm_scale, operands=None, p
 
 
 def _turned_keys(k1, k2, table_in, table_out):
-    """``k1, k2`` with each product's keys turned once where its table is given."""
-    return (k1 if table_in is None else turn_keys(k1, table_in),
-            k2 if table_out is None else turn_keys(k2, table_out))
+    """``k1, k2`` (the fused form's one ``k``) with each product's keys turned once where its
+    table is given: one read of ``k`` for both products (Self-Extend and Leaky ReRoPE turn the
+    keys of both), each turned key equal to :func:`kernels.rotary.turn_keys`'."""
+    tab_in, tab_out = (table_out if table_in is None else table_in,
+                       table_in if table_out is None else table_out)   # placeholders: unread
+    return turn_operands(k1, (tab_in, tab_in, table_in is not None, False),
+                         (tab_out, tab_out, table_out is not None, False))
 
 
 def _forward_call(launcher, out_shape, lse_shape, turn_tables, tail):
