@@ -147,3 +147,28 @@ def relative_positions(n, window, leaky=None, device=None, n_keys=None, group=No
     else:
         far = window + (rel - window) / leaky
     return torch.where(rel.abs() < window, rel, far)
+
+
+def self_extend_group(train_len, window, length):
+    """Self-Extend's group size for reading ``length`` tokens with a model trained to
+    ``train_len``: the smallest power of two ``G`` dividing ``window`` whose reach covers it,
+    ``(train_len - window) · G + window >= length`` (the largest relative position Self-Extend
+    gives then stays below ``train_len``; Jin et al. 2024, "LLM Maybe LongLM", section 3).
+
+    ``G = 1`` (plain RoPE) up to ``train_len``. Where even the largest power of two dividing
+    ``window`` falls short, that one is returned (``length`` is then past what this window can
+    reach). All three arguments are ints, ``1 <= window < train_len``, ``length >= 1``.
+    """
+    for name, value in (("train_len", train_len), ("window", window), ("length", length)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
+    if window >= train_len:
+        raise ValueError(f"window must be below train_len (the neighbour window sits inside "
+                         f"the trained positions), got window={window}, train_len={train_len}")
+    largest = window & -window                 # the largest power of two dividing window
+    group = 1
+    while (train_len - window) * group + window < length and group < largest:
+        group *= 2
+    return group

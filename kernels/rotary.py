@@ -248,9 +248,11 @@ def turn_keys(k, table):
     """``R(speed · j) k_j`` for every key (``table`` from :func:`rope_table`): ``(B, Hkv, Nk, D)``,
     contiguous, in ``k``'s dtype — exactly the tiles a kernel would turn in registers.
 
-    The forward launcher calls it for long sequences (see
+    The forward launcher turns keys this way for long sequences (see
     :func:`kernels.attention.preturn_keys`): one pass over ``k``, instead of turning every key
-    tile again for every query block that reads it.
+    tile again for every query block that reads it. It runs :func:`turn_operands`, which gives
+    the same keys and writes both products' from one read where both turn them (Leaky ReRoPE,
+    Self-Extend from raw inputs).
     """
     batch, heads, n_k, head_dim = k.shape
     out = torch.empty((batch, heads, n_k, head_dim), dtype=k.dtype, device=k.device)

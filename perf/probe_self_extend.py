@@ -12,7 +12,9 @@ cache (Hq=32, Hkv=8) against the reference on that row. Errors: ``max|err| / max
 the relative Frobenius norm.
 ``time``: the same shapes, fp16: forward and forward + backward at N=8192 (``kernels.bench.
 time_cuda``, L2 flushed), decode against a 32k cache (CUDA-graph replay, ``kernels.bench_decode.
-graph_us``); ReRoPE and Self-Extend interleaved three times, medians kept, ratio SE / ReRoPE.
+graph_us``); ReRoPE, Self-Extend and Leaky ReRoPE with κ = G (Self-Extend without the floor)
+interleaved three times, medians kept, ratios SE / ReRoPE and SE / Leaky. ``merge`` keeps the
+checks of an earlier merged file given among its inputs (``meta.checks_date``).
 ``--small``: tiny shapes, to run the script's logic under the CPU interpreter.
 """
 
@@ -158,21 +160,26 @@ def run_time(args):
     rows = []
 
     def pair(label, make, measure, **extra):
-        """ReRoPE and Self-Extend interleaved three times; medians and the ratio."""
-        steps = {g: make(g) for g in (None, s["group"])}
-        for step in steps.values():          # compile and warm up both first
+        """ReRoPE, Self-Extend (group G) and Leaky ReRoPE (κ = G: the same positions without
+        the floor) interleaved three times; medians, Self-Extend / ReRoPE (``ratio``) and
+        Self-Extend / Leaky (``ratio_to_leaky``)."""
+        g = s["group"]
+        steps = {"rerope": make(None, None), "self_extend": make(g, None),
+                 "leaky": make(None, float(g))}
+        for step in steps.values():          # compile and warm up all first
             step()
-        times = {g: [] for g in steps}
+        times = {name: [] for name in steps}
         for _ in range(3):
-            for g, step in steps.items():
-                times[g].append(measure(step))
-        med = {g: statistics.median(t) for g, t in times.items()}
-        row = dict(label=label, **extra, window=s["window"], group=s["group"],
-                   rerope=med[None], self_extend=med[s["group"]],
-                   ratio=med[s["group"]] / med[None], runs={str(g): t for g, t in times.items()})
+            for name, step in steps.items():
+                times[name].append(measure(step))
+        med = {name: statistics.median(t) for name, t in times.items()}
+        row = dict(label=label, **extra, window=s["window"], group=g, **med,
+                   ratio=med["self_extend"] / med["rerope"],
+                   ratio_to_leaky=med["self_extend"] / med["leaky"], runs=times)
         rows.append(row)
-        print(f"time {label} {extra}: ReRoPE {med[None]:.4g}, Self-Extend "
-              f"{med[s['group']]:.4g}, ratio {row['ratio']:.3f}", flush=True)
+        print(f"time {label} {extra}: ReRoPE {med['rerope']:.4g}, Self-Extend "
+              f"{med['self_extend']:.4g}, Leaky {med['leaky']:.4g}, ratios {row['ratio']:.3f} "
+              f"(to ReRoPE), {row['ratio_to_leaky']:.3f} (to Leaky)", flush=True)
 
     for d in (64, 128):
         for rotated in (True, False):
@@ -180,18 +187,20 @@ def run_time(args):
             common = dict(D=d, N=s["n"], B=1, H=s["heads"], dtype="float16", rotated=rotated,
                           unit="ms")
 
-            def fwd(g, q=q, k=k, v=v, rotated=rotated):
+            def fwd(g, leaky, q=q, k=k, v=v, rotated=rotated):
                 def step():
                     with torch.no_grad():
-                        kernels.rerope(q, k, v, s["window"], rotated=rotated, group=g)
+                        kernels.rerope(q, k, v, s["window"], rotated=rotated, group=g,
+                                       leaky=leaky)
                 return step
             pair("fwd", fwd, _time, **common)
             leaves = [t.clone().requires_grad_() for t in (q, k, v)]
             dout = torch.randn_like(q)
 
-            def fwd_bwd(g, leaves=leaves, dout=dout, rotated=rotated):
+            def fwd_bwd(g, leaky, leaves=leaves, dout=dout, rotated=rotated):
                 def step():
-                    out = kernels.rerope(*leaves, s["window"], rotated=rotated, group=g)
+                    out = kernels.rerope(*leaves, s["window"], rotated=rotated, group=g,
+                                         leaky=leaky)
                     torch.autograd.grad(out, leaves, dout)
                 return step
             pair("fwd+bwd", fwd_bwd, _time, **common)
@@ -199,9 +208,9 @@ def run_time(args):
     for d in (128,):
         q, k, v = inputs(dtype, d, s["heads"], s["kv_heads"], 1, s["cache"], True)
 
-        def decode(g, q=q, k=k, v=v):
+        def decode(g, leaky, q=q, k=k, v=v):
             def step():
-                kernels.rerope_decode(q, k, v, s["window"], group=g)
+                kernels.rerope_decode(q, k, v, s["window"], group=g, leaky=leaky)
             return step
         pair("decode", decode, _graph_us, D=d, Nk=s["cache"], Nq=1, B=1, Hq=s["heads"],
              Hkv=s["kv_heads"], dtype="float16", rotated=True, unit="us")
@@ -223,7 +232,12 @@ def run_merge(args):
         "checks": [], "timings": []}
     for path in args.inputs:
         with open(path) as f:
-            rows = json.load(f)["rows"]
+            part = json.load(f)
+        if "checks" in part:           # an earlier merged file: keep its checks, say when
+            data["checks"] += part["checks"]
+            data["meta"]["checks_date"] = part["meta"]["date"]
+            continue
+        rows = part["rows"]
         data["timings" if "label" in (rows[0] if rows else {}) else "checks"] += rows
     with open(args.out, "w") as f:
         json.dump(data, f, indent=1)

@@ -63,13 +63,8 @@ def attend(q, k, v, positions, base):
 lm.attend = attend
 
 
-def recommended_group(train_len, window, length):
-    """Smallest power-of-two ``G`` dividing ``window`` with ``(train_len - window)·G + window >=
-    length`` (Jin et al. 2024: the context Self-Extend reaches), capped at ``window``."""
-    group = 1
-    while (train_len - window) * group + window < length and group < window:
-        group *= 2
-    return group
+# the authors' rule for G, as kernels.rope states it (the package's copy, since the run)
+recommended_group = kernels.rope.self_extend_group
 
 
 def main(argv=None):

@@ -13,7 +13,8 @@ Methods whose attention depends only on positions and their differences (RoPE, R
 ReRoPE, log-n) give the first ``L`` losses of a 64k forward exactly as a forward at ``L`` would
 (attention is causal): they read each document once at the longest length, and once more at
 every length for the time (the difference between the two readings is stored as a check).
-``dynamic`` and ``yarn`` change RoPE's angles with the length, so they read every length anew.
+``dynamic`` and ``yarn`` change RoPE's angles with the length, and Self-Extend its group size
+(:meth:`realmodel.smollm2.Method.group_for`), so they read every length anew.
 
 Writes ``book/data/smollm2_h200.json`` (or ``--out``) and the documents' token ids
 (``--tokens-out``). On a GPU the model runs in bf16, on a CPU in float32 (kernels through the
@@ -36,13 +37,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DATA = os.path.join(ROOT, "book", "data")
 
 
-def passkey_keys(windows, leaky_window):
+def passkey_keys(windows, leaky_window, self_extend_windows=()):
     """The methods that also run the passkey test (each prompt is a forward at the full length):
     the stock ones, ReRoPE at the second window with and without log-n and at the largest,
-    Leaky ReRoPE with log-n."""
+    Leaky ReRoPE with log-n, Self-Extend at each of its windows."""
     w = sorted(windows)
     return ("rope", "dynamic", "dynamic1", "yarn", f"rerope{w[min(1, len(w) - 1)]}",
-            f"rerope{w[min(1, len(w) - 1)]}+logn", f"rerope{w[-1]}", f"leaky{leaky_window}+logn")
+            f"rerope{w[min(1, len(w) - 1)]}+logn", f"rerope{w[-1]}", f"leaky{leaky_window}+logn",
+            *(f"selfextend{s}" for s in self_extend_windows))
 
 def environment():
     """Device and versions of this run."""
@@ -90,7 +92,10 @@ def timed(fn):
 
 
 def position_only(method):
-    return method.kind in ("rope", "rerope")
+    """Whether a method's attention depends only on the positions (one read at the longest
+    length gives every shorter read): not where a setting changes with the length read."""
+    return (method.kind in ("rope", "rerope")
+            or (method.kind == "self_extend" and method.group is not None))
 
 
 def evaluate(model, tokenizer, docs, lengths, methods, bin_width, prompts, passkey_methods,
@@ -126,8 +131,10 @@ def _one_method(model, docs, lengths, key, method, bin_width, prompts, prompt_se
            "leaky": method.leaky, "logn": method.logn,
            "factor": {str(n): (method.factor_for(n) if method.kind in ("dynamic", "yarn")
                                else None) for n in lengths},
-           "loss": {}, "stderr": {}, "per_position": {}, "seconds": {}, "peak_gb": {},
-           "tokens_per_s": {}}
+           "group": {str(n): (method.group_for(n) if method.kind == "self_extend" else None)
+                     for n in lengths},
+           "loss": {}, "stderr": {}, "doc_loss": {}, "per_position": {}, "seconds": {},
+           "peak_gb": {}, "tokens_per_s": {}}
     # warm-up (kernel compilation, allocator) at the shortest length
     smollm2.set_method(model, method, min(lengths))
     smollm2.token_losses(model, docs[:1, :min(lengths) + 1])
@@ -161,6 +168,7 @@ def _one_method(model, docs, lengths, key, method, bin_width, prompts, prompt_se
         losses = per_length[n].double()
         doc_means = losses.mean(1)
         row["loss"][str(n)] = float(doc_means.mean())
+        row["doc_loss"][str(n)] = doc_means.tolist()     # per document: paired differences
         row["stderr"][str(n)] = (float(doc_means.std() / len(doc_means) ** 0.5)
                                  if len(doc_means) > 1 else None)
         row["per_position"][str(n)] = binned(losses.mean(0), bin_width)
@@ -204,6 +212,8 @@ def main(argv=None):
     parser.add_argument("--windows", type=int, nargs="+", default=[1024, 2048, 4096, 8192])
     parser.add_argument("--leaky-window", type=int, default=2048)
     parser.add_argument("--leaky", type=float, default=16.0)
+    parser.add_argument("--self-extend-windows", type=int, nargs="*", default=[1024, 2048],
+                        help="Self-Extend's neighbour windows (group sizes by the authors' rule)")
     parser.add_argument("--out", default=os.path.join(DATA, "smollm2_h200.json"))
     parser.add_argument("--tokens-out", default=os.path.join(DATA, "smollm2_heldout.safetensors"))
     parser.add_argument("--slice-length", type=int, default=16)
@@ -229,7 +239,8 @@ def main(argv=None):
     model.to(dtype)
     if args.layers is not None:
         smollm2.first_layers(model, args.layers).__enter__()
-    all_methods = smollm2.methods(args.windows, args.leaky_window, args.leaky)
+    all_methods = smollm2.methods(args.windows, args.leaky_window, args.leaky,
+                                  args.self_extend_windows)
     keys = args.methods or list(all_methods)
     unknown = sorted(set(keys) - set(all_methods))
     if unknown:
@@ -270,7 +281,8 @@ def main(argv=None):
             json.dump(results, file, indent=1)
 
     methods, passkey = evaluate(model, tokenizer, docs, lengths, chosen, args.bin, args.prompts,
-                                passkey_keys(args.windows, args.leaky_window),
+                                passkey_keys(args.windows, args.leaky_window,
+                                             args.self_extend_windows),
                                 log=lambda s: print(s, flush=True),
                                 checkpoint=lambda m, p: write(m, {"partial": p}))
     results["complete"] = True

@@ -14,7 +14,9 @@ Position methods (:class:`Method`), all on the same weights:
   ``config.rope_parameters`` (the rotary module is rebuilt afterwards), at a factor chosen per
   length read;
 * ``rerope`` / ``leaky``: (Leaky) ReRoPE through :func:`kernels.hf.enable_rerope`, optionally with
-  log-n scaling against the training length.
+  log-n scaling against the training length;
+* ``selfextend``: Self-Extend, the same function with ``group=`` (the group size chosen per
+  length read, by the authors' rule).
 """
 
 import contextlib
@@ -129,11 +131,15 @@ def first_layers(model, layers):
 @dataclass(frozen=True)
 class Method:
     """One way to read positions. ``kind``: ``"rope"``, ``"dynamic"``, ``"yarn"``, ``"rerope"``
-    (``leaky`` None) or Leaky ReRoPE (``kind`` ``"rerope"`` with ``leaky`` set).
+    (``leaky`` None) or Leaky ReRoPE (``kind`` ``"rerope"`` with ``leaky`` set), or
+    ``"self_extend"`` (Self-Extend: neighbour window ``window``, group size ``group``).
 
     ``factor``: for ``dynamic`` / ``yarn``, ``None`` means ``L / T`` for a read of ``L`` tokens
-    (``T`` the training length, at least 1); a number fixes it. ``logn``: scale queries by
-    ``max(1, log(i + 1) / log T)`` (ReRoPE kinds only).
+    (``T`` the training length, at least 1); a number fixes it. ``group``: for ``self_extend``,
+    ``None`` means the authors' rule for a read of ``L`` tokens
+    (:func:`kernels.rope.self_extend_group`: 1 up to ``T``, then the smallest power of two
+    that reaches ``L``); a number fixes it. ``logn``: scale queries by
+    ``max(1, log(i + 1) / log T)`` (ReRoPE and Self-Extend kinds only).
     """
 
     key: str
@@ -143,6 +149,7 @@ class Method:
     leaky: Optional[float] = None
     logn: bool = False
     factor: Optional[float] = None
+    group: Optional[int] = None
 
     def factor_for(self, length):
         """The ``rope_parameters`` factor used for a read of ``length`` tokens."""
@@ -150,9 +157,18 @@ class Method:
             return float(self.factor)
         return max(1.0, length / TRAIN_LEN)
 
+    def group_for(self, length):
+        """Self-Extend's group size for a read of ``length`` tokens (``self_extend`` only)."""
+        if self.group is not None:
+            return int(self.group)
+        return kernels.rope.self_extend_group(TRAIN_LEN, self.window, length)
 
-def methods(windows=(1024, 2048, 4096, 8192), leaky_window=2048, leaky=16.0):
-    """The evaluated methods, in table order: ``{key: Method}``."""
+
+def methods(windows=(1024, 2048, 4096, 8192), leaky_window=2048, leaky=16.0,
+            self_extend_windows=(1024, 2048)):
+    """The evaluated methods, in table order: ``{key: Method}``. Self-Extend
+    (``selfextend{w}``, ``selfextend{w}+logn``) takes its group size by the authors' rule at
+    each length (:meth:`Method.group_for`)."""
     out = [Method("rope", "RoPE (stock)", "rope"),
            Method("dynamic", "dynamic NTK, factor L/T", "dynamic"),
            Method("dynamic1", "dynamic NTK, factor 1", "dynamic", factor=1.0),
@@ -165,6 +181,9 @@ def methods(windows=(1024, 2048, 4096, 8192), leaky_window=2048, leaky=16.0):
         out.append(Method(f"leaky{leaky_window}{tag}",
                           f"Leaky ReRoPE w={leaky_window} k={leaky:g}{suffix}", "rerope",
                           window=leaky_window, leaky=leaky, logn=logn))
+        for w in self_extend_windows:
+            out.append(Method(f"selfextend{w}{tag}", f"Self-Extend w={w}{suffix}",
+                              "self_extend", window=w, logn=logn))
     return {m.key: m for m in out}
 
 
@@ -192,14 +211,18 @@ def set_method(model, method, length):
                   "factor": method.factor_for(length)}
         if method.kind == "yarn":
             params["original_max_position_embeddings"] = TRAIN_LEN
-    elif method.kind not in ("rope", "rerope"):
-        raise ValueError(f"method.kind must be rope, dynamic, yarn or rerope, got {method.kind!r}")
+    elif method.kind not in ("rope", "rerope", "self_extend"):
+        raise ValueError(f"method.kind must be rope, dynamic, yarn, rerope or self_extend, got "
+                         f"{method.kind!r}")
     with _quiet_transformers():
         model.config.rope_parameters = params
         _rebuild_rotary(model)
+    logn_len = TRAIN_LEN if method.logn else None
     if method.kind == "rerope":
-        kernels.hf.enable_rerope(model, method.window, leaky=method.leaky,
-                                 logn_len=TRAIN_LEN if method.logn else None)
+        kernels.hf.enable_rerope(model, method.window, leaky=method.leaky, logn_len=logn_len)
+    elif method.kind == "self_extend":
+        kernels.hf.enable_rerope(model, method.window, logn_len=logn_len,
+                                 group=method.group_for(length))
     return model
 
 

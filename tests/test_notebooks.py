@@ -234,6 +234,14 @@ def _attention_share(impl):
     return f"{_hf(impl, 'decode', 'attention_ms') / _hf(impl, 'decode'):.0%}".replace("%", " %")
 
 
+def _smollm2(key, n, file="smollm2_h200.json"):
+    return f"{json.loads((DATA / file).read_text())['methods'][key]['loss'][str(n)]:.3f}"
+
+
+def _self_extend(key, n):
+    return _smollm2(key, n, "smollm2_self_extend_h200.json")
+
+
 PROSE_NUMBERS = [
     # (page, a template whose {} holds the number, how the number comes from the data)
     ("book/06_speed", "headline\ntable's {}", lambda: f"{_bench_ms('sdpa_cudnn', 8192, 64) / _bench_ms('rerope', 8192, 64):.2f}"),
@@ -251,6 +259,11 @@ PROSE_NUMBERS = [
     ("book/10_extrapolation", "the mean loss *falls* from {} at 1×", lambda: _mean("rerope128", 256)),
     ("book/10_extrapolation", "at 16× it is {} ({} with log-n)", lambda: (_mean("rerope128", 4096), _mean("rerope128+logn", 4096))),
     ("book/10_extrapolation", "drifts up to {} at 16×", lambda: _mean("rerope256", 4096)),
+    ("book/11_real_model", "at\n64k **{}** for $w = 2048$ against {} for ReRoPE", lambda: (_self_extend("selfextend2048", 65536), _self_extend("rerope2048", 65536))),
+    ("book/11_real_model", "{} for $w = 1024$ against ReRoPE's {}", lambda: (_self_extend("selfextend1024", 65536), _smollm2("rerope1024", 65536))),
+    ("book/11_real_model", "log-n the Self-Extend rows, {} and {}, tie Leaky ReRoPE's {}", lambda: (_self_extend("selfextend1024+logn", 65536), _self_extend("selfextend2048+logn", 65536), _smollm2("leaky2048+logn", 65536))),
+    ("book/11_real_model", "give the same mean loss ({})", lambda: _smollm2("leaky2048", 65536)),
+    ("book/11_real_model", "does a little better ({}\nagainst {}", lambda: (_self_extend("selfextend2048", 16384), _smollm2("leaky2048", 16384))),
     ("book/10_extrapolation", "$L \\le w + \\kappa (T - w) = {}$", lambda: f"{512 + 16 * (4096 - 512):,}".replace(",", "\\,")),
 ]
 

@@ -89,6 +89,24 @@ def two_attention_self_extend(q, k, v, window, group):
     return torch.softmax(scores, -1) @ v
 
 
+
+def test_group_rule_reaches_the_length_read():
+    """``rope.self_extend_group``: G = 1 up to the training length, then the smallest power of
+    two (dividing w) whose reach (T - w)·G + w covers L; capped where w runs out of powers."""
+    g = rope.self_extend_group
+    assert [g(8192, 2048, n) for n in (100, 8192, 8193, 16384, 32768, 65536)] == [1, 1, 2, 4, 8, 16]
+    assert [g(256, 64, 256 * f) for f in (1, 2, 4, 8, 16)] == [1, 4, 8, 16, 32]
+    for n in (8193, 20000, 65536):
+        group = g(8192, 1024, n)
+        assert (8192 - 1024) * group + 1024 >= n > (8192 - 1024) * (group // 2) + 1024
+    assert g(100, 12, 10**6) == 4                      # 12 = 4·3: no larger power divides it
+    with pytest.raises(ValueError, match="window must be below train_len"):
+        g(1024, 1024, 4096)
+    with pytest.raises(ValueError, match="length must be >= 1"):
+        g(1024, 256, 0)
+    with pytest.raises(TypeError, match="window must be an int"):
+        g(1024, 256.0, 4096)
+
 @pytest.mark.parametrize("n_q, n_k, window, group, hq, hkv", [
     (24, 24, 6, 3, 2, 1), (7, 30, 8, 4, 2, 2), (24, 24, 30, 2, 1, 1)])
 def test_oracles_match_the_two_attention_form(n_q, n_k, window, group, hq, hkv, gen):

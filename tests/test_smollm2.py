@@ -59,28 +59,59 @@ def test_the_model_knows_python(loaded, ids):
     assert losses.mean() < 2.5, float(losses.mean())
 
 
-def test_rerope_with_a_window_past_the_sequence_is_the_stock_model(loaded, ids):
-    """ReRoPE with window >= N never clamps: through the kernels, the logits equal stock RoPE
-    (SDPA); with a window inside the sequence they do not (so the test can tell). The model's
-    first 2 layers (an interpreted ReRoPE layer takes seconds), 16 tokens."""
+@pytest.fixture(scope="module")
+def two_layer_logits(loaded, ids):
+    """Logits of the model's first 2 layers (an interpreted ReRoPE layer takes seconds) over 16
+    tokens, per method: stock RoPE (SDPA), ReRoPE at w = 16 and w = 4, Self-Extend at w = 4
+    with G = 1 and G = 2, and stock again after switching back."""
     model, _ = loaded
     ids = ids[:, :16]
+    settings = {"stock": smollm2.Method("rope", "RoPE", "rope"),
+                "rerope16": smollm2.Method("w", "ReRoPE", "rerope", window=16),
+                "rerope4": smollm2.Method("w", "ReRoPE", "rerope", window=4),
+                "selfextend4g1": smollm2.Method("s", "Self-Extend", "self_extend", window=4,
+                                                group=1),
+                "selfextend4g2": smollm2.Method("s", "Self-Extend", "self_extend", window=4,
+                                                group=2)}
+    out, enabled = {}, {}
     with smollm2.first_layers(model, 2):
-        smollm2.set_method(model, smollm2.Method("rope", "RoPE", "rope"), 16)
-        stock = logits(model, ids)
-        smollm2.set_method(model, smollm2.Method("w", "ReRoPE", "rerope", window=16), 16)
-        assert kernels.hf.is_rerope_enabled(model)
-        same = logits(model, ids)
-        smollm2.set_method(model, smollm2.Method("w", "ReRoPE", "rerope", window=4), 16)
-        clamped = logits(model, ids)
-        smollm2.set_method(model, smollm2.Method("rope", "RoPE", "rope"), 16)
-        assert not kernels.hf.is_rerope_enabled(model)
-        back = logits(model, ids)
-    torch.testing.assert_close(same, stock, atol=2e-3, rtol=0)
+        for key, method in settings.items():
+            smollm2.set_method(model, method, 16)
+            enabled[key] = kernels.hf.is_rerope_enabled(model)
+            out[key] = logits(model, ids)
+        smollm2.set_method(model, settings["stock"], 16)
+        enabled["back"] = kernels.hf.is_rerope_enabled(model)
+        out["back"] = logits(model, ids)
+    assert enabled == {"stock": False, "rerope16": True, "rerope4": True, "selfextend4g1": True,
+                       "selfextend4g2": True, "back": False}
+    return out
+
+
+def test_rerope_with_a_window_past_the_sequence_is_the_stock_model(two_layer_logits):
+    """ReRoPE with window >= N never clamps: through the kernels, the logits equal stock RoPE
+    (SDPA); with a window inside the sequence they do not (so the test can tell)."""
+    stock, clamped = two_layer_logits["stock"], two_layer_logits["rerope4"]
+    torch.testing.assert_close(two_layer_logits["rerope16"], stock, atol=2e-3, rtol=0)
     torch.testing.assert_close(clamped[0, :4], stock[0, :4], atol=2e-3, rtol=0)  # all i - j < 4
     moved = (clamped[0] - stock[0]).abs().amax(-1)        # query 4 clamps one key only (j = 0)
     assert moved.max() > 0.5 and moved[5:].min() > 1e-2, moved
-    torch.testing.assert_close(back, stock, atol=0, rtol=0)                        # switched back
+    torch.testing.assert_close(two_layer_logits["back"], stock, atol=0, rtol=0)   # switched back
+
+
+def test_self_extend_through_the_model(two_layer_logits):
+    """Self-Extend (``kind="self_extend"``) at w = 4: G = 1 is stock RoPE; G = 2 gives every
+    pair ReRoPE's positions up to query 5 (⌊i/2⌋ − ⌊j/2⌋ + 2 is 4 = w for i − j in {4, 5} there)
+    and differs from query 6 on (the pair (6, 0) sits at 5); the rule picks G per length."""
+    stock, rerope = two_layer_logits["stock"], two_layer_logits["rerope4"]
+    grouped = two_layer_logits["selfextend4g2"]
+    torch.testing.assert_close(two_layer_logits["selfextend4g1"], stock, atol=2e-3, rtol=0)
+    torch.testing.assert_close(grouped[0, :6], rerope[0, :6], atol=2e-3, rtol=0)
+    apart = (grouped[0] - rerope[0]).abs().amax(-1)
+    assert apart[6:].min() > 1e-2, apart
+    rule = smollm2.methods()["selfextend2048"]
+    assert [rule.group_for(n) for n in (8192, 16384, 32768, 65536)] == [1, 4, 8, 16]
+    assert not evaluate.position_only(rule)
+    assert evaluate.position_only(smollm2.Method("s", "s", "self_extend", window=4, group=2))
 
 
 def test_greedy_with_the_cache_equals_recomputation(loaded, ids):
@@ -143,7 +174,8 @@ def test_methods_and_bad_input(loaded):
     table = smollm2.methods()
     assert {"rope", "dynamic", "yarn", "rerope8192", "rerope2048+logn", "leaky2048+logn"} <= set(table)
     assert table["yarn"].factor_for(65536) == 8.0 and table["yarn"].factor_for(4096) == 1.0
-    assert set(evaluate.passkey_keys((1024, 2048, 4096, 8192), 2048)) <= set(table)
+    assert set(evaluate.passkey_keys((1024, 2048, 4096, 8192), 2048, (1024, 2048))) <= set(table)
+    assert {"selfextend1024", "selfextend2048+logn"} <= set(table)
     with pytest.raises(TypeError, match="method"):
         smollm2.set_method(model, "rope", 10)
     with pytest.raises(ValueError, match="kind"):
