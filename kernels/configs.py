@@ -36,6 +36,10 @@ _CANDIDATES = {
         128: [(128, 64, 8, 3), (128, 128, 8, 2), (128, 64, 4, 3), (64, 64, 4, 3)],
         256: [(64, 64, 8, 2), (64, 32, 4, 2)],
     },
+    # The pre-turned backward of kernels.rerope (SPLIT off, TURN_BACK) uses these lists too; at
+    # D=128 its first candidates beat 9 other dK/dV and 8 other dQ configurations, fp16 and bf16
+    # (perf/runs/sweep_bwd128_h200.json: dK/dV 2.09 ms, next 32x64/4/3 2.28; dQ 1.50-1.51, next
+    # 64x32/4/3 1.61-1.64).
     "dkdv": {   # one program per key block of BLOCK_N, walking query tiles of BLOCK_M
         64: [(64, 64, 4, 3), (64, 64, 4, 2), (32, 128, 4, 3), (64, 128, 8, 3)],
         128: [(64, 64, 4, 2), (32, 128, 8, 3), (64, 128, 8, 2), (32, 64, 4, 3)],

@@ -23,7 +23,8 @@ Three parts, one process (plus compile warm-up workers):
 Rows: ``{"part": "check" | "time", "impl", "path", "dtype", "D", "N", ...}`` with ``ms`` (and
 ``vs_rope_cudnn``: the cuDNN + RoPE time over ours, > 1 when ours is faster) for timings, and the
 differences for checks; ``meta`` has the device, versions and thresholds. The file is rewritten
-after every row, so a run cut short keeps what it measured.
+after every row, so a run cut short keeps what it measured. Its key ``breakdown`` (where the
+backward's time goes, with its own runs' metadata: ``perf/sweep_bwd128.py --merge``) is kept.
 """
 
 import argparse
@@ -140,11 +141,15 @@ def main():
             "paths": "forced per row (PRETURN_BWD_MIN_KEYS 0 or 2**62), not the policy",
             "timing": "kernels.bench.measure_case (median CUDA events, L2 flushed)"}
     rows = []
+    kept = {}                             # written by perf/sweep_bwd128.py --merge
+    if os.path.exists(args.out):
+        with open(args.out) as f:
+            kept = {k: v for k, v in json.load(f).items() if k == "breakdown"}
 
     def save(row):
         rows.append(row)
         print(json.dumps(row), flush=True)
-        bench.write_results(args.out, rows, meta)
+        bench.write_results(args.out, rows, meta, **kept)
 
     attention.PRETURN_BWD_MAX_BYTES = 1 << 62       # the paths are forced, memory is plenty
     if not args.no_warm:

@@ -1,0 +1,457 @@
+"""Launch-configuration sweep of the pre-turned backward at D = 128, and where its time goes
+(issue 20). One command on the GPU:
+
+    KERNELS_AUTOTUNE=0 python perf/sweep_bwd128.py --out sweep_bwd128.json
+
+Shape: B = 1, H = 32, N = 8192, W = 2048, causal, D = 128. The pre-turned backward
+(``attention.rerope_backward(..., preturn=True)``) runs the five-tensor kernels on the turned
+operands (``SPLIT=False``, ``TURN_BACK=True``), so its configurations come from
+``configs._CANDIDATES["dkdv"/"dq"][128]`` (not ``_FUSED_CANDIDATES``).
+
+Parts, one process (plus compile workers, all started first, in parallel, filling Triton's disk
+cache):
+
+1. ``kernel``: each candidate ``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` of one backward
+   kernel (the other at its first candidate), fp16 and bf16, raw inputs: the backward timed as
+   a whole and per piece — CUDA events around every launch (``attention._launch``) and around
+   the turn pass (``attention.turn_operands``), after an L2 flush and a GPU sleep that lets the
+   host run ahead (the pieces then measure the GPU, not the launch path). Each candidate's
+   gradients are compared with the first candidate's (``max_rel_diff``).
+2. ``breakdown``: at the first candidates, fp16 and bf16, raw and rotated: the forward (and its
+   key turn), the backward's turn pass, dK/dV, dQ and the rest (the δ kernel), and forward +
+   backward with ``kernels.bench.measure_case`` beside torch RoPE + SDPA cuDNN's, forward and
+   forward + backward, in the same run.
+3. ``warp_specialize``: a probe, not a change — a copy of the package in a temporary folder
+   whose backward loops run ``tl.range(..., warp_specialize=not MASKED)`` (the unmasked
+   passes), timed as in part 1 (fp16 raw, first candidates), or the error it raised.
+4. ``step``: the benchmark's own step (``kernels.bench.build_case``: forward, then
+   ``torch.autograd.grad``) of ``rerope_raw`` and ``rope_sdpa_cudnn``, fp16: timed as
+   ``measure_case`` does, and again with a ~1 ms GPU sleep before the start event (the host's
+   launch path then hidden) and an event between the forward and the backward, plus the host
+   time of each half. The difference says how much of a measured step is the host, not the GPU.
+
+``--parts`` picks parts (default all, e.g. ``--parts step``). The breakdown and step rows of
+runs go to the book's data file, beside what ``perf/probe_preturn_bwd.py`` writes there (no GPU
+needed; the file's other keys are kept):
+
+    python perf/sweep_bwd128.py --merge perf/runs/sweep_bwd128_h200.json \
+        perf/runs/step_bwd128_h200.json --book book/data/preturn_bwd_h200.json
+
+which sets its key ``breakdown`` to ``{"source", "runs": [{"meta", "rows"}, ...]}``.
+
+Rows go to ``--out`` after each one (``kernels.bench.write_results``: ``meta`` and ``rows``).
+"""
+
+import argparse
+import datetime
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from contextlib import contextmanager
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import kernels  # noqa: E402,F401  (before triton: the interpreter is chosen at import)
+from kernels import attention, bench, configs  # noqa: E402
+
+import triton  # noqa: E402
+
+N, D, WINDOW, HEADS = 8192, 128, 2048, 32
+DTYPES = ("float16", "bfloat16")
+SWEEP = {   # first: the current first candidate (configs._CANDIDATES[kernel][128][0])
+    "dkdv": [(64, 64, 4, 2), (64, 64, 4, 3), (64, 64, 8, 2), (32, 64, 4, 2), (32, 64, 4, 3),
+             (32, 128, 4, 3), (32, 128, 4, 4), (32, 128, 8, 3), (64, 128, 8, 2),
+             (128, 64, 8, 2)],
+    "dq": [(64, 64, 4, 2), (64, 64, 4, 3), (64, 64, 8, 2), (64, 32, 4, 3), (128, 64, 8, 2),
+           (128, 32, 4, 3), (128, 32, 4, 4), (128, 32, 8, 3), (128, 32, 8, 2)],
+}
+CASES = [(dtype, kernel, cfg) for dtype in DTYPES for kernel, cfgs in SWEEP.items()
+         for cfg in (cfgs if kernel == "dkdv" else cfgs[1:])]   # dq's first = dkdv's first
+WS_LOOP = {"BLOCK_M": "for t in range(0, n1 + _tile_count(lo2, hi2, BLOCK_M)):",
+           "BLOCK_N": "for t in range(0, n1 + _tile_count(lo2, hi2, BLOCK_N)):"}
+TIMING = ("kernel and breakdown pieces: median of 20 CUDA-event runs, each after an L2 flush "
+          "and a ~1 ms GPU sleep (the host runs ahead), events around each launch and turn "
+          "pass; breakdown fwd_bwd_ms, rope_cudnn_* and step measure_case_*: "
+          "kernels.bench.measure_case; step plain_* / sleep_*: median of 20 runs of the "
+          "benchmark's step after an L2 flush, without / with the sleep before the start event, "
+          "an event between forward and backward; host_*: perf_counter of each half's Python")
+SLEEP_CYCLES = 2_000_000          # ~1 ms: the host enqueues the backward while the GPU sleeps
+
+
+@contextmanager
+def forced(kernel=None, cfg=None):
+    """The pre-turned backward's ``kernel`` launched with ``cfg`` (the others: first candidate);
+    every cache that keeps a compiled kernel or a bound launch is cleared on entry and exit."""
+    original = configs.launch_configs
+
+    def patched(name, head_dim, capability, elem_bytes=2, split=False):
+        if name == kernel and not split:
+            bm, bn, w, s = cfg
+            return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s)]
+        return original(name, head_dim, capability, elem_bytes, split)[:1]
+
+    def clear():
+        attention._autotuned.cache_clear()
+        attention._LAUNCHERS.clear()
+        attention._OP_PLANS.clear()
+
+    clear()
+    configs.launch_configs = patched
+    try:
+        yield
+    finally:
+        configs.launch_configs = original
+        clear()
+
+
+@contextmanager
+def recording(segments):
+    """Append ``(name, start event, end event)`` for every kernel launch and turn pass."""
+    launch, turn = attention._launch, attention.turn_operands
+
+    def timed(name, fn, *args, **kwargs):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        result = fn(*args, **kwargs)
+        end.record()
+        segments.append((name, start, end))
+        return result
+
+    attention._launch = lambda kernel, *a, **k: timed(kernel, launch, kernel, *a, **k)
+    attention.turn_operands = lambda *a, **k: timed("turn", turn, *a, **k)
+    try:
+        yield
+    finally:
+        attention._launch, attention.turn_operands = launch, turn
+
+
+def inputs(dtype, n=N, seed=0):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    return [torch.randn(1, HEADS, n, D, device="cuda", dtype=getattr(torch, dtype),
+                        generator=gen) for _ in range(4)]
+
+
+def operands(n, rotated):
+    return attention._rotations(n, D, 10000.0, WINDOW, None, None, rotated,
+                                torch.device("cuda"))
+
+
+def segments_ms(step, reps=20):
+    """Median ms of the whole ``step()`` and of each named piece in it (summed per name)."""
+    flush = torch.empty(bench.L2_FLUSH_BYTES // 4, dtype=torch.int32, device="cuda")
+    step()
+    torch.cuda.synchronize()
+    runs = []
+    for _ in range(reps):
+        segments = []
+        flush.zero_()
+        torch.cuda._sleep(SLEEP_CYCLES)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with recording(segments):
+            start.record()
+            step()
+            end.record()
+        runs.append((start, end, segments))
+    torch.cuda.synchronize()
+    pieces = {}
+    totals = []
+    for start, end, segments in runs:
+        totals.append(start.elapsed_time(end))
+        summed = {}
+        for name, s, e in segments:
+            summed[name] = summed.get(name, 0.0) + s.elapsed_time(e)
+        for name, ms in summed.items():
+            pieces.setdefault(name, []).append(ms)
+    result = {f"{name}_ms": statistics.median(v) for name, v in pieces.items()}
+    result["total_ms"] = statistics.median(totals)
+    result["other_ms"] = result["total_ms"] - sum(v for k, v in result.items()
+                                                  if k != "total_ms")
+    return result
+
+
+def backward_step(dtype, rotated, n=N, seed=0):
+    """``step()``: the pre-turned backward (``(dq, dk, dv)``) of a fresh forward on fresh
+    inputs."""
+    q, k, v, dout = inputs(dtype, n, seed)
+    ops = operands(n, rotated)
+    scale = D ** -0.5
+    out, lse = attention.rerope_forward(q, q, k, k, v, WINDOW, True, scale, ops)
+
+    def step():
+        return attention.rerope_backward(dout, q, q, k, k, v, out, lse, WINDOW, True, scale,
+                                         ops, preturn=True)
+    return step
+
+
+def max_rel_diff(got, want):
+    return max(((g.float() - w.float()).abs().max() / w.float().abs().max()).item()
+               for g, w in zip(got, want))
+
+
+# --- compile workers -------------------------------------------------------------------------
+
+
+def warm(job):
+    """Compile one job's kernels. A ``case`` compiles its own kernel only (the other one's
+    launch is skipped: the ``combo`` jobs compile every kernel at its first candidate)."""
+    if job["kind"] == "case":
+        launch = attention._launch
+        attention._launch = lambda kernel, *a, **k: (launch(kernel, *a, **k)
+                                                     if kernel == job["kernel"] else None)
+        with forced(job["kernel"], tuple(job["cfg"])):
+            backward_step(job["dtype"], False, n=1024)()
+    elif job["kind"] == "combo":        # forward + backward at the first candidates, N = 4096
+        q, k, v, dout = (t.requires_grad_() for t in inputs(job["dtype"], 4096))
+        out = kernels.rerope(q, k, v, WINDOW, rotated=job["rotated"])
+        torch.autograd.grad(out, (q, k, v), dout)
+    elif job["kind"] == "ws":
+        backward_step("float16", False, n=1024)()
+    elif job["kind"] == "fwd":          # the forward at N = 4096 (its keys pre-turned)
+        q, k, v, _ = inputs(job["dtype"], 4096)
+        kernels.rerope(q, k, v, WINDOW, rotated=job["rotated"])
+    torch.cuda.synchronize()
+
+
+def spawn(args, cwd=None, **popen):
+    return subprocess.Popen([sys.executable, *args], cwd=cwd, **popen)
+
+
+def warp_specialized_copy():
+    """A temporary copy of the package whose backward loops carry ``warp_specialize=not
+    MASKED``; returns its folder (holding ``kernels/`` and ``perf/``)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    folder = tempfile.mkdtemp(prefix="ws_probe_")
+    shutil.copytree(os.path.join(root, "kernels"), os.path.join(folder, "kernels"),
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    os.makedirs(os.path.join(folder, "perf"))
+    shutil.copy(os.path.abspath(__file__), os.path.join(folder, "perf"))
+    path = os.path.join(folder, "kernels", "backward.py")
+    with open(path) as f:
+        source = f.read()
+    for block, line in WS_LOOP.items():
+        assert source.count(line) == 1, f"loop over {block} not found once in backward.py"
+        source = source.replace(line, line.replace(
+            "range(", "tl.range(").replace("):", ", warp_specialize=not MASKED):"))
+    with open(path, "w") as f:
+        f.write(source)
+    return folder
+
+
+def ws_time(out):
+    """In the patched copy: the fp16 raw backward at the first candidates, as in part 1."""
+    row = {"part": "warp_specialize", "dtype": "float16", "rotated": False, "D": D, "N": N}
+    try:
+        with forced():
+            row.update(segments_ms(backward_step("float16", False)))
+    except Exception as error:      # a probe: the error is the result
+        row["error"] = f"{type(error).__name__}: {str(error)[:400]}"
+    with open(out, "w") as f:
+        json.dump(row, f)
+
+
+def step_rows(dtype="float16", reps=20):
+    """Part 4: one row per impl (see the module docstring)."""
+    shape = bench.Shape(B=1, H=HEADS, N=N, D=D, window=WINDOW, dtype=dtype, causal=True)
+    flush = torch.empty(bench.L2_FLUSH_BYTES // 4, dtype=torch.int32, device="cuda")
+    rows = []
+    for impl in ("rerope_raw", "rope_sdpa_cudnn"):
+        row = {"part": "step", "impl": impl, "dtype": dtype, "D": D, "N": N,
+               "measure_case_ms": bench.measure_case(impl, "fwd+bwd", shape)[0],
+               "measure_case_fwd_ms": bench.measure_case(impl, "fwd", shape)[0]}
+        torch.manual_seed(0)
+        forward, leaves = bench.build_case(impl, shape)
+        upstream = tuple(torch.randn_like(o) for o in bench._as_tuple(forward()))
+        host = {"fwd": [], "bwd": []}
+
+        def step(mid=None):
+            t0 = time.perf_counter()
+            outs = bench._as_tuple(forward())
+            t1 = time.perf_counter()
+            if mid is not None:
+                mid.record()
+            torch.autograd.grad(outs, leaves, grad_outputs=upstream)
+            host["fwd"].append(t1 - t0)
+            host["bwd"].append(time.perf_counter() - t1)
+
+        for sleep in (False, True):
+            for _ in range(3):
+                step()
+            torch.cuda.synchronize()
+            host["fwd"].clear()
+            host["bwd"].clear()
+            runs = []
+            for _ in range(reps):
+                events = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
+                flush.zero_()
+                if sleep:
+                    torch.cuda._sleep(SLEEP_CYCLES)
+                events[0].record()
+                step(events[1])
+                events[2].record()
+                runs.append(events)
+            torch.cuda.synchronize()
+            tag = "sleep" if sleep else "plain"
+            row[f"{tag}_ms"] = statistics.median(a.elapsed_time(c) for a, _, c in runs)
+            row[f"{tag}_fwd_ms"] = statistics.median(a.elapsed_time(b) for a, b, _ in runs)
+            row[f"{tag}_bwd_ms"] = statistics.median(b.elapsed_time(c) for _, b, c in runs)
+            row[f"{tag}_host_fwd_ms"] = 1e3 * statistics.median(host["fwd"])
+            row[f"{tag}_host_bwd_ms"] = 1e3 * statistics.median(host["bwd"])
+        rows.append(row)
+        del forward, leaves, upstream
+        torch.cuda.empty_cache()
+    return rows
+
+
+BOOK_PARTS = ("breakdown", "step")
+
+
+def merge(runs, book):
+    """Put the ``BOOK_PARTS`` rows of the run files ``runs`` under ``book``'s key
+    ``breakdown`` (see the module docstring)."""
+    with open(book) as f:
+        data = json.load(f)
+    merged = []
+    for path in runs:
+        with open(path) as f:
+            run = json.load(f)
+        rows = [r for r in run["rows"] if r["part"] in BOOK_PARTS]
+        if not rows:
+            raise ValueError(f"{path}: no rows of the parts {BOOK_PARTS}")
+        merged.append({"meta": dict(run["meta"], file=path), "rows": rows})
+    data["breakdown"] = {"source": "perf/sweep_bwd128.py (parts breakdown and step)",
+                         "runs": merged}
+    extra = {k: v for k, v in data.items() if k not in ("meta", "rows")}
+    bench.write_results(book, data["rows"], data["meta"], **extra)
+
+
+# --- the run ---------------------------------------------------------------------------------
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", default="sweep_bwd128.json")
+    parser.add_argument("--warm", help=argparse.SUPPRESS)
+    parser.add_argument("--ws-time", help=argparse.SUPPRESS)
+    parser.add_argument("--parts", default="kernel,breakdown,warp_specialize,step",
+                        help="comma-separated parts to run (see the module docstring)")
+    parser.add_argument("--merge", nargs="+", metavar="RUN",
+                        help="no run: merge these run files' rows into --book")
+    parser.add_argument("--book", default="book/data/preturn_bwd_h200.json")
+    args = parser.parse_args()
+    parts = set(args.parts.split(","))
+    if args.merge:
+        merge(args.merge, args.book)
+        return
+    if args.warm:
+        warm(json.loads(args.warm))
+        return
+    if args.ws_time:
+        ws_time(args.ws_time)
+        return
+
+    meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+            "triton": triton.__version__,
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "autotune": configs.AUTOTUNE, "tma": configs.TMA,
+            "shape": dict(B=1, H=HEADS, N=N, D=D, window=WINDOW, causal=True),
+            "first_candidates": {k: configs.candidate_configs(k, D)[0] for k in ("dkdv", "dq")},
+            "timing": TIMING}
+    rows = []
+
+    def save(row):
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        bench.write_results(args.out, rows, meta)
+
+    # compile everything first, all workers at once
+    jobs = []
+    if "kernel" in parts:
+        jobs += [{"kind": "case", "dtype": dt, "kernel": kern, "cfg": cfg}
+                 for dt, kern, cfg in CASES]
+    if parts & {"kernel", "breakdown"}:
+        jobs += [{"kind": "combo", "dtype": dt, "rotated": rot} for dt in DTYPES
+                 for rot in (False, True)]
+    elif "step" in parts:               # fp16 raw only: each kernel in its own worker
+        first = {k: configs.candidate_configs(k, D)[0] for k in ("dkdv", "dq")}
+        jobs += [{"kind": "case", "dtype": "float16", "kernel": k, "cfg": c}
+                 for k, c in first.items()]
+        jobs += [{"kind": "fwd", "dtype": "float16", "rotated": False}]
+    ws_folder = warp_specialized_copy() if "warp_specialize" in parts else None
+    start = time.time()
+    procs = [spawn([os.path.abspath(__file__), "--warm", json.dumps(job)]) for job in jobs]
+    if ws_folder:
+        procs.append(spawn(["perf/sweep_bwd128.py", "--warm", json.dumps({"kind": "ws"})],
+                           cwd=ws_folder))
+    codes = [p.wait() for p in procs]
+    meta["warm"] = {"workers": len(procs), "seconds": round(time.time() - start),
+                    "failed": [j for j, c in zip(jobs + [{"kind": "ws"}], codes) if c]}
+    print(f"warm-up: {meta['warm']}", flush=True)
+
+    # part 1: the sweep
+    for dtype in DTYPES if "kernel" in parts else ():
+        step = backward_step(dtype, False, seed=1)
+        with forced():
+            reference_grads = step()
+        for kernel, cfgs in SWEEP.items():
+            for cfg in cfgs:
+                row = {"part": "kernel", "dtype": dtype, "rotated": False, "kernel": kernel,
+                       "config": list(cfg)}
+                try:
+                    with forced(kernel, cfg):
+                        row["max_rel_diff"] = max_rel_diff(step(), reference_grads)
+                        row.update(segments_ms(step))
+                except Exception as error:
+                    row["error"] = f"{type(error).__name__}: {str(error)[:300]}"
+                save(row)
+        del step, reference_grads
+        torch.cuda.empty_cache()
+
+    # part 2: the breakdown at the first candidates, beside torch RoPE + cuDNN
+    for dtype in DTYPES if "breakdown" in parts else ():
+        shape = bench.Shape(B=1, H=HEADS, N=N, D=D, window=WINDOW, dtype=dtype, causal=True)
+        base = {mode: bench.measure_case("rope_sdpa_cudnn", mode, shape)[0]
+                for mode in ("fwd", "fwd+bwd")}
+        for rotated in (False, True):
+            with forced():
+                q, k, v, _ = inputs(dtype, seed=2)
+                ops = operands(N, rotated)
+                fwd = segments_ms(lambda: attention.rerope_forward(q, q, k, k, v, WINDOW, True,
+                                                                   D ** -0.5, ops))
+                bwd = segments_ms(backward_step(dtype, rotated, seed=2))
+                impl = "rerope_rotated" if rotated else "rerope_raw"
+                whole = bench.measure_case(impl, "fwd+bwd", shape)[0]
+            save({"part": "breakdown", "dtype": dtype, "rotated": rotated, "D": D, "N": N,
+                  "fwd_ms": fwd["total_ms"], "fwd_kernel_ms": fwd.get("fwd_ms"),
+                  "fwd_key_turn_ms": fwd.get("turn_ms", 0.0),
+                  "bwd_ms": bwd["total_ms"], "bwd_turn_ms": bwd.get("turn_ms", 0.0),
+                  "dkdv_ms": bwd["dkdv_ms"], "dq_ms": bwd["dq_ms"],
+                  "bwd_delta_other_ms": bwd["other_ms"], "fwd_bwd_ms": whole,
+                  "rope_cudnn_fwd_ms": base["fwd"], "rope_cudnn_fwd_bwd_ms": base["fwd+bwd"],
+                  "vs_rope_cudnn": round(base["fwd+bwd"] / whole, 3)})
+            torch.cuda.empty_cache()
+
+    # part 3: the warp-specialize probe, in its own process (its kernels are in the disk cache)
+    if ws_folder:
+        result = os.path.join(ws_folder, "ws.json")
+        code = spawn(["perf/sweep_bwd128.py", "--ws-time", result], cwd=ws_folder).wait()
+        if os.path.exists(result):
+            with open(result) as f:
+                save(json.load(f))
+        else:
+            save({"part": "warp_specialize", "error": f"probe process exited {code}"})
+
+    # part 4: the benchmark's step, with and without the host's launch path hidden
+    if "step" in parts:
+        for row in step_rows():
+            save(row)
+
+
+if __name__ == "__main__":
+    main()
