@@ -51,7 +51,10 @@ def refresh(path, ids, why, timeout, kernel):
     on_cpu = run.get("cells_run_on_cpu") or {"ids": [], "why": ""}
     on_cpu["ids"] = list(dict.fromkeys(list(on_cpu["ids"]) + list(ids)))
     note = f"{why}: executed on CPU (torch {info['torch']}, Triton {info['triton']})"
-    on_cpu["why"] = f"{on_cpu['why']}; {note}" if on_cpu["why"] else note
+    reasons = [r for r in on_cpu["why"].split("; ") if r]
+    if note not in reasons:                  # the same cells refreshed again: said once
+        reasons.append(note)
+    on_cpu["why"] = "; ".join(reasons)
     run["cells_run_on_cpu"] = on_cpu
     nbformat.write(original, path)
     print(f"{path}: refreshed {len(ids)} cell(s): {', '.join(ids)}")
