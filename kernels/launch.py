@@ -130,6 +130,29 @@ class Launcher:
         compiled.run                          # load the module now (not inside a graph capture)
         self._compiled = compiled
 
+    def fixed(self, *fixed):
+        """``call(*args)``: ``self(*args, *fixed)``, for arguments the caller keeps for the
+        launcher's life (a plan's tables, strides and scalars). Where the launcher is bound, the
+        fixed tensors go to the compiled kernel's launcher as their device addresses (Triton's
+        launcher takes an int for a pointer as it is, and skips the attribute call and the
+        driver's pointer query a tensor costs); ``call`` holds the tensors, so those addresses
+        stay valid. Otherwise, and whenever launch hooks are set, it is ``self(*args,
+        *fixed)``."""
+        if self._compiled is None:
+            return lambda *args: self(*args, *fixed)
+        compiled, grid, stream, device = self._compiled, self._grid3, self._stream, self._device
+        run, function, metadata = compiled.run, compiled.function, compiled.packed_metadata
+        tail = tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in fixed)
+        tail += self._tail
+
+        def call(*args):
+            if not _no_launch_hooks():
+                return self(*args, *fixed)
+            run(*grid, stream(device), function, metadata, None, None, None, *args, *tail)
+
+        call.fixed = fixed          # the tensors whose addresses ``tail`` holds
+        return call
+
     @property
     def bound(self):
         """Whether later calls skip Triton's Python launch path."""
