@@ -312,8 +312,7 @@ def rerope_forward(q1, q2, k1, k2, v, window, causal, sm_scale, operands=None, p
         TMA=_tma_of(launchers, "fwd", q1, q2, k1, k2, v), TURN_K_IN=turn_keys_in,
         TURN_K_OUT=turn_keys_out, **operands.constexprs(head_dim))
     if launchers is not None and fused:
-        launchers[call_key] = _forward_call(launcher, out.shape, lse.shape, turn_tables,
-                                            tuple(args[7:]))
+        launchers[call_key] = _forward_call(launcher, out, lse, turn_tables, tuple(args[7:]))
     return out, lse
 
 
@@ -327,16 +326,19 @@ def _turned_keys(k1, k2, table_in, table_out):
                          (tab_out, tab_out, table_out is not None, False))
 
 
-def _forward_call(launcher, out_shape, lse_shape, turn_tables, tail):
+def _forward_call(launcher, out, lse, turn_tables, tail):
     """A fused-form plan's forward after its first call: everything the call signature fixes
     (the launcher, the strides, tables and scalars after the seven tensors, whether keys are
-    pre-turned) is kept, and a call allocates its outputs and launches."""
+    pre-turned, the outputs' shapes, dtype and device: those of the first call's ``out`` and
+    ``lse``) is kept, and a call allocates its outputs and launches."""
     launch = launcher.fixed(*tail)
     turn = turn_tables[0] is not None or turn_tables[1] is not None
+    out_shape, lse_shape, dtype, device = out.shape, lse.shape, out.dtype, out.device
+    del out, lse                          # (not kept alive by the call)
 
     def call(q1, q2, k1, k2, v):
-        out = torch.empty(out_shape, dtype=q1.dtype, device=q1.device)
-        lse = torch.empty(lse_shape, dtype=torch.float32, device=q1.device)
+        out = torch.empty(out_shape, dtype=dtype, device=device)
+        lse = torch.empty(lse_shape, dtype=torch.float32, device=device)
         if turn:
             k1, k2 = _turned_keys(k1, k2, *turn_tables)
         launch(q1, q2, k1, k2, v, out, lse)
@@ -406,7 +408,7 @@ def rerope_backward(dout, q1, q2, k1, k2, v, out, lse, window, causal, sm_scale,
     if launchers is not None and split:
         launchers[call_key] = _backward_call(
             (delta_launcher, args[3:]), turn, (dkdv, tuple(dkdv_args[11:])),
-            (dq_launcher, tuple(dq_args[10:])))
+            (dq_launcher, tuple(dq_args[10:])), dq[0], dk[0])
     return (dq[0], dk[0], dv) if split else (dq[0], dq[1], dk[0], dk[1], dv)
 
 
@@ -427,20 +429,24 @@ def _operand_turns(operands, first_query):
     return turn
 
 
-def _backward_call(delta, turn, dkdv, dq):
+def _backward_call(delta, turn, dkdv, dq, dq_first, dk_first):
     """A fused-form plan's backward after its first call (as :func:`_forward_call`): each of
     ``delta, dkdv, dq`` is a launcher and the arguments after its tensors; ``turn`` pre-turns
-    the operands (:func:`_operand_turns`) or is ``None``."""
+    the operands (:func:`_operand_turns`) or is ``None``; the gradients take the shapes,
+    dtype and device of the first call's (``dq_first``, ``dk_first``)."""
     delta_launch, dkdv_launch, dq_launch = (launcher.fixed(*tail) for launcher, tail in
                                             (delta, dkdv, dq))
+    q_shape, k_shape, dtype, device = (dq_first.shape, dk_first.shape, dq_first.dtype,
+                                       dq_first.device)
+    del dq_first, dk_first                # (not kept alive by the call)
 
     def call(dout, q, k, v, out, lse):
         grad_delta = torch.empty_like(lse)
         delta_launch(out, dout, grad_delta)
         q1, q2, k1, k2 = (q, q, k, k) if turn is None else turn(q, k)
-        dq = torch.empty(q1.shape, dtype=q1.dtype, device=q1.device)
-        dk = torch.empty(k1.shape, dtype=k1.dtype, device=k1.device)
-        dv = torch.empty(k1.shape, dtype=k1.dtype, device=k1.device)
+        dq = torch.empty(q_shape, dtype=dtype, device=device)
+        dk = torch.empty(k_shape, dtype=dtype, device=device)
+        dv = torch.empty(k_shape, dtype=dtype, device=device)
         dkdv_launch(q1, q2, k1, k2, v, dout, lse, grad_delta, dk, dk, dv)
         dq_launch(q1, q2, k1, k2, v, dout, lse, grad_delta, dq, dq)
         return dq, dk, dv

@@ -32,9 +32,9 @@ from .runtime import INTERPRET
 def signature(*tensors):
     """The part of a call's key that the tensors give: per tensor ``(shape, strides, dtype,
     device, pointer 16-byte aligned)``. ``None`` entries stay ``None``."""
-    return tuple(None if t is None else
-                 (t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16 == 0)
-                 for t in tensors)
+    return tuple([None if t is None else
+                  (t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16 == 0)
+                  for t in tensors])
 
 
 class PlanCache:

@@ -18,10 +18,11 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [os.path.join(ROOT, "tests"), ROOT, os.path.join(ROOT, "perf")]
-# (tests/ first: its conftest.py, not the root's, is what test_generation imports)
+# (tests/ first: its conftest.py, not the root's, is what test_generation imports; so it is
+# imported before bench_hf, which puts the root first on sys.path)
 
-from bench_hf import event_ms  # noqa: E402
 from test_generation import Block  # noqa: E402
+from bench_hf import event_ms  # noqa: E402,I100
 
 
 def step_results(block, x):
@@ -63,9 +64,10 @@ def main():
     parser.add_argument("--heads", type=int, default=32)
     parser.add_argument("--out", default="perf/runs/compile_block_h200.json")
     parser.add_argument("--profile", action="store_true", help="add the kernel tables")
+    parser.add_argument("--dtypes", default="float16,bfloat16")
     args = parser.parse_args()
     rows = []
-    for dtype in (torch.float16, torch.bfloat16):
+    for dtype in (getattr(torch, name) for name in args.dtypes.split(",")):
         torch.manual_seed(0)
         block = Block(args.dim, args.heads, window=1024).to("cuda", dtype)
         x = torch.randn(1, args.n, args.dim, device="cuda", dtype=dtype)
