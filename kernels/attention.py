@@ -6,12 +6,15 @@ v`` as a model holds them, raw or already rotated, and rotates inside the kernel
 differentiable. On a GPU every kernel is autotuned over :func:`kernels.configs.launch_configs`;
 under the CPU interpreter one fixed configuration runs (:mod:`kernels.runtime`).
 
-Each op has two doors to the same launchers. Eagerly, a ``torch.autograd.Function``: the
-lightest path from Python to the kernels (short sequences are bound by host time). Under
-``torch.compile``, ops registered with ``torch.library`` (``torch.ops.kernels.*``, with fake
-implementations and autograd formulas), which the compiler treats as opaque instead of tracing
-into Triton; in eager mode they would cost 90 µs more per forward call (measured on the H200
-host, perf/runs/host_fused_v1.json).
+Each op has two doors to the same launchers. Eagerly, a ``torch.autograd.Function`` where a
+gradient is needed and the kernels themselves where none is: the lightest paths from Python to
+the kernels (short sequences are bound by host time). Under ``torch.compile``, ops registered
+with ``torch.library`` (``torch.ops.kernels.*``, with fake implementations and autograd
+formulas), which the compiler treats as opaque instead of tracing into Triton; in eager mode
+they would cost 90 µs more per forward call (measured on the H200 host,
+perf/runs/host_fused_v1.json). Both doors keep a plan per call signature (:func:`_cached_plan`,
+:func:`_op_plan`), so a repeated call, eager or from a compiled graph, is a lookup plus the
+plan's kept, bound launches.
 """
 
 import functools

@@ -16,7 +16,9 @@ own layer). The ops here pay that once per *call signature* instead:
   the arguments straight to that kernel's launcher (``CompiledKernel.run``), a few µs. This is
   only valid for calls Triton would map to the same compiled kernel, which is what the plan key
   guarantees: integer arguments are the same numbers (they come from the same shapes), pointer
-  alignment is part of the key.
+  alignment is part of the key. :meth:`Launcher.fixed` binds the arguments a plan keeps for
+  good (its tables, strides, scalars) once: the plan's tensors among them go to Triton's
+  launcher as device addresses.
 
 Under the CPU interpreter there is no compiled kernel: :class:`Launcher` calls ``kernel[grid]``
 every time (the plans still save the checks).
