@@ -6,12 +6,15 @@ v`` as a model holds them, raw or already rotated, and rotates inside the kernel
 differentiable. On a GPU every kernel is autotuned over :func:`kernels.configs.launch_configs`;
 under the CPU interpreter one fixed configuration runs (:mod:`kernels.runtime`).
 
-Each op has two doors to the same launchers. Eagerly, a ``torch.autograd.Function``: the
-lightest path from Python to the kernels (short sequences are bound by host time). Under
-``torch.compile``, ops registered with ``torch.library`` (``torch.ops.kernels.*``, with fake
-implementations and autograd formulas), which the compiler treats as opaque instead of tracing
-into Triton; in eager mode they would cost 90 µs more per forward call (measured on the H200
-host, perf/runs/host_fused_v1.json).
+Each op has two doors to the same launchers. Eagerly, a ``torch.autograd.Function`` where a
+gradient is needed and the kernels themselves where none is: the lightest paths from Python to
+the kernels (short sequences are bound by host time). Under ``torch.compile``, ops registered
+with ``torch.library`` (``torch.ops.kernels.*``, with fake implementations and autograd
+formulas), which the compiler treats as opaque instead of tracing into Triton; in eager mode
+they would cost 90 µs more per forward call (measured on the H200 host,
+perf/runs/host_fused_v1.json). Both doors keep a plan per call signature (:func:`_cached_plan`,
+:func:`_op_plan`), so a repeated call, eager or from a compiled graph, is a lookup plus the
+plan's kept, bound launches.
 """
 
 import functools
@@ -312,8 +315,7 @@ def rerope_forward(q1, q2, k1, k2, v, window, causal, sm_scale, operands=None, p
         TMA=_tma_of(launchers, "fwd", q1, q2, k1, k2, v), TURN_K_IN=turn_keys_in,
         TURN_K_OUT=turn_keys_out, **operands.constexprs(head_dim))
     if launchers is not None and fused:
-        launchers[call_key] = _forward_call(launcher, out.shape, lse.shape, turn_tables,
-                                            tuple(args[7:]))
+        launchers[call_key] = _forward_call(launcher, out, lse, turn_tables, tuple(args[7:]))
     return out, lse
 
 
@@ -327,16 +329,22 @@ def _turned_keys(k1, k2, table_in, table_out):
                          (tab_out, tab_out, table_out is not None, False))
 
 
-def _forward_call(launcher, out_shape, lse_shape, turn_tables, tail):
+def _forward_call(launcher, out, lse, turn_tables, tail):
     """A fused-form plan's forward after its first call: everything the call signature fixes
     (the launcher, the strides, tables and scalars after the seven tensors, whether keys are
-    pre-turned) is kept, and a call allocates its outputs and launches."""
+    pre-turned, the outputs' shapes, dtype and device: those of the first call's ``out`` and
+    ``lse``) is kept, and a call allocates its outputs and launches."""
+    launch = launcher.fixed(*tail)
+    turn = turn_tables[0] is not None or turn_tables[1] is not None
+    out_shape, lse_shape, dtype, device = out.shape, lse.shape, out.dtype, out.device
+    del out, lse                          # (not kept alive by the call)
+
     def call(q1, q2, k1, k2, v):
-        out = torch.empty(out_shape, dtype=q1.dtype, device=q1.device)
-        lse = torch.empty(lse_shape, dtype=torch.float32, device=q1.device)
-        if turn_tables[0] is not None or turn_tables[1] is not None:
+        out = torch.empty(out_shape, dtype=dtype, device=device)
+        lse = torch.empty(lse_shape, dtype=torch.float32, device=device)
+        if turn:
             k1, k2 = _turned_keys(k1, k2, *turn_tables)
-        launcher(q1, q2, k1, k2, v, out, lse, *tail)
+        launch(q1, q2, k1, k2, v, out, lse)
         return out, lse
 
     return call
@@ -403,7 +411,7 @@ def rerope_backward(dout, q1, q2, k1, k2, v, out, lse, window, causal, sm_scale,
     if launchers is not None and split:
         launchers[call_key] = _backward_call(
             (delta_launcher, args[3:]), turn, (dkdv, tuple(dkdv_args[11:])),
-            (dq_launcher, tuple(dq_args[10:])))
+            (dq_launcher, tuple(dq_args[10:])), dq[0], dk[0])
     return (dq[0], dk[0], dv) if split else (dq[0], dq[1], dk[0], dk[1], dv)
 
 
@@ -424,22 +432,26 @@ def _operand_turns(operands, first_query):
     return turn
 
 
-def _backward_call(delta, turn, dkdv, dq):
+def _backward_call(delta, turn, dkdv, dq, dq_first, dk_first):
     """A fused-form plan's backward after its first call (as :func:`_forward_call`): each of
     ``delta, dkdv, dq`` is a launcher and the arguments after its tensors; ``turn`` pre-turns
-    the operands (:func:`_operand_turns`) or is ``None``."""
-    (delta_launcher, delta_tail), (dkdv_launcher, dkdv_tail), (dq_launcher, dq_tail) = (
-        delta, dkdv, dq)
+    the operands (:func:`_operand_turns`) or is ``None``; the gradients take the shapes,
+    dtype and device of the first call's (``dq_first``, ``dk_first``)."""
+    delta_launch, dkdv_launch, dq_launch = (launcher.fixed(*tail) for launcher, tail in
+                                            (delta, dkdv, dq))
+    q_shape, k_shape, dtype, device = (dq_first.shape, dk_first.shape, dq_first.dtype,
+                                       dq_first.device)
+    del dq_first, dk_first                # (not kept alive by the call)
 
     def call(dout, q, k, v, out, lse):
         grad_delta = torch.empty_like(lse)
-        delta_launcher(out, dout, grad_delta, *delta_tail)
+        delta_launch(out, dout, grad_delta)
         q1, q2, k1, k2 = (q, q, k, k) if turn is None else turn(q, k)
-        dq = torch.empty(q1.shape, dtype=q1.dtype, device=q1.device)
-        dk = torch.empty(k1.shape, dtype=k1.dtype, device=k1.device)
-        dv = torch.empty(k1.shape, dtype=k1.dtype, device=k1.device)
-        dkdv_launcher(q1, q2, k1, k2, v, dout, lse, grad_delta, dk, dk, dv, *dkdv_tail)
-        dq_launcher(q1, q2, k1, k2, v, dout, lse, grad_delta, dq, dq, *dq_tail)
+        dq = torch.empty(q_shape, dtype=dtype, device=device)
+        dk = torch.empty(k_shape, dtype=dtype, device=device)
+        dv = torch.empty(k_shape, dtype=dtype, device=device)
+        dkdv_launch(q1, q2, k1, k2, v, dout, lse, grad_delta, dk, dk, dv)
+        dq_launch(q1, q2, k1, k2, v, dout, lse, grad_delta, dq, dq)
         return dq, dk, dv
 
     return call
@@ -448,19 +460,71 @@ def _backward_call(delta, turn, dkdv, dq):
 # --- the ops, registered with torch.library --------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class _OpPlan:
+    """A custom op's real call, planned once per call signature (:func:`_op_plan`): the
+    rotation operands (``None`` for the five-tensor form) and the bound launches and kept calls
+    (:func:`_bound`, :func:`_forward_call`, :func:`_backward_call`), filled by its first call."""
+
+    operands: Optional[Operands]
+    launchers: dict = field(default_factory=dict)
+
+
+def _make_five_op_plan(window, causal, sm_scale):
+    return _OpPlan(None)
+
+
+def _make_fused_op_plan(n_k, head_dim, device, window, causal, sm_scale, base, leaky, logn_len,
+                        rotated, inv_freq, group):
+    return _OpPlan(_rotations(n_k, head_dim, base, window, leaky, logn_len, rotated, device,
+                              _op_frequencies(inv_freq), group))
+
+
+def _op_plan(make, tensors, settings):
+    """The :class:`_OpPlan` of a custom op's real call: a compiled graph (or anything else that
+    calls ``torch.ops.kernels.*``) runs the ops' implementations, and from its second call with
+    a signature (:func:`kernels.launch.signature` of ``tensors``, and the op's settings) each is
+    a lookup plus the plan's kept, bound launches, as in eager mode. The ops' arguments come
+    checked from the public functions, so no check runs here. ``make(*settings)`` for the
+    five-tensor form, ``make(Nk, D, device, *settings)`` for the fused one."""
+    q, k = tensors[0], tensors[-1]
+    try:
+        key = (make, signature(*tensors), _settings_key(settings))
+        plan = _OP_PLANS.get(key)
+    except (AttributeError, TypeError, RuntimeError):   # no data pointer, unhashable settings
+        key, plan = None, None
+    if plan is None:
+        plan = (make(*settings) if make is _make_five_op_plan
+                else make(k.shape[2], q.shape[-1], q.device, *settings))
+        if key is not None:
+            _OP_PLANS.put(key, plan)
+    return plan
+
+
+def _op_backward_launchers(plan, out, lse):
+    """The backward's launchers of an op plan: per layout of ``out`` and ``lse`` too (in eager
+    mode they are the forward's own fresh outputs; an op's caller may pass any)."""
+    try:
+        return plan.launchers.setdefault(("op backward", *signature(out, lse)), {})
+    except (AttributeError, RuntimeError):
+        return None
+
+
 @torch.library.custom_op("kernels::rerope_attention_fwd", mutates_args=())
 def _five_fwd(q1: torch.Tensor, q2: torch.Tensor, k1: torch.Tensor, k2: torch.Tensor,
               v: torch.Tensor, window: int, causal: bool,
               sm_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    return rerope_forward(q1, q2, k1, k2, v, window, causal, sm_scale)
+    plan = _op_plan(_make_five_op_plan, (q1, q2, k1, k2, v), (window, causal, sm_scale))
+    return rerope_forward(q1, q2, k1, k2, v, window, causal, sm_scale, launchers=plan.launchers)
 
 
 @torch.library.custom_op("kernels::rerope_attention_bwd", mutates_args=())
 def _five_bwd(dout: torch.Tensor, q1: torch.Tensor, q2: torch.Tensor, k1: torch.Tensor,
               k2: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
               window: int, causal: bool, sm_scale: float) -> list[torch.Tensor]:
+    plan = _op_plan(_make_five_op_plan, (q1, q2, k1, k2, v), (window, causal, sm_scale))
     return list(rerope_backward(dout.contiguous(), q1, q2, k1, k2, v, out, lse, window, causal,
-                                sm_scale))
+                                sm_scale, launchers=_op_backward_launchers(plan, out, lse)))
 
 
 def _op_frequencies(inv_freq):
@@ -468,14 +532,21 @@ def _op_frequencies(inv_freq):
     return None if inv_freq is None else Frequencies(inv_freq)
 
 
+def _fused_op_settings(window, causal, sm_scale, base, leaky, logn_len, rotated, inv_freq,
+                       group):
+    return (window, causal, sm_scale, base, leaky, logn_len, rotated,
+            None if inv_freq is None else tuple(inv_freq), group)   # a list cannot be a key
+
+
 @torch.library.custom_op("kernels::rerope_fwd", mutates_args=())
 def _fused_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int, causal: bool,
                sm_scale: float, base: float, leaky: Optional[float], logn_len: Optional[float],
                rotated: bool, inv_freq: Optional[list[float]] = None, group: Optional[int] = None
                ) -> tuple[torch.Tensor, torch.Tensor]:
-    operands = _rotations(k.shape[2], q.shape[-1], base, window, leaky, logn_len, rotated,
-                          q.device, _op_frequencies(inv_freq), group)
-    return rerope_forward(q, q, k, k, v, window, causal, sm_scale, operands)
+    plan = _op_plan(_make_fused_op_plan, (q, k, v), _fused_op_settings(
+        window, causal, sm_scale, base, leaky, logn_len, rotated, inv_freq, group))
+    return rerope_forward(q, q, k, k, v, window, causal, sm_scale, plan.operands,
+                          launchers=plan.launchers)
 
 
 @torch.library.custom_op("kernels::rerope_bwd", mutates_args=())
@@ -484,10 +555,11 @@ def _fused_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
                base: float, leaky: Optional[float], logn_len: Optional[float],
                rotated: bool, inv_freq: Optional[list[float]] = None,
                group: Optional[int] = None) -> list[torch.Tensor]:
-    operands = _rotations(k.shape[2], q.shape[-1], base, window, leaky, logn_len, rotated,
-                          q.device, _op_frequencies(inv_freq), group)
+    plan = _op_plan(_make_fused_op_plan, (q, k, v), _fused_op_settings(
+        window, causal, sm_scale, base, leaky, logn_len, rotated, inv_freq, group))
     return list(rerope_backward(dout.contiguous(), q, q, k, k, v, out, lse, window, causal,
-                                sm_scale, operands))
+                                sm_scale, plan.operands,
+                                launchers=_op_backward_launchers(plan, out, lse)))
 
 
 def _contiguous_like(t):
@@ -546,10 +618,10 @@ def _first_order_only(backward):
     dropped. Here the error is attached whenever grad mode is on.
     """
     def wrapper(ctx, *grad_outputs):
+        if not torch.is_grad_enabled():       # the usual backward (no create_graph)
+            return backward(ctx, *grad_outputs)
         with torch.no_grad():
             grads = backward(ctx, *grad_outputs)
-        if not torch.is_grad_enabled():
-            return grads
         error = torch._C._functions.DelayedError(
             b"kernels: the ReRoPE backward is not differentiable (no double backward, e.g. "
             b"for gradient penalties); use kernels.reference for higher-order gradients",
@@ -561,45 +633,72 @@ def _first_order_only(backward):
 
 
 class _FiveTensorAttention(torch.autograd.Function):
-    """Eager autograd for the five-tensor op (see the module docstring)."""
+    """Eager autograd for the five-tensor op (see the module docstring); ``plan``: the call's
+    :class:`_FivePlan` (settings and launchers)."""
 
     @staticmethod
-    def forward(ctx, q1, q2, k1, k2, v, window, causal, sm_scale, launchers):
-        out, lse = rerope_forward(q1, q2, k1, k2, v, window, causal, sm_scale,
-                                  launchers=launchers)
+    def forward(ctx, q1, q2, k1, k2, v, plan):
+        out, lse = rerope_forward(q1, q2, k1, k2, v, plan.window, plan.causal, plan.scale,
+                                  launchers=plan.launchers)
         ctx.save_for_backward(q1, q2, k1, k2, v, out, lse)
-        ctx.settings = (window, causal, sm_scale)
-        ctx.launchers = launchers
+        ctx.plan = plan
         return out
 
     @staticmethod
     @_first_order_only
     def backward(ctx, dout):
         *tensors, out, lse = ctx.saved_tensors
-        grads = rerope_backward(dout, *tensors, out, lse, *ctx.settings, launchers=ctx.launchers)
-        return (*grads, None, None, None, None)
+        plan = ctx.plan
+        grads = rerope_backward(dout, *tensors, out, lse, plan.window, plan.causal, plan.scale,
+                                launchers=plan.launchers)
+        return (*grads, None)
 
 
 class _FusedAttention(torch.autograd.Function):
-    """Eager autograd for the fused-rotation op (see the module docstring)."""
+    """Eager autograd for the fused-rotation op (see the module docstring); ``plan``: the
+    call's :class:`_FusedPlan` (settings, operands and launchers)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, window, causal, sm_scale, operands, launchers):
-        out, lse = rerope_forward(q, q, k, k, v, window, causal, sm_scale, operands,
-                                  launchers=launchers)
-        ctx.launchers = launchers
+    def forward(ctx, q, k, v, plan):
+        window, causal, scale = plan.settings[:3]
+        out, lse = rerope_forward(q, q, k, k, v, window, causal, scale, plan.operands,
+                                  launchers=plan.launchers)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.settings = (window, causal, sm_scale, operands)
+        ctx.plan = plan
         return out
 
     @staticmethod
     @_first_order_only
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        window, causal, sm_scale, operands = ctx.settings
-        grads = rerope_backward(dout, q, q, k, k, v, out, lse, window, causal, sm_scale, operands,
-                                launchers=ctx.launchers)
-        return (*grads, *(None,) * 5)
+        plan = ctx.plan
+        window, causal, scale = plan.settings[:3]
+        grads = rerope_backward(dout, q, q, k, k, v, out, lse, window, causal, scale,
+                                plan.operands, launchers=plan.launchers)
+        return (*grads, None)
+
+
+def _direct_apply(function):
+    """``function.apply`` without its Python wrapper, where that wrapper does nothing for our
+    calls: it binds default arguments (only for a ``setup_context`` function, which ours are
+    not) and unwraps functorch's dead wrappers before calling the C++ ``apply`` (a few µs per
+    call on the H200's host). Under functorch transforms (``torch.func``) it takes the
+    wrapper's path; where this torch has no such C++ method, it is ``function.apply``."""
+    try:
+        c_apply = torch._C._FunctionBase.__dict__["apply"].__get__(None, function)
+        transforms_active = torch._C._are_functorch_transforms_active
+    except (AttributeError, KeyError, TypeError):
+        return function.apply
+
+    def apply(*args):
+        if transforms_active():
+            return function.apply(*args)
+        return c_apply(*args)
+
+    return apply
+
+
+_apply_five, _apply_fused = _direct_apply(_FiveTensorAttention), _direct_apply(_FusedAttention)
 
 
 # --- the public ops: checked and planned once per call signature ----------------------------------
@@ -607,26 +706,31 @@ class _FusedAttention(torch.autograd.Function):
 _OP_PLANS = PlanCache(limit=128)
 
 
-def _settings_key(*settings):
-    """Settings as a cache key: each with its type, so that ``1``, ``1.0`` and ``True`` (which
-    hash alike) never share a plan that checked only one of them."""
-    return tuple((type(x), x) for x in settings)
+def _settings_key(settings):
+    """A tuple of settings as a cache key: with their types, so that ``1``, ``1.0`` and
+    ``True`` (which hash alike) never share a plan that checked only one of them."""
+    return settings, tuple(map(type, settings))
 
 
 def _needs_grad(*tensors):
-    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+    if torch.is_grad_enabled():
+        for t in tensors:
+            if t.requires_grad:
+                return True
+    return False
 
 
-def _cached_plan(make, tensors, settings):
+def _cached_plan(make, tensors, settings, compiling=False):
     """The plan of a call: from :data:`_OP_PLANS` when this signature was seen, else
     ``make(*tensors, *settings)`` (which checks every argument and raises on bad ones), stored.
     Arguments that cannot form a key (not tensors, unhashable settings) always go to ``make``,
     whose checks then say what is wrong; so does tracing under ``torch.compile`` (the compiled
-    graph keeps the result, and fake tensors have no data pointer)."""
-    if torch.compiler.is_compiling():
+    graph keeps the result, and fake tensors have no data pointer): ``compiling``, the
+    caller's ``torch.compiler.is_compiling()``."""
+    if compiling:
         return make(*tensors, *settings)
     try:
-        key = (make, signature(*tensors), _settings_key(*settings), _needs_grad(*tensors))
+        key = (make, signature(*tensors), _settings_key(settings), _needs_grad(*tensors))
         plan = _OP_PLANS.get(key)
     except (AttributeError, TypeError):
         return make(*tensors, *settings)
@@ -641,6 +745,8 @@ class _FivePlan:
     window: int
     causal: bool
     scale: float
+    grad: bool          # whether the call needs a gradient (part of the plan's key)
+    lift: bool          # bf16 under the interpreter: computed in fp32 (kernels.runtime)
     launchers: dict = field(default_factory=dict)
 
 
@@ -653,7 +759,8 @@ def _plan_five(q1, q2, k1, k2, v, window, causal, sm_scale):
     scale = q1.shape[-1] ** -0.5 if sm_scale is None else float(sm_scale)
     # every pair has |i - j| <= N - 1, so any window >= N means the same (and the kernels'
     # int32 index arithmetic never sees a huge window)
-    return _FivePlan(min(int(window), q1.shape[2]), causal, scale)
+    return _FivePlan(min(int(window), q1.shape[2]), causal, scale,
+                     _needs_grad(q1, q2, k1, k2, v), _lifted(q1))
 
 
 def rerope_attention(q1, q2, k1, k2, v, window, causal=True, sm_scale=None):
@@ -675,12 +782,20 @@ def rerope_attention(q1, q2, k1, k2, v, window, causal=True, sm_scale=None):
     64, 128, 256; any ``N >= 1``; any strides. Returns ``(B, Hq, N, D)`` in the input dtype.
     """
     tensors, settings = (q1, q2, k1, k2, v), (window, causal, sm_scale)
-    plan = _cached_plan(_plan_five, tensors, settings)
-    (q1, q2, k1, k2, v), restore = prepare_for_device(*tensors)
-    if torch.compiler.is_compiling():
+    compiling = torch.compiler.is_compiling()
+    plan = _cached_plan(_plan_five, tensors, settings, compiling)
+    if compiling:
+        (q1, q2, k1, k2, v), restore = prepare_for_device(*tensors)
         return restore(_five_fwd(q1, q2, k1, k2, v, plan.window, plan.causal, plan.scale)[0])
-    return restore(_FiveTensorAttention.apply(q1, q2, k1, k2, v, plan.window, plan.causal,
-                                              plan.scale, plan.launchers))
+    dtype = q1.dtype
+    if plan.lift:
+        q1, q2, k1, k2, v = (t.float() for t in tensors)
+    if plan.grad:
+        out = _apply_five(q1, q2, k1, k2, v, plan)
+    else:                               # no gradient: no autograd node either
+        out = rerope_forward(q1, q2, k1, k2, v, plan.window, plan.causal, plan.scale,
+                             launchers=plan.launchers)[0]
+    return out.to(dtype) if plan.lift else out
 
 
 @dataclass(frozen=True)
@@ -693,6 +808,8 @@ class _FusedPlan:
     #                      group), checked
     operands: Operands
     decode: bool
+    grad: bool          # whether the call needs a gradient (part of the plan's key)
+    lift: bool          # bf16 under the interpreter: computed in fp32 (kernels.runtime)
     launchers: dict = field(default_factory=dict)
 
 
@@ -713,10 +830,20 @@ def _plan_fused(q, k, v, window, causal, sm_scale, base, leaky, logn_len, rotate
     settings = (window, causal, scale, float(base), None if leaky is None else float(leaky),
                 None if logn_len is None else float(logn_len), rotated, inv_freq,
                 None if group is None else int(group))
-    decode = causal and q.shape[2] <= DECODE_MAX_QUERIES and not _needs_grad(q, k, v)
+    grad = _needs_grad(q, k, v)
+    decode = causal and q.shape[2] <= DECODE_MAX_QUERIES and not grad
     operands = None if decode else _rotations(k.shape[2], q.shape[-1], float(base), window,
                                               *settings[4:7], q.device, inv_freq, settings[8])
-    return _FusedPlan(settings, operands, decode)
+    return _FusedPlan(settings, operands, decode, grad, _lifted(q))
+
+
+def _lifted(q):
+    """Whether a call runs on fp32 copies (bf16 under the interpreter, see
+    :func:`kernels.runtime.prepare_for_device`); raises ``ValueError`` for tensors on a device
+    the kernels cannot run on here. Decided once per plan: its signature fixes dtype and
+    device."""
+    prepare_for_device(q[..., :0])
+    return INTERPRET and q.dtype == torch.bfloat16
 
 
 def rerope(q, k, v, window, causal=True, sm_scale=None, base=10000.0, leaky=None, logn_len=None,
@@ -767,15 +894,24 @@ def rerope(q, k, v, window, causal=True, sm_scale=None, base=10000.0, leaky=None
     inv_freq = as_frequencies(inv_freq)   # checked and cached: cheap per call
     tensors = (q, k, v)
     settings = (window, causal, sm_scale, base, leaky, logn_len, rotated, inv_freq, group)
-    plan = _cached_plan(_plan_fused, tensors, settings)
+    compiling = torch.compiler.is_compiling()
+    plan = _cached_plan(_plan_fused, tensors, settings, compiling)
     if plan.decode:                   # a decode step: split-KV (chapter 8)
         from .decode import rerope_decode
         return rerope_decode(q, k, v, window, sm_scale=sm_scale, base=base, leaky=leaky,
                              logn_len=logn_len, rotated=rotated, inv_freq=inv_freq, group=group)
-    (q, k, v), restore = prepare_for_device(q, k, v)
-    if torch.compiler.is_compiling():
+    if compiling:
+        (q, k, v), restore = prepare_for_device(q, k, v)
         *settings, inv_freq, group = plan.settings
         return restore(_fused_fwd(q, k, v, *settings,
                                   None if inv_freq is None else list(inv_freq), group)[0])
-    return restore(_FusedAttention.apply(q, k, v, *plan.settings[:3], plan.operands,
-                                         plan.launchers))
+    dtype = q.dtype
+    if plan.lift:
+        q, k, v = q.float(), k.float(), v.float()
+    if plan.grad:
+        out = _apply_fused(q, k, v, plan)
+    else:                               # no gradient: no autograd node either
+        window, causal, scale = plan.settings[:3]
+        out = rerope_forward(q, q, k, k, v, window, causal, scale, plan.operands,
+                             launchers=plan.launchers)[0]
+    return out.to(dtype) if plan.lift else out

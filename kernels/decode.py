@@ -40,14 +40,14 @@ variants of :func:`_decode_pass` were measured too).
 
 import functools
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
 
-from ._validate import (as_frequencies, check_alike, check_head_dim, check_logn_overflow, check_qkv,
+from ._validate import (Frequencies, as_frequencies, check_alike, check_head_dim, check_logn_overflow, check_qkv,
                         check_rope_args, check_sm_scale)
 from .launch import Launcher, PlanCache, signature
 from .online_softmax import LOG2E, _softmax_step
@@ -694,7 +694,9 @@ def _run(plan, q, k_cache, v_cache, cache_seqlens, block_table=None):
             _check_block_table_on_host(block_table, cache_seqlens, plan.page_size,
                                        k_cache.shape[0])
     cache_seqlens = cache_seqlens.contiguous()     # the kernel reads it with unit stride
-    (q, k_cache, v_cache), restore = prepare_for_device(q, k_cache, v_cache)
+    dtype = q.dtype
+    if plan.lift:                                  # bf16 under the interpreter: fp32 copies
+        q, k_cache, v_cache = q.float(), k_cache.float(), v_cache.float()
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if plan.num_splits == 1:
         part = lse = out
@@ -702,10 +704,19 @@ def _run(plan, q, k_cache, v_cache, cache_seqlens, block_table=None):
         part = torch.empty(plan.part_shape, dtype=torch.float32, device=q.device)
         lse = torch.empty(plan.part_shape[:-1], dtype=torch.float32, device=q.device)
     table = cache_seqlens if block_table is None else block_table   # (never read if None)
-    plan.split(q, k_cache, v_cache, cache_seqlens, table, part, lse, *plan.split_args)
-    if plan.num_splits > 1:
-        plan.merge(part, lse, out, *plan.merge_args)
-    return restore(out)
+    launches = plan.launches
+    if launches:           # the kept launches: the plan's arguments bound (Launcher.fixed)
+        launches[0](q, k_cache, v_cache, cache_seqlens, table, part, lse)
+        if plan.num_splits > 1:
+            launches[1](part, lse, out)
+    else:
+        plan.split(q, k_cache, v_cache, cache_seqlens, table, part, lse, *plan.split_args)
+        if plan.num_splits > 1:
+            plan.merge(part, lse, out, *plan.merge_args)
+        if plan.split.bound or INTERPRET:          # keep them once bound (not in a capture)
+            launches += [plan.split.fixed(*plan.split_args),
+                         plan.merge.fixed(*plan.merge_args)]
+    return out.to(dtype) if plan.lift else out
 
 
 # Under torch.compile the op is opaque: the compiler calls it as it is (its launches are
@@ -718,8 +729,10 @@ def _decode_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                num_splits: Optional[int], inv_freq: Optional[list[float]] = None,
                block_table: Optional[torch.Tensor] = None,
                group: Optional[int] = None) -> torch.Tensor:
+    # inv_freq comes checked by rerope_decode: kept as it is (no per-call conversion)
     plan = _plan(q, k_cache, v_cache, window, cache_seqlens, sm_scale, base, leaky, logn_len,
-                 rotated, num_splits, as_frequencies(inv_freq), block_table, group)
+                 rotated, num_splits, None if inv_freq is None else Frequencies(inv_freq),
+                 block_table, group)
     return _run(plan, q, k_cache, v_cache, cache_seqlens, block_table)
 
 
@@ -730,7 +743,9 @@ def _(q, *args):
 
 @dataclass(frozen=True)
 class _Plan:
-    """Everything a call derives from its arguments' shapes and settings (not their data)."""
+    """Everything a call derives from its arguments' shapes and settings (not their data);
+    ``launches``: the split and merge launches with the plan's arguments bound
+    (:meth:`kernels.launch.Launcher.fixed`), kept by the first call whose launch bound."""
 
     n_queries: int
     n_max: int
@@ -742,6 +757,8 @@ class _Plan:
     split_args: tuple         # its arguments after the six tensors: tables, strides, scalars
     merge: Launcher
     merge_args: tuple
+    lift: bool                # bf16 under the interpreter: computed on fp32 copies
+    launches: list = field(default_factory=list)
 
 
 _PLANS = PlanCache(limit=64)   # a growing cache makes a new signature every step: stay small
@@ -753,10 +770,10 @@ def _plan(q, k_cache, v_cache, window, cache_seqlens, sm_scale, base, leaky, log
     devices and settings: a decode loop over a fixed-size cache pays the Python checks only on
     its first step (a growing cache, as in a Hugging Face model, once per step, not per layer)."""
     try:
+        settings = (window, sm_scale, base, leaky, logn_len, rotated, num_splits, inv_freq,
+                    group)
         key = (signature(q, k_cache, v_cache, cache_seqlens, block_table),
-               type(cache_seqlens), type(block_table),
-               tuple((type(x), x) for x in (window, sm_scale, base, leaky, logn_len, rotated,
-                                            num_splits, inv_freq, group)),
+               type(cache_seqlens), type(block_table), settings, tuple(map(type, settings)),
                tuple(launch_config(q.shape[-1]).items()), PROGRAMS_PER_SM)
         plan = _PLANS.get(key)
     except (AttributeError, TypeError):    # not tensors, unhashable settings: checks will say
@@ -823,7 +840,8 @@ def _make_plan(q, k_cache, v_cache, window, cache_seqlens, sm_scale, base, leaky
         split_args=(*rotation.tables, *strides, *part_strides,
                     *lse_strides, *table_args, hkv, group, n_queries, n_max, num_splits, window,
                     scale * LOG2E, logn_factor(logn_len)),
-        merge=merge, merge_args=(n_rows, num_splits))
+        merge=merge, merge_args=(n_rows, num_splits),
+        lift=compute_dtype != q.dtype)
 
 
 def _contiguous_strides(shape):

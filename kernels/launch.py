@@ -16,7 +16,9 @@ own layer). The ops here pay that once per *call signature* instead:
   the arguments straight to that kernel's launcher (``CompiledKernel.run``), a few µs. This is
   only valid for calls Triton would map to the same compiled kernel, which is what the plan key
   guarantees: integer arguments are the same numbers (they come from the same shapes), pointer
-  alignment is part of the key.
+  alignment is part of the key. :meth:`Launcher.fixed` binds the arguments a plan keeps for
+  good (its tables, strides, scalars) once: the plan's tensors among them go to Triton's
+  launcher as device addresses.
 
 Under the CPU interpreter there is no compiled kernel: :class:`Launcher` calls ``kernel[grid]``
 every time (the plans still save the checks).
@@ -32,9 +34,9 @@ from .runtime import INTERPRET
 def signature(*tensors):
     """The part of a call's key that the tensors give: per tensor ``(shape, strides, dtype,
     device, pointer 16-byte aligned)``. ``None`` entries stay ``None``."""
-    return tuple(None if t is None else
-                 (t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16 == 0)
-                 for t in tensors)
+    return tuple([None if t is None else
+                  (t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16 == 0)
+                  for t in tensors])
 
 
 class PlanCache:
@@ -129,6 +131,29 @@ class Launcher:
         self._device = args[0].device.index   # the plan's tensors all live on one device
         compiled.run                          # load the module now (not inside a graph capture)
         self._compiled = compiled
+
+    def fixed(self, *fixed):
+        """``call(*args)``: ``self(*args, *fixed)``, for arguments the caller keeps for the
+        launcher's life (a plan's tables, strides and scalars). Where the launcher is bound, the
+        fixed tensors go to the compiled kernel's launcher as their device addresses (Triton's
+        launcher takes an int for a pointer as it is, and skips the attribute call and the
+        driver's pointer query a tensor costs); ``call`` holds the tensors, so those addresses
+        stay valid. Otherwise, and whenever launch hooks are set, it is ``self(*args,
+        *fixed)``."""
+        if self._compiled is None:
+            return lambda *args: self(*args, *fixed)
+        compiled, grid, stream, device = self._compiled, self._grid3, self._stream, self._device
+        run, function, metadata = compiled.run, compiled.function, compiled.packed_metadata
+        tail = tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in fixed)
+        tail += self._tail
+
+        def call(*args):
+            if not _no_launch_hooks():
+                return self(*args, *fixed)
+            run(*grid, stream(device), function, metadata, None, None, None, *args, *tail)
+
+        call.fixed = fixed          # the tensors whose addresses ``tail`` holds
+        return call
 
     @property
     def bound(self):

@@ -1,7 +1,9 @@
 """``torch.compile(fullgraph=True)`` of a fused-QKV attention block (``tests/test_generation.py``'s
 ``Block``: one ``Linear`` for q, k, v, viewed and permuted, ``kernels.rerope``, an output
 projection), forward + backward, against eager: the largest differences of the output and every
-gradient, and the time of a training step of each (CUDA events, median). Run on a GPU::
+gradient, and the time of a training step of each (CUDA events, median); with ``--profile``,
+the GPU time per step of each one's ten costliest kernels (``torch.profiler``), to see where
+the two differ. Run on a GPU::
 
     KERNELS_AUTOTUNE=0 python3 perf/compile_block.py --out perf/runs/compile_block_h200.json
 """
@@ -16,10 +18,11 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [os.path.join(ROOT, "tests"), ROOT, os.path.join(ROOT, "perf")]
-# (tests/ first: its conftest.py, not the root's, is what test_generation imports)
+# (tests/ first: its conftest.py, not the root's, is what test_generation imports; so it is
+# imported before bench_hf, which puts the root first on sys.path)
 
-from bench_hf import event_ms  # noqa: E402
 from test_generation import Block  # noqa: E402
+from bench_hf import event_ms  # noqa: E402,I100
 
 
 def step_results(block, x):
@@ -31,15 +34,40 @@ def step_results(block, x):
             **{name: p.grad.clone() for name, p in block.named_parameters()}}
 
 
+def kernel_table(fn, steps=3, top=10):
+    """The ``top`` kernels by GPU time over ``steps`` calls of ``fn``: name, µs per step, calls
+    per step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            fn()
+        torch.cuda.synchronize()
+    rows = []
+    for event in prof.key_averages():
+        us = getattr(event, "device_time_total", None)
+        if us is None:
+            us = event.cuda_time_total
+        if us > 0:
+            rows.append(dict(name=event.key[:90], us_per_step=round(us / steps, 1),
+                             calls_per_step=event.count / steps))
+    rows.sort(key=lambda r: -r["us_per_step"])
+    return rows[:top]
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--n", type=int, default=4096)
     parser.add_argument("--dim", type=int, default=2048)
     parser.add_argument("--heads", type=int, default=32)
     parser.add_argument("--out", default="perf/runs/compile_block_h200.json")
+    parser.add_argument("--profile", action="store_true", help="add the kernel tables")
+    parser.add_argument("--dtypes", default="float16,bfloat16")
     args = parser.parse_args()
     rows = []
-    for dtype in (torch.float16, torch.bfloat16):
+    for dtype in (getattr(torch, name) for name in args.dtypes.split(",")):
         torch.manual_seed(0)
         block = Block(args.dim, args.heads, window=1024).to("cuda", dtype)
         x = torch.randn(1, args.n, args.dim, device="cuda", dtype=dtype)
@@ -53,6 +81,9 @@ def main():
                    heads=args.heads, max_abs_diff=diffs, max_abs=scale,
                    eager_ms=event_ms(lambda: step_results(block, x)),
                    compiled_ms=event_ms(lambda: step_results(compiled, x)))
+        if args.profile:
+            row["kernels_eager"] = kernel_table(lambda: step_results(block, x))
+            row["kernels_compiled"] = kernel_table(lambda: step_results(compiled, x))
         rows.append(row)
         print(json.dumps(row), flush=True)
     import triton

@@ -7,7 +7,14 @@ length where the GPU work is negligible: many calls back to back, one synchronis
 Shapes (fp16, causal, D=64): ``rerope_fwd`` / ``rerope_fwd_bwd`` B=1 H=32 N=128 from raw q, k;
 ``rerope_decode`` one query, Hq=32 Hkv=8, a cache of N keys (bf16 as in the Hugging Face
 benchmark), against ``F.scaled_dot_product_attention`` on the same tensors (the SDPA backend
-torch picks). JSON: ``{"meta": {...}, "rows": [{"impl", "N", "python_us"}]}``.
+torch picks). ``*_fwd``: no gradient (``torch.no_grad``); ``*_fwd_grad``: the forward of inputs
+that require grad (the autograd node recorded, no backward); ``op_rerope_fwd`` /
+``op_rerope_fwd_bwd``: the custom ops a compiled graph calls (``torch.ops.kernels.rerope_fwd``
+and ``rerope_bwd``, no autograd). JSON: ``{"meta": {...}, "rows": [{"impl", "N",
+"python_us"}]}``.
+
+``--label`` names the run in ``meta`` (e.g. ``before`` for the same script on an older
+``kernels``: the checks below use only what every version has).
 """
 
 import argparse
@@ -28,6 +35,25 @@ from probe_fused import host_time  # noqa: E402
 
 
 CHECKS = {}
+
+
+def _plan_launchers(launchers):
+    """The :class:`kernels.launch.Launcher` objects a plan keeps (sub-dicts included)."""
+    found = []
+    for value in launchers.values():
+        if isinstance(value, dict):
+            found += _plan_launchers(value)
+        elif hasattr(value, "bound"):
+            found.append(value)
+    return found
+
+
+def _all_bound():
+    """Whether every launcher the op plans and the old per-argument cache keep is bound."""
+    launchers = list(attention._LAUNCHERS._plans.values())
+    for plan in attention._OP_PLANS._plans.values():
+        launchers += _plan_launchers(getattr(plan, "launchers", {}))
+    return bool(launchers) and all(l.bound for l in launchers)
 PROFILE = os.environ.get("HOST_PROFILE")      # a path prefix: write cProfile tables there
 
 
@@ -48,15 +74,25 @@ def rows_for(n, calls):
     def sdpa():
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
+    def op_fwd():
+        return torch.ops.kernels.rerope_fwd(q, k, v, 32, True, 0.125, 10000.0, None, None, False)
+
+    def op_fwd_bwd():
+        out, lse = op_fwd()
+        return torch.ops.kernels.rerope_bwd(dout, q, k, v, out, lse, 32, True, 0.125, 10000.0,
+                                            None, None, False)
+
     qd = torch.randn(1, 32, 1, 64, device=dev, dtype=bf16)
     kd, vd = (torch.randn(1, 8, n, 64, device=dev, dtype=bf16) for _ in range(2))
     timings = {}
     with torch.no_grad():      # a bound launch gives the first (Triton-launched) call's result
         first, first_decode = rerope(), kernels.rerope_decode(qd, kd, vd, 32)
         again, again_decode = rerope(), kernels.rerope_decode(qd, kd, vd, 32)
+        first_op, again_op = op_fwd_bwd(), op_fwd_bwd()
         CHECKS[n] = dict(fwd_equal=bool(torch.equal(first, again)),
                          decode_equal=bool(torch.equal(first_decode, again_decode)),
-                         fwd_bound=all(l.bound for l in attention._LAUNCHERS._plans.values()),
+                         op_equal=all(torch.equal(a, b) for a, b in zip(first_op, again_op)),
+                         fwd_bound=_all_bound(),
                          decode_bound=all(p.split.bound
                                           for p in decode._PLANS._plans.values()))
     with torch.no_grad():
@@ -65,16 +101,24 @@ def rows_for(n, calls):
         timings["rerope_decode"] = host_time(lambda: kernels.rerope_decode(qd, kd, vd, 32), calls)
         timings["sdpa_decode"] = host_time(
             lambda: F.scaled_dot_product_attention(qd, kd, vd, enable_gqa=True), calls)
+    with torch.no_grad():
+        timings["op_rerope_fwd"] = host_time(op_fwd, calls)
+        timings["op_rerope_fwd_bwd"] = host_time(op_fwd_bwd, calls)
+    timings["rerope_fwd_grad"] = host_time(rerope, calls)
+    timings["sdpa_fwd_grad"] = host_time(sdpa, calls)
     timings["rerope_fwd_bwd"] = host_time(fwd_bwd(rerope), calls)
     timings["sdpa_fwd_bwd"] = host_time(fwd_bwd(sdpa), calls)
     if PROFILE:                      # where the host time of a call goes (cProfile, cumulative)
         import cProfile
         import io
         import pstats
-        for name, fn in (("rerope_fwd_bwd", fwd_bwd(rerope)), ("rerope_fwd", rerope),
-                         ("rerope_decode", lambda: kernels.rerope_decode(qd, kd, vd, 32))):
+        for name, fn, grad in (("rerope_fwd_bwd", fwd_bwd(rerope), True),
+                               ("rerope_fwd", rerope, False),
+                               ("rerope_decode", lambda: kernels.rerope_decode(qd, kd, vd, 32),
+                                False)):
             profiler = cProfile.Profile()
-            profiler.runcall(lambda: [fn() for _ in range(100)])
+            with torch.set_grad_enabled(grad):
+                profiler.runcall(lambda: [fn() for _ in range(100)])
             text = io.StringIO()
             pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(25)
             with open(f"{PROFILE}_{name}.txt", "w") as f:
@@ -87,6 +131,7 @@ def main():
     parser.add_argument("--n", type=int, nargs="+", default=[128])
     parser.add_argument("--calls", type=int, default=500)
     parser.add_argument("--out", default="book/data/host_h200.json")
+    parser.add_argument("--label", default="", help="a name for the run, kept in meta")
     args = parser.parse_args()
     import triton
 
@@ -99,7 +144,7 @@ def main():
             "shapes": "fwd, fwd_bwd: B=1 H=32 D=64 fp16 causal, raw q, k, window 32; decode: "
                       "B=1 Hq=32 Hkv=8 D=64 bf16, one query, window 32",
             "unit": f"microseconds of host time per call ({args.calls} calls, one sync)",
-            "bound_launch_checks": CHECKS}
+            "bound_launch_checks": CHECKS, "label": args.label}
     print(CHECKS, flush=True)
     with open(args.out, "w") as f:
         json.dump({"meta": meta, "rows": rows}, f, indent=1)

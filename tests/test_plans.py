@@ -1,0 +1,220 @@
+"""Plans of the custom ops' real calls and the host-time shortcuts of issue 18.
+
+CPU, through Triton's interpreter, small shapes:
+
+* ``torch.ops.kernels.rerope_fwd`` / ``rerope_bwd`` (what a compiled graph calls) and the
+  five-tensor ops keep a plan per call signature: the second call is a lookup plus the kept
+  calls, bit-identical to the first, and new data gives new results;
+* a graph compiled with ``torch.compile(fullgraph=True)`` runs through those plans: its second
+  step builds no plan and equals its first;
+* a call that needs no gradient skips ``torch.autograd.Function`` and equals the autograd
+  path's output bit for bit; a call that needs one still gets its ``grad_fn``; the float64
+  oracle agrees with both.
+
+On a GPU (``-m gpu``): every launcher the plans keep is bound to its compiled kernel.
+"""
+
+import copy
+
+import pytest
+import torch
+
+import kernels
+from kernels import attention
+from kernels.launch import Launcher
+from kernels.reference import rerope_from_relative_positions
+
+from conftest import kernel_device, randn, results_problems, tolerance
+
+F32 = torch.float32
+CUDA = torch.cuda.is_available()
+SETTINGS = (5, True, 0.25, 10000.0, None, None, False)     # window, causal, scale, base, ...
+
+
+def _fused_qkv(gen, b=1, h=2, n=20, d=16, dtype=F32):
+    # 20 queries: more than a decode step (kernels.rerope would send 16 or fewer to decoding)
+    """q, k, v as strided views of one fused ``Linear`` output (what a model hands the op)."""
+    return tuple(randn(gen, b, n, 3, h, d, dtype=dtype, device=kernel_device())
+                 .permute(2, 0, 3, 1, 4))
+
+
+def _op_plans():
+    return [plan for plan in attention._OP_PLANS._plans.values()
+            if isinstance(plan, attention._OpPlan)]
+
+
+def _call_keys(launchers):
+    """The names of the kept calls in a plan's launchers (sub-dicts included)."""
+    names = []
+    for key, value in launchers.items():
+        if isinstance(value, dict):
+            names += _call_keys(value)
+        elif isinstance(key[0], str):
+            names.append(key[0])
+    return names
+
+
+def _launchers(launchers):
+    found = []
+    for value in launchers.values():
+        if isinstance(value, dict):
+            found += _launchers(value)
+        elif isinstance(value, Launcher):
+            found.append(value)
+    return found
+
+
+@pytest.mark.parametrize("leaky", [None, 8.0], ids=["rerope", "leaky"])
+def test_fused_ops_reuse_their_plan(leaky, gen):
+    """The second call of ``rerope_fwd`` / ``rerope_bwd`` with one signature builds no plan and
+    runs the kept forward and backward calls: bit-identical outputs and gradients; other data
+    through the same plan gives other results (the kept calls read their inputs)."""
+    attention._OP_PLANS.clear()
+    settings = (*SETTINGS[:4], leaky, *SETTINGS[5:])
+    first, second = _fused_qkv(gen), _fused_qkv(gen)
+    dout = randn(gen, *first[0].shape, dtype=F32, device=kernel_device())
+    results = []
+    for q, k, v in (first, first, second):
+        out, lse = torch.ops.kernels.rerope_fwd(q, k, v, *settings)
+        grads = torch.ops.kernels.rerope_bwd(dout, q, k, v, out, lse, *settings)
+        results.append((out, lse, *grads))
+    (plan,) = _op_plans()
+    names = _call_keys(plan.launchers)
+    assert "forward call" in names and "backward call" in names, names
+    for a, b in zip(results[0], results[1]):
+        assert torch.equal(a, b)
+    assert not torch.equal(results[0][0], results[2][0]), "the kept call ignored its inputs"
+    # the eager op computes the same (its own plan, the same kernels)
+    q, k, v = first
+    assert torch.equal(kernels.rerope(q, k, v, 5, sm_scale=0.25, leaky=leaky), results[0][0])
+
+
+def test_fused_op_backward_keyed_by_out_layout(gen):
+    """The backward op's kept call is per layout of ``out`` too: a strided ``out`` (an op's
+    caller may pass any) gets its own launchers and the contiguous one's gradients."""
+    attention._OP_PLANS.clear()
+    q, k, v = _fused_qkv(gen)
+    dout = randn(gen, *q.shape, dtype=F32, device=kernel_device())
+    out, lse = torch.ops.kernels.rerope_fwd(q, k, v, *SETTINGS)
+    want = torch.ops.kernels.rerope_bwd(dout, q, k, v, out, lse, *SETTINGS)
+    strided = out.transpose(1, 2).contiguous().transpose(1, 2)
+    got = torch.ops.kernels.rerope_bwd(dout, q, k, v, strided, lse, *SETTINGS)
+    (plan,) = _op_plans()
+    assert sum(isinstance(key, tuple) and key[0] == "op backward" for key in plan.launchers) == 2
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+
+
+def test_five_tensor_ops_reuse_their_plan(gen):
+    attention._OP_PLANS.clear()
+    device = kernel_device()
+    tensors = [randn(gen, 1, 2, 20, 16, dtype=F32, device=device) for _ in range(5)]
+    dout = randn(gen, 1, 2, 20, 16, dtype=F32, device=device)
+    results = []
+    for _ in range(2):
+        out, lse = torch.ops.kernels.rerope_attention_fwd(*tensors, 4, True, 0.25)
+        grads = torch.ops.kernels.rerope_attention_bwd(dout, *tensors, out, lse, 4, True, 0.25)
+        results.append((out, lse, *grads))
+    assert len(_op_plans()) == 1
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+    assert torch.equal(kernels.rerope_attention(*tensors, 4, sm_scale=0.25), results[0][0])
+
+
+def test_compiled_block_runs_through_op_plans(gen):
+    """A fused-QKV block compiled with ``fullgraph=True`` (``aot_eager``: the compiler's graph
+    of custom-op calls, no code generation): its second training step builds no plan, runs the
+    kept calls, and equals its first step and the eager block."""
+    import torch._dynamo
+    from test_generation import Block, _block_results
+
+    torch.manual_seed(0)
+    block = Block()
+    x = randn(gen, 2, 11, 32, dtype=F32, device=kernel_device())
+    eager = _block_results(block, x)
+    compiled_block = copy.deepcopy(block)
+    torch._dynamo.reset()
+    compiled_block.forward = torch.compile(compiled_block.forward, fullgraph=True,
+                                           backend="aot_eager")
+    attention._OP_PLANS.clear()
+    first = _block_results(compiled_block, x)
+    plans = _op_plans()
+    assert len(plans) == 1, "the compiled graph did not call the ops through one plan"
+    second = _block_results(compiled_block, x)
+    torch._dynamo.reset()
+    assert _op_plans() == plans, "the second compiled step built a new plan"
+    names = _call_keys(plans[0].launchers)
+    assert "forward call" in names and "backward call" in names, names
+    for name in first:
+        assert torch.equal(first[name], second[name]), name
+    problems = results_problems(first, eager, tolerance(F32))
+    assert not problems, "compiled != eager:\n" + "\n".join(problems)
+
+
+@pytest.mark.parametrize("rotated", [False, True])
+def test_no_grad_call_skips_autograd(rotated, gen):
+    """Without a gradient the op runs the kernels directly (no autograd node): the same output,
+    bit for bit, as a call that records one, and both the float64 oracle's."""
+    attention._OP_PLANS.clear()
+    q, k, v = _fused_qkv(gen)
+    with torch.no_grad():
+        plain = kernels.rerope(q, k, v, 6, rotated=rotated)
+    assert plain.grad_fn is None
+    q_, k_, v_ = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    tracked = kernels.rerope(q_, k_, v_, 6, rotated=rotated)
+    assert tracked.grad_fn is not None, "a call that needs a gradient lost its autograd node"
+    assert torch.equal(plain, tracked.detach())
+    plans = list(attention._OP_PLANS._plans.values())
+    assert sorted(p.grad for p in plans) == [False, True]
+    want = rerope_from_relative_positions(*(t.double().cpu() for t in (q, k, v)), 6,
+                                          rotated=rotated)
+    problems = results_problems({"out": plain}, {"out": want}, tolerance(F32))
+    assert not problems, "\n".join(problems)
+
+
+def test_no_grad_five_tensor_call_skips_autograd(gen):
+    attention._OP_PLANS.clear()
+    device = kernel_device()
+    tensors = [randn(gen, 1, 2, 9, 16, dtype=F32, device=device) for _ in range(5)]
+    with torch.no_grad():
+        plain = kernels.rerope_attention(*tensors, 3)
+    tracked = kernels.rerope_attention(*(t.clone().requires_grad_() for t in tensors), 3)
+    assert plain.grad_fn is None and tracked.grad_fn is not None
+    assert torch.equal(plain, tracked.detach())
+
+
+def test_wrong_device_still_raises_every_call(gen):
+    """The device check moved into the plan: a call on the wrong device raises each time (no
+    plan is kept for it)."""
+    q, k, v = _fused_qkv(gen)
+    wrong = "meta"
+    for _ in range(2):
+        with pytest.raises(ValueError, match="inputs are on"):
+            kernels.rerope(q.to(wrong), k.to(wrong), v.to(wrong), 5)
+
+
+# --- on the GPU -----------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+def test_gpu_plan_launchers_are_bound(gen):
+    """Eagerly and through the ops, every launcher a plan keeps is bound to its compiled kernel
+    after the first call, and the second call (bound launches, tables passed as addresses)
+    gives the first's results bit for bit."""
+    attention._OP_PLANS.clear()
+    q, k, v = (t.to(torch.float16).requires_grad_() for t in _fused_qkv(gen, h=4, n=300, d=64))
+    dout = torch.randn_like(q)
+    runs = []
+    for _ in range(2):
+        out = kernels.rerope(q, k, v, 37, leaky=8.0)
+        runs.append((out, *torch.autograd.grad(out, (q, k, v), dout)))
+        o, lse = torch.ops.kernels.rerope_fwd(q, k, v, 37, True, 0.125, 10000.0, 8.0, None,
+                                              False)
+        runs[-1] += (o, *torch.ops.kernels.rerope_bwd(dout, q, k, v, o, lse, 37, True, 0.125,
+                                                      10000.0, 8.0, None, False))
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+    launchers = [l for plan in attention._OP_PLANS._plans.values()
+                 for l in _launchers(plan.launchers)]
+    assert len(launchers) >= 8 and all(l.bound for l in launchers)
