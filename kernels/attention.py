@@ -29,15 +29,14 @@ from . import configs
 from ._validate import (Frequencies, as_frequencies, check_flag, check_head_dim,
                         check_logn_overflow, check_qkv, check_rope_settings, check_sm_scale,
                         check_window)
-from .backward import _bwd_delta_kernel, _bwd_dkdv_kernel, _bwd_dq_finish_kernel, _bwd_dq_kernel
+from .backward import _bwd_delta_kernel, _bwd_dkdv_kernel, _bwd_dq_kernel
 from .forward import _rerope_fwd_kernel
 from .online_softmax import LOG2E
 from .launch import Launcher, PlanCache, signature
 from .rotary import logn_factor, rotation_tables, turn_operands
 from .runtime import INTERPRET, dot_precision, prepare_for_device
 
-_KERNELS = {"fwd": _rerope_fwd_kernel, "dkdv": _bwd_dkdv_kernel, "dq": _bwd_dq_kernel,
-            "dkdv_dq": _bwd_dkdv_kernel}     # dkdv_dq: with ATOMIC_DQ (configs.ATOMIC_DQ)
+_KERNELS = {"fwd": _rerope_fwd_kernel, "dkdv": _bwd_dkdv_kernel, "dq": _bwd_dq_kernel}
 DECODE_MAX_QUERIES = 16      # kernels.rerope sends shorter causal inference calls to decoding
 
 
@@ -367,7 +366,7 @@ def rerope_backward(dout, q1, q2, k1, k2, v, out, lse, window, causal, sm_scale,
         launchers = launchers.setdefault(("backward", *signature(dout)), {})
     split = operands is not None
     call_key = ("backward call", preturn, PRETURN_BWD_MIN_KEYS, PRETURN_BWD_MAX_BYTES,
-                configs.TMA, configs.ATOMIC_DQ)
+                configs.TMA)
     if launchers is not None and split:            # the fused form's plan: its call
         call = launchers.get(call_key)
         if call is not None:
@@ -399,40 +398,20 @@ def rerope_backward(dout, q1, q2, k1, k2, v, out, lse, window, causal, sm_scale,
     strides = _strides(q1, q2, k1, k2, v, dout)
     common = dict(HEAD_DIM=head_dim, CAUSAL=causal, DOT_PRECISION=dot_precision(q1.dtype),
                   TMA=_tma_of(launchers, "bwd", q1, q2, k1, k2, v, dout), **constexprs)
-    # opt-in: dQ by atomic adds inside the dK/dV kernel (fp32 sums, then a finishing pass)
-    atomic = (0 if common["SPLIT"] or configs.ATOMIC_DQ == "0" else
-              2 if common["TMA"] and not INTERPRET and configs.ATOMIC_DQ != "pointers"
-              else 1)                                           # 2: TMA reductions
-    dq_sums = (torch.zeros((2, batch * n_heads, n_q, head_dim), dtype=torch.float32,
-                           device=q1.device) if atomic else delta)
-    dkdv_args = [q1, q2, k1, k2, v, dout, lse, delta, dk[0], dk[-1], dv, dq_sums,
-                 *operands.tables, *strides, n_heads, n_kv_heads, group, n_q, n_k, window,
-                 sm_scale * LOG2E, sm_scale, operands.logn_factor]
-    dkdv = _launch("dkdv_dq" if atomic else "dkdv", "BLOCK_N", n_k, batch * n_kv_heads,
-                   launchers=launchers, args=dkdv_args, **common,
-                   **(dict(ATOMIC_DQ=atomic) if atomic else {}))
-    if atomic:
-        dq_args = [dq_sums, dq[0], dq[-1], *operands.tables, n_q, n_k, sm_scale,
-                   operands.logn_factor]
-        grid = (triton.cdiv(n_q, configs.DELTA_BLOCK_M), batch * n_heads)
-        finish = dict(HEAD_DIM=head_dim, BLOCK_M=configs.DELTA_BLOCK_M,
-                      TURN_BACK=common.get("TURN_BACK", False),
-                      **{k: common[k] for k in ("LOGN", "TURN_IN", "SHIFT_IN", "TURN_OUT",
-                                                "SHIFT_OUT")})
-        dq_launcher = _bound(("dq_finish", grid), dq_args, finish,
-                             lambda: Launcher(_bwd_dq_finish_kernel, grid, **finish), launchers)
-        dq_launcher(*dq_args)
-    else:
-        dq_args = [q1, q2, k1, k2, v, dout, lse, delta, dq[0], dq[-1], *operands.tables,
-                   *strides, n_heads, group, n_q, n_k, window, sm_scale * LOG2E, sm_scale,
-                   operands.logn_factor]
-        dq_launcher = _launch("dq", "BLOCK_M", n_q, batch * n_heads, launchers=launchers,
-                              args=dq_args, **common)
+    dkdv_args = [q1, q2, k1, k2, v, dout, lse, delta, dk[0], dk[-1], dv, *operands.tables,
+                 *strides, n_heads, n_kv_heads, group, n_q, n_k, window, sm_scale * LOG2E,
+                 sm_scale, operands.logn_factor]
+    dkdv = _launch("dkdv", "BLOCK_N", n_k, batch * n_kv_heads, launchers=launchers,
+                   args=dkdv_args, **common)
+    dq_args = [q1, q2, k1, k2, v, dout, lse, delta, dq[0], dq[-1], *operands.tables, *strides,
+               n_heads, group, n_q, n_k, window, sm_scale * LOG2E, sm_scale,
+               operands.logn_factor]
+    dq_launcher = _launch("dq", "BLOCK_M", n_q, batch * n_heads, launchers=launchers,
+                          args=dq_args, **common)
     if launchers is not None and split:
         launchers[call_key] = _backward_call(
-            (delta_launcher, args[3:]), turn, (dkdv, tuple(dkdv_args[12:])),
-            (dq_launcher, tuple(dq_args[3 if atomic else 10:])), dq[0], dk[0],
-            dq_sums.shape if atomic else None)
+            (delta_launcher, args[3:]), turn, (dkdv, tuple(dkdv_args[11:])),
+            (dq_launcher, tuple(dq_args[10:])), dq[0], dk[0])
     return (dq[0], dk[0], dv) if split else (dq[0], dq[1], dk[0], dk[1], dv)
 
 
@@ -453,12 +432,11 @@ def _operand_turns(operands, first_query):
     return turn
 
 
-def _backward_call(delta, turn, dkdv, dq, dq_first, dk_first, dq_sums=None):
+def _backward_call(delta, turn, dkdv, dq, dq_first, dk_first):
     """A fused-form plan's backward after its first call (as :func:`_forward_call`): each of
     ``delta, dkdv, dq`` is a launcher and the arguments after its tensors; ``turn`` pre-turns
     the operands (:func:`_operand_turns`) or is ``None``; the gradients take the shapes,
-    dtype and device of the first call's (``dq_first``, ``dk_first``). ``dq_sums``: the shape
-    of the fp32 dQ sums where dK/dV adds dQ atomically (``dq`` is then the finishing pass)."""
+    dtype and device of the first call's (``dq_first``, ``dk_first``)."""
     delta_launch, dkdv_launch, dq_launch = (launcher.fixed(*tail) for launcher, tail in
                                             (delta, dkdv, dq))
     q_shape, k_shape, dtype, device = (dq_first.shape, dk_first.shape, dq_first.dtype,
@@ -472,13 +450,8 @@ def _backward_call(delta, turn, dkdv, dq, dq_first, dk_first, dq_sums=None):
         dq = torch.empty(q_shape, dtype=dtype, device=device)
         dk = torch.empty(k_shape, dtype=dtype, device=device)
         dv = torch.empty(k_shape, dtype=dtype, device=device)
-        if dq_sums is None:
-            dkdv_launch(q1, q2, k1, k2, v, dout, lse, grad_delta, dk, dk, dv, grad_delta)
-            dq_launch(q1, q2, k1, k2, v, dout, lse, grad_delta, dq, dq)
-        else:
-            sums = torch.zeros(dq_sums, dtype=torch.float32, device=device)
-            dkdv_launch(q1, q2, k1, k2, v, dout, lse, grad_delta, dk, dk, dv, sums)
-            dq_launch(sums, dq, dq)
+        dkdv_launch(q1, q2, k1, k2, v, dout, lse, grad_delta, dk, dk, dv)
+        dq_launch(q1, q2, k1, k2, v, dout, lse, grad_delta, dq, dq)
         return dq, dk, dv
 
     return call

@@ -121,18 +121,6 @@ def _store_halves(Base, rows, n_rows, a, b, HEAD_DIM: tl.constexpr, ADD: tl.cons
     _store_rows(Base, rows, n_rows, b, HEAD_DIM // 2, HEAD_DIM // 2, HEAD_DIM)
 
 
-@triton.jit
-def _add_rows(dst, start, rows, n_rows, x, HEAD_DIM: tl.constexpr, HOW: tl.constexpr):
-    """Atomically add the fp32 tile ``x`` to rows ``rows`` (from ``start``) of a contiguous
-    ``(N, HEAD_DIM)`` fp32 slice: ``HOW`` 1, one ``red.add`` per element (pointers); 2, one
-    TMA bulk reduction (``dst`` is a tensor descriptor; rows past ``n_rows`` are dropped)."""
-    if HOW == 2:
-        dst.atomic_add([start, 0], x)
-    else:
-        ptrs = dst + rows.to(tl.int64)[:, None] * HEAD_DIM + tl.arange(0, HEAD_DIM)[None, :]
-        tl.atomic_add(ptrs, x, mask=rows[:, None] < n_rows, sem="relaxed")
-
-
 # --- dK, dV --------------------------------------------------------------------------------------
 
 
@@ -143,9 +131,8 @@ def _dkdv_pass(dk_a, dk_b, dv, k_a, k_b, v, Qa, Qb, DO, Lse, Delta, sq_n, sq_d, 
                TURN: tl.constexpr, LOGN: tl.constexpr,
                SPLIT: tl.constexpr, TWO_DOTS: tl.constexpr,
                BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr,
-               TMA: tl.constexpr, DQacc, ATOMIC_DQ: tl.constexpr):
-    """Accumulate this product's ``dK`` and ``dV`` over the query tiles of ``walk`` (and, with
-    ``ATOMIC_DQ``, add each tile's ``dS K`` to the fp32 ``dQ`` sums at ``DQacc``).
+               TMA: tl.constexpr):
+    """Accumulate this product's ``dK`` and ``dV`` over the query tiles of ``walk``.
 
     Works on transposed tiles (keys along dim 0, queries along dim 1) so that the keys, ``v``
     and the accumulators stay put. ``keys`` are measured like query rows (position minus
@@ -180,9 +167,6 @@ def _dkdv_pass(dk_a, dk_b, dv, k_a, k_b, v, Qa, Qb, DO, Lse, Delta, sq_n, sq_d, 
         dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
         ds_t = p_t * (dp_t - delta[None, :])
         dk_a, dk_b = _accumulate(dk_a, dk_b, ds_t, q_a, q_b, TWO_DOTS, DOT_PRECISION)
-        if ATOMIC_DQ:                     # five-tensor reads only: k_a is the whole key tile
-            dq = tl.dot(tl.trans(ds_t).to(k_a.dtype), k_a, input_precision=DOT_PRECISION)
-            _add_rows(DQacc, start_m, queries, n_q, dq, HEAD_DIM, ATOMIC_DQ)
     return dk_a, dk_b, dv
 
 
@@ -194,15 +178,13 @@ def _dkdv_product(dv, v, K, sk_n, sk_d, Q, sq_b, sq_h, sq_n, sq_d, DO, sdo_b, sd
                   TURN: tl.constexpr, SHIFT: tl.constexpr, LOGN: tl.constexpr,
                   SPLIT: tl.constexpr, TWO_DOTS: tl.constexpr, ADD: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-                  DOT_PRECISION: tl.constexpr, TMA: tl.constexpr, TURN_BACK: tl.constexpr,
-                  DQacc, ATOMIC_DQ: tl.constexpr):
+                  DOT_PRECISION: tl.constexpr, TMA: tl.constexpr, TURN_BACK: tl.constexpr):
     """Everything one product gives a key block: its key operand (``K`` is the block's
     ``(N, D)`` slice; turned by ``R(speed·j − offset)``), its three walks for every query head
     of the group, then its ``dK`` stored at ``DK`` (turned back to the input keys in the
     ``SPLIT`` form; ``ADD``: added to the other product's). ``TURN_BACK``: the operands came
     pre-turned (five-tensor reads, keys by ``R(speed·j)`` only), the ``dK`` is turned back by
-    that angle and summed as in the ``SPLIT`` form. ``ATOMIC_DQ``: this product's fp32 ``dQ``
-    sums, ``(B·Hq, Nq, D)`` at ``DQacc``, get every tile's part. Returns ``dV`` so far."""
+    that angle and summed as in the ``SPLIT`` form. Returns ``dV`` so far."""
     Ka, Kb = _halves(K, sk_n, sk_d, n_k, BLOCK_N, HEAD_DIM, SPLIT, TMA)
     k_a, k_b = _operand(Ka, Kb, start_n, sk_n, sk_d, n_k, keys, Table, Offset, 0.0, TURN, SHIFT,
                         -1, False, SPLIT, TWO_DOTS, BLOCK_N, HEAD_DIM, True, TMA)
@@ -214,25 +196,21 @@ def _dkdv_product(dv, v, K, sk_n, sk_d, Q, sq_b, sq_h, sq_n, sq_d, DO, sdo_b, sd
         do = _tiles(DO + batch * sdo_b + head * sdo_h, sdo_n, n_q, BLOCK_M, HEAD_DIM, TMA)
         row_stats = (batch * n_heads + head) * n_q
         lse, delta = Lse + row_stats, Delta + row_stats
-        dq_sums = DQacc
-        if ATOMIC_DQ:
-            dq_sums = _tiles(DQacc + row_stats * HEAD_DIM, HEAD_DIM, n_q, BLOCK_M, HEAD_DIM,
-                             ATOMIC_DQ == 2)
         dk_a, dk_b, dv = _dkdv_pass(dk_a, dk_b, dv, k_a, k_b, v, Qa, Qb, do, lse, delta, sq_n,
                                     sq_d, sdo_n, sdo_d, keys_q, clean, n_q, q_offset, window,
                                     qk_scale, Table, Offset, logn_factor, PRODUCT, False, CAUSAL,
                                     TURN, LOGN, SPLIT, TWO_DOTS, BLOCK_M, HEAD_DIM,
-                                    DOT_PRECISION, TMA, dq_sums, ATOMIC_DQ)
+                                    DOT_PRECISION, TMA)
         dk_a, dk_b, dv = _dkdv_pass(dk_a, dk_b, dv, k_a, k_b, v, Qa, Qb, do, lse, delta, sq_n,
                                     sq_d, sdo_n, sdo_d, keys_q, band, n_q, q_offset, window,
                                     qk_scale, Table, Offset, logn_factor, PRODUCT, True, CAUSAL,
                                     TURN, LOGN, SPLIT, TWO_DOTS, BLOCK_M, HEAD_DIM,
-                                    DOT_PRECISION, TMA, dq_sums, ATOMIC_DQ)
+                                    DOT_PRECISION, TMA)
         dk_a, dk_b, dv = _dkdv_pass(dk_a, dk_b, dv, k_a, k_b, v, Qa, Qb, do, lse, delta, sq_n,
                                     sq_d, sdo_n, sdo_d, keys_q, edge, n_q, q_offset, window,
                                     qk_scale, Table, Offset, logn_factor, PRODUCT, True, CAUSAL,
                                     TURN, LOGN, SPLIT, TWO_DOTS, BLOCK_M, HEAD_DIM,
-                                    DOT_PRECISION, TMA, dq_sums, ATOMIC_DQ)
+                                    DOT_PRECISION, TMA)
     if SPLIT:
         dk_a, dk_b = _as_halves(dk_a, dk_b, TWO_DOTS)
         if TURN or SHIFT:
@@ -252,7 +230,7 @@ def _dkdv_product(dv, v, K, sk_n, sk_d, Q, sq_b, sq_h, sq_n, sq_d, DO, sdo_b, sd
 
 @triton.jit
 def _bwd_dkdv_kernel(
-    Q1, Q2, K1, K2, V, DO, Lse, Delta, DK1, DK2, DV, DQacc, TabIn, OffIn, TabOut, OffOut,
+    Q1, Q2, K1, K2, V, DO, Lse, Delta, DK1, DK2, DV, TabIn, OffIn, TabOut, OffOut,
     sq1_b, sq1_h, sq1_n, sq1_d, sq2_b, sq2_h, sq2_n, sq2_d,
     sk1_b, sk1_h, sk1_n, sk1_d, sk2_b, sk2_h, sk2_n, sk2_d,
     sv_b, sv_h, sv_n, sv_d, sdo_b, sdo_h, sdo_n, sdo_d,
@@ -261,16 +239,10 @@ def _bwd_dkdv_kernel(
     CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr,
     SPLIT: tl.constexpr, TWO_DOTS: tl.constexpr, LOGN: tl.constexpr,
     TURN_IN: tl.constexpr, SHIFT_IN: tl.constexpr, TURN_OUT: tl.constexpr,
-    SHIFT_OUT: tl.constexpr, TURN_BACK: tl.constexpr = False, ATOMIC_DQ: tl.constexpr = 0,
+    SHIFT_OUT: tl.constexpr, TURN_BACK: tl.constexpr = False,
 ):
     """Grid ``(cdiv(Nk, BLOCK_N), B * Hkv)``. Gradients are contiguous ``(B, Hkv, Nk, D)``:
     ``DK1, DK2, DV`` in the five-tensor form; ``DK1`` (= dk) and ``DV`` with ``SPLIT``.
-
-    ``ATOMIC_DQ`` (1: pointer atomics, 2: TMA reductions; ``SPLIT`` off): the program also
-    computes each tile's ``dQ`` part and adds it to fp32 sums ``DQacc`` of shape
-    ``(2, B·Hq, Nq, D)``, zeroed by the caller (inside product first, unscaled): no dQ kernel
-    then, :func:`_bwd_dq_finish_kernel` turns the sums into gradients. The order of the adds
-    varies from run to run: not bit-reproducible.
 
     ``TURN_BACK`` (with ``SPLIT`` off): the five tensors are the products' operands pre-turned
     from one ``q`` and one ``k`` (:func:`kernels.rotary.turn_operands`: keys by
@@ -297,14 +269,13 @@ def _bwd_dkdv_kernel(
     # passes give the other's (added to it in the SPLIT form): only two fp32 accumulators are
     # filled at any time, as in plain attention
     DK = DK1 + out_offset
-    dq_outside = (tl.num_programs(1) // n_kv_heads).to(tl.int64) * n_heads * n_q * HEAD_DIM
     dv = _dkdv_product(dv, v, K1 + batch * sk1_b + kv_head * sk1_h, sk1_n, sk1_d, Q1, sq1_b,
                        sq1_h, sq1_n, sq1_d, DO, sdo_b, sdo_h, sdo_n, sdo_d, Lse, Delta, DK,
                        batch, kv_head, start_n, keys, keys_q, inside_clean, band, edge_inside,
                        n_heads, group, n_q, n_k, q_offset, window, qk_scale, sm_scale, TabIn,
                        OffIn, logn_factor, INSIDE, CAUSAL, TURN_IN, SHIFT_IN, LOGN, SPLIT,
                        TWO_DOTS, False, BLOCK_M, BLOCK_N, HEAD_DIM, DOT_PRECISION, TMA,
-                       TURN_BACK, DQacc, ATOMIC_DQ)
+                       TURN_BACK)
     if not (SPLIT or TURN_BACK):
         DK = DK2 + out_offset
     dv = _dkdv_product(dv, v, K2 + batch * sk2_b + kv_head * sk2_h, sk2_n, sk2_d, Q2, sq2_b,
@@ -313,7 +284,7 @@ def _bwd_dkdv_kernel(
                        n_heads, group, n_q, n_k, q_offset, window, qk_scale, sm_scale, TabOut,
                        OffOut, logn_factor, OUTSIDE, CAUSAL, TURN_OUT, SHIFT_OUT, LOGN, SPLIT,
                        TWO_DOTS, SPLIT or TURN_BACK, BLOCK_M, BLOCK_N, HEAD_DIM, DOT_PRECISION,
-                       TMA, TURN_BACK, DQacc + dq_outside, ATOMIC_DQ)
+                       TMA, TURN_BACK)
     _store_rows(DV + out_offset, keys, n_k, dv, 0, HEAD_DIM, HEAD_DIM)
 
 
@@ -455,30 +426,3 @@ def _bwd_dq_kernel(
                 logn_factor, sm_scale, DQ, outside_clean, band, edge_outside, n_k, window,
                 qk_scale, OUTSIDE, CAUSAL, TURN_OUT, SHIFT_OUT, LOGN, SPLIT, TWO_DOTS,
                 SPLIT or TURN_BACK, BLOCK_M, BLOCK_N, HEAD_DIM, DOT_PRECISION, TMA, TURN_BACK)
-
-
-@triton.jit
-def _bwd_dq_finish_kernel(Acc, DQ1, DQ2, TabIn, OffIn, TabOut, OffOut, n_q, n_k, sm_scale,
-                          logn_factor, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-                          LOGN: tl.constexpr, TURN_IN: tl.constexpr, SHIFT_IN: tl.constexpr,
-                          TURN_OUT: tl.constexpr, SHIFT_OUT: tl.constexpr,
-                          TURN_BACK: tl.constexpr):
-    """Grid ``(cdiv(Nq, BLOCK_M), B * Hq)``: the fp32 ``dQ`` sums of the dK/dV kernel's
-    ``ATOMIC_DQ`` (``Acc``, ``(2, B·Hq, Nq, D)``, inside product first) made gradients, as the
-    dQ kernel stores its accumulators: scaled into ``DQ1, DQ2`` (five tensors), or with
-    ``TURN_BACK`` each turned back by its query angle, scaled by log-n and summed into ``DQ1``."""
-    q_rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    rows = n_k - n_q + q_rows
-    head_offset = tl.program_id(1).to(tl.int64) * n_q * HEAD_DIM
-    outside = tl.num_programs(1).to(tl.int64) * n_q * HEAD_DIM
-    dims = tl.arange(0, HEAD_DIM)
-    acc_in = _load_rows(Acc + head_offset, q_rows, HEAD_DIM, 1, dims, n_q, True)
-    acc_out = _load_rows(Acc + outside + head_offset, q_rows, HEAD_DIM, 1, dims, n_q, True)
-    if TURN_BACK:
-        _store_dq(DQ1 + head_offset, q_rows, rows, n_q, acc_in, acc_in, TabIn, OffIn, sm_scale,
-                  logn_factor, TURN_IN, SHIFT_IN, LOGN, False, HEAD_DIM, False)
-        _store_dq(DQ1 + head_offset, q_rows, rows, n_q, acc_out, acc_out, TabOut, OffOut,
-                  sm_scale, logn_factor, TURN_OUT, SHIFT_OUT, LOGN, False, HEAD_DIM, True)
-    else:
-        _store_rows(DQ1 + head_offset, q_rows, n_q, acc_in * sm_scale, 0, HEAD_DIM, HEAD_DIM)
-        _store_rows(DQ2 + head_offset, q_rows, n_q, acc_out * sm_scale, 0, HEAD_DIM, HEAD_DIM)

@@ -19,14 +19,6 @@ AUTOTUNE = os.environ.get("KERNELS_AUTOTUNE", "1") != "0"
 TMA = os.environ.get("KERNELS_TMA", "auto")
 
 
-# dQ by atomic adds inside the dK/dV kernel ("1"; "0": the separate dQ kernel). Opt-in: the fp32
-# sums are added in a different order each run (not bit-reproducible), and need 8·B·Hq·Nq·D
-# bytes of scratch. Used where the kernels read five tensors (rerope_attention, and kernels.rerope
-# on pre-turned operands); where tiles are read by TMA the adds are TMA bulk reductions
-# ("pointers": one atomic per element even there).
-ATOMIC_DQ = os.environ.get("KERNELS_ATOMIC_DQ", "0")
-
-
 def tma_pays(capability, elem_bytes, head_dim):
     """The hardware/dtype half of ``TMA="auto"``: a Hopper-or-newer GPU, 16-bit inputs, D <= 128
     (the launcher also needs a layout TMA accepts)."""
@@ -51,11 +43,6 @@ _CANDIDATES = {
     "dkdv": {   # one program per key block of BLOCK_N, walking query tiles of BLOCK_M
         64: [(64, 64, 4, 3), (64, 64, 4, 2), (32, 128, 4, 3), (64, 128, 8, 3)],
         128: [(64, 64, 4, 2), (32, 128, 8, 3), (64, 128, 8, 2), (32, 64, 4, 3)],
-        256: [(32, 64, 8, 2), (16, 32, 4, 2)],
-    },
-    "dkdv_dq": {    # the dK/dV kernel that also adds dQ atomically (ATOMIC_DQ)
-        64: [(64, 64, 4, 2), (64, 128, 8, 2), (64, 64, 8, 2), (32, 64, 4, 2)],
-        128: [(64, 128, 8, 2), (64, 64, 4, 2), (64, 64, 8, 2), (32, 128, 8, 2)],
         256: [(32, 64, 8, 2), (16, 32, 4, 2)],
     },
     "dq": {     # one program per query block of BLOCK_M, walking key tiles of BLOCK_N
@@ -92,12 +79,10 @@ def estimate_shared_memory(kernel, block_m, block_n, num_stages, head_dim, elem_
     barriers come on top. The fused-rotation form (``split``) rotates each streamed ``k`` (or
     ``q`` in dK/dV) tile in registers and stages the result for the tensor cores: one more tile.
     """
-    streamed_rows = block_m if kernel.startswith("dkdv") else block_n
-    if kernel.startswith("dkdv"):
+    streamed_rows = block_m if kernel == "dkdv" else block_n
+    if kernel == "dkdv":
         streamed = num_stages * 2 * block_m * head_dim * elem_bytes
         resident = 3 * block_n * head_dim * elem_bytes
-        if kernel == "dkdv_dq":           # the fp32 dQ tile staged for its atomic add
-            resident += block_m * head_dim * 4
     else:
         streamed = num_stages * 2 * block_n * head_dim * elem_bytes
         resident = (3 if kernel == "dq" else 2) * block_m * head_dim * elem_bytes

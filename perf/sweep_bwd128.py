@@ -30,7 +30,13 @@ cache):
    launch path then hidden) and an event between the forward and the backward, plus the host
    time of each half. The difference says how much of a measured step is the host, not the GPU.
 
-``--parts`` picks parts (default all, e.g. ``--parts step``). The breakdown and step rows of
+5. ``clocks`` (not in the default set): ``nvidia-smi`` sampled every 50 ms while the
+   benchmark's step of ``rerope_raw`` and of ``rope_sdpa_cudnn`` (fp16) runs back to back for
+   4 s, then 4 s with the ~1 ms GPU sleep before each step: SM and memory clocks, power,
+   temperature and the throttle reasons per phase (``clock_rows``); the raw samples go to
+   ``<out>_smi.json``. Read-only: no clock or power setting is touched.
+
+``--parts`` picks parts (default all but ``clocks``, e.g. ``--parts step``). The breakdown and step rows of
 runs go to the book's data file, beside what ``perf/probe_preturn_bwd.py`` writes there (no GPU
 needed; the file's other keys are kept):
 
@@ -72,10 +78,6 @@ SWEEP = {   # first: the current first candidate (configs._CANDIDATES[kernel][12
     "dq": [(64, 64, 4, 2), (64, 64, 4, 3), (64, 64, 8, 2), (64, 32, 4, 3), (128, 64, 8, 2),
            (128, 32, 4, 3), (128, 32, 4, 4), (128, 32, 8, 3), (128, 32, 8, 2)],
 }
-# dQ added atomically inside dK/dV (configs.ATOMIC_DQ): its kernel's candidates, each with TMA
-# reductions ("1") and per-element atomics ("pointers")
-ATOMIC = [(64, 128, 8, 2), (64, 64, 4, 2), (64, 64, 8, 2), (32, 128, 8, 2), (128, 64, 8, 2)]
-ATOMIC_MODES = ("1", "pointers")
 CASES = [(dtype, kernel, cfg) for dtype in DTYPES for kernel, cfgs in SWEEP.items()
          for cfg in (cfgs if kernel == "dkdv" else cfgs[1:])]   # dq's first = dkdv's first
 WS_LOOP = {"BLOCK_M": "for t in range(0, n1 + _tile_count(lo2, hi2, BLOCK_M)):",
@@ -90,12 +92,10 @@ SLEEP_CYCLES = 2_000_000          # ~1 ms: the host enqueues the backward while 
 
 
 @contextmanager
-def forced(kernel=None, cfg=None, atomic="0"):
-    """The pre-turned backward's ``kernel`` launched with ``cfg`` (the others: first candidate),
-    ``configs.ATOMIC_DQ`` set to ``atomic``; every cache that keeps a compiled kernel or a bound
-    launch is cleared on entry and exit."""
-    original, original_atomic = configs.launch_configs, configs.ATOMIC_DQ
-    configs.ATOMIC_DQ = atomic
+def forced(kernel=None, cfg=None):
+    """The pre-turned backward's ``kernel`` launched with ``cfg`` (the others: first candidate);
+    every cache that keeps a compiled kernel or a bound launch is cleared on entry and exit."""
+    original = configs.launch_configs
 
     def patched(name, head_dim, capability, elem_bytes=2, split=False):
         if name == kernel and not split:
@@ -113,7 +113,7 @@ def forced(kernel=None, cfg=None, atomic="0"):
     try:
         yield
     finally:
-        configs.launch_configs, configs.ATOMIC_DQ = original, original_atomic
+        configs.launch_configs = original
         clear()
 
 
@@ -138,9 +138,9 @@ def recording(segments):
         attention._launch, attention.turn_operands = launch, turn
 
 
-def inputs(dtype, n=N, seed=0, d=D):
+def inputs(dtype, n=N, seed=0):
     gen = torch.Generator(device="cuda").manual_seed(seed)
-    return [torch.randn(1, HEADS, n, d, device="cuda", dtype=getattr(torch, dtype),
+    return [torch.randn(1, HEADS, n, D, device="cuda", dtype=getattr(torch, dtype),
                         generator=gen) for _ in range(4)]
 
 
@@ -211,15 +211,10 @@ def warm(job):
         launch = attention._launch
         attention._launch = lambda kernel, *a, **k: (launch(kernel, *a, **k)
                                                      if kernel == job["kernel"] else None)
-        with forced(job["kernel"], tuple(job["cfg"]), job.get("atomic", "0")):
+        with forced(job["kernel"], tuple(job["cfg"])):
             backward_step(job["dtype"], False, n=1024)()
     elif job["kind"] == "combo":        # forward + backward at the first candidates, N = 4096
         q, k, v, dout = (t.requires_grad_() for t in inputs(job["dtype"], 4096))
-        out = kernels.rerope(q, k, v, WINDOW, rotated=job["rotated"])
-        torch.autograd.grad(out, (q, k, v), dout)
-    elif job["kind"] == "atomic_combo":  # the whole step with atomic dQ, N = 4096
-        configs.ATOMIC_DQ = "1"
-        q, k, v, dout = (t.requires_grad_() for t in inputs(job["dtype"], 4096, d=job["D"]))
         out = kernels.rerope(q, k, v, WINDOW, rotated=job["rotated"])
         torch.autograd.grad(out, (q, k, v), dout)
     elif job["kind"] == "ws":
@@ -320,32 +315,15 @@ def step_rows(dtype="float16", reps=20):
     return rows
 
 
-def error_vs_reference(grads, dtype, rotated, seed):
-    """max |err| / max |ref| of ``grads`` (dq, dk, dv of ``backward_step(dtype, rotated,
-    seed=seed)``) against a float32 reference on the first two heads."""
-    from kernels import reference
-
-    q, k, v, dout = inputs(dtype, seed=seed)
-    leaves = [t[:, :2].float().requires_grad_() for t in (q, k, v)]
-    was = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
-    try:
-        ref = torch.autograd.grad(reference.rerope(*leaves, WINDOW, causal=True,
-                                                   rotated=rotated), leaves, dout[:, :2].float())
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = was
-    return {f"{name}_err": ((g[:, :2].float() - r).abs().max() / r.abs().max()).item()
-            for name, g, r in zip(("dq", "dk", "dv"), grads, ref)}
-
-
 SMI_FIELDS = "clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_throttle_reasons.active"
 
 
 def clock_rows(seconds=4.0):
     """Part ``clocks``: ``nvidia-smi`` sampled every 50 ms (read only, no setting changed) while
     the benchmark's fp16 step runs back to back, then with a ~1 ms GPU sleep before each step,
-    for ``rerope_raw`` (default backward, and with atomic dQ) and ``rope_sdpa_cudnn``; per phase
-    the median step time and the samples' medians / minima."""
+    for ``rerope_raw`` and ``rope_sdpa_cudnn``; per phase the median step time and the samples'
+    medians, minima and maxima (the first 0.5 s of each phase left out), and the throttle
+    reasons seen (a bit mask: 0x4 is the software power cap)."""
     import threading
 
     samples = []
@@ -367,8 +345,8 @@ def clock_rows(seconds=4.0):
     rows = []
     try:
         time.sleep(1.0)
-        for impl, atomic in (("rerope_raw", "0"), ("rope_sdpa_cudnn", "0"), ("rerope_raw", "1")):
-            with forced(atomic=atomic):
+        for impl in ("rerope_raw", "rope_sdpa_cudnn"):
+            with forced():
                 torch.manual_seed(0)
                 forward, leaves = bench.build_case(impl, shape)
                 upstream = tuple(torch.randn_like(o) for o in bench._as_tuple(forward()))
@@ -397,8 +375,7 @@ def clock_rows(seconds=4.0):
                     times = [a.elapsed_time(b) for a, b in events]
                     inside = [line for t, line in samples if t0 + 0.5 <= t <= t1]
                     cols = [c.split(",") for c in inside]
-                    row = {"part": "clocks", "impl": impl, "atomic_dq": atomic,
-                           "sleep": sleep, "steps": len(times),
+                    row = {"part": "clocks", "impl": impl, "sleep": sleep, "steps": len(times),
                            "step_ms_median": statistics.median(times),
                            "step_ms_first10": statistics.median(times[:10]),
                            "step_ms_last10": statistics.median(times[-10:]),
@@ -420,29 +397,6 @@ def clock_rows(seconds=4.0):
         smi.terminate()
         smi.wait()
     return rows, samples
-
-
-def atomic_step_rows(cells):
-    """Part ``atomic_step``: ``measure_case`` forward + backward (and forward) of ``rerope_raw`` /
-    ``rerope_rotated`` with the default backward and with atomic dQ, beside torch RoPE + SDPA
-    cuDNN and plain SDPA cuDNN, for each ``(dtype, D, N)``."""
-    rows = []
-    for dtype, d, n in cells:
-        shape = bench.Shape(B=1, H=HEADS, N=n, D=d, window=WINDOW, dtype=dtype, causal=True)
-        base = {impl: bench.measure_case(impl, "fwd+bwd", shape)[0]
-                for impl in ("rope_sdpa_cudnn", "sdpa_cudnn")}
-        for impl in ("rerope_raw", "rerope_rotated"):
-            row = {"part": "atomic_step", "impl": impl, "dtype": dtype, "D": d, "N": n,
-                   "rope_cudnn_ms": base["rope_sdpa_cudnn"], "cudnn_ms": base["sdpa_cudnn"]}
-            for atomic in ("0", "1"):
-                with forced(atomic=atomic):
-                    row[f"ms_atomic{atomic}"] = bench.measure_case(impl, "fwd+bwd", shape)[0]
-                row[f"vs_rope_cudnn_atomic{atomic}"] = round(
-                    base["rope_sdpa_cudnn"] / row[f"ms_atomic{atomic}"], 3)
-            rows.append(row)
-            print(json.dumps(row), flush=True)
-        torch.cuda.empty_cache()
-    return rows
 
 
 BOOK_PARTS = ("breakdown", "step")
@@ -480,8 +434,6 @@ def main():
     parser.add_argument("--merge", nargs="+", metavar="RUN",
                         help="no run: merge these run files' rows into --book")
     parser.add_argument("--book", default="book/data/preturn_bwd_h200.json")
-    parser.add_argument("--sweep", default="",
-                        help="atomic_step: extra fp16 lengths N (comma-separated)")
     args = parser.parse_args()
     parts = set(args.parts.split(","))
     if args.merge:
@@ -521,14 +473,8 @@ def main():
         jobs += [{"kind": "case", "dtype": "float16", "kernel": k, "cfg": c}
                  for k, c in first.items()]
         jobs += [{"kind": "fwd", "dtype": "float16", "rotated": False}]
-    if "atomic" in parts:
-        jobs += [{"kind": "case", "dtype": "float16", "kernel": "dkdv_dq", "cfg": c,
-                  "atomic": m} for c in ATOMIC for m in ATOMIC_MODES]
-    if parts & {"atomic_step", "clocks"}:
-        jobs += [{"kind": "atomic_combo", "dtype": dt, "rotated": rot, "D": d}
-                 for dt in DTYPES for rot in (False, True) for d in (64, 128)]
-        jobs += [{"kind": "combo", "dtype": dt, "rotated": rot} for dt in DTYPES
-                 for rot in (False, True)]
+    if "clocks" in parts and not parts & {"kernel", "breakdown"}:
+        jobs += [{"kind": "combo", "dtype": "float16", "rotated": False}]
     ws_folder = warp_specialized_copy() if "warp_specialize" in parts else None
     start = time.time()
     procs = [spawn([os.path.abspath(__file__), "--warm", json.dumps(job)]) for job in jobs]
@@ -598,42 +544,12 @@ def main():
         for row in step_rows():
             save(row)
 
-    # atomic dQ: its dK/dV kernel per candidate and add mode, fp16 raw, pieces as in part 1
-    if "atomic" in parts:
-        step = backward_step("float16", False, seed=1)
-        with forced():
-            reference_grads = step()
-            save({"part": "atomic", "config": None, "mode": "0",
-                  **error_vs_reference(reference_grads, "float16", False, 1),
-                  **segments_ms(step)})
-        for cfg in ATOMIC:
-            for mode in ATOMIC_MODES:
-                row = {"part": "atomic", "config": list(cfg), "mode": mode}
-                try:
-                    with forced("dkdv_dq", cfg, mode):
-                        grads = step()
-                        row["max_rel_diff"] = max_rel_diff(grads, reference_grads)
-                        row.update(error_vs_reference(grads, "float16", False, 1))
-                        row.update(segments_ms(step))
-                except Exception as error:
-                    row["error"] = f"{type(error).__name__}: {str(error)[:300]}"
-                save(row)
-        del step, reference_grads
-        torch.cuda.empty_cache()
-
     if "clocks" in parts:
         clock, samples = clock_rows()
         for row in clock:
             save(row)
         with open(os.path.splitext(args.out)[0] + "_smi.json", "w") as f:
             json.dump(samples, f)
-
-    if "atomic_step" in parts:
-        cells = [(dt, d, N) for dt in DTYPES for d in (64, 128)]
-        cells += [(dt, d, n) for dt in ("float16",) for d in (64, 128)
-                  for n in (int(x) for x in args.sweep.split(",") if x)]
-        for row in atomic_step_rows(cells):
-            save(row)
 
 
 if __name__ == "__main__":

@@ -52,25 +52,6 @@ def test_both_load_paths(case, mode, gen, monkeypatch):
                                    context=describe(gen, tma=mode, **asdict(case)))
 
 
-# dQ by atomic adds inside the dK/dV kernel (configs.ATOMIC_DQ, opt-in), with both load paths
-ATOMIC_DQ_CASES = [Case(77, 15, dtype=F16), Case(77, 30, causal=False),
-                   Case(24, 7, batch=2, hq=4, hkv=2, dtype=F16)]
-
-
-@pytest.mark.parametrize("case", ATOMIC_DQ_CASES, ids=Case.id)
-@pytest.mark.parametrize("mode", ["0", "1"], ids=["pointers", "descriptors"])
-def test_atomic_dq(case, mode, gen, monkeypatch):
-    from kernels import configs
-
-    monkeypatch.setattr(configs, "TMA", mode)
-    monkeypatch.setattr(configs, "ATOMIC_DQ", "1")
-    tensors, dout = make_inputs(gen, case.batch, case.hq, case.hkv, case.n, case.d, case.dtype,
-                                layout=case.layout)
-    check_kernel_against_reference(tensors, dout, case.window, case.causal, case.sm_scale,
-                                   context=describe(gen, atomic_dq=True, tma=mode,
-                                                    **asdict(case)))
-
-
 def test_descriptor_layout_rules():
     """TMA needs unit column stride, 16-byte aligned row/head strides and a 16-byte aligned start;
     anything else falls back to pointer loads (sizes-1 dimensions' strides do not matter)."""

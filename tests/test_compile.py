@@ -52,7 +52,7 @@ TORCH_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.flo
 
 # integer arguments that are floats at launch, and pointers to fp32 row statistics
 FLOAT_ARGS = {"qk_scale", "sm_scale", "logn_factor"}
-FP32_POINTERS = {"Lse", "Delta", "DQacc", "TabIn", "OffIn", "TabOut", "OffOut"}
+FP32_POINTERS = {"Lse", "Delta", "TabIn", "OffIn", "TabOut", "OffOut"}
 
 # The forms the kernels read (``SPLIT``): the five tensors of ``rerope_attention``, and
 # ``q, k`` of ``rerope`` with every rotation switched on (Leaky ReRoPE from raw inputs rotates
@@ -172,8 +172,6 @@ def _source(job):
     if job["kernel"] == "fwd":          # key tiles turned in the kernel (not pre-turned)
         constexprs.update(TURN_K_IN=constexprs["TURN_IN"], TURN_K_OUT=constexprs["TURN_OUT"])
         del constexprs["TURN_BACK"]         # a backward-only switch
-    if job["kernel"] == "dkdv":         # dQ by its own kernel (ATOMIC_DQ off)
-        constexprs["ATOMIC_DQ"] = 0
     missing = [p.name for p in fn.params if p.is_constexpr and p.name not in constexprs]
     if missing:
         raise RuntimeError(f"no value for constexpr parameters {missing} of {job['kernel']}")

@@ -376,38 +376,6 @@ def test_preturned_dq_is_bit_identical_at_d16(rotated, extra, gen, backward_path
     assert not problems, describe(gen, **asdict(case)) + "\n" + "\n".join(problems)
 
 
-ATOMIC_DQ_CASES = [
-    C(50, window=14), C(50, window=14, rotated=True, dtype=F16),
-    C(33, 70, 9, leaky=3.0, logn_len=8.0, rotated=True),
-    C(24, 40, 7, batch=2, hq=4, hkv=2, dtype=F16, layout="transposed", rotated=True),
-]
-
-
-@pytest.mark.parametrize("case", ATOMIC_DQ_CASES, ids=FusedCase.id)
-def test_atomic_dq_matches_oracle(case, gen, backward_path, monkeypatch):
-    """``KERNELS_ATOMIC_DQ=1`` (``configs.ATOMIC_DQ``): the pre-turned backward with dQ added
-    atomically inside the dK/dV kernel and finished by its own pass, against the oracle; ``dk``
-    and ``dv`` equal the default path's bit for bit (the same arithmetic)."""
-    from kernels import attention, configs
-
-    leaves, dout = fused_inputs(gen, case)
-    got, kernels_run, real = {}, [], attention._launch
-    monkeypatch.setattr(attention, "_launch",
-                        lambda kernel, *a, **kw: kernels_run.append(kernel) or real(kernel, *a, **kw))
-    for mode in ("0", "1"):
-        monkeypatch.setattr(configs, "ATOMIC_DQ", mode)
-        kernels_run.clear()
-        calls = backward_path("preturned")
-        got[mode] = fused_results(leaves, dout, case.window, **settings(case))
-        assert len(calls) == 2, "the backward did not pre-turn q and k"
-        assert ("dkdv_dq" in kernels_run) == (mode == "1") and ("dq" in kernels_run) == (mode == "0")
-    want = oracle_results(leaves, dout, case.window, **settings(case))
-    problems = results_problems(got["1"], want, tolerance(case.dtype))
-    assert not problems, describe(gen, **asdict(case)) + "\n" + "\n".join(problems)
-    for name in ("dk", "dv"):
-        assert torch.equal(got["0"][name], got["1"][name]), name
-
-
 def _rotations_for(case, device="cpu"):
     from kernels import attention
 
