@@ -18,7 +18,9 @@ Three parts, one process (plus compile warm-up workers):
    of CUDA-event timings, L2 flushed, inputs requiring grad, ``torch.autograd.grad``):
    ``rerope_raw`` / ``rerope_rotated`` with each backward path (forced through
    ``attention.PRETURN_BWD_MIN_KEYS``), and ``rope_sdpa_cudnn``; N = 8192 for fp16 and bf16,
-   D = 64 and 128, and the sweep N = 1k … 32k for fp16.
+   D = 64 and 128, and the sweep N = 1k … 32k for fp16 (``--lengths``: fewer; the file's rows of
+   the others are kept). Rows ``part: "core"`` at N = 8192: plain SDPA cuDNN, the five-tensor
+   core op and the forwards alone (:func:`core_rows`).
 
 Rows: ``{"part": "check" | "time", "impl", "path", "dtype", "D", "N", ...}`` with ``ms`` (and
 ``vs_rope_cudnn``: the cuDNN + RoPE time over ours, > 1 when ours is faster) for timings, and the
@@ -57,20 +59,21 @@ def _inputs(n, d, dtype, seed):
 
 
 def warm(job):
-    """Compile the kernels of one (dtype, D, convention, path) at N = 1024 and 4096."""
-    dtype, d, rotated, path = job
+    """Compile the kernels of one (dtype, D, convention, path) at N = 1024 and 4096 (4096 only
+    for bf16, or where every length measured is >= 4096)."""
+    dtype, d, rotated, path, short = job
     attention.PRETURN_BWD_MIN_KEYS = PATHS[path]
     attention.PRETURN_BWD_MAX_BYTES = 1 << 62
-    for n in (1024, 4096) if dtype == "float16" else (4096,):    # bf16: N = 8192 only
+    for n in (1024, 4096) if dtype == "float16" and short else (4096,):
         q, k, v, dout = (t.requires_grad_() for t in _inputs(n, d, getattr(torch, dtype), 0))
         out = kernels.rerope(q, k, v, WINDOW, rotated=rotated)
         torch.autograd.grad(out, (q, k, v), dout)
     torch.cuda.synchronize()
 
 
-def warm_all():
-    jobs = [(dtype, d, rotated, path) for dtype in ("float16", "bfloat16") for d in (64, 128)
-            for rotated in (False, True) for path in PATHS]
+def warm_all(short=True):
+    jobs = [(dtype, d, rotated, path, short) for dtype in ("float16", "bfloat16")
+            for d in (64, 128) for rotated in (False, True) for path in PATHS]
     start = time.time()
     procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), "--warm",
                                json.dumps(job)]) for job in jobs]
@@ -121,11 +124,38 @@ def timing(impl, path, dtype, d, n):
             "peak_gb": peak / 1e9}
 
 
+CORE = (("sdpa_cudnn", "fwd"), ("sdpa_cudnn", "fwd+bwd"), ("rerope", "fwd"), ("rerope", "fwd+bwd"),
+        ("rope_sdpa_cudnn", "fwd"), ("rerope_raw", "fwd"), ("rerope_rotated", "fwd"))
+
+
+def core_rows(dtype, d, n):
+    """Rows ``part: "core"``: plain SDPA cuDNN and the five-tensor op ``rerope_attention``
+    (``rerope``: the standing core-op target, forward and forward + backward), and the forwards
+    of torch RoPE + cuDNN and of ``kernels.rerope`` (raw, rotated; the policy's key pre-turn), each
+    with ``vs_cudnn`` (plain cuDNN's time over this one, same mode)."""
+    shape = bench.Shape(B=1, H=HEADS, N=n, D=d, window=WINDOW, dtype=dtype, causal=True)
+    rows, cudnn = [], {}
+    for impl, mode in CORE:
+        ms = bench.measure_case(impl, mode, shape)[0]
+        torch.cuda.empty_cache()
+        if impl == "sdpa_cudnn":
+            cudnn[mode] = ms
+        rows.append({"part": "core", "impl": impl, "mode": mode, "dtype": dtype, "D": d, "N": n,
+                     "B": 1, "H": HEADS, "window": WINDOW, "ms": ms,
+                     "vs_cudnn": round(cudnn[mode] / ms, 3)})
+    return rows
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default="book/data/preturn_bwd_h200.json")
     parser.add_argument("--warm", help=argparse.SUPPRESS)
     parser.add_argument("--no-warm", action="store_true", help="skip the parallel warm-up")
+    parser.add_argument("--lengths", default=",".join(map(str, SWEEP)),
+                        help="fp16 lengths N to time (8192 is always timed, fp16 and bf16); "
+                        "the file's rows of other lengths are kept, and meta says so")
+    parser.add_argument("--note", default="", help="meta['changes']: what changed since the "
+                        "file's previous run")
     args = parser.parse_args()
     if args.warm:
         warm(json.loads(args.warm))
@@ -140,26 +170,39 @@ def main():
             "preturn_memory_limit": attention.preturn_memory_limit(torch.device("cuda")),
             "paths": "forced per row (PRETURN_BWD_MIN_KEYS 0 or 2**62), not the policy",
             "timing": "kernels.bench.measure_case (median CUDA events, L2 flushed)"}
+    lengths = sorted({int(x) for x in args.lengths.split(",") if x} | {8192})
+    if args.note:
+        meta["changes"] = args.note
     rows = []
     kept = {}                             # written by perf/sweep_bwd128.py --merge
+    old_rows = []
     if os.path.exists(args.out):
         with open(args.out) as f:
-            kept = {k: v for k, v in json.load(f).items() if k == "breakdown"}
+            previous = json.load(f)
+        kept = {k: v for k, v in previous.items() if k == "breakdown"}
+        old_rows = [r for r in previous["rows"] if r["part"] == "time" and r["N"] not in lengths]
+        if old_rows:
+            meta["kept_rows"] = (f"{len(old_rows)} timing rows of N = "
+                                 f"{sorted({r['N'] for r in old_rows})} from the run of "
+                                 f"{previous['meta']['date']} (not re-measured)")
 
     def save(row):
         rows.append(row)
         print(json.dumps(row), flush=True)
-        bench.write_results(args.out, rows, meta, **kept)
+        bench.write_results(args.out, rows + old_rows, meta, **kept)
 
     attention.PRETURN_BWD_MAX_BYTES = 1 << 62       # the paths are forced, memory is plenty
     if not args.no_warm:
-        warm_all()
+        warm_all(short=min(lengths) < 4096)
     for dtype in (torch.float16, torch.bfloat16):
         for d in (64, 128):
             for rotated in (False, True):
                 save(check(dtype, d, rotated))
     cells = [(dtype, d, 8192) for dtype in ("float16", "bfloat16") for d in (64, 128)]
-    cells += [("float16", d, n) for d in (64, 128) for n in SWEEP if n != 8192]
+    for dtype, d, n in cells:
+        for row in core_rows(dtype, d, n):
+            save(row)
+    cells += [("float16", d, n) for d in (64, 128) for n in lengths if n != 8192]
     for dtype, d, n in cells:
         base = timing("rope_sdpa_cudnn", None, dtype, d, n)
         save(base)

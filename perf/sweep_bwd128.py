@@ -36,12 +36,18 @@ cache):
    temperature and the throttle reasons per phase (``clock_rows``); the raw samples go to
    ``<out>_smi.json``. Read-only: no clock or power setting is touched.
 
-``--parts`` picks parts (default all but ``clocks``, e.g. ``--parts step``). The breakdown and step rows of
-runs go to the book's data file, beside what ``perf/probe_preturn_bwd.py`` writes there (no GPU
-needed; the file's other keys are kept):
+6. ``ws_variants`` (not in the default set): part 3 with ``warp_specialize`` on one loop only —
+   the dQ kernel's, or the forward's (``WS_VARIANTS``) — timed with the forward's pieces and
+   checked against a float32 reference (``reference_errors``).
+
+``--parts`` picks parts (default all but ``clocks`` and ``ws_variants``, e.g. ``--parts step``);
+``--configs 'dq:64,128,4,2;...'`` runs part 1 on those configurations only, fp16. The
+breakdown, step and clocks rows of runs go to the book's data file, beside what
+``perf/probe_preturn_bwd.py`` writes there (no GPU needed; the file's other keys are kept):
 
     python perf/sweep_bwd128.py --merge perf/runs/sweep_bwd128_h200.json \
-        perf/runs/step_bwd128_h200.json --book book/data/preturn_bwd_h200.json
+        perf/runs/step_bwd128_h200.json perf/runs/bwd_probe1_h200.json \
+        --book book/data/preturn_bwd_h200.json
 
 which sets its key ``breakdown`` to ``{"source", "runs": [{"meta", "rows"}, ...]}``.
 
@@ -217,8 +223,8 @@ def warm(job):
         q, k, v, dout = (t.requires_grad_() for t in inputs(job["dtype"], 4096))
         out = kernels.rerope(q, k, v, WINDOW, rotated=job["rotated"])
         torch.autograd.grad(out, (q, k, v), dout)
-    elif job["kind"] == "ws":
-        backward_step("float16", False, n=1024)()
+    elif job["kind"] == "ws":           # N = 4096: the forward's keys pre-turned, as at N
+        backward_step("float16", False, n=4096)()
     elif job["kind"] == "fwd":          # the forward at N = 4096 (its keys pre-turned)
         q, k, v, _ = inputs(job["dtype"], 4096)
         kernels.rerope(q, k, v, WINDOW, rotated=job["rotated"])
@@ -229,32 +235,74 @@ def spawn(args, cwd=None, **popen):
     return subprocess.Popen([sys.executable, *args], cwd=cwd, **popen)
 
 
-def warp_specialized_copy():
-    """A temporary copy of the package whose backward loops carry ``warp_specialize=not
-    MASKED``; returns its folder (holding ``kernels/`` and ``perf/``)."""
+# which loops a warp-specialize probe patches: file -> WS_LOOP keys ("warp_specialize": both
+# backward loops; part "ws_variants": the dQ loop alone, and the forward's loop alone)
+WS_VARIANTS = {"both_bwd": {"backward.py": ("BLOCK_M", "BLOCK_N")},
+               "dq": {"backward.py": ("BLOCK_N",)}, "fwd": {"forward.py": ("BLOCK_N",)}}
+
+
+def warp_specialized_copy(variant="both_bwd"):
+    """A temporary copy of the package whose loops named by ``WS_VARIANTS[variant]`` carry
+    ``warp_specialize=not MASKED``; returns its folder (holding ``kernels/`` and ``perf/``)."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    folder = tempfile.mkdtemp(prefix="ws_probe_")
+    folder = tempfile.mkdtemp(prefix=f"ws_probe_{variant}_")
     shutil.copytree(os.path.join(root, "kernels"), os.path.join(folder, "kernels"),
                     ignore=shutil.ignore_patterns("__pycache__"))
     os.makedirs(os.path.join(folder, "perf"))
     shutil.copy(os.path.abspath(__file__), os.path.join(folder, "perf"))
-    path = os.path.join(folder, "kernels", "backward.py")
-    with open(path) as f:
-        source = f.read()
-    for block, line in WS_LOOP.items():
-        assert source.count(line) == 1, f"loop over {block} not found once in backward.py"
-        source = source.replace(line, line.replace(
-            "range(", "tl.range(").replace("):", ", warp_specialize=not MASKED):"))
-    with open(path, "w") as f:
-        f.write(source)
+    for name, blocks in WS_VARIANTS[variant].items():
+        path = os.path.join(folder, "kernels", name)
+        with open(path) as f:
+            source = f.read()
+        for block in blocks:
+            line = WS_LOOP[block]
+            assert source.count(line) == 1, f"loop over {block} not found once in {name}"
+            source = source.replace(line, line.replace(
+                "range(", "tl.range(").replace("):", ", warp_specialize=not MASKED):"))
+        with open(path, "w") as f:
+            f.write(source)
     return folder
 
 
-def ws_time(out):
-    """In the patched copy: the fp16 raw backward at the first candidates, as in part 1."""
-    row = {"part": "warp_specialize", "dtype": "float16", "rotated": False, "D": D, "N": N}
+def reference_errors(dtype, rotated, seed):
+    """The forward's and the pre-turned backward's max |err| / max |ref| on the first two heads
+    against a float32 reference (``kernels.reference.rerope``), inputs as ``backward_step``'s."""
+    from kernels import reference
+
+    q, k, v, dout = inputs(dtype, seed=seed)
+    ops, scale = operands(N, rotated), D ** -0.5
+    out, lse = attention.rerope_forward(q, q, k, k, v, WINDOW, True, scale, ops)
+    grads = attention.rerope_backward(dout, q, q, k, k, v, out, lse, WINDOW, True, scale, ops,
+                                      preturn=True)
+    leaves = [t[:, :2].float().requires_grad_() for t in (q, k, v)]
+    was = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        ref_out = reference.rerope(*leaves, WINDOW, causal=True, rotated=rotated)
+        ref = torch.autograd.grad(ref_out, leaves, dout[:, :2].float())
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = was
+    errors = {"out_err": ((out[:, :2].float() - ref_out).abs().max()
+                          / ref_out.abs().max()).item()}
+    for name, g, r in zip(("dq", "dk", "dv"), grads, ref):
+        errors[f"{name}_err"] = ((g[:, :2].float() - r).abs().max() / r.abs().max()).item()
+    return errors
+
+
+def ws_time(out, variant="both_bwd"):
+    """In the patched copy: the fp16 raw backward at the first candidates, as in part 1 (and,
+    for the other variants, the forward's pieces and both halves' errors against float32)."""
+    row = {"part": "warp_specialize", "variant": variant, "dtype": "float16", "rotated": False,
+           "D": D, "N": N}
     try:
         with forced():
+            if variant != "both_bwd":
+                row.update(reference_errors("float16", False, 3))
+                q, k, v, _ = inputs("float16", seed=2)
+                ops = operands(N, False)
+                fwd = segments_ms(lambda: attention.rerope_forward(q, q, k, k, v, WINDOW, True,
+                                                                   D ** -0.5, ops))
+                row.update({f"forward_{k}": v for k, v in fwd.items()})
             row.update(segments_ms(backward_step("float16", False)))
     except Exception as error:      # a probe: the error is the result
         row["error"] = f"{type(error).__name__}: {str(error)[:400]}"
@@ -315,6 +363,11 @@ def step_rows(dtype="float16", reps=20):
     return rows
 
 
+CLOCKS = ("clocks rows: nvidia-smi --query-gpu=<fields> -lms 50 (read only) while the benchmark's "
+          "fp16 step (forward, then torch.autograd.grad) runs for 4 s back to back (sleep false) "
+          "or with a ~1 ms GPU sleep before each step (sleep true); step_ms_* from CUDA events "
+          "around each step; *_median/min/max over the samples of the phase after its first "
+          "0.5 s; reasons: the throttle-reason bit masks seen (0x4 = software power cap)")
 SMI_FIELDS = "clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_throttle_reasons.active"
 
 
@@ -399,7 +452,7 @@ def clock_rows(seconds=4.0):
     return rows, samples
 
 
-BOOK_PARTS = ("breakdown", "step")
+BOOK_PARTS = ("breakdown", "step", "clocks")
 
 
 def merge(runs, book):
@@ -411,10 +464,15 @@ def merge(runs, book):
     for path in runs:
         with open(path) as f:
             run = json.load(f)
-        rows = [r for r in run["rows"] if r["part"] in BOOK_PARTS]
+        # (clocks rows of the atomic-dQ variant, measured and removed in this session, stay out)
+        rows = [r for r in run["rows"] if r["part"] in BOOK_PARTS
+                and r.get("atomic_dq", "0") == "0"]
         if not rows:
             raise ValueError(f"{path}: no rows of the parts {BOOK_PARTS}")
-        merged.append({"meta": dict(run["meta"], file=path), "rows": rows})
+        meta = dict(run["meta"], file=path)
+        if any(r["part"] == "clocks" for r in rows):
+            meta["clocks"] = CLOCKS
+        merged.append({"meta": meta, "rows": rows})
     data["breakdown"] = {"source": "perf/sweep_bwd128.py (parts breakdown and step)",
                          "runs": merged}
     extra = {k: v for k, v in data.items() if k not in ("meta", "rows")}
@@ -429,6 +487,9 @@ def main():
     parser.add_argument("--out", default="sweep_bwd128.json")
     parser.add_argument("--warm", help=argparse.SUPPRESS)
     parser.add_argument("--ws-time", help=argparse.SUPPRESS)
+    parser.add_argument("--ws-variant", default="both_bwd", help=argparse.SUPPRESS)
+    parser.add_argument("--configs", help="part kernel: only these, fp16, e.g. "
+                        "'dq:64,128,8,2;dkdv:128,64,4,2' (default: the SWEEP lists, both dtypes)")
     parser.add_argument("--parts", default="kernel,breakdown,warp_specialize,step",
                         help="comma-separated parts to run (see the module docstring)")
     parser.add_argument("--merge", nargs="+", metavar="RUN",
@@ -443,7 +504,7 @@ def main():
         warm(json.loads(args.warm))
         return
     if args.ws_time:
-        ws_time(args.ws_time)
+        ws_time(args.ws_time, args.ws_variant)
         return
 
     meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
@@ -460,6 +521,16 @@ def main():
         print(json.dumps(row), flush=True)
         bench.write_results(args.out, rows, meta)
 
+    global CASES, SWEEP, DTYPES
+    if args.configs:                      # part kernel on these configurations only, fp16
+        SWEEP = {}
+        for item in args.configs.split(";"):
+            kernel, cfg = item.split(":")
+            SWEEP.setdefault(kernel, []).append(tuple(int(x) for x in cfg.split(",")))
+        DTYPES = ("float16",)
+        CASES = [("float16", kernel, cfg) for kernel, cfgs in SWEEP.items() for cfg in cfgs]
+        meta["configs"] = args.configs
+
     # compile everything first, all workers at once
     jobs = []
     if "kernel" in parts:
@@ -475,15 +546,18 @@ def main():
         jobs += [{"kind": "fwd", "dtype": "float16", "rotated": False}]
     if "clocks" in parts and not parts & {"kernel", "breakdown"}:
         jobs += [{"kind": "combo", "dtype": "float16", "rotated": False}]
-    ws_folder = warp_specialized_copy() if "warp_specialize" in parts else None
+    variants = (["both_bwd"] if "warp_specialize" in parts else []) + (
+        ["dq", "fwd"] if "ws_variants" in parts else [])
+    ws_folders = {variant: warp_specialized_copy(variant) for variant in variants}
     start = time.time()
     procs = [spawn([os.path.abspath(__file__), "--warm", json.dumps(job)]) for job in jobs]
-    if ws_folder:
+    for variant, folder in ws_folders.items():
         procs.append(spawn(["perf/sweep_bwd128.py", "--warm", json.dumps({"kind": "ws"})],
-                           cwd=ws_folder))
+                           cwd=folder))
+        jobs.append({"kind": "ws", "variant": variant})
     codes = [p.wait() for p in procs]
     meta["warm"] = {"workers": len(procs), "seconds": round(time.time() - start),
-                    "failed": [j for j, c in zip(jobs + [{"kind": "ws"}], codes) if c]}
+                    "failed": [j for j, c in zip(jobs, codes) if c]}
     print(f"warm-up: {meta['warm']}", flush=True)
 
     # part 1: the sweep
@@ -529,15 +603,17 @@ def main():
                   "vs_rope_cudnn": round(base["fwd+bwd"] / whole, 3)})
             torch.cuda.empty_cache()
 
-    # part 3: the warp-specialize probe, in its own process (its kernels are in the disk cache)
-    if ws_folder:
-        result = os.path.join(ws_folder, "ws.json")
-        code = spawn(["perf/sweep_bwd128.py", "--ws-time", result], cwd=ws_folder).wait()
+    # part 3: the warp-specialize probes, each in its own process (kernels in the disk cache)
+    for variant, folder in ws_folders.items():
+        result = os.path.join(folder, "ws.json")
+        code = spawn(["perf/sweep_bwd128.py", "--ws-time", result, "--ws-variant", variant],
+                     cwd=folder).wait()
         if os.path.exists(result):
             with open(result) as f:
                 save(json.load(f))
         else:
-            save({"part": "warp_specialize", "error": f"probe process exited {code}"})
+            save({"part": "warp_specialize", "variant": variant,
+                  "error": f"probe process exited {code}"})
 
     # part 4: the benchmark's step, with and without the host's launch path hidden
     if "step" in parts:
