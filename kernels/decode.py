@@ -73,9 +73,10 @@ GPU_CONFIG = dict(BLOCK_N=64, ANGLES=3, num_warps=4, num_stages=3)
 # perf/tune_decode.py, perf/runs/tune_decode_h200.json): at D=64, 128-key tiles take B=8 at
 # 128k keys from 669 to 529 µs (8 warps, 256-key tiles or 2 stages lose). At D=128, 4 stages
 # and 3 are within 1.5 %; 128-key tiles lose (1.3x at 4 warps). 3 or 4 programs per SM in the
-# splits rule are no faster than 2 (3 is up to 1.3x slower: a second partial wave). The
-# benchmark's sweep (book/data/decode_h200.json) also timed evict-first loads (EVICT, no
-# change) and 4 stages at D=128 (1-3.5 % faster there; not adopted: the grid ran with 3).
+# splits rule are no faster than 2 (3 is up to 1.3x slower: a second partial wave). An earlier
+# benchmark sweep timed evict-first loads (EVICT, no change); 4 stages over the 9 (B, context)
+# shapes of the grid (perf/runs/decode_round2_h200.json): D=128 from 3 % faster (B=8, 128k) to
+# 7 % slower (B=1, 32k), D=64 up to 8 % slower; not adopted.
 HEAD_DIM_CONFIGS = {64: dict(BLOCK_N=128, ANGLES=3, num_warps=4, num_stages=3)}
 PROGRAMS_PER_SM = 2
 if os.environ.get("KERNELS_DECODE_CONFIG"):
