@@ -10,7 +10,7 @@ The main grid: ``Nq = 1`` new query per row against a full cache of ``context`` 
 ``D ∈ {64, 128}``, ``B ∈ {1, 8, 32}``, ``context ∈ {4k, 32k, 128k}``, ``Hq = 32``,
 ``Hkv = 8``, bf16 (windows 2048 and 512) and fp16 (window 2048), the cache holding RoPE-rotated
 keys (as a Llama model keeps it). The extras (bf16, window 2048): ``Nq ∈ {2, 4, 8}``
-(speculative decoding) at B=8; the paged layout (``page_size`` 16, 64, 256, the same data in
+(speculative decoding) at B=8; the paged layout (``page_size`` 16 to 256, the same data in
 random non-monotone pages, ``layout="paged"``); the raw-key cache (``rotated=False``); and, in
 ``sweep``, the number of splits at D=128. The implementations (``impl``):
 
@@ -379,14 +379,9 @@ def paged_copy(k_cache, v_cache, page_size, seed=0):
 
 HEAD_DIMS = (64, 128)
 # launch configurations timed beside the default (decode.launch_config) in the sweep
-CONFIG_VARIANTS = {
-    64: [dict(BLOCK_N=128, ANGLES=3, num_warps=4, num_stages=3, EVICT="evict_first"),
-         dict(BLOCK_N=64, ANGLES=3, num_warps=4, num_stages=3)],
-    128: [dict(BLOCK_N=64, ANGLES=3, num_warps=4, num_stages=3, EVICT="evict_first"),
-          dict(BLOCK_N=64, ANGLES=3, num_warps=4, num_stages=4)],
-}
+CONFIG_VARIANTS = {}   # 4 stages and evict-first loads: perf/runs/decode_round2_h200.json
 SPEC_QUERIES = (2, 4, 8)
-PAGE_SIZES = (16, 64, 256)
+PAGE_SIZES = (16, 32, 64, 128, 256)
 
 
 def grid(args):

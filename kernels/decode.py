@@ -73,9 +73,10 @@ GPU_CONFIG = dict(BLOCK_N=64, ANGLES=3, num_warps=4, num_stages=3)
 # perf/tune_decode.py, perf/runs/tune_decode_h200.json): at D=64, 128-key tiles take B=8 at
 # 128k keys from 669 to 529 µs (8 warps, 256-key tiles or 2 stages lose). At D=128, 4 stages
 # and 3 are within 1.5 %; 128-key tiles lose (1.3x at 4 warps). 3 or 4 programs per SM in the
-# splits rule are no faster than 2 (3 is up to 1.3x slower: a second partial wave). The
-# benchmark's sweep (book/data/decode_h200.json) also timed evict-first loads (EVICT, no
-# change) and 4 stages at D=128 (1-3.5 % faster there; not adopted: the grid ran with 3).
+# splits rule are no faster than 2 (3 is up to 1.3x slower: a second partial wave). An earlier
+# benchmark sweep timed evict-first loads (EVICT, no change); 4 stages over the 9 (B, context)
+# shapes of the grid (perf/runs/decode_round2_h200.json): D=128 from 3 % faster (B=8, 128k) to
+# 7 % slower (B=1, 32k), D=64 up to 8 % slower; not adopted.
 HEAD_DIM_CONFIGS = {64: dict(BLOCK_N=128, ANGLES=3, num_warps=4, num_stages=3)}
 PROGRAMS_PER_SM = 2
 if os.environ.get("KERNELS_DECODE_CONFIG"):
@@ -87,11 +88,19 @@ INTERPRETER_CONFIG = dict(BLOCK_N=16, ANGLES=GPU_CONFIG["ANGLES"])
 # Paged caches: pages of 16 to 256 keys, a power of two (a page then holds whole key tiles, or
 # a tile whole pages).
 PAGE_SIZES = (16, 32, 64, 128, 256)
+# Their block-table entries (:func:`page_loads`): one scalar load per page of a tile when a tile
+# spans at most MAX_SCALAR_PAGES pages, else a gather per key (at 8 pages per tile, D=64 with
+# 16-key pages, the gather measured 0.80-0.87x of contiguous, scalars 0.71-0.80x; loading the
+# gather one tile ahead, 0.79-0.88x, was not kept: perf/runs/decode_round3_h200.json).
+# PAGE_LOADS_RULE (0 or 1) forces one variant (measurements).
+MAX_SCALAR_PAGES = 4
+PAGE_LOADS_RULE = None
 MIN_BLOCK_M, MAX_BLOCK_M = 16, 64
 
 # The splits rule (see :func:`default_num_splits`).
 MIN_KEYS_PER_SPLIT = 256  # never cut a row into chunks shorter than this (merge overhead)
 MAX_SPLITS = 128
+MERGE_SPLITS_BLOCK = 64   # partials the merge folds per step (16: 1-3 % slower at B=1, 33 splits)
 
 
 # --- the split kernel -----------------------------------------------------------------------------
@@ -114,7 +123,7 @@ def _decode_pass(acc, l_i, m_i, q_a, q_b, K, V, sk_n, sk_d, sv_n, sv_d, Table, c
                  PRODUCT: tl.constexpr, MASKED: tl.constexpr, ROT_KEYS: tl.constexpr,
                  BLOCK_N: tl.constexpr, HALF: tl.constexpr, DOT_PRECISION: tl.constexpr,
                  ANGLES: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
-                 EVICT: tl.constexpr):
+                 EVICT: tl.constexpr, PAGE_LOADS: tl.constexpr):
     """Fold the key tiles of ``walk`` (``(lo1, hi1, lo2, hi2)``) into the softmax state.
 
     ``q_a, q_b``: the halves of the queries, already rotated for this product (fp32).
@@ -131,7 +140,9 @@ def _decode_pass(acc, l_i, m_i, q_a, q_b, K, V, sk_n, sk_d, sv_n, sv_d, Table, c
 
     ``PAGED``: ``K, V`` point at page 0 of this KV head and ``pages`` is ``(BlockTable row,
     its stride, sk_page, sv_page, num_blocks)``; key ``j`` lives in slot ``j % PAGE_SIZE`` of
-    page ``BlockTable[j // PAGE_SIZE]`` (:func:`_key_rows`).
+    page ``BlockTable[j // PAGE_SIZE]`` (:func:`_key_rows`), the entries as :func:`_tile_pages`
+    loads them (``PAGE_LOADS``, :func:`page_loads`): 0, a gather per key; 1, one scalar load
+    per page of the tile.
     """
     offs_n = tl.arange(0, BLOCK_N)
     halves = tl.arange(0, HALF)
@@ -143,8 +154,9 @@ def _decode_pass(acc, l_i, m_i, q_a, q_b, K, V, sk_n, sk_d, sv_n, sv_d, Table, c
         start = tl.multiple_of(_nth_tile(t, lo1, n1, lo2, BLOCK_N), BLOCK_N)
         cols = start + offs_n
         if PAGED:
-            k_rows, v_rows, paged_ok = _key_rows(pages, start, cols, n_keys, sk_n, sv_n,
-                                                 BLOCK_N, PAGE_SIZE)
+            page = _tile_pages(pages, start, n_keys, BLOCK_N, PAGE_SIZE, PAGE_LOADS == 1)
+            k_rows, v_rows, paged_ok = _key_rows(pages, page, cols, sk_n, sv_n, BLOCK_N,
+                                                 PAGE_SIZE)
         else:
             k_rows, v_rows = cols.to(tl.int64) * sk_n, cols.to(tl.int64) * sv_n
         k_ptrs = K + k_rows[:, None] + halves[None, :] * sk_d
@@ -198,23 +210,50 @@ def _decode_pass(acc, l_i, m_i, q_a, q_b, K, V, sk_n, sk_d, sv_n, sv_d, Table, c
 
 
 @triton.jit
-def _key_rows(pages, start, cols, n_keys, sk_slot, sv_slot, BLOCK_N: tl.constexpr,
-              PAGE_SIZE: tl.constexpr):
-    """Where the keys ``cols`` (a tile from ``start``) of one row live in a paged cache.
+def _tile_pages(pages, start, n_keys, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
+                SCALARS: tl.constexpr):
+    """The block-table entries of the key tile from ``start`` (int64): one scalar when a page
+    holds the whole tile (``PAGE_SIZE >= BLOCK_N``, both powers of two, the tile aligned), else
+    one per key (``BLOCK_N``): a gather, or with ``SCALARS`` one scalar load per page of the
+    tile. Entries at and past ``n_keys`` are not read (the table may be shorter than the tile)
+    and come back 0.
 
-    Returns the K and V row offsets (int64, from page 0 of the KV head) and whether each key's
-    block-table entry is a page of the cache (``0 <= page < num_blocks``; the loads skip the
-    others). Pages of ``PAGE_SIZE >= BLOCK_N`` keys hold a whole tile (both powers of two, the
-    tile aligned): one table entry per tile; smaller pages, one per key, and entries at and
-    past ``n_keys`` are not read (the table may be shorter than the tile).
+    Why scalars: a K/V address that waits on a tensor load of the same iteration can make the
+    pipeliner give that load a stage of its own, and K and V are then prefetched one tile
+    ahead instead of ``num_stages - 1`` (the gather at D=128: 16- and 32-key pages at
+    0.65-0.72x of the contiguous layout); scalar loads are not pipelined, so K and V keep
+    their depth (0.84-0.90x and 0.95-0.97x), at one load per page.
     """
     table, st_page, sk_page, sv_page, num_blocks = pages
     if PAGE_SIZE >= BLOCK_N:
-        page = tl.load(table + (start // PAGE_SIZE) * st_page).to(tl.int64)
-        page = tl.full([BLOCK_N], 0, tl.int64) + page
-    else:
-        page = tl.load(table + (cols // PAGE_SIZE) * st_page, mask=cols < n_keys,
+        return tl.load(table + (start // PAGE_SIZE) * st_page, mask=start < n_keys,
                        other=0).to(tl.int64)
+    elif SCALARS:
+        local = tl.arange(0, BLOCK_N) // PAGE_SIZE
+        page = tl.full([BLOCK_N], 0, tl.int64)
+        for p in tl.static_range(BLOCK_N // PAGE_SIZE):
+            entry = tl.load(table + (start // PAGE_SIZE + p) * st_page,
+                            mask=start + p * PAGE_SIZE < n_keys, other=0).to(tl.int64)
+            page = tl.where(local == p, entry, page)
+        return page
+    else:
+        cols = start + tl.arange(0, BLOCK_N)
+        return tl.load(table + (cols // PAGE_SIZE) * st_page, mask=cols < n_keys,
+                       other=0).to(tl.int64)
+
+
+@triton.jit
+def _key_rows(pages, page, cols, sk_slot, sv_slot, BLOCK_N: tl.constexpr,
+              PAGE_SIZE: tl.constexpr):
+    """Where the keys ``cols`` (one tile) of one row live in a paged cache, given the tile's
+    block-table entries ``page`` (:func:`_tile_pages`).
+
+    Returns the K and V row offsets (int64, from page 0 of the KV head) and whether each key's
+    block-table entry is a page of the cache (``0 <= page < num_blocks``; the loads skip the
+    others).
+    """
+    table, st_page, sk_page, sv_page, num_blocks = pages
+    page = tl.full([BLOCK_N], 0, tl.int64) + page
     ok = (page >= 0) & (page < num_blocks)
     slot = cols % PAGE_SIZE
     return page * sk_page + slot * sk_slot, page * sv_page + slot * sv_slot, ok
@@ -294,6 +333,7 @@ def _decode_split_kernel(
     ROT_KEYS_IN: tl.constexpr, ROT_KEYS_OUT: tl.constexpr, LOGN: tl.constexpr,
     WRITE_LSE: tl.constexpr, DOT_PRECISION: tl.constexpr, ANGLES: tl.constexpr,
     PAGED: tl.constexpr = False, PAGE_SIZE: tl.constexpr = 16, EVICT: tl.constexpr = "",
+    PAGE_LOADS: tl.constexpr = 1,
 ):
     """Grid ``(B · Hkv, num_splits, cdiv(group · Nq, BLOCK_M))``: one chunk of one row's keys
     for the ``BLOCK_M`` (head, query) rows of one KV-head group.
@@ -359,11 +399,13 @@ def _decode_split_kernel(
     acc, l_i, m_i = _decode_pass(acc, l_i, m_i, qo_a, qo_b, K, V, sk_n, sk_d, sv_n, sv_d,
                                  TableOut, cos_r, sin_r, positions, (lo, c1, c1, c1), n_keys,
                                  window, qk_scale, pages, OUTSIDE, False, ROT_KEYS_OUT, BLOCK_N,
-                                 HALF, DOT_PRECISION, ANGLES, PAGED, PAGE_SIZE, EVICT)
+                                 HALF, DOT_PRECISION, ANGLES, PAGED, PAGE_SIZE, EVICT,
+                                 PAGE_LOADS)
     acc, l_i, m_i = _decode_pass(acc, l_i, m_i, qo_a, qo_b, K, V, sk_n, sk_d, sv_n, sv_d,
                                  TableOut, cos_r, sin_r, positions, (c1, c2, c2, c2), n_keys,
                                  window, qk_scale, pages, OUTSIDE, True, ROT_KEYS_OUT, BLOCK_N,
-                                 HALF, DOT_PRECISION, ANGLES, PAGED, PAGE_SIZE, EVICT)
+                                 HALF, DOT_PRECISION, ANGLES, PAGED, PAGE_SIZE, EVICT,
+                                 PAGE_LOADS)
     # inside the window: the last `window` keys
     qi_a, qi_b = _query_halves(q_a, q_b, TableIn, OffsetIn, positions, ROT_KEYS_IN,
                                HALF)
@@ -372,11 +414,13 @@ def _decode_split_kernel(
     acc, l_i, m_i = _decode_pass(acc, l_i, m_i, qi_a, qi_b, K, V, sk_n, sk_d, sv_n, sv_d,
                                  TableIn, cos_r, sin_r, positions, (c2, c3, c3, c3), n_keys,
                                  window, qk_scale, pages, INSIDE, False, ROT_KEYS_IN, BLOCK_N,
-                                 HALF, DOT_PRECISION, ANGLES, PAGED, PAGE_SIZE, EVICT)
+                                 HALF, DOT_PRECISION, ANGLES, PAGED, PAGE_SIZE, EVICT,
+                                 PAGE_LOADS)
     acc, l_i, m_i = _decode_pass(acc, l_i, m_i, qi_a, qi_b, K, V, sk_n, sk_d, sv_n, sv_d,
                                  TableIn, cos_r, sin_r, positions, (c1, c2, c3, hi), n_keys,
                                  window, qk_scale, pages, INSIDE, True, ROT_KEYS_IN, BLOCK_N,
-                                 HALF, DOT_PRECISION, ANGLES, PAGED, PAGE_SIZE, EVICT)
+                                 HALF, DOT_PRECISION, ANGLES, PAGED, PAGE_SIZE, EVICT,
+                                 PAGE_LOADS)
 
     seen = l_i > 0.0
     out = acc / tl.where(seen, l_i, 1.0)[:, None]
@@ -447,6 +491,16 @@ def launch_config(head_dim):
     """The split kernel's launch configuration for ``head_dim`` on a GPU (``BLOCK_N``,
     ``ANGLES``, ``num_warps``, ``num_stages``): ``HEAD_DIM_CONFIGS`` or ``GPU_CONFIG``."""
     return HEAD_DIM_CONFIGS.get(head_dim, GPU_CONFIG)
+
+
+def page_loads(block_n, page_size):
+    """How the split kernel loads a paged cache's block-table entries (``PAGE_LOADS``, see
+    :func:`_tile_pages`): ``PAGE_LOADS_RULE`` if set, else one scalar load per page (1) when a
+    tile spans at most ``MAX_SCALAR_PAGES`` pages, a gather per key (0) beyond. A page that
+    holds a whole tile takes one scalar load whatever the rule."""
+    if PAGE_LOADS_RULE is not None:
+        return PAGE_LOADS_RULE
+    return 1 if block_n // page_size <= MAX_SCALAR_PAGES else 0
 
 
 def block_m(group, n_queries):
@@ -774,7 +828,8 @@ def _plan(q, k_cache, v_cache, window, cache_seqlens, sm_scale, base, leaky, log
                     group)
         key = (signature(q, k_cache, v_cache, cache_seqlens, block_table),
                type(cache_seqlens), type(block_table), settings, tuple(map(type, settings)),
-               tuple(launch_config(q.shape[-1]).items()), PROGRAMS_PER_SM)
+               tuple(launch_config(q.shape[-1]).items()), PROGRAMS_PER_SM, PAGE_LOADS_RULE,
+               MAX_SCALAR_PAGES, MERGE_SPLITS_BLOCK)
         plan = _PLANS.get(key)
     except (AttributeError, TypeError):    # not tensors, unhashable settings: checks will say
         key, plan = None, None
@@ -825,9 +880,10 @@ def _make_plan(q, k_cache, v_cache, window, cache_seqlens, sm_scale, base, leaky
         HEAD_DIM=d, BLOCK_M=rows_per_program, ROT_KEYS_IN=rotation.flags["TURN_IN"],
         ROT_KEYS_OUT=rotation.flags["TURN_OUT"], LOGN=logn_len is not None, WRITE_LSE=num_splits > 1,
         DOT_PRECISION=dot_precision(compute_dtype), PAGED=paged,
-        PAGE_SIZE=k_cache.shape[1] if paged else 16, **config)
+        PAGE_SIZE=k_cache.shape[1] if paged else 16,
+        PAGE_LOADS=page_loads(config["BLOCK_N"], k_cache.shape[1]) if paged else 1, **config)
     merge = Launcher(_decode_merge_kernel, (n_rows,), HEAD_DIM=d,
-                     SPLITS_BLOCK=min(triton.next_power_of_2(num_splits), 16))
+                     SPLITS_BLOCK=min(triton.next_power_of_2(num_splits), MERGE_SPLITS_BLOCK))
     return _Plan(
         n_queries=n_queries, n_max=n_max, num_splits=num_splits,
         page_size=k_cache.shape[1] if paged else None,

@@ -200,7 +200,7 @@ def main():
         for cfg in cfgs[:2]:
             set_config(d, cfg)
             q, k, v = data[d, 1, 131072]
-            checks.append(dict(D=d, config=list(cfg), **bd.check_accuracy(q, k, v, WINDOW)))
+            checks.append(dict(config=list(cfg), **bd.check_accuracy(q, k, v, WINDOW)))   # (it names D)
             print(checks[-1], flush=True)
     # the graph anomaly: eager against graph at B=8, 128k, D=128, default config
     set_config(128, CONFIGS[128][0])
@@ -212,6 +212,256 @@ def main():
     save()
 
 
-if __name__ == "__main__":
+if __name__ == "__main__" and not {"--round2", "--round3"} & set(sys.argv):
     with torch.no_grad():
         main()
+
+
+# --- round 2 (issue 19, second session): small pages, 4 stages, Nq = 8, the merge's share -------
+
+R2_GRID = [(b, n) for b in (1, 8, 32) for n in (4096, 32768, 131072)]
+R2_STAGES = {64: [(128, 3, 4, 3), (128, 3, 4, 4)], 128: [(64, 3, 4, 3), (64, 3, 4, 4)]}
+R2_PAGED_SHAPES = [(1, 131072), (8, 32768), (8, 131072), (32, 32768)]
+R2_PAGES = (16, 32, 64)         # the pages smaller than (or, at D=128, equal to) a key tile
+R2_NQ8 = {64: [(128, 3, 4, 3), (128, 3, 8, 3), (64, 3, 4, 3), (128, 0, 4, 3)],
+          128: [(64, 3, 4, 3), (64, 3, 8, 3), (32, 3, 4, 3), (64, 0, 4, 3)]}
+
+
+def round2():
+    """``python perf/tune_decode.py --round2``: writes ``$OUT/decode_round2.json``.
+
+    * paged (one scalar block-table load per page of a tile, ``decode._key_rows``) against the
+      contiguous layout, pages 16-256, output compared bit for bit;
+    * 3 against 4 pipeline stages on the 9 (B, context) shapes of the grid, with both SDPA
+      backends as the yardstick;
+    * Nq = 8 (32-row tiles) under a few launch configurations;
+    * the split kernel alone against split + merge at B = 1 (the merge launch's share).
+    """
+    import kernels
+    from kernels import bench_decode as bd
+    from kernels import decode
+
+    started = time.perf_counter()
+    out_dir = os.environ.get("OUT", "/tmp")
+    result = {"meta": {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+                       "triton": __import__("triton").__version__, "cuda": torch.version.cuda,
+                       "window": WINDOW, "dtype": "bfloat16", "Hq": HQ, "Hkv": HKV}}
+
+    def save():
+        result["meta"]["elapsed_s"] = round(time.perf_counter() - started, 1)
+        with open(os.path.join(out_dir, "decode_round2.json"), "w") as f:
+            json.dump(result, f, indent=1)
+
+    specs = set()
+    for d, cfgs in R2_STAGES.items():
+        for cfg in cfgs:
+            for batch in (1, 8, 32):
+                specs.add((d, batch, 1, cfg, splits_for(batch, 2), None))
+            specs.add((d, 1, 1, cfg, 16, None))                  # B=1, 4k: 16 splits
+        for batch, _ in R2_PAGED_SHAPES:
+            for page in R2_PAGES:
+                specs.add((d, batch, 1, cfgs[0], splits_for(batch, 2), page))
+        for cfg in R2_NQ8[d]:
+            specs.add((d, 8, 8, cfg, splits_for(8, 2, 8), None))
+    specs = sorted(specs, key=str)
+    with cf.ProcessPoolExecutor(max_workers=15, mp_context=mp.get_context("spawn")) as pool:
+        compile_s = [secs for _, secs in pool.map(warm, specs)]
+    result["meta"]["warm"] = {"variants": len(specs), "wall_s": round(time.perf_counter() - started, 1),
+                              "max_call_s": round(max(compile_s), 1)}
+    print("warm", result["meta"]["warm"], flush=True)
+    wait = os.environ.get("WAIT_PID")       # a test run sharing the GPU: let it finish first
+    while wait and os.path.exists(f"/proc/{wait}"):
+        time.sleep(0.5)
+    read, _ = bd.triton_read_bandwidth()
+    result["meta"]["read_tb_s"] = read / 1e12
+    bd.TIME_BUDGET_S, bd.MIN_REPS = 0.04, 5
+
+    def timed(step, batch, n, d, **info):
+        bound = bd.kv_bytes(batch, n, d=d) / read * 1e6
+        us = bd.graph_us(step)
+        row = dict(D=d, B=batch, context=n, us=us, hbm_fraction=bound / us, **info)
+        print(row, flush=True)
+        return row
+
+    rows = result["rows"] = []
+    for d in (64, 128):
+        for batch, n in R2_GRID:
+            torch.manual_seed(0)
+            k = torch.randn(batch, HKV, n, d, device="cuda", dtype=torch.bfloat16)
+            v = torch.randn_like(k)
+            q = torch.randn(batch, HQ, 1, d, device="cuda", dtype=torch.bfloat16)
+            for impl in ("sdpa_flash", "sdpa_cudnn"):
+                rows.append(timed(bd.build_step(impl, q, k, v, WINDOW, None), batch, n, d,
+                                  impl=impl))
+            for cfg in R2_STAGES[d]:
+                set_config(d, cfg)
+                rows.append(timed(lambda: kernels.rerope_decode(q, k, v, WINDOW), batch, n, d,
+                                  impl="rerope_decode", config=list(cfg)))
+                if batch == 1:     # the split kernel alone (its launch bound by the call above)
+                    plan = decode._plan(q, k, v, WINDOW, None, None, 10000.0, None, None, True,
+                                        None)
+                    part = torch.empty(plan.part_shape, dtype=torch.float32, device="cuda")
+                    lse = torch.empty(plan.part_shape[:-1], dtype=torch.float32, device="cuda")
+                    lengths = plan.full_lengths
+                    if not plan.launches:
+                        continue
+                    split = plan.launches[0]
+                    rows.append(timed(lambda: split(q, k, v, lengths, lengths, part, lse),
+                                      batch, n, d, impl="split_only", config=list(cfg),
+                                      num_splits=plan.num_splits))
+            save()
+            if (batch, n) in R2_PAGED_SHAPES:
+                set_config(d, R2_STAGES[d][0])
+                splits = splits_for(batch, 2)
+                want = kernels.rerope_decode(q, k, v, WINDOW, num_splits=splits)
+                lengths = torch.full((batch,), n, dtype=torch.int32, device="cuda")
+                for page in R2_PAGES:
+                    kp, vp, table = bd.paged_copy(k, v, page)
+                    step = lambda: kernels.rerope_decode(q, kp, vp, WINDOW, cache_seqlens=lengths,
+                                                         num_splits=splits, block_table=table)
+                    diff = (step().float() - want.float()).abs().max().item()
+                    rows.append(timed(step, batch, n, d, impl="rerope_decode_paged",
+                                      page_size=page, config=list(R2_STAGES[d][0]),
+                                      max_abs_diff_vs_contiguous=diff))
+                    del kp, vp, table
+                save()
+            if batch == 8 and n >= 32768:
+                q8 = torch.randn(batch, HQ, 8, d, device="cuda", dtype=torch.bfloat16)
+                for cfg in R2_NQ8[d]:
+                    set_config(d, cfg)
+                    rows.append(timed(lambda: kernels.rerope_decode(q8, k, v, WINDOW), batch, n,
+                                      d, impl="rerope_decode", Nq=8, config=list(cfg)))
+                save()
+            del k, v, q
+            torch.cuda.empty_cache()
+    save()
+    print("done", round(time.perf_counter() - started, 1), flush=True)
+
+
+if __name__ == "__main__" and "--round2" in sys.argv:
+    with torch.no_grad():
+        round2()
+
+
+# --- round 3: how the block table is read, and the merge's step ---------------------------------
+
+R3_PAGES = {64: (16, 32, 64), 128: (16, 32)}     # pages smaller than the key tile
+R3_RULES = (0, 1, 2)   # decode.PAGE_LOADS_RULE: gather, scalars, the gather a tile ahead (since removed)
+R3_MERGE = (16, 64, 128)                         # decode.MERGE_SPLITS_BLOCK
+
+
+def warm3(spec):
+    """Compile one round-3 variant on a small cache (same specialisation as the timed call)."""
+    import kernels
+    from kernels import decode
+
+    d, batch, page, rule, merge_block, splits = spec
+    decode.PAGE_LOADS_RULE, decode.MERGE_SPLITS_BLOCK = rule, merge_block
+    n = 4096
+    q = torch.randn(batch, HQ, 1, d, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(batch, HKV, n, d, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    started = time.perf_counter()
+    if page is None:
+        kernels.rerope_decode(q, k, v, WINDOW, num_splits=splits)
+    else:
+        kp, vp, table = paged_copy(k, v, page)
+        lengths = torch.full((batch,), n, dtype=torch.int32, device="cuda")
+        kernels.rerope_decode(q, kp, vp, WINDOW, cache_seqlens=lengths, num_splits=splits,
+                              block_table=table)
+    torch.cuda.synchronize()
+    return spec, time.perf_counter() - started
+
+
+def round3():
+    """``python perf/tune_decode.py --round3``: writes ``$OUT/decode_round3.json``: the three
+    ways of reading a paged cache's block table (``decode.PAGE_LOADS_RULE``) on pages smaller
+    than the key tile against the contiguous layout (bit-identical outputs checked), and the
+    merge's partials per step (``decode.MERGE_SPLITS_BLOCK``) at B = 1."""
+    import kernels
+    from kernels import bench_decode as bd
+    from kernels import decode
+
+    started = time.perf_counter()
+    out_dir = os.environ.get("OUT", "/tmp")
+    result = {"meta": {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+                       "triton": __import__("triton").__version__, "cuda": torch.version.cuda,
+                       "window": WINDOW, "dtype": "bfloat16", "Hq": HQ, "Hkv": HKV,
+                       "configs": {str(d): decode.launch_config(d) for d in (64, 128)}}}
+
+    def save():
+        result["meta"]["elapsed_s"] = round(time.perf_counter() - started, 1)
+        with open(os.path.join(out_dir, "decode_round3.json"), "w") as f:
+            json.dump(result, f, indent=1)
+
+    specs = set()
+    for d, pages in R3_PAGES.items():
+        for batch, _ in R2_PAGED_SHAPES:
+            specs.add((d, batch, None, None, 16, splits_for(batch, 2)))
+            for page in pages:
+                for rule in R3_RULES:
+                    specs.add((d, batch, page, rule, 16, splits_for(batch, 2)))
+        for merge_block in R3_MERGE:
+            for splits in (16, 33):
+                specs.add((d, 1, None, None, merge_block, splits))
+    specs = sorted(specs, key=str)
+    with cf.ProcessPoolExecutor(max_workers=15, mp_context=mp.get_context("spawn")) as pool:
+        compile_s = [secs for _, secs in pool.map(warm3, specs)]
+    result["meta"]["warm"] = {"variants": len(specs), "wall_s": round(time.perf_counter() - started, 1),
+                              "max_call_s": round(max(compile_s), 1)}
+    print("warm", result["meta"]["warm"], flush=True)
+    read, _ = bd.triton_read_bandwidth()
+    result["meta"]["read_tb_s"] = read / 1e12
+    bd.TIME_BUDGET_S, bd.MIN_REPS = 0.04, 5
+    rows = result["rows"] = []
+
+    def timed(step, batch, n, d, **info):
+        bound = bd.kv_bytes(batch, n, d=d) / read * 1e6
+        us = bd.graph_us(step)
+        row = dict(D=d, B=batch, context=n, us=us, hbm_fraction=bound / us, **info)
+        print(row, flush=True)
+        rows.append(row)
+
+    for d in (64, 128):
+        shapes = sorted(set(R2_PAGED_SHAPES) | {(1, 4096), (1, 32768)})
+        for batch, n in shapes:
+            torch.manual_seed(0)
+            k = torch.randn(batch, HKV, n, d, device="cuda", dtype=torch.bfloat16)
+            v = torch.randn_like(k)
+            q = torch.randn(batch, HQ, 1, d, device="cuda", dtype=torch.bfloat16)
+            if batch == 1:
+                for merge_block in R3_MERGE:
+                    decode.PAGE_LOADS_RULE, decode.MERGE_SPLITS_BLOCK = None, merge_block
+                    timed(lambda: kernels.rerope_decode(q, k, v, WINDOW), batch, n, d,
+                          impl="rerope_decode", merge_splits_block=merge_block,
+                          num_splits=decode.default_num_splits(batch, HKV, HQ // HKV, 1, n))
+            decode.MERGE_SPLITS_BLOCK = 16
+            if (batch, n) in R2_PAGED_SHAPES:
+                splits = splits_for(batch, 2)
+                decode.PAGE_LOADS_RULE = None
+                want = kernels.rerope_decode(q, k, v, WINDOW, num_splits=splits)
+                timed(lambda: kernels.rerope_decode(q, k, v, WINDOW, num_splits=splits), batch,
+                      n, d, impl="rerope_decode", layout="contiguous")
+                lengths = torch.full((batch,), n, dtype=torch.int32, device="cuda")
+                for page in R3_PAGES[d]:
+                    kp, vp, table = bd.paged_copy(k, v, page)
+                    for rule in R3_RULES:
+                        decode.PAGE_LOADS_RULE = rule
+                        step = lambda: kernels.rerope_decode(q, kp, vp, WINDOW,
+                                                             cache_seqlens=lengths,
+                                                             num_splits=splits, block_table=table)
+                        diff = (step().float() - want.float()).abs().max().item()
+                        timed(step, batch, n, d, impl="rerope_decode", layout="paged",
+                              page_size=page, page_loads=rule, max_abs_diff_vs_contiguous=diff)
+                    del kp, vp, table
+                decode.PAGE_LOADS_RULE = None
+            save()
+            del k, v, q
+            torch.cuda.empty_cache()
+    save()
+    print("done", round(time.perf_counter() - started, 1), flush=True)
+
+
+if __name__ == "__main__" and "--round3" in sys.argv:
+    with torch.no_grad():
+        round3()

@@ -129,12 +129,17 @@ def test_paged_equals_contiguous(case, gen):
     assert not problems, case.id() + "\n" + "\n".join(problems)
 
 
-@pytest.mark.parametrize("block_n, page", [(64, 16), (64, 32), (32, 64)])
-def test_pages_smaller_and_larger_than_the_tile(block_n, page, gen, monkeypatch):
-    """Pages smaller than the key tile (one table entry per key) and larger (one per tile)."""
+@pytest.mark.parametrize("block_n, page, loads", [(64, 16, None), (64, 32, None), (32, 64, None),
+                                                  (128, 16, None), (64, 16, 0)])
+def test_pages_smaller_and_larger_than_the_tile(block_n, page, loads, gen, monkeypatch):
+    """Pages smaller than the key tile (table entries per page of the tile: scalar loads up to
+    ``MAX_SCALAR_PAGES`` pages, a gather per key beyond or when forced) and larger
+    (one entry per tile)."""
     if kernel_device() == "cuda":
         pytest.skip("the interpreter's tile size is changed here; the GPU runs its own")
     monkeypatch.setitem(decode.INTERPRETER_CONFIG, "BLOCK_N", block_n)
+    monkeypatch.setattr(decode, "PAGE_LOADS_RULE", loads)
+    assert decode.page_loads(128, 16) == (0 if loads is None else loads)
     decode._PLANS.clear()
     case = PagedCase(page, (150, 70, 9), n_queries=2, hq=4, hkv=2, num_splits=2)
     q, k, v, k_pages, v_pages, table, lengths = build(gen, case, kernel_device())
