@@ -58,23 +58,49 @@ def _capability(device):
     return torch.cuda.get_device_capability(device)
 
 
+HEADS_FIRST_MAX_KEYS = 4096   # up to this many keys, the kernels' grids put heads first
+
+
+def heads_first(n_k):
+    """Whether the forward and backward kernels' grids run batch · heads along their first axis
+    (``(B·H, blocks)``) rather than blocks (``(blocks, B·H)``).
+
+    The GPU starts programs in grid order, first axis fastest. Causal blocks differ in length
+    (each kernel starts its longest first), and blocks first starts the last heads' longest
+    blocks last, a tail the whole GPU waits for: heads first starts every head's longest block
+    before any head's second, and the short ones fill the last wave. But then all heads' K and V
+    are read at once, which overflows the L2 cache at long sequences, where the tail is a small
+    share anyway. Measured on the H200 (fp16 causal, B=1 H=32, heads first against blocks
+    first): the forward at N=2048 1.33x faster in GPU time (``book/data/short_n_h200.json``),
+    at 2k-4k keys 1.07-1.19x in the benchmark's rows (``bench_h200.json``, across runs); at 8k
+    keys from 1.06x faster to 1.13x slower (the five-tensor form at D=128), at 16k up to 1.08x
+    slower; forward + backward at 8k keys 1.02-1.03x faster at D=64 and 1.01-1.04x slower at
+    D=128 (one run, alternating: ``perf/runs/grid_order_ab_h200.json``).
+    """
+    return n_k <= HEADS_FIRST_MAX_KEYS
+
+
 def _launch(kernel, blocks_of, rows, programs, args, launchers=None, **constexprs):
-    """Launch ``kernel`` over ``(cdiv(rows, meta[blocks_of]), programs)``.
+    """Launch ``kernel`` over ``(cdiv(rows, meta[blocks_of]), programs)``, or ``(programs,
+    cdiv(rows, meta[blocks_of]))`` with the constexpr ``HEADS_FIRST`` (:func:`heads_first`).
 
     On a GPU the kernel is autotuned (:func:`_autotuned`) on its first call per key, and the
     compiled winner is then bound to a :class:`kernels.launch.Launcher`, kept per exact
     argument list (:func:`_bound`), so a repeated call skips Triton's ~70 µs Python launch path.
     """
+    def grid(blocks):
+        return (programs, blocks) if constexprs["HEADS_FIRST"] else (blocks, programs)
+
     def make():
         if INTERPRET:
             config = configs.INTERPRETER_CONFIG
-            return Launcher(_KERNELS[kernel], (triton.cdiv(rows, config[blocks_of]), programs),
+            return Launcher(_KERNELS[kernel], grid(triton.cdiv(rows, config[blocks_of])),
                             **constexprs, **config)
         if constexprs["TMA"]:
             _ensure_scratch_allocator()
         tuned = _autotuned(kernel, constexprs["HEAD_DIM"], _capability(args[0].device),
                            args[0].element_size(), constexprs["SPLIT"])
-        return Launcher(tuned, lambda meta: (triton.cdiv(rows, meta[blocks_of]), programs),
+        return Launcher(tuned, lambda meta: grid(triton.cdiv(rows, meta[blocks_of])),
                         **constexprs)
 
     launcher = _bound((kernel, rows, programs), args, constexprs, make, launchers)
@@ -290,7 +316,7 @@ def rerope_forward(q1, q2, k1, k2, v, window, causal, sm_scale, operands=None, p
     batch, n_heads, n_q, head_dim = q1.shape
     n_k = k1.shape[2]
     pre = preturn_keys(n_k) if preturn is None else preturn
-    call_key = ("forward call", pre, configs.TMA)
+    call_key = ("forward call", pre, configs.TMA, heads_first(n_k))
     if launchers is not None and operands is not None:     # the fused form's plan: its call
         call = launchers.get(call_key)
         if call is not None:
@@ -313,7 +339,7 @@ def rerope_forward(q1, q2, k1, k2, v, window, causal, sm_scale, operands=None, p
         "fwd", "BLOCK_M", n_q, batch * n_heads, launchers=launchers, args=args,
         HEAD_DIM=head_dim, CAUSAL=causal, DOT_PRECISION=dot_precision(q1.dtype),
         TMA=_tma_of(launchers, "fwd", q1, q2, k1, k2, v), TURN_K_IN=turn_keys_in,
-        TURN_K_OUT=turn_keys_out, **operands.constexprs(head_dim))
+        TURN_K_OUT=turn_keys_out, HEADS_FIRST=heads_first(n_k), **operands.constexprs(head_dim))
     if launchers is not None and fused:
         launchers[call_key] = _forward_call(launcher, out, lse, turn_tables, tuple(args[7:]))
     return out, lse
@@ -366,7 +392,7 @@ def rerope_backward(dout, q1, q2, k1, k2, v, out, lse, window, causal, sm_scale,
         launchers = launchers.setdefault(("backward", *signature(dout)), {})
     split = operands is not None
     call_key = ("backward call", preturn, PRETURN_BWD_MIN_KEYS, PRETURN_BWD_MAX_BYTES,
-                configs.TMA)
+                configs.TMA, HEADS_FIRST_MAX_KEYS)
     if launchers is not None and split:            # the fused form's plan: its call
         call = launchers.get(call_key)
         if call is not None:
@@ -397,7 +423,8 @@ def rerope_backward(dout, q1, q2, k1, k2, v, out, lse, window, causal, sm_scale,
     dv = torch.empty(k1.shape, dtype=k1.dtype, device=k1.device)
     strides = _strides(q1, q2, k1, k2, v, dout)
     common = dict(HEAD_DIM=head_dim, CAUSAL=causal, DOT_PRECISION=dot_precision(q1.dtype),
-                  TMA=_tma_of(launchers, "bwd", q1, q2, k1, k2, v, dout), **constexprs)
+                  TMA=_tma_of(launchers, "bwd", q1, q2, k1, k2, v, dout),
+                  HEADS_FIRST=heads_first(n_k), **constexprs)
     dkdv_args = [q1, q2, k1, k2, v, dout, lse, delta, dk[0], dk[-1], dv, *operands.tables,
                  *strides, n_heads, n_kv_heads, group, n_q, n_k, window, sm_scale * LOG2E,
                  sm_scale, operands.logn_factor]

@@ -39,8 +39,8 @@ in the store that sums the two products' parts, as in the ``SPLIT`` form.
 import triton
 import triton.language as tl
 
-from .forward import (_halves, _keep, _load_rows, _load_tile, _operand, _scores, _split_halves,
-                      _tiles)
+from .forward import (_halves, _keep, _load_rows, _load_tile, _operand, _program, _scores,
+                      _split_halves, _tiles)
 from .regions import INSIDE, OUTSIDE, _nth_tile, _schedule, _tile_count
 from .rotary import _angles, _logn_scale, _unrotate
 
@@ -239,9 +239,11 @@ def _bwd_dkdv_kernel(
     CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr,
     SPLIT: tl.constexpr, TWO_DOTS: tl.constexpr, LOGN: tl.constexpr,
     TURN_IN: tl.constexpr, SHIFT_IN: tl.constexpr, TURN_OUT: tl.constexpr,
-    SHIFT_OUT: tl.constexpr, TURN_BACK: tl.constexpr = False,
+    SHIFT_OUT: tl.constexpr, TURN_BACK: tl.constexpr = False, HEADS_FIRST: tl.constexpr = False,
 ):
-    """Grid ``(cdiv(Nk, BLOCK_N), B * Hkv)``. Gradients are contiguous ``(B, Hkv, Nk, D)``:
+    """Grid ``(cdiv(Nk, BLOCK_N), B * Hkv)``, or ``(B * Hkv, cdiv(Nk, BLOCK_N))`` with
+    ``HEADS_FIRST`` (:func:`kernels.forward._program`; causal, the first key blocks have the most
+    queries and come first either way). Gradients are contiguous ``(B, Hkv, Nk, D)``:
     ``DK1, DK2, DV`` in the five-tensor form; ``DK1`` (= dk) and ``DV`` with ``SPLIT``.
 
     ``TURN_BACK`` (with ``SPLIT`` off): the five tensors are the products' operands pre-turned
@@ -249,9 +251,10 @@ def _bwd_dkdv_kernel(
     ``R(speed·j)``, queries by log-n and ``R(speed·i + offset)``); each product's ``dK`` is
     turned back by its key angle (``TURN_*``, tables as in the ``SPLIT`` form) and the two are
     summed into ``DK1`` (= dk), as in the ``SPLIT`` form."""
-    start_n = tl.program_id(0) * BLOCK_N
-    batch = (tl.program_id(1) // n_kv_heads).to(tl.int64)
-    kv_head = (tl.program_id(1) % n_kv_heads).to(tl.int64)
+    bh, block, _ = _program(HEADS_FIRST)
+    start_n = block * BLOCK_N
+    batch = (bh // n_kv_heads).to(tl.int64)
+    kv_head = (bh % n_kv_heads).to(tl.int64)
     q_offset = n_k - n_q                  # queries are the last n_q positions
     keys = start_n + tl.arange(0, BLOCK_N)
     keys_q = keys - q_offset              # key positions measured like query rows
@@ -260,7 +263,7 @@ def _bwd_dkdv_kernel(
     dv = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
     outside_clean, inside_clean, band, edge_inside, edge_outside = _schedule(
         start_n - q_offset, BLOCK_N, BLOCK_M, n_q, window, CAUSAL, False)
-    out_offset = tl.program_id(1).to(tl.int64) * n_k * HEAD_DIM
+    out_offset = bh.to(tl.int64) * n_k * HEAD_DIM
     if SPLIT:                             # one q and one k serve both products
         Q2, sq2_b, sq2_h, sq2_n, sq2_d = Q1, sq1_b, sq1_h, sq1_n, sq1_d
         K2, sk2_b, sk2_h, sk2_n, sk2_d = K1, sk1_b, sk1_h, sk1_n, sk1_d
@@ -378,19 +381,20 @@ def _bwd_dq_kernel(
     CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr,
     SPLIT: tl.constexpr, TWO_DOTS: tl.constexpr, LOGN: tl.constexpr,
     TURN_IN: tl.constexpr, SHIFT_IN: tl.constexpr, TURN_OUT: tl.constexpr,
-    SHIFT_OUT: tl.constexpr, TURN_BACK: tl.constexpr = False,
+    SHIFT_OUT: tl.constexpr, TURN_BACK: tl.constexpr = False, HEADS_FIRST: tl.constexpr = False,
 ):
-    """Grid ``(cdiv(Nq, BLOCK_M), B * Hq)``. Gradients are contiguous ``(B, Hq, Nq, D)``:
+    """Grid ``(cdiv(Nq, BLOCK_M), B * Hq)``, or ``(B * Hq, cdiv(Nq, BLOCK_M))`` with
+    ``HEADS_FIRST`` (:func:`kernels.forward._program`). Gradients are contiguous ``(B, Hq, Nq, D)``:
     ``DQ1, DQ2`` in the five-tensor form; ``DQ1`` (= dq) with ``SPLIT`` or ``TURN_BACK``
     (pre-turned operands, see :func:`_bwd_dkdv_kernel`: each product's ``dQ`` is turned back by
     its query angle, scaled by log-n, and the two are summed)."""
-    block = tl.program_id(0)
+    bh, block, n_blocks = _program(HEADS_FIRST)
     if CAUSAL:   # the last query blocks have the most keys: start them first
-        block = tl.num_programs(0) - 1 - block
+        block = n_blocks - 1 - block
     start_m = block * BLOCK_M
     start_pos = n_k - n_q + start_m
-    batch = (tl.program_id(1) // n_heads).to(tl.int64)
-    head = (tl.program_id(1) % n_heads).to(tl.int64)
+    batch = (bh // n_heads).to(tl.int64)
+    head = (bh % n_heads).to(tl.int64)
     kv_head = head // group
     if SPLIT:                             # one q and one k serve both products
         Q2, sq2_b, sq2_h, sq2_n, sq2_d = Q1, sq1_b, sq1_h, sq1_n, sq1_d
@@ -404,12 +408,12 @@ def _bwd_dq_kernel(
     rows = start_pos + tl.arange(0, BLOCK_M)
     do = _load_tile(_tiles(DO + batch * sdo_b + head * sdo_h, sdo_n, n_q, BLOCK_M, HEAD_DIM, TMA),
                     start_m, sdo_n, sdo_d, n_q, BLOCK_M, HEAD_DIM, True, TMA)
-    row_stats = tl.program_id(1).to(tl.int64) * n_q
+    row_stats = bh.to(tl.int64) * n_q
     lse = tl.load(Lse + row_stats + q_rows, mask=q_rows < n_q, other=0.0)
     delta = tl.load(Delta + row_stats + q_rows, mask=q_rows < n_q, other=0.0)
     outside_clean, inside_clean, band, edge_inside, edge_outside = _schedule(
         start_pos, BLOCK_M, BLOCK_N, n_k, window, CAUSAL, True)
-    out_offset = tl.program_id(1).to(tl.int64) * n_q * HEAD_DIM
+    out_offset = bh.to(tl.int64) * n_q * HEAD_DIM
 
     # the inside passes, then the outside ones: each product's dQ is stored (five tensors) or
     # turned back and added to the other's (SPLIT) before the next (one accumulator at a time)

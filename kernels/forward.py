@@ -102,6 +102,17 @@ def _keep(q_pos, k_pos, valid, window, PRODUCT: tl.constexpr, CAUSAL: tl.constex
     return keep
 
 
+@triton.jit
+def _program(HEADS_FIRST: tl.constexpr):
+    """``(batch · head, block, blocks)`` of this program. The grid is ``(B · H, blocks)`` with
+    ``HEADS_FIRST``, else ``(blocks, B · H)``; the GPU starts programs in grid order, first axis
+    fastest (the launcher's choice: :func:`kernels.attention.heads_first`)."""
+    if HEADS_FIRST:
+        return tl.program_id(0), tl.program_id(1), tl.num_programs(1)
+    else:
+        return tl.program_id(1), tl.program_id(0), tl.num_programs(0)
+
+
 # --- operands: the five tensors as stored, or halves of q and k rotated in registers ------------
 
 
@@ -254,8 +265,10 @@ def _rerope_fwd_kernel(
     SPLIT: tl.constexpr, TWO_DOTS: tl.constexpr, LOGN: tl.constexpr,
     TURN_IN: tl.constexpr, SHIFT_IN: tl.constexpr, TURN_OUT: tl.constexpr,
     SHIFT_OUT: tl.constexpr, TURN_K_IN: tl.constexpr, TURN_K_OUT: tl.constexpr,
+    HEADS_FIRST: tl.constexpr = False,
 ):
-    """Grid ``(cdiv(Nq, BLOCK_M), B * Hq)``. Writes ``Out`` and ``Lse`` (log2 units, ``(B·Hq, Nq)``).
+    """Grid ``(cdiv(Nq, BLOCK_M), B * Hq)``, or ``(B * Hq, cdiv(Nq, BLOCK_M))`` with
+    ``HEADS_FIRST`` (:func:`_program`). Writes ``Out`` and ``Lse`` (log2 units, ``(B·Hq, Nq)``).
 
     Five-tensor form (``SPLIT`` off): ``Q1, Q2, K1, K2`` as given; the tables are not read.
     ``SPLIT``: ``Q1``/``K1`` are the model's ``q``/``k`` (``Q2`` is not read); the
@@ -266,13 +279,13 @@ def _rerope_fwd_kernel(
     is on, the launcher passed that product's keys already turned (``K1`` / ``K2``, see
     :func:`kernels.rotary.turn_keys`), otherwise ``K1`` is ``k`` for both products.
     """
-    block = tl.program_id(0)
+    bh, block, n_blocks = _program(HEADS_FIRST)
     if CAUSAL:   # the last query blocks have the most keys: start them first
-        block = tl.num_programs(0) - 1 - block
+        block = n_blocks - 1 - block
     start_m = block * BLOCK_M                # a row of q; its position is n_k - n_q + row
     start_pos = n_k - n_q + start_m
-    batch = tl.program_id(1) // n_heads
-    head = tl.program_id(1) % n_heads
+    batch = bh // n_heads
+    head = bh % n_heads
     kv_head = head // group                  # grouped-query attention: shared K/V heads
     b64, h64, kv64 = batch.to(tl.int64), head.to(tl.int64), kv_head.to(tl.int64)
     K1a, K1b = _halves(K1 + b64 * sk1_b + kv64 * sk1_h, sk1_n, sk1_d, n_k, BLOCK_N, HEAD_DIM,
@@ -310,7 +323,7 @@ def _rerope_fwd_kernel(
                                  DOT_PRECISION, TMA)
 
     q_rows = start_m + tl.arange(0, BLOCK_M)
-    tl.store(Lse + tl.program_id(1).to(tl.int64) * n_q + q_rows, m_i + tl.math.log2(l_i),
+    tl.store(Lse + bh.to(tl.int64) * n_q + q_rows, m_i + tl.math.log2(l_i),
              mask=q_rows < n_q)
     out = acc / l_i[:, None]
     dims = tl.arange(0, HEAD_DIM)

@@ -3,7 +3,10 @@
 projection), forward + backward, against eager: the largest differences of the output and every
 gradient, and the time of a training step of each (CUDA events, median); with ``--profile``,
 the GPU time per step of each one's ten costliest kernels (``torch.profiler``), to see where
-the two differ. Run on a GPU::
+the two differ. Each step is timed twice: alone (a sync after each, so the host's latency before
+the first kernel counts: ``*_ms``) and back to back as a training loop runs them (20 steps, one
+sync: ``*_pipelined_ms``). ``--reduce-overhead`` adds the block compiled with
+``mode="reduce-overhead"`` (the training step replayed as CUDA graphs). Run on a GPU::
 
     KERNELS_AUTOTUNE=0 python3 perf/compile_block.py --out perf/runs/compile_block_h200.json
 """
@@ -32,6 +35,39 @@ def step_results(block, x):
     out.float().square().mean().backward()
     return {"out": out.detach(), "dx": x.grad,
             **{name: p.grad.clone() for name, p in block.named_parameters()}}
+
+
+def pipelined_ms(fn, steps=20, reps=5):
+    """Median GPU ms per step of ``steps`` back-to-back calls of ``fn()`` (one sync per rep)."""
+    fn(), fn()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(steps):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / steps)
+    return sorted(times)[len(times) // 2]
+
+
+def reduce_overhead(block, x, eager_r):
+    """The block compiled with ``mode="reduce-overhead"``: its differences to eager and step
+    times (``torch.compiler.cudagraph_mark_step_begin()`` before each step, as the graphs'
+    outputs are overwritten by the next replay)."""
+    graphed = copy.deepcopy(block)
+    graphed.forward = torch.compile(graphed.forward, fullgraph=True, mode="reduce-overhead")
+
+    def step():
+        torch.compiler.cudagraph_mark_step_begin()
+        return step_results(graphed, x)
+    for _ in range(3):                     # warm-up runs, then the recorded graph
+        step()
+    got = {k: t.clone() for k, t in step().items()}
+    return {"reduce_overhead_max_abs_diff": {
+                k: (got[k].float() - eager_r[k].float()).abs().max().item() for k in eager_r},
+            "reduce_overhead_ms": event_ms(step), "reduce_overhead_pipelined_ms": pipelined_ms(step)}
 
 
 def kernel_table(fn, steps=3, top=10):
@@ -65,6 +101,10 @@ def main():
     parser.add_argument("--out", default="perf/runs/compile_block_h200.json")
     parser.add_argument("--profile", action="store_true", help="add the kernel tables")
     parser.add_argument("--dtypes", default="float16,bfloat16")
+    parser.add_argument("--host-profile", action="store_true",
+                        help="print the eager step's costliest host calls (torch.profiler)")
+    parser.add_argument("--reduce-overhead", action="store_true",
+                        help='also mode="reduce-overhead" (CUDA graphs of the training step)')
     args = parser.parse_args()
     rows = []
     for dtype in (getattr(torch, name) for name in args.dtypes.split(",")):
@@ -84,6 +124,21 @@ def main():
         if args.profile:
             row["kernels_eager"] = kernel_table(lambda: step_results(block, x))
             row["kernels_compiled"] = kernel_table(lambda: step_results(compiled, x))
+        row["eager_pipelined_ms"] = pipelined_ms(lambda: step_results(block, x))
+        row["compiled_pipelined_ms"] = pipelined_ms(lambda: step_results(compiled, x))
+        if args.host_profile:
+            from torch.profiler import ProfilerActivity, profile
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                for _ in range(3):
+                    step_results(block, x)
+                torch.cuda.synchronize()
+            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25,
+                                            max_name_column_width=60), flush=True)
+        if args.reduce_overhead:
+            try:
+                row.update(reduce_overhead(block, x, eager_r))
+            except Exception as error:   # reported in the row: the recipe may not apply
+                row["reduce_overhead_error"] = f"{type(error).__name__}: {str(error)[:300]}"
         rows.append(row)
         print(json.dumps(row), flush=True)
     import triton
