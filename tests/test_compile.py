@@ -169,6 +169,8 @@ def _source(job):
                       CAUSAL=True, DOT_PRECISION=dot_precision(TORCH_DTYPES[job["dtype"]]),
                       TMA=uses_tma(job), TWO_DOTS=FORMS[job["form"]]["SPLIT"] and
                       job["head_dim"] >= 32, **FORMS[job["form"]])
+    # the grid's axis order (attention.heads_first) only swaps the program ids: one of the two
+    constexprs["HEADS_FIRST"] = True
     if job["kernel"] == "fwd":          # key tiles turned in the kernel (not pre-turned)
         constexprs.update(TURN_K_IN=constexprs["TURN_IN"], TURN_K_OUT=constexprs["TURN_OUT"])
         del constexprs["TURN_BACK"]         # a backward-only switch
