@@ -144,8 +144,7 @@ def measure(impl, window, cfg=None, tma="auto", preturn=False, profile=False):
         row = dict(impl=impl, window=window, config=cfg or (DEFAULT if impl.startswith("rerope")
                                                             else None),
                    tma=tma, preturn=preturn)
-        row["bench_ms"] = bench.measure_case(impl if impl != "rerope_raw" else "rerope_raw",
-                                             "fwd", shape)[0]
+        row["bench_ms"] = bench.measure_case(impl, "fwd", shape)[0]
         row["graph_us"] = graph_us(fn, inputs(False))
         row["stream_us"] = stream_us(fn, inputs(True))
         row["stream_nograd_us"] = stream_us(fn, inputs(False))

@@ -45,22 +45,57 @@ def splits_for(batch, per_sm, nq=1):
         decode.PROGRAMS_PER_SM = saved
 
 
-def paged_copy(k, v, page, seed=0):
-    """``(B, Hkv, N, D)`` caches scattered into random, non-monotone pages of ``page`` keys:
-    ``(k_pages, v_pages, block_table)``, the pool 16-aligned in size plus 16 spare pages."""
-    batch, hkv, n, d = k.shape
-    per_row = n // page
-    blocks = -(-batch * per_row // 16) * 16 + 16
-    gen = torch.Generator(device="cpu").manual_seed(seed)
-    table = torch.randperm(blocks, generator=gen)[:batch * per_row].view(batch, per_row)
-    table = table.to(torch.int32).to(k.device)
-    pools = []
-    for x in (k, v):
-        pool = torch.full((blocks, page, hkv, d), float("nan"), dtype=x.dtype, device=x.device)
-        pool[table.flatten().long()] = (x.view(batch, hkv, per_row, page, d)
-                                        .permute(0, 2, 3, 1, 4).reshape(-1, page, hkv, d))
-        pools.append(pool)
-    return pools[0], pools[1], table
+def run_meta(**extra):
+    """A results file's ``meta``: the GPU and versions, plus ``extra``."""
+    return {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+            "triton": __import__("triton").__version__, "cuda": torch.version.cuda, **extra}
+
+
+def saver(result, name, started):
+    """``save()``: ``result`` (its elapsed time updated) to ``$OUT/name``."""
+    out_dir = os.environ.get("OUT", "/tmp")
+
+    def save():
+        result["meta"]["elapsed_s"] = round(time.perf_counter() - started, 1)
+        with open(os.path.join(out_dir, name), "w") as f:
+            json.dump(result, f, indent=1)
+    return save
+
+
+def decode_once(d, batch, nq, splits, page):
+    """One decode call on a 4096-key cache, contiguous (``page`` None) or in pages of ``page``
+    keys: compiles that variant (the same specialisation as the timed calls). Returns seconds."""
+    import kernels
+    from kernels import bench_decode as bd
+
+    n = 4096
+    q = torch.randn(batch, HQ, nq, d, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(batch, HKV, n, d, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    started = time.perf_counter()
+    if page is None:
+        kernels.rerope_decode(q, k, v, WINDOW, num_splits=splits)
+    else:
+        kp, vp, table = bd.paged_copy(k, v, page)
+        lengths = torch.full((batch,), n, dtype=torch.int32, device="cuda")
+        kernels.rerope_decode(q, kp, vp, WINDOW, cache_seqlens=lengths, num_splits=splits,
+                              block_table=table)
+    torch.cuda.synchronize()
+    return time.perf_counter() - started
+
+
+def timer(read):
+    """``timed(step, batch, n, d, **info)``: a row of ``step``'s CUDA-graph time and its fraction
+    of the read bound (``read`` bytes/s), printed."""
+    from kernels import bench_decode as bd
+
+    def timed(step, batch, n, d, **info):
+        bound = bd.kv_bytes(batch, n, d=d) / read * 1e6
+        us = bd.graph_us(step)
+        row = dict(D=d, B=batch, context=n, us=us, hbm_fraction=bound / us, **info)
+        print(row, flush=True)
+        return row
+    return timed
 
 
 def set_config(d, cfg):
@@ -72,40 +107,18 @@ def set_config(d, cfg):
 
 def warm(spec):
     """Compile one variant on a small cache (same specialisation as the timed call)."""
-    import kernels
-
     d, batch, nq, cfg, splits, page = spec
     set_config(d, cfg)
-    n = 4096
-    q = torch.randn(batch, HQ, nq, d, device="cuda", dtype=torch.bfloat16)
-    k = torch.randn(batch, HKV, n, d, device="cuda", dtype=torch.bfloat16)
-    v = torch.randn_like(k)
-    started = time.perf_counter()
-    if page is None:
-        kernels.rerope_decode(q, k, v, WINDOW, num_splits=splits)
-    else:
-        kp, vp, table = paged_copy(k, v, page)
-        lengths = torch.full((batch,), n, dtype=torch.int32, device="cuda")
-        kernels.rerope_decode(q, kp, vp, WINDOW, cache_seqlens=lengths, num_splits=splits,
-                              block_table=table)
-    torch.cuda.synchronize()
-    return spec, time.perf_counter() - started
+    return spec, decode_once(d, batch, nq, splits, page)
 
 
 def main():
     import kernels
     from kernels import bench_decode as bd
-    from kernels import decode
 
     started = time.perf_counter()
-    out_dir = os.environ.get("OUT", "/tmp")
-    result = {"meta": {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-                       "triton": __import__("triton").__version__, "cuda": torch.version.cuda}}
-
-    def save():
-        result["meta"]["elapsed_s"] = round(time.perf_counter() - started, 1)
-        with open(os.path.join(out_dir, "tune_decode.json"), "w") as f:
-            json.dump(result, f, indent=1)
+    result = {"meta": run_meta()}
+    save = saver(result, "tune_decode.json", started)
 
     specs = set()
     for d, cfgs in CONFIGS.items():
@@ -183,7 +196,7 @@ def main():
                 for page in PAGES:
                     if time.perf_counter() - started > BUDGET_S + 40:
                         break
-                    kp, vp, table = paged_copy(k, v, page)
+                    kp, vp, table = bd.paged_copy(k, v, page)
                     lengths = torch.full((8,), n, dtype=torch.int32, device="cuda")
                     step = lambda: kernels.rerope_decode(q, kp, vp, WINDOW, cache_seqlens=lengths,
                                                          num_splits=splits, block_table=table)
@@ -242,15 +255,8 @@ def round2():
     from kernels import decode
 
     started = time.perf_counter()
-    out_dir = os.environ.get("OUT", "/tmp")
-    result = {"meta": {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-                       "triton": __import__("triton").__version__, "cuda": torch.version.cuda,
-                       "window": WINDOW, "dtype": "bfloat16", "Hq": HQ, "Hkv": HKV}}
-
-    def save():
-        result["meta"]["elapsed_s"] = round(time.perf_counter() - started, 1)
-        with open(os.path.join(out_dir, "decode_round2.json"), "w") as f:
-            json.dump(result, f, indent=1)
+    result = {"meta": run_meta(window=WINDOW, dtype="bfloat16", Hq=HQ, Hkv=HKV)}
+    save = saver(result, "decode_round2.json", started)
 
     specs = set()
     for d, cfgs in R2_STAGES.items():
@@ -276,13 +282,7 @@ def round2():
     result["meta"]["read_tb_s"] = read / 1e12
     bd.TIME_BUDGET_S, bd.MIN_REPS = 0.04, 5
 
-    def timed(step, batch, n, d, **info):
-        bound = bd.kv_bytes(batch, n, d=d) / read * 1e6
-        us = bd.graph_us(step)
-        row = dict(D=d, B=batch, context=n, us=us, hbm_fraction=bound / us, **info)
-        print(row, flush=True)
-        return row
-
+    timed = timer(read)
     rows = result["rows"] = []
     for d in (64, 128):
         for batch, n in R2_GRID:
@@ -352,25 +352,11 @@ R3_MERGE = (16, 64, 128)                         # decode.MERGE_SPLITS_BLOCK
 
 def warm3(spec):
     """Compile one round-3 variant on a small cache (same specialisation as the timed call)."""
-    import kernels
     from kernels import decode
 
     d, batch, page, rule, merge_block, splits = spec
     decode.PAGE_LOADS_RULE, decode.MERGE_SPLITS_BLOCK = rule, merge_block
-    n = 4096
-    q = torch.randn(batch, HQ, 1, d, device="cuda", dtype=torch.bfloat16)
-    k = torch.randn(batch, HKV, n, d, device="cuda", dtype=torch.bfloat16)
-    v = torch.randn_like(k)
-    started = time.perf_counter()
-    if page is None:
-        kernels.rerope_decode(q, k, v, WINDOW, num_splits=splits)
-    else:
-        kp, vp, table = paged_copy(k, v, page)
-        lengths = torch.full((batch,), n, dtype=torch.int32, device="cuda")
-        kernels.rerope_decode(q, kp, vp, WINDOW, cache_seqlens=lengths, num_splits=splits,
-                              block_table=table)
-    torch.cuda.synchronize()
-    return spec, time.perf_counter() - started
+    return spec, decode_once(d, batch, 1, splits, page)
 
 
 def round3():
@@ -383,16 +369,9 @@ def round3():
     from kernels import decode
 
     started = time.perf_counter()
-    out_dir = os.environ.get("OUT", "/tmp")
-    result = {"meta": {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-                       "triton": __import__("triton").__version__, "cuda": torch.version.cuda,
-                       "window": WINDOW, "dtype": "bfloat16", "Hq": HQ, "Hkv": HKV,
-                       "configs": {str(d): decode.launch_config(d) for d in (64, 128)}}}
-
-    def save():
-        result["meta"]["elapsed_s"] = round(time.perf_counter() - started, 1)
-        with open(os.path.join(out_dir, "decode_round3.json"), "w") as f:
-            json.dump(result, f, indent=1)
+    result = {"meta": run_meta(window=WINDOW, dtype="bfloat16", Hq=HQ, Hkv=HKV,
+                               configs={str(d): decode.launch_config(d) for d in (64, 128)})}
+    save = saver(result, "decode_round3.json", started)
 
     specs = set()
     for d, pages in R3_PAGES.items():
@@ -414,13 +393,10 @@ def round3():
     result["meta"]["read_tb_s"] = read / 1e12
     bd.TIME_BUDGET_S, bd.MIN_REPS = 0.04, 5
     rows = result["rows"] = []
+    row_of = timer(read)
 
     def timed(step, batch, n, d, **info):
-        bound = bd.kv_bytes(batch, n, d=d) / read * 1e6
-        us = bd.graph_us(step)
-        row = dict(D=d, B=batch, context=n, us=us, hbm_fraction=bound / us, **info)
-        print(row, flush=True)
-        rows.append(row)
+        rows.append(row_of(step, batch, n, d, **info))
 
     for d in (64, 128):
         shapes = sorted(set(R2_PAGED_SHAPES) | {(1, 4096), (1, 32768)})
