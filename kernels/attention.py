@@ -63,7 +63,8 @@ HEADS_FIRST_MAX_KEYS = 4096   # up to this many keys, the kernels' grids put hea
 
 def heads_first(n_k):
     """Whether the forward and backward kernels' grids run batch · heads along their first axis
-    (``(B·H, blocks)``) rather than blocks (``(blocks, B·H)``).
+    (``(B·H, blocks)``) rather than blocks (``(blocks, B·H)``), for a call with ``n_k`` keys
+    (an int, ``k.shape[2]``): up to :data:`HEADS_FIRST_MAX_KEYS`.
 
     The GPU starts programs in grid order, first axis fastest. Causal blocks differ in length
     (each kernel starts its longest first), and blocks first starts the last heads' longest
