@@ -258,13 +258,15 @@ PRETURN_BWD_MAX_BYTES = (int(os.environ["KERNELS_PRETURN_BWD_MAX_BYTES"])
                          if os.environ.get("KERNELS_PRETURN_BWD_MAX_BYTES") else None)
 
 
-def _preturned_shapes(q, k, operands):
+def _preturned_shapes(q, k, operands, outside=True):
     """Which of ``q1, q2, k1, k2`` the pre-turned backward writes (the others are ``q`` or
-    ``k`` as given), and the extra memory that takes, in bytes."""
+    ``k`` as given; the outside product's only where it has a tile, ``outside``), and the
+    extra memory that takes, in bytes."""
     logn = operands.logn_factor != 0.0
     f = operands.flags
-    writes = (logn or f["TURN_IN"] or f["SHIFT_IN"], logn or f["TURN_OUT"] or f["SHIFT_OUT"],
-              f["TURN_IN"], f["TURN_OUT"])
+    writes = (logn or f["TURN_IN"] or f["SHIFT_IN"],
+              outside and (logn or f["TURN_OUT"] or f["SHIFT_OUT"]),
+              f["TURN_IN"], outside and f["TURN_OUT"])
     extra = q.element_size() * (q.numel() * (writes[0] + writes[1])
                                 + k.numel() * (writes[2] + writes[3]))
     return writes, extra
@@ -330,8 +332,9 @@ def rerope_forward(q1, q2, k1, k2, v, window, causal, sm_scale, operands=None, p
     turn_tables = (None, None)
     if (turn_keys_in or turn_keys_out) and pre:
         turn_tables = (operands.tables[0] if turn_keys_in else None,
-                       operands.tables[2] if turn_keys_out else None)
-        k1, k2 = _turned_keys(k1, k2, *turn_tables)
+                       operands.tables[2] if turn_keys_out and _has_outside(n_k, window)
+                       else None)
+        k1, k2 = _turned_keys(k1, k2, *turn_tables, launchers)
         turn_keys_in = turn_keys_out = False
     args = [q1, q2, k1, k2, v, out, lse, *operands.tables, *_strides(q1, q2, k1, k2, v, out),
             n_heads, n_heads // k1.shape[1], n_q, n_k, window, sm_scale * LOG2E,
@@ -342,25 +345,37 @@ def rerope_forward(q1, q2, k1, k2, v, window, causal, sm_scale, operands=None, p
         TMA=_tma_of(launchers, "fwd", q1, q2, k1, k2, v), TURN_K_IN=turn_keys_in,
         TURN_K_OUT=turn_keys_out, HEADS_FIRST=heads_first(n_k), **operands.constexprs(head_dim))
     if launchers is not None and fused:
-        launchers[call_key] = _forward_call(launcher, out, lse, turn_tables, tuple(args[7:]))
+        launchers[call_key] = _forward_call(launcher, out, lse, turn_tables, tuple(args[7:]),
+                                            launchers)
     return out, lse
 
 
-def _turned_keys(k1, k2, table_in, table_out):
+def _has_outside(n_k, window):
+    """Whether any (query, key) pair is ``window`` or more positions apart, i.e. the outside
+    product has a tile: ``Nk > w`` (queries are the last ``Nq`` of the ``Nk`` positions, so the
+    farthest pair is ``Nk - 1`` apart, causal or not). Where it has none, its operands are
+    never read, and pre-turning them would be wasted work."""
+    return n_k > window
+
+
+def _turned_keys(k1, k2, table_in, table_out, launchers=None):
     """``k1, k2`` (the fused form's one ``k``) with each product's keys turned once where its
-    table is given: one read of ``k`` for both products (Self-Extend and Leaky ReRoPE turn the
-    keys of both), each turned key equal to :func:`kernels.rotary.turn_keys`'."""
-    tab_in, tab_out = (table_out if table_in is None else table_in,
-                       table_in if table_out is None else table_out)   # placeholders: unread
-    return turn_operands(k1, (tab_in, tab_in, table_in is not None, False),
-                         (tab_out, tab_out, table_out is not None, False))
+    table is given (``None``: that product's keys as they are): one read of ``k`` for both
+    products (Self-Extend and Leaky ReRoPE turn the keys of both), each turned key equal to
+    :func:`kernels.rotary.turn_keys`'. ``launchers``: the plan's (a bound launch)."""
+    if table_in is None and table_out is None:
+        return k1, k2
+    return turn_operands(k1, None if table_in is None else (table_in, table_in, True, False),
+                         None if table_out is None else (table_out, table_out, True, False),
+                         launchers=launchers)
 
 
-def _forward_call(launcher, out, lse, turn_tables, tail):
+def _forward_call(launcher, out, lse, turn_tables, tail, launchers):
     """A fused-form plan's forward after its first call: everything the call signature fixes
     (the launcher, the strides, tables and scalars after the seven tensors, whether keys are
     pre-turned, the outputs' shapes, dtype and device: those of the first call's ``out`` and
-    ``lse``) is kept, and a call allocates its outputs and launches."""
+    ``lse``) is kept, and a call allocates its outputs and launches (the key turn through the
+    plan's ``launchers``, bound)."""
     launch = launcher.fixed(*tail)
     turn = turn_tables[0] is not None or turn_tables[1] is not None
     out_shape, lse_shape, dtype, device = out.shape, lse.shape, out.dtype, out.device
@@ -370,7 +385,7 @@ def _forward_call(launcher, out, lse, turn_tables, tail):
         out = torch.empty(out_shape, dtype=dtype, device=device)
         lse = torch.empty(lse_shape, dtype=torch.float32, device=device)
         if turn:
-            k1, k2 = _turned_keys(k1, k2, *turn_tables)
+            k1, k2 = _turned_keys(k1, k2, *turn_tables, launchers)
         launch(q1, q2, k1, k2, v, out, lse)
         return out, lse
 
@@ -412,11 +427,12 @@ def rerope_backward(dout, q1, q2, k1, k2, v, out, lse, window, causal, sm_scale,
     constexprs = operands.constexprs(head_dim)
     turn = None
     if split:
-        writes, extra = _preturned_shapes(q1, k1, operands)
+        outside = _has_outside(n_k, window)
+        writes, extra = _preturned_shapes(q1, k1, operands, outside)
         if any(writes) and (preturn_backward(n_k, extra, q1.device) if preturn is None
                               else preturn):
             # the five-tensor kernels on each product's operands, gradients turned back
-            turn = _operand_turns(operands, n_k - n_q)
+            turn = _operand_turns(operands, n_k - n_q, outside, launchers)
             q1, q2, k1, k2 = turn(q1, k1)
             constexprs.update(SPLIT=False, TWO_DOTS=False, TURN_BACK=True)
     dq = [torch.empty(q1.shape, dtype=q1.dtype, device=q1.device) for _ in range(1 if split else 2)]
@@ -443,18 +459,21 @@ def rerope_backward(dout, q1, q2, k1, k2, v, out, lse, window, causal, sm_scale,
     return (dq[0], dk[0], dv) if split else (dq[0], dq[1], dk[0], dk[1], dv)
 
 
-def _operand_turns(operands, first_query):
+def _operand_turns(operands, first_query, outside=True, launchers=None):
     """``turn(q, k) -> (q1, q2, k1, k2)``: each product's operands turned once (extra tensors,
-    :func:`kernels.rotary.turn_operands`) for the pre-turned backward."""
+    :func:`kernels.rotary.turn_operands`) for the pre-turned backward; the outside product's
+    only where it has a tile (``outside``, :func:`_has_outside`: else ``q``, ``k``, unread).
+    ``launchers``: the plan's (bound launches)."""
     tab_in, off_in, tab_out, off_out = operands.tables
     f = operands.flags
+    q_out = (tab_out, off_out, f["TURN_OUT"], f["SHIFT_OUT"]) if outside else None
+    k_out = (tab_out, off_out, f["TURN_OUT"], False) if outside else None
 
     def turn(q, k):
-        q1, q2 = turn_operands(q, (tab_in, off_in, f["TURN_IN"], f["SHIFT_IN"]),
-                               (tab_out, off_out, f["TURN_OUT"], f["SHIFT_OUT"]),
-                               first_query, operands.logn_factor)
-        k1, k2 = turn_operands(k, (tab_in, off_in, f["TURN_IN"], False),
-                               (tab_out, off_out, f["TURN_OUT"], False))
+        q1, q2 = turn_operands(q, (tab_in, off_in, f["TURN_IN"], f["SHIFT_IN"]), q_out,
+                               first_query, operands.logn_factor, launchers)
+        k1, k2 = turn_operands(k, (tab_in, off_in, f["TURN_IN"], False), k_out,
+                               launchers=launchers)
         return q1, q2, k1, k2
 
     return turn

@@ -50,6 +50,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .launch import Launcher
 from .rope import frequencies
 
 _TABLES = {}
@@ -319,12 +320,12 @@ def _turn_operands_kernel(X, Out1, Out2, Tab1, Off1, Tab2, Off2, sx_b, sx_h, sx_
         tl.store(Out2 + dst + HEAD_DIM // 2, b2, mask=keep)
 
 
-def turn_operands(x, inside, outside, first_position=0, logn_factor=0.0):
+def turn_operands(x, inside, outside, first_position=0, logn_factor=0.0, launchers=None):
     """Both products' operands from one read of ``x`` (``(B, H, N, D)``, any strides).
 
     ``inside`` / ``outside``: ``(table, offset, turn, shift)`` of a product — its
     :func:`rope_table` (read where ``turn``) and :func:`rotation_offset` vector (read where
-    ``shift``). Row ``r`` sits at position ``first_position + r`` and is scaled by log-n
+    ``shift``) — or ``None`` for a product whose operand is not needed (``x`` is returned). Row ``r`` sits at position ``first_position + r`` and is scaled by log-n
     (``logn_factor`` from :func:`logn_factor`, 0: off), then turned by
     ``R(speed · p + offset)``. Returns ``(x1, x2)``: a new contiguous tensor in ``x``'s dtype
     for a product that changes its operand, ``x`` itself for one that does not (nothing is
@@ -334,17 +335,31 @@ def turn_operands(x, inside, outside, first_position=0, logn_factor=0.0):
     The backward launcher uses it (:func:`kernels.attention.preturn_backward`): the two
     backward kernels then read each product's operands as stored instead of turning every tile
     of the other axis again in every program that reads it.
+
+    ``launchers``: a plan's dict (whose call signature fixes ``x``'s shape, strides and
+    alignment): the launch is kept there, bound (:class:`kernels.launch.Launcher`), so a repeated
+    call skips Triton's Python launch path; ``None``: launched through ``kernel[grid]``.
     """
     batch, heads, n_rows, head_dim = x.shape
     logn = logn_factor != 0.0
-    writes = [logn or turn or shift for _, _, turn, shift in (inside, outside)]
+    writes = [p is not None and (logn or p[2] or p[3]) for p in (inside, outside)]
     outs = [torch.empty((batch, heads, n_rows, head_dim), dtype=x.dtype, device=x.device)
             if write else x for write in writes]
     if any(writes):
-        (tab1, off1, turn1, shift1), (tab2, off2, turn2, shift2) = inside, outside
-        _turn_operands_kernel[(triton.cdiv(n_rows, 64), batch * heads)](
-            x, outs[0], outs[1], tab1, off1, tab2, off2, *x.stride(), heads, n_rows,
-            first_position, logn_factor, HEAD_DIM=head_dim, BLOCK=64, LOGN=logn,
-            WRITE1=writes[0], TURN1=turn1, SHIFT1=shift1, WRITE2=writes[1], TURN2=turn2,
-            SHIFT2=shift2)
+        (tab1, off1, turn1, shift1), (tab2, off2, turn2, shift2) = (   # None: placeholders
+            p if p is not None else (*other[:2], False, False)
+            for p, other in ((inside, outside), (outside, inside)))
+        grid = (triton.cdiv(n_rows, 64), batch * heads)
+        constexprs = dict(HEAD_DIM=head_dim, BLOCK=64, LOGN=logn, WRITE1=writes[0], TURN1=turn1,
+                          SHIFT1=shift1, WRITE2=writes[1], TURN2=turn2, SHIFT2=shift2)
+        args = (x, outs[0], outs[1], tab1, off1, tab2, off2, *x.stride(), heads, n_rows,
+                first_position, logn_factor)
+        if launchers is None:
+            _turn_operands_kernel[grid](*args, **constexprs)
+        else:
+            key = ("turn operands", grid, tuple(constexprs.items()))
+            launcher = launchers.get(key)
+            if launcher is None:
+                launcher = launchers[key] = Launcher(_turn_operands_kernel, grid, **constexprs)
+            launcher(*args)
     return outs[0], outs[1]

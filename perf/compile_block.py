@@ -6,7 +6,9 @@ the GPU time per step of each one's ten costliest kernels (``torch.profiler``), 
 the two differ. Each step is timed twice: alone (a sync after each, so the host's latency before
 the first kernel counts: ``*_ms``) and back to back as a training loop runs them (20 steps, one
 sync: ``*_pipelined_ms``). ``--reduce-overhead`` adds the block compiled with
-``mode="reduce-overhead"`` (the training step replayed as CUDA graphs). Run on a GPU::
+``mode="reduce-overhead"`` (the training step replayed as CUDA graphs). ``--stock`` runs the same
+block with plain RoPE in torch and SDPA instead of ``kernels.rerope`` (rows ``impl: "stock"``):
+what compiling costs or saves a model without ReRoPE on the same host. Run on a GPU::
 
     KERNELS_AUTOTUNE=0 python3 perf/compile_block.py --out perf/runs/compile_block_h200.json
 """
@@ -26,6 +28,25 @@ sys.path[:0] = [os.path.join(ROOT, "tests"), ROOT, os.path.join(ROOT, "perf")]
 
 from test_generation import Block  # noqa: E402
 from bench_hf import event_ms  # noqa: E402,I100
+
+
+class StockBlock(Block):
+    """:class:`Block` with plain RoPE (torch, rotate-half convention, base 10000) and SDPA's
+    causal attention in place of ``kernels.rerope``: the stock model's block."""
+
+    def forward(self, x):
+        b, n, dim = x.shape
+        d = dim // self.heads
+        q, k, v = self.qkv(x).view(b, n, 3, self.heads, d).permute(2, 0, 3, 1, 4)
+        inv_freq = 1.0 / 10000.0 ** (torch.arange(0, d, 2, device=x.device).float() / d)
+        angles = torch.arange(n, device=x.device).float()[:, None] * inv_freq
+        cos, sin = (f(torch.cat((angles, angles), -1)).to(x.dtype) for f in (torch.cos, torch.sin))
+
+        def rope(t):
+            t1, t2 = t.chunk(2, -1)
+            return t * cos + torch.cat((-t2, t1), -1) * sin
+        out = torch.nn.functional.scaled_dot_product_attention(rope(q), rope(k), v, is_causal=True)
+        return self.proj(out.transpose(1, 2).reshape(b, n, dim))
 
 
 def step_results(block, x):
@@ -103,13 +124,17 @@ def main():
     parser.add_argument("--dtypes", default="float16,bfloat16")
     parser.add_argument("--host-profile", action="store_true",
                         help="print the eager step's costliest host calls (torch.profiler)")
+    parser.add_argument("--stock", action="store_true",
+                        help="also the block with torch RoPE + SDPA (rows impl='stock')")
     parser.add_argument("--reduce-overhead", action="store_true",
                         help='also mode="reduce-overhead" (CUDA graphs of the training step)')
     args = parser.parse_args()
     rows = []
-    for dtype in (getattr(torch, name) for name in args.dtypes.split(",")):
+    kinds = [("rerope", Block)] + ([("stock", StockBlock)] if args.stock else [])
+    for dtype, (impl, kind) in ((getattr(torch, name), k) for name in args.dtypes.split(",")
+                                for k in kinds):
         torch.manual_seed(0)
-        block = Block(args.dim, args.heads, window=1024).to("cuda", dtype)
+        block = kind(args.dim, args.heads, window=1024).to("cuda", dtype)
         x = torch.randn(1, args.n, args.dim, device="cuda", dtype=dtype)
         compiled = copy.deepcopy(block)
         compiled.forward = torch.compile(compiled.forward, fullgraph=True)
@@ -117,7 +142,7 @@ def main():
         diffs = {k: (compiled_r[k].float() - eager_r[k].float()).abs().max().item()
                  for k in eager_r}
         scale = {k: eager_r[k].float().abs().max().item() for k in eager_r}
-        row = dict(dtype=str(dtype).replace("torch.", ""), N=args.n, dim=args.dim,
+        row = dict(impl=impl, dtype=str(dtype).replace("torch.", ""), N=args.n, dim=args.dim,
                    heads=args.heads, max_abs_diff=diffs, max_abs=scale,
                    eager_ms=event_ms(lambda: step_results(block, x)),
                    compiled_ms=event_ms(lambda: step_results(compiled, x)))

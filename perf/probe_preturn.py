@@ -4,9 +4,10 @@ query block) against turned once before the kernel (``kernels.rotary.turn_keys``
     KERNELS_AUTOTUNE=0 python perf/probe_preturn.py --out book/data/preturn_h200.json
 
 Times ``kernels.attention.rerope_forward`` (causal, W = 2048) both ways with
-``triton.testing.do_bench`` (L2 cleared between runs; the pre-turned time includes the
-``turn_keys`` launch), for raw and rotated inputs, fp16, B = 1, H = 32 (no GQA: the most keys
-to turn per query head), D = 64 and 128, N = 1k … 32k; and the shape of the Hugging Face
+``triton.testing.do_bench`` (L2 cleared between runs; the pre-turned time includes the key
+turn's launch; both through a plan's launchers, every launch bound as in ``kernels.rerope``),
+for raw and rotated inputs, fp16, B = 1, H = 32 (no GQA: the most keys to turn per query
+head), D = 64 and 128, N = 1k … 32k; and the shape of the Hugging Face
 benchmark (bf16, Hq = 32, Hkv = 8, D = 64, rotated). Also the largest difference between the
 two outputs, relative to the largest output. The threshold of ``attention.preturn_keys`` in force
 is recorded in ``meta`` (the auto rule is not used here: both ways are forced).
@@ -41,8 +42,11 @@ def case(n, d, rotated, dtype=torch.float16, hq=32, hkv=32):
            "Hq": hq, "Hkv": hkv, "window": WINDOW}
     outs = {}
     for preturn in (False, True):
+        launchers = {}           # a plan's own: its launches bound, as every call through it
+
         def run():
-            return attention.rerope_forward(q, q, k, k, v, WINDOW, True, d ** -0.5, ops, preturn)
+            return attention.rerope_forward(q, q, k, k, v, WINDOW, True, d ** -0.5, ops, preturn,
+                                            launchers)
         outs[preturn] = run()[0]
         row["preturn_ms" if preturn else "in_registers_ms"] = triton.testing.do_bench(
             run, warmup=10, rep=60)
@@ -55,14 +59,16 @@ def case(n, d, rotated, dtype=torch.float16, hq=32, hkv=32):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default="book/data/preturn_h200.json")
+    parser.add_argument("--d", type=int, nargs="+", default=[64, 128],
+                        help="head dims (a subset: to compile in parallel processes first)")
     args = parser.parse_args()
     rows = []
-    shapes = [(n, d, rotated) for d in (64, 128) for rotated in (False, True)
+    shapes = [(n, d, rotated) for d in args.d for rotated in (False, True)
               for n in (1024, 2048, 4096, 8192, 16384, 32768)]
     for n, d, rotated in shapes:
         rows.append(case(n, d, rotated))
         print(json.dumps(rows[-1]), flush=True)
-    for n in (8192, 32768):                   # the Hugging Face benchmark's attention shape
+    for n in (8192, 32768) if 64 in args.d else ():  # the Hugging Face benchmark's shape
         rows.append(case(n, 64, True, torch.bfloat16, 32, 8))
         print(json.dumps(rows[-1]), flush=True)
     meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,

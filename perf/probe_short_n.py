@@ -196,7 +196,7 @@ def main():
     for cfg, tma, pre in (VARIANTS[i] for i in chosen if i > 0):
         for impl in ("rerope_raw", "rerope_rotated"):
             try:
-                rows.append(measure(impl, 2048, cfg, tma, pre))
+                rows.append(measure(impl, 2048, cfg, tma, pre, profile=pre))
             except Exception as error:   # a variant that does not compile is reported, not fatal
                 rows.append(dict(impl=impl, config=cfg, tma=tma, preturn=pre,
                                  error=f"{type(error).__name__}: {str(error)[:200]}"))

@@ -181,6 +181,8 @@ PRETURN_CASES = [
     C(50, window=9, leaky=4.0),                                        # raw Leaky: both products
     C(33, 70, 13, rotated=True, batch=2, hq=4, hkv=2, dtype=F16, layout="transposed"),
     C(7, 60, 11), C(40, window=9, dtype=BF16, rotated=True, logn_len=8.0),
+    # Nk <= w: no outside tile, so only the inside product's keys (raw) or none (rotated) turn
+    C(40, window=40, hq=2, hkv=1), C(17, 60, 70, rotated=True, leaky=4.0),
 ]
 
 
@@ -210,6 +212,31 @@ def test_preturned_keys_match_turning_in_registers(case, gen):
             problems)
     scale = want.abs().max().item()
     assert (outs[True].double() - outs[False].double()).abs().max().item() <= 1e-3 * scale
+
+
+@pytest.mark.parametrize("rotated", [False, True], ids=["raw", "rotated"])
+def test_preturn_skips_the_product_with_no_tile(rotated, gen, monkeypatch):
+    """At ``Nk <= w`` no pair is ``w`` apart, so the outside product has no tile: pre-turned,
+    the forward and the backward turn only the inside product's operands (raw inputs) or none
+    at all (rotated), and the results still match the oracle."""
+    from kernels import attention
+
+    seen = []
+    real = attention.turn_operands
+    monkeypatch.setattr(attention, "turn_operands", lambda x, inside, outside, *a, **kw: (
+        seen.append((inside is not None, outside is not None)) or real(x, inside, outside, *a,
+                                                                        **kw)))
+    for name in ("PRETURN_MIN_KEYS", "PRETURN_BWD_MIN_KEYS"):
+        monkeypatch.setattr(attention, name, 0)
+    monkeypatch.setattr(attention, "PRETURN_BWD_MAX_BYTES", 1 << 62)
+    case = C(20, 24, window=24, hq=2, hkv=1, rotated=rotated, dtype=F16)
+    leaves, dout = fused_inputs(gen, case)
+    got = fused_results(leaves, dout, case.window, **settings(case))
+    # raw: the forward's keys, then the backward's q and k, each for the inside product only
+    assert seen == ([] if rotated else [(True, False)] * 3), seen
+    want = oracle_results(leaves, dout, case.window, **settings(case))
+    problems = results_problems(got, want, tolerance(case.dtype))
+    assert not problems, describe(gen, **asdict(case)) + "\n" + "\n".join(problems)
 
 
 def test_turn_keys_is_rope_at_the_table_speed(gen):
@@ -323,7 +350,10 @@ def test_preturned_backward_matches_oracle(case, gen, backward_path):
     calls = backward_path("preturned")
     leaves, dout = fused_inputs(gen, case)
     got = fused_results(leaves, dout, case.window, **settings(case))
-    assert len(calls) == 2, "the backward did not pre-turn q and k"
+    # rotated inputs at Nk <= w: only the outside product would change an operand, and it has
+    # no tile, so there is nothing to pre-turn (attention._has_outside)
+    nothing = case.rotated and case.logn_len is None and case.n_k <= case.window
+    assert len(calls) == (0 if nothing else 2), "the backward did not pre-turn q and k"
     want = oracle_results(leaves, dout, case.window, **settings(case))
     assert {t.dtype for t in got.values()} == {case.dtype}
     log_errors(case.dtype, {n: error_stats(got[n], want[n]) for n in NAMES})
@@ -451,6 +481,10 @@ def test_preturn_policy_and_extra_bytes(gen, monkeypatch):
                                                           2 * qb + kb)):
         ops = _rotations_for(C(10, 30, 5, d=32, **kw))
         assert attention._preturned_shapes(q, k, ops)[1] == want, kw
+        # no pair w or more apart (Nk <= w): the outside product's operands are not written
+        inside_only = {(): qb + kb, ("rotated",): 0, ("leaky",): qb + kb,
+                       ("logn_len", "rotated"): qb}[tuple(sorted(kw))]
+        assert attention._preturned_shapes(q, k, ops, outside=False)[1] == inside_only, kw
     monkeypatch.setattr(attention, "PRETURN_BWD_MAX_BYTES", 1000)
     assert attention.preturn_memory_limit("cpu") == 1000
     assert attention.preturn_backward(1 << 20, 1000, "cpu")
