@@ -123,6 +123,18 @@ def rows_for(n, calls):
             pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(25)
             with open(f"{PROFILE}_{name}.txt", "w") as f:
                 f.write(text.getvalue())
+        # torch's profiler sees what cProfile does not: the autograd engine's C++ work, the
+        # allocations and launches, each op's host time (ours and SDPA's side by side)
+        from torch.profiler import ProfilerActivity, profile
+        for name, fn in (("rerope_fwd_bwd", fwd_bwd(rerope)), ("sdpa_fwd_bwd", fwd_bwd(sdpa))):
+            fn(), torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                for _ in range(50):
+                    fn()
+                torch.cuda.synchronize()
+            with open(f"{PROFILE}_torch_{name}.txt", "w") as f:
+                f.write(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30,
+                                                  max_name_column_width=70))
     return [dict(impl=impl, N=n, python_us=round(us, 1)) for impl, us in timings.items()]
 
 
