@@ -59,12 +59,15 @@ def _capability(device):
 
 
 HEADS_FIRST_MAX_KEYS = 4096   # up to this many keys, the kernels' grids put heads first
+GRID_Y_MAX = 65535            # CUDA's limit on a grid's second axis (the first: 2**31 - 1)
 
 
-def heads_first(n_k):
+def heads_first(n_k, programs=1):
     """Whether the forward and backward kernels' grids run batch · heads along their first axis
     (``(B·H, blocks)``) rather than blocks (``(blocks, B·H)``), for a call with ``n_k`` keys
-    (an int, ``k.shape[2]``): up to :data:`HEADS_FIRST_MAX_KEYS`.
+    (an int, ``k.shape[2]``): up to :data:`HEADS_FIRST_MAX_KEYS`, and whatever the length
+    when ``programs`` (``B·H``, the most of any of the call's kernels) is more than the second
+    axis can hold (:data:`GRID_Y_MAX`).
 
     The GPU starts programs in grid order, first axis fastest. Causal blocks differ in length
     (each kernel starts its longest first), and blocks first starts the last heads' longest
@@ -78,7 +81,7 @@ def heads_first(n_k):
     slower; forward + backward at 8k keys 1.02-1.03x faster at D=64 and 1.01-1.04x slower at
     D=128 (one run, alternating: ``perf/runs/grid_order_ab_h200.json``).
     """
-    return n_k <= HEADS_FIRST_MAX_KEYS
+    return n_k <= HEADS_FIRST_MAX_KEYS or programs > GRID_Y_MAX
 
 
 def _launch(kernel, blocks_of, rows, programs, args, launchers=None, **constexprs):
@@ -319,7 +322,8 @@ def rerope_forward(q1, q2, k1, k2, v, window, causal, sm_scale, operands=None, p
     batch, n_heads, n_q, head_dim = q1.shape
     n_k = k1.shape[2]
     pre = preturn_keys(n_k) if preturn is None else preturn
-    call_key = ("forward call", pre, configs.TMA, heads_first(n_k))
+    first = heads_first(n_k, batch * n_heads)
+    call_key = ("forward call", pre, configs.TMA, first)
     if launchers is not None and operands is not None:     # the fused form's plan: its call
         call = launchers.get(call_key)
         if call is not None:
@@ -343,7 +347,7 @@ def rerope_forward(q1, q2, k1, k2, v, window, causal, sm_scale, operands=None, p
         "fwd", "BLOCK_M", n_q, batch * n_heads, launchers=launchers, args=args,
         HEAD_DIM=head_dim, CAUSAL=causal, DOT_PRECISION=dot_precision(q1.dtype),
         TMA=_tma_of(launchers, "fwd", q1, q2, k1, k2, v), TURN_K_IN=turn_keys_in,
-        TURN_K_OUT=turn_keys_out, HEADS_FIRST=heads_first(n_k), **operands.constexprs(head_dim))
+        TURN_K_OUT=turn_keys_out, HEADS_FIRST=first, **operands.constexprs(head_dim))
     if launchers is not None and fused:
         launchers[call_key] = _forward_call(launcher, out, lse, turn_tables, tuple(args[7:]),
                                             launchers)
@@ -418,7 +422,7 @@ def rerope_backward(dout, q1, q2, k1, k2, v, out, lse, window, causal, sm_scale,
     group = n_heads // n_kv_heads
     delta = torch.empty_like(lse)
     args = (out, dout, delta, *_strides(out, dout), n_heads, n_q)
-    grid = (triton.cdiv(n_q, configs.DELTA_BLOCK_M), batch * n_heads)
+    grid = (batch * n_heads, triton.cdiv(n_q, configs.DELTA_BLOCK_M))
     constexprs = dict(HEAD_DIM=head_dim, BLOCK_M=configs.DELTA_BLOCK_M)
     delta_launcher = _bound(("delta", grid), args, constexprs,
                             lambda: Launcher(_bwd_delta_kernel, grid, **constexprs), launchers)
@@ -441,7 +445,7 @@ def rerope_backward(dout, q1, q2, k1, k2, v, out, lse, window, causal, sm_scale,
     strides = _strides(q1, q2, k1, k2, v, dout)
     common = dict(HEAD_DIM=head_dim, CAUSAL=causal, DOT_PRECISION=dot_precision(q1.dtype),
                   TMA=_tma_of(launchers, "bwd", q1, q2, k1, k2, v, dout),
-                  HEADS_FIRST=heads_first(n_k), **constexprs)
+                  HEADS_FIRST=heads_first(n_k, batch * n_heads), **constexprs)
     dkdv_args = [q1, q2, k1, k2, v, dout, lse, delta, dk[0], dk[-1], dv, *operands.tables,
                  *strides, n_heads, n_kv_heads, group, n_q, n_k, window, sm_scale * LOG2E,
                  sm_scale, operands.logn_factor]

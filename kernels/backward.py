@@ -48,15 +48,17 @@ from .rotary import _angles, _logn_scale, _unrotate
 @triton.jit
 def _bwd_delta_kernel(Out, DO, Delta, so_b, so_h, so_n, so_d, sdo_b, sdo_h, sdo_n, sdo_d,
                       n_heads, n_ctx, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr):
-    """``Delta[bh, i] = Σ_d dO[b, h, i, d] · O[b, h, i, d]`` in fp32."""
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    batch = (tl.program_id(1) // n_heads).to(tl.int64)
-    head = (tl.program_id(1) % n_heads).to(tl.int64)
+    """Grid ``(B · H, cdiv(N, BLOCK_M))`` (batch · head first: CUDA allows up to 2³¹ − 1 programs
+    there, 65535 on the second axis): ``Delta[bh, i] = Σ_d dO[b, h, i, d] · O[b, h, i, d]`` in
+    fp32."""
+    rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    batch = (tl.program_id(0) // n_heads).to(tl.int64)
+    head = (tl.program_id(0) % n_heads).to(tl.int64)
     dims = tl.arange(0, HEAD_DIM)
     o = _load_rows(Out + batch * so_b + head * so_h, rows, so_n, so_d, dims, n_ctx, True)
     do = _load_rows(DO + batch * sdo_b + head * sdo_h, rows, sdo_n, sdo_d, dims, n_ctx, True)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
-    tl.store(Delta + tl.program_id(1).to(tl.int64) * n_ctx + rows, delta, mask=rows < n_ctx)
+    tl.store(Delta + tl.program_id(0).to(tl.int64) * n_ctx + rows, delta, mask=rows < n_ctx)
 
 
 # --- shared by both kernels ----------------------------------------------------------------------

@@ -227,11 +227,11 @@ def _angles(Table, positions, Offset, TURN: tl.constexpr, SHIFT: tl.constexpr,
 @triton.jit
 def _turn_keys_kernel(K, Out, Table, sk_b, sk_h, sk_n, sk_d, n_heads, n_k,
                       HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr):
-    """Grid ``(cdiv(Nk, BLOCK), B · Hkv)``: rows ``j`` of one key head turned by ``R(speed · j)``
+    """Grid ``(B · Hkv, cdiv(Nk, BLOCK))``: rows ``j`` of one key head turned by ``R(speed · j)``
     from ``Table``, in fp32, rounded once to ``Out``'s dtype (``Out`` contiguous)."""
-    batch = tl.program_id(1) // n_heads
-    head = tl.program_id(1) % n_heads
-    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    batch = tl.program_id(0) // n_heads
+    head = tl.program_id(0) % n_heads
+    rows = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     half = tl.arange(0, HEAD_DIM // 2)[None, :]
     keep = rows[:, None] < n_k
     src = (K + batch.to(tl.int64) * sk_b + head.to(tl.int64) * sk_h
@@ -240,7 +240,7 @@ def _turn_keys_kernel(K, Out, Table, sk_b, sk_h, sk_n, sk_d, n_heads, n_k,
     b = tl.load(src + (half + HEAD_DIM // 2) * sk_d, mask=keep, other=0.0)
     cos, sin = _table_rows(Table, rows, HEAD_DIM // 2)
     a32, b32 = _rotate(a.to(tl.float32), b.to(tl.float32), cos, sin)
-    dst = Out + (tl.program_id(1).to(tl.int64) * n_k + rows.to(tl.int64)[:, None]) * HEAD_DIM
+    dst = Out + (tl.program_id(0).to(tl.int64) * n_k + rows.to(tl.int64)[:, None]) * HEAD_DIM
     tl.store(dst + half, a32.to(a.dtype), mask=keep)
     tl.store(dst + HEAD_DIM // 2 + half, b32.to(b.dtype), mask=keep)
 
@@ -257,7 +257,7 @@ def turn_keys(k, table):
     """
     batch, heads, n_k, head_dim = k.shape
     out = torch.empty((batch, heads, n_k, head_dim), dtype=k.dtype, device=k.device)
-    _turn_keys_kernel[(triton.cdiv(n_k, 64), batch * heads)](
+    _turn_keys_kernel[(batch * heads, triton.cdiv(n_k, 64))](
         k, out, table, *k.stride(), heads, n_k, HEAD_DIM=head_dim, BLOCK=64)
     return out
 
@@ -294,12 +294,12 @@ def _turn_operands_kernel(X, Out1, Out2, Tab1, Off1, Tab2, Off2, sx_b, sx_h, sx_
                           HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, LOGN: tl.constexpr,
                           WRITE1: tl.constexpr, TURN1: tl.constexpr, SHIFT1: tl.constexpr,
                           WRITE2: tl.constexpr, TURN2: tl.constexpr, SHIFT2: tl.constexpr):
-    """Grid ``(cdiv(N, BLOCK), B · H)``: rows of one head of ``X`` (at positions
+    """Grid ``(B · H, cdiv(N, BLOCK))``: rows of one head of ``X`` (at positions
     ``first_position + row``) read once, turned for each product that needs it (``WRITE1``,
     ``WRITE2``) and stored to ``Out1`` / ``Out2`` (contiguous ``(B, H, N, D)``)."""
-    batch = tl.program_id(1) // n_heads
-    head = tl.program_id(1) % n_heads
-    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    batch = tl.program_id(0) // n_heads
+    head = tl.program_id(0) % n_heads
+    rows = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     positions = first_position + rows
     half = tl.arange(0, HEAD_DIM // 2)[None, :]
     keep = rows[:, None] < n_rows
@@ -307,7 +307,7 @@ def _turn_operands_kernel(X, Out1, Out2, Tab1, Off1, Tab2, Off2, sx_b, sx_h, sx_
            + rows.to(tl.int64)[:, None] * sx_n)
     a = tl.load(src + half * sx_d, mask=keep, other=0.0)
     b = tl.load(src + (half + HEAD_DIM // 2) * sx_d, mask=keep, other=0.0)
-    dst = (tl.program_id(1).to(tl.int64) * n_rows + rows.to(tl.int64)[:, None]) * HEAD_DIM + half
+    dst = (tl.program_id(0).to(tl.int64) * n_rows + rows.to(tl.int64)[:, None]) * HEAD_DIM + half
     if WRITE1:
         a1, b1 = _turn_operand(a, b, positions, Tab1, Off1, logn_factor, TURN1, SHIFT1, LOGN,
                                HEAD_DIM // 2)
@@ -349,7 +349,7 @@ def turn_operands(x, inside, outside, first_position=0, logn_factor=0.0, launche
         (tab1, off1, turn1, shift1), (tab2, off2, turn2, shift2) = (   # None: placeholders
             p if p is not None else (*other[:2], False, False)
             for p, other in ((inside, outside), (outside, inside)))
-        grid = (triton.cdiv(n_rows, 64), batch * heads)
+        grid = (batch * heads, triton.cdiv(n_rows, 64))
         constexprs = dict(HEAD_DIM=head_dim, BLOCK=64, LOGN=logn, WRITE1=writes[0], TURN1=turn1,
                           SHIFT1=shift1, WRITE2=writes[1], TURN2=turn2, SHIFT2=shift2)
         args = (x, outs[0], outs[1], tab1, off1, tab2, off2, *x.stride(), heads, n_rows,

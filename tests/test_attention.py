@@ -218,6 +218,9 @@ def test_grid_orders_agree(fused, gen, monkeypatch):
         return [out.detach(), *(t.grad for t in leaves)]
 
     heads, blocks = run(n), run(0)
+    # past CUDA's 65535 on the grid's second axis, heads go first at any length
+    assert attention.heads_first(1 << 20, attention.GRID_Y_MAX + 1)
+    assert not attention.heads_first(1 << 20, attention.GRID_Y_MAX)
     for got, want in zip(blocks, heads):
         assert torch.equal(got, want), "the two grid orders give different bits"
     ref = [t.detach().double().requires_grad_() for t in raw]

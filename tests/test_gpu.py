@@ -202,6 +202,29 @@ def test_rerope_raw_inputs_on_gpu(gen):
     assert not problems, "\n".join(problems)
 
 
+def test_more_heads_than_the_grid_second_axis(gen):
+    """B · H past CUDA's 65535 programs on a grid's second axis (2 × 32769 heads of 24 rows):
+    the forward, the δ pass and both backward kernels launch (heads on the first axis), and a
+    few heads, the last ones included, match the float64 reference computed on them alone."""
+    from kernels import attention, reference
+
+    batch, heads, n, d, window = 2, 32769, 24, 16, 7
+    assert batch * heads > attention.GRID_Y_MAX
+    raw = raw_inputs(gen, batch, heads, heads, n, d, F16, device="cuda")
+    out = kernels.rerope(*raw, window)
+    dout = randn(gen, *out.shape, device="cuda").to(F16)
+    out.backward(dout)
+    picks = [0, 1, heads - 1]
+    ref_raw = [t.detach()[:, picks].double().requires_grad_() for t in raw]
+    want = reference.rerope(*ref_raw, window)
+    want.backward(dout[:, picks].double())
+    got = {"out": out.detach()[:, picks],
+           **{n: t.grad[:, picks] for n, t in zip(("dq", "dk", "dv"), raw)}}
+    want = {"out": want, **{n: t.grad for n, t in zip(("dq", "dk", "dv"), ref_raw)}}
+    problems = results_problems(got, want, tolerance(F16, "gpu"))
+    assert not problems, "\n".join(problems)
+
+
 # --- the fused-rotation op (kernels.rerope) ------------------------------------------------------
 
 
