@@ -349,6 +349,99 @@ def test_out_of_range_lengths_give_nan_rows(monkeypatch, gen):
         assert not problems, "\n".join(problems)
 
 
+# --- the merge folded into the split kernel ------------------------------------------------------
+
+
+def _plan_of(q, k_cache, v_cache, lengths, case, block_table=None):
+    return decode._plan(q, k_cache, v_cache, case.window, lengths, case.sm_scale, 10000.0,
+                        case.leaky, case.logn_len, case.rotated, case.num_splits, None,
+                        block_table)
+
+
+def counters_all_zero():
+    """Whether every merge-counter buffer (every device and stream) is back to zero."""
+    return all(not bool(c.any()) for c in decode._COUNTERS.values())
+
+
+FUSED_CASES = [   # (case, MERGE_ROWS)
+    # one split: nothing to merge, one launch either way
+    (DecodeCase(100, (100, 37), 1, 20, hq=4, hkv=2, num_splits=1), 1),
+    # GQA, batch 3, Nq 1 and 3, a few splits
+    (DecodeCase(100, (100, 37, 64), 1, 20, hq=4, hkv=2, num_splits=3), 1),
+    (DecodeCase(100, (100, 5), 3, 20, hq=8, hkv=2, num_splits=4, leaky=8.0), 4),
+    # more splits than key tiles (100 keys, 7 tiles): the spare splits weigh nothing
+    (DecodeCase(100, (100, 60), 2, 33, hq=4, hkv=1, num_splits=40), 1),
+    # two row blocks per KV head (16 heads x 5 queries = 80 rows > MAX_BLOCK_M = 64), rows
+    # merged 4 at a time (the last block: 16 rows)
+    (DecodeCase(40, (40, 23), 5, 9, hq=16, hkv=1, num_splits=2, rotated=False), 4),
+    # splits beyond one merge step (MERGE_SPLITS_BLOCK = 4 below): the two-pass merge
+    (DecodeCase(300, (300, 250), 2, 33, hq=4, hkv=2, num_splits=11, logn_len=32), 2),
+]
+
+
+@pytest.mark.parametrize("case, merge_rows", FUSED_CASES,
+                         ids=[f"{c.id()}-rows{r}" for c, r in FUSED_CASES])
+def test_fused_merge_equals_two_launches(case, merge_rows, gen, monkeypatch):
+    """The split kernel's own merge (``FUSED_MERGE``, one launch) gives the bits of the
+    two-launch path (split kernel, then the merge kernel) and matches the float64 oracle;
+    under poisoned allocations; the counters are zero after each call and a repeated call
+    gives the same output."""
+    monkeypatch.setattr(decode, "MERGE_ROWS", merge_rows)
+    if case.num_splits == 11:
+        monkeypatch.setattr(decode, "MERGE_SPLITS_BLOCK", 4)
+    q, k_cache, v_cache, lengths = make_cache(gen, case, len(case.lengths), kernel_device())
+    outs = {}
+    for fused in (False, True):
+        monkeypatch.setattr(decode, "FUSED_MERGE", fused)
+        plan = _plan_of(q, k_cache, v_cache, lengths, case)
+        assert plan.fused == (fused and case.num_splits > 1)
+        outs[fused] = run_kernel(q, k_cache, v_cache, lengths, case)
+        assert counters_all_zero(), "a merge counter was left non-zero"
+    assert torch.equal(outs[True], outs[False]), "fused merge differs from the merge kernel"
+    again = run_kernel(q, k_cache, v_cache, lengths, case)
+    assert torch.equal(again, outs[True]) and counters_all_zero()
+    problems = close_problems("out", outs[True], oracle(q, k_cache, v_cache, lengths, case),
+                              tolerance(case.dtype))
+    assert not problems, "\n".join(problems)
+
+
+def test_fused_merge_rule_and_bad_lengths(monkeypatch, gen):
+    """The rule: the merge is fused whenever there is one (``num_splits > 1``), and
+    ``FUSED_MERGE`` forces either path; rows with an out-of-range length come out NaN through
+    the fused merge too (the host check switched off), the others right."""
+    assert decode.fused_merge(1, 4) is False and decode.fused_merge(3, 4) is True
+    monkeypatch.setattr(decode, "FUSED_MERGE", False)
+    assert decode.fused_merge(3, 4) is False
+    monkeypatch.setattr(decode, "FUSED_MERGE", True)
+    assert decode.fused_merge(1, 4) is False and decode.fused_merge(2, 64) is True
+    monkeypatch.setattr(decode, "_check_lengths_on_host", lambda *args: None)
+    case = DecodeCase(20, (20, 1, 21, 9), 2, 4, hq=2, hkv=1, num_splits=3)
+    q, k_cache, v_cache, _ = make_cache(gen, DecodeCase(**{**asdict(case), "lengths": (20,) * 4}),
+                                        4, kernel_device())
+    out = run_kernel(q, k_cache, v_cache, _lengths(*case.lengths), case)
+    assert out[1].isnan().all() and out[2].isnan().all(), "bad rows must be NaN"
+    assert counters_all_zero()
+    good = DecodeCase(**{**asdict(case), "lengths": (20, 9)})
+    want = oracle(q[[0, 3]], k_cache[[0, 3]], v_cache[[0, 3]], _lengths(20, 9), good)
+    assert not close_problems("good rows", out[[0, 3]], want, tolerance(F32))
+
+
+def test_merge_counters_grow_and_stay(monkeypatch):
+    """``merge_counters``: at least ``MIN_COUNTERS`` zeros per (device, stream), the same
+    buffer while it is large enough, a larger one when not (the outgrown one kept alive: a
+    captured graph may still use it)."""
+    monkeypatch.setattr(decode, "_COUNTERS", {})
+    monkeypatch.setattr(decode, "_RETIRED", [])
+    device = torch.device(kernel_device(), 0) if kernel_device() == "cuda" else torch.device("cpu")
+    first = decode.merge_counters(device, 10)
+    assert first.dtype == torch.int32 and first.numel() == decode.MIN_COUNTERS
+    assert not first.any() and first.device == device
+    assert decode.merge_counters(device, decode.MIN_COUNTERS) is first
+    bigger = decode.merge_counters(device, decode.MIN_COUNTERS + 1)
+    assert bigger.numel() == decode.MIN_COUNTERS + 1 and not bigger.any()
+    assert decode._RETIRED == [first] and decode.merge_counters(device, 5) is bigger
+
+
 # --- GPU ------------------------------------------------------------------------------------------
 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -438,3 +531,68 @@ def test_gpu_out_of_range_lengths_and_graph_replay(gen):
                                                                        "lengths": tuple(new)}))
         problems = close_problems("replay", captured, want, tolerance(F16, "gpu"))
         assert not problems, "\n".join(problems)
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("d, merge_rows", [(64, 1), (128, 1), (128, 4)])
+def test_gpu_fused_merge_equals_two_launches(d, merge_rows, monkeypatch):
+    """Benchmark-sized caches (32k keys, bf16, Hq=32, Hkv=8): B=1 (33 splits), B=8 (4), Nq 8
+    (32-row tiles) and per-row lengths: the fused merge gives the two-launch path's bits,
+    under poisoned allocations, and leaves every counter at zero."""
+    monkeypatch.setattr(decode, "MERGE_ROWS", merge_rows)
+    torch.manual_seed(d)
+    k = torch.randn(8, 8, 32768, d, device="cuda", dtype=BF16)
+    v = torch.randn_like(k)
+    for batch, nq, lengths in ((1, 1, None), (8, 1, None), (1, 8, None),
+                               (3, 4, (32768, 5000, 17))):
+        q = torch.randn(batch, 32, nq, d, device="cuda", dtype=BF16)
+        seqlens = torch.tensor(lengths or (32768,) * batch, dtype=torch.int32, device="cuda")
+        outs = {}
+        for fused in (False, True):
+            monkeypatch.setattr(decode, "FUSED_MERGE", fused)
+            with poisoned_empty():
+                outs[fused] = kernels.rerope_decode(q, k[:batch], v[:batch], 2048,
+                                                    cache_seqlens=seqlens)
+        torch.cuda.synchronize()
+        assert torch.isfinite(outs[True]).all()
+        assert torch.equal(outs[True], outs[False]), f"B={batch} Nq={nq}: fused differs"
+        assert counters_all_zero(), f"B={batch} Nq={nq}: a counter was left non-zero"
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_gpu_fused_merge_graphs_and_streams(gen):
+    """CUDA graphs of the fused merge: captured on a stream that never ran a decode step (its
+    counters are allocated and zeroed inside the capture), then again on that stream (its
+    buffer kept); replayed several times they equal the eager call and leave the counters at
+    zero (no memset per replay needed). Two other streams get buffers of their own."""
+    case = DecodeCase(4096, (4096, 1000, 3001), 1, 512, hq=32, hkv=8, d=128, dtype=BF16,
+                      num_splits=8)
+    q, k_cache, v_cache, lengths = make_cache(gen, case, 3, "cuda")
+    settings = dict(cache_seqlens=lengths, num_splits=8)
+    want = kernels.rerope_decode(q, k_cache, v_cache, case.window, **settings)
+    assert _plan_of(q, k_cache, v_cache, lengths, case).fused
+    stream = torch.cuda.Stream()
+    graphs = []
+    for _ in range(2):
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            out = kernels.rerope_decode(q, k_cache, v_cache, case.window, **settings)
+        graphs.append((graph, out))
+    for graph, out in graphs + graphs[::-1]:
+        for _ in range(3):
+            graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, want), "a graph replay differs from the eager call"
+        assert counters_all_zero()
+    sides = torch.cuda.Stream(), torch.cuda.Stream()
+    outs = []
+    for side in sides:
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            outs.append(kernels.rerope_decode(q, k_cache, v_cache, case.window, **settings))
+    torch.cuda.synchronize()
+    assert all(torch.equal(out, want) for out in outs) and counters_all_zero()
+    streams = {stream for (device, stream) in decode._COUNTERS if device.type == "cuda"}
+    assert {s.cuda_stream for s in (stream, *sides)} <= streams
