@@ -454,7 +454,7 @@ S5_EXTRA = [(1, 32768, 4), (1, 32768, 8), (8, 32768, 8)]       # (B, context, Nq
 S5_VARIANTS = {"two_launch": (False, 1), "fused_rows1": (True, 1), "fused_rows4": (True, 4)}
 S5_SDPA = ("sdpa_cudnn", "sdpa_flash")
 S5_READ = {64: 128, 128: 64}            # the TMA probe: head dim -> keys per tile
-S5_BUDGET_S = 300                       # no new shape after this many seconds
+S5_BUDGET_S = 240                       # no new shape after this many seconds
 
 
 def s5_impl(name):
@@ -536,9 +536,7 @@ def _s5_read_kernel():
 
 def s5_read_probe(read_bytes_s, rows_out):
     """TMA against pointer loads in :func:`_s5_read_kernel`, B=32 x Hkv=8 rows of 128k keys
-    (the B=32 128k decode shape, one program per row) and B=1 128k in 33 chunks per row."""
-    import triton
-
+    (the B=32 128k decode shape, one program per row) and B=1 128k in 32 chunks per row."""
     from kernels import attention
 
     attention._ensure_scratch_allocator()
