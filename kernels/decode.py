@@ -104,8 +104,9 @@ MIN_BLOCK_M, MAX_BLOCK_M = 16, 64
 MIN_KEYS_PER_SPLIT = 256  # never cut a row into chunks shorter than this (merge overhead)
 MAX_SPLITS = 128
 MERGE_SPLITS_BLOCK = 64   # partials the merge folds per step (16: 1-3 % slower at B=1, 33 splits)
-MERGE_ROWS = 1            # rows it merges at once (see merge_blocks)
+MERGE_ROWS = 4            # rows it merges at once (see merge_blocks; 1: slower, call 1 of h19s5)
 MERGE_TILE = 8192         # at most this many partial elements per step (registers)
+MERGE_UNROLL = 8          # at most this many steps unrolled (their loads in flight together)
 
 # The merge in the split kernel (FUSED_MERGE, see :func:`fused_merge`): one launch per step
 # instead of two. None: the rule; True / False force one path (measurements, tests).
@@ -347,6 +348,7 @@ def _decode_split_kernel(
     PAGED: tl.constexpr = False, PAGE_SIZE: tl.constexpr = 16, EVICT: tl.constexpr = "",
     PAGE_LOADS: tl.constexpr = 1, FUSED_MERGE: tl.constexpr = False,
     MERGE_ROWS: tl.constexpr = 1, SPLITS_BLOCK: tl.constexpr = 1, LSE_BLOCK: tl.constexpr = 1,
+    MERGE_CHUNKS: tl.constexpr = 1,
 ):
     """Grid ``(B · Hkv, num_splits, cdiv(group · Nq, BLOCK_M))``: one chunk of one row's keys
     for the ``BLOCK_M`` (head, query) rows of one KV-head group.
@@ -473,7 +475,7 @@ def _decode_split_kernel(
             count = tl.minimum(rows_per_head - tl.program_id(2) * BLOCK_M, BLOCK_M)
             for r0 in range(0, count, MERGE_ROWS):
                 _merge_rows(Out, Lse, Final, first + r0, count - r0, n_rows, num_splits,
-                            HEAD_DIM, MERGE_ROWS, SPLITS_BLOCK, LSE_BLOCK)
+                            HEAD_DIM, MERGE_ROWS, SPLITS_BLOCK, LSE_BLOCK, MERGE_CHUNKS)
 
 
 # --- the merge kernel ----------------------------------------------------------------------------
@@ -481,26 +483,30 @@ def _decode_split_kernel(
 
 @triton.jit
 def _merge_rows(Part, PartLse, Out, first, count, n_rows, num_splits, HEAD_DIM: tl.constexpr,
-                ROWS: tl.constexpr, SPLITS_BLOCK: tl.constexpr, LSE_BLOCK: tl.constexpr):
+                ROWS: tl.constexpr, SPLITS_BLOCK: tl.constexpr, LSE_BLOCK: tl.constexpr,
+                CHUNKS: tl.constexpr):
     """Merge the partials of rows ``first … first + min(count, ROWS) - 1``:
     ``out = Σ_s 2^(lse_s − m) o_s / Σ_s 2^(lse_s − m)``, ``m`` the row's largest ``lse_s``.
 
     ``Part`` ``(S, rows, D)`` fp32 and ``PartLse`` ``(S, rows)`` contiguous (``rows =
-    n_rows``); ``Out`` ``(rows, D)`` contiguous. ``ROWS × SPLITS_BLOCK`` partials per step.
-    When every split fits in one step (``num_splits <= SPLITS_BLOCK``) the log-sum-exps and the
-    partials are loaded together, one round trip to memory; else a first pass finds ``m``
-    (``LSE_BLOCK`` log-sum-exps per load, one load for up to ``LSE_BLOCK`` splits) and a
-    second folds the partials. Chunks without a visible key have ``lse = −inf`` and weigh
-    nothing. The partials may come from other programs of the same launch (the fused merge):
-    the loads skip L1 (``.cg``). The merge kernel and the split kernel's fused merge both call
-    this with the same constexprs and warps, so the two paths give the same bits.
+    n_rows``); ``Out`` ``(rows, D)`` contiguous. ``ROWS × SPLITS_BLOCK`` partials per step, in
+    ``CHUNKS`` steps (:func:`merge_blocks`): 1, everything loaded at once, one round trip to
+    memory; more, the log-sum-exps in one load (``LSE_BLOCK >= num_splits``) and the steps
+    unrolled, so their loads do not wait for each other; 0 (a great many splits), a first
+    loop over the log-sum-exps for ``m``, ``LSE_BLOCK`` per load, and a second over the
+    partials. Chunks without a visible key have ``lse = −inf`` and weigh nothing. The
+    partials may come from other programs of the same launch (the fused merge): the loads skip
+    L1 (``.cg``). The merge kernel and the split kernel's fused merge both call this with the
+    same constexprs and warps: the same arithmetic in the same order.
     """
     dims = tl.arange(0, HEAD_DIM)
     splits = tl.arange(0, SPLITS_BLOCK)
     r = tl.arange(0, ROWS)
     row_ok = r < count
     rows = first + r.to(tl.int64)
-    if num_splits <= SPLITS_BLOCK:      # one step: everything loaded at once
+    total = tl.zeros([ROWS, SPLITS_BLOCK], tl.float32)
+    acc = tl.zeros([ROWS, HEAD_DIM], tl.float32)
+    if CHUNKS == 1:                     # one step: everything loaded at once
         ok = row_ok[:, None] & (splits < num_splits)[None, :]
         lse = tl.load(PartLse + splits[None, :] * n_rows + rows[:, None], mask=ok,
                       other=float("-inf"), cache_modifier=".cg")
@@ -509,43 +515,60 @@ def _merge_rows(Part, PartLse, Out, first, count, n_rows, num_splits, HEAD_DIM: 
                        mask=ok[:, :, None], other=0.0, cache_modifier=".cg")
         m_max = tl.where(row_ok, tl.max(lse, 1), 0.0)
         weight = tl.math.exp2(lse - m_max[:, None])
-        acc = tl.zeros([ROWS, HEAD_DIM], tl.float32) + tl.sum(weight[:, :, None] * part, 1)
-        total = tl.zeros([ROWS, SPLITS_BLOCK], tl.float32) + weight
+        acc += tl.sum(weight[:, :, None] * part, 1)
+        total += weight
     else:
         lse_splits = tl.arange(0, LSE_BLOCK)
-        m = tl.full([ROWS, LSE_BLOCK], float("-inf"), tl.float32)
-        for s0 in range(0, num_splits, LSE_BLOCK):
-            ok = row_ok[:, None] & (s0 + lse_splits < num_splits)[None, :]
-            lse = tl.load(PartLse + (s0 + lse_splits)[None, :] * n_rows + rows[:, None],
-                          mask=ok, other=float("-inf"), cache_modifier=".cg")
-            m = tl.maximum(m, lse)
+        if CHUNKS > 1:                  # every log-sum-exp in one load
+            ok = row_ok[:, None] & (lse_splits < num_splits)[None, :]
+            m = tl.load(PartLse + lse_splits[None, :] * n_rows + rows[:, None], mask=ok,
+                        other=float("-inf"), cache_modifier=".cg")
+        else:
+            m = tl.full([ROWS, LSE_BLOCK], float("-inf"), tl.float32)
+            for s0 in range(0, num_splits, LSE_BLOCK):
+                ok = row_ok[:, None] & (s0 + lse_splits < num_splits)[None, :]
+                lse = tl.load(PartLse + (s0 + lse_splits)[None, :] * n_rows + rows[:, None],
+                              mask=ok, other=float("-inf"), cache_modifier=".cg")
+                m = tl.maximum(m, lse)
         m_max = tl.where(row_ok, tl.max(m, 1), 0.0)
-        total = tl.zeros([ROWS, SPLITS_BLOCK], tl.float32)
-        acc = tl.zeros([ROWS, HEAD_DIM], tl.float32)
-        for s0 in range(0, num_splits, SPLITS_BLOCK):
-            ok = row_ok[:, None] & (s0 + splits < num_splits)[None, :]
-            lse = tl.load(PartLse + (s0 + splits)[None, :] * n_rows + rows[:, None], mask=ok,
-                          other=float("-inf"), cache_modifier=".cg")
-            weight = tl.math.exp2(lse - m_max[:, None])
-            part = tl.load(Part + (((s0 + splits)[None, :, None] * n_rows + rows[:, None, None])
-                                   * HEAD_DIM + dims[None, None, :]),
-                           mask=ok[:, :, None], other=0.0, cache_modifier=".cg")
-            acc += tl.sum(weight[:, :, None] * part, 1)
-            total += weight
+        for s0 in tl.static_range(0, CHUNKS * SPLITS_BLOCK, SPLITS_BLOCK):   # unrolled
+            acc, total = _merge_step(acc, total, Part, PartLse, rows, row_ok, m_max, s0,
+                                     n_rows, num_splits, HEAD_DIM, SPLITS_BLOCK)
+        if CHUNKS == 0:
+            for s0 in range(0, num_splits, SPLITS_BLOCK):
+                acc, total = _merge_step(acc, total, Part, PartLse, rows, row_ok, m_max, s0,
+                                         n_rows, num_splits, HEAD_DIM, SPLITS_BLOCK)
     out = acc / tl.where(row_ok, tl.sum(total, 1), 1.0)[:, None]
     tl.store(Out + rows[:, None] * HEAD_DIM + dims[None, :], out.to(Out.dtype.element_ty),
              mask=row_ok[:, None])
 
 
 @triton.jit
+def _merge_step(acc, total, Part, PartLse, rows, row_ok, m_max, s0, n_rows, num_splits,
+                HEAD_DIM: tl.constexpr, SPLITS_BLOCK: tl.constexpr):
+    """Fold the partials of splits ``s0 … s0 + SPLITS_BLOCK - 1`` into ``acc`` and the
+    weights into ``total`` (:func:`_merge_rows`)."""
+    dims = tl.arange(0, HEAD_DIM)
+    splits = s0 + tl.arange(0, SPLITS_BLOCK)
+    ok = row_ok[:, None] & (splits < num_splits)[None, :]
+    lse = tl.load(PartLse + splits[None, :] * n_rows + rows[:, None], mask=ok,
+                  other=float("-inf"), cache_modifier=".cg")
+    part = tl.load(Part + ((splits[None, :, None] * n_rows + rows[:, None, None]) * HEAD_DIM
+                           + dims[None, None, :]),
+                   mask=ok[:, :, None], other=0.0, cache_modifier=".cg")
+    weight = tl.math.exp2(lse - m_max[:, None])
+    return acc + tl.sum(weight[:, :, None] * part, 1), total + weight
+
+
+@triton.jit
 def _decode_merge_kernel(Part, PartLse, Out, n_rows, num_splits, HEAD_DIM: tl.constexpr,
                          ROWS: tl.constexpr, SPLITS_BLOCK: tl.constexpr,
-                         LSE_BLOCK: tl.constexpr):
+                         LSE_BLOCK: tl.constexpr, CHUNKS: tl.constexpr):
     """Grid ``(cdiv(B · Hq · Nq, ROWS),)``: :func:`_merge_rows` of ``ROWS`` rows each (the
     two-launch path: the split kernel without ``FUSED_MERGE``, then this)."""
     first = tl.program_id(0).to(tl.int64) * ROWS
     _merge_rows(Part, PartLse, Out, first, n_rows - first, n_rows, num_splits, HEAD_DIM, ROWS,
-                SPLITS_BLOCK, LSE_BLOCK)
+                SPLITS_BLOCK, LSE_BLOCK, CHUNKS)
 
 
 # --- the launcher ---------------------------------------------------------------------------------
@@ -581,14 +604,17 @@ def page_loads(block_n, page_size):
 
 
 def merge_blocks(num_splits, head_dim):
-    """How the merge walks the partials (:func:`_merge_rows`): ``(rows, splits, lse)``,
+    """How the merge walks the partials (:func:`_merge_rows`): ``(rows, splits, lse, chunks)``:
     ``MERGE_ROWS`` rows at once, ``splits`` partials per row and step (a power of two, at most
-    ``MERGE_SPLITS_BLOCK`` and ``MERGE_TILE`` partial elements per step: registers), and up to
-    ``lse`` log-sum-exps per load of the first pass (``MAX_SPLITS``: one load)."""
+    ``MERGE_SPLITS_BLOCK`` and ``MERGE_TILE`` partial elements per step: registers), up to
+    ``lse`` log-sum-exps per load, and ``chunks`` steps unrolled (0: more than
+    ``MERGE_UNROLL`` steps, a loop)."""
     splits = triton.next_power_of_2(num_splits)
     tile = max(1, MERGE_TILE // (MERGE_ROWS * head_dim))
-    return (MERGE_ROWS, min(splits, MERGE_SPLITS_BLOCK, triton.next_power_of_2(tile + 1) // 2),
-            min(splits, triton.next_power_of_2(MAX_SPLITS)))
+    block = min(splits, MERGE_SPLITS_BLOCK, triton.next_power_of_2(tile + 1) // 2)
+    chunks = triton.cdiv(num_splits, block)
+    return (MERGE_ROWS, block, min(splits, max(triton.next_power_of_2(MAX_SPLITS), block)),
+            chunks if chunks <= MERGE_UNROLL and num_splits <= MAX_SPLITS else 0)
 
 
 def fused_merge(num_splits, rows_per_head):
@@ -987,7 +1013,8 @@ def _plan(q, k_cache, v_cache, window, cache_seqlens, sm_scale, base, leaky, log
         key = (signature(q, k_cache, v_cache, cache_seqlens, block_table),
                type(cache_seqlens), type(block_table), settings, tuple(map(type, settings)),
                tuple(launch_config(q.shape[-1]).items()), PROGRAMS_PER_SM, PAGE_LOADS_RULE,
-               MAX_SCALAR_PAGES, MERGE_SPLITS_BLOCK, MERGE_ROWS, MERGE_TILE, FUSED_MERGE)
+               MAX_SCALAR_PAGES, MERGE_SPLITS_BLOCK, MERGE_ROWS, MERGE_TILE, MERGE_UNROLL,
+               FUSED_MERGE)
         plan = _PLANS.get(key)
     except (AttributeError, TypeError):    # not tensors, unhashable settings: checks will say
         key, plan = None, None
@@ -1033,7 +1060,7 @@ def _make_plan(q, k_cache, v_cache, window, cache_seqlens, sm_scale, base, leaky
     if num_splits == 1:
         part_strides, lse_strides = (0, *_contiguous_strides(q.shape)), (0, 0, 0, 0)
     fused = fused_merge(num_splits, group * n_queries)
-    merge_rows, splits_block, lse_block = merge_blocks(num_splits, d)
+    merge_rows, splits_block, lse_block, chunks = merge_blocks(num_splits, d)
     program_blocks = triton.cdiv(group * n_queries, rows_per_program)
     split = Launcher(
         _decode_split_kernel, (batch * hkv, num_splits, program_blocks),
@@ -1043,11 +1070,12 @@ def _make_plan(q, k_cache, v_cache, window, cache_seqlens, sm_scale, base, leaky
         PAGE_SIZE=k_cache.shape[1] if paged else 16,
         PAGE_LOADS=page_loads(config["BLOCK_N"], k_cache.shape[1]) if paged else 1,
         **(dict(FUSED_MERGE=True, MERGE_ROWS=merge_rows, SPLITS_BLOCK=splits_block,
-                LSE_BLOCK=lse_block) if fused else {}), **config)
+                LSE_BLOCK=lse_block, MERGE_CHUNKS=chunks) if fused else {}), **config)
     # the merge kernel with the split kernel's warps: the same layouts, the same bits as the
     # fused merge
     merge = Launcher(_decode_merge_kernel, (triton.cdiv(n_rows, merge_rows),), HEAD_DIM=d,
                      ROWS=merge_rows, SPLITS_BLOCK=splits_block, LSE_BLOCK=lse_block,
+                     CHUNKS=chunks,
                      **{k: v for k, v in config.items() if k == "num_warps"})
     return _Plan(
         n_queries=n_queries, n_max=n_max, num_splits=num_splits, fused=fused,

@@ -363,32 +363,39 @@ def counters_all_zero():
     return all(not bool(c.any()) for c in decode._COUNTERS.values())
 
 
-FUSED_CASES = [   # (case, MERGE_ROWS)
+FUSED_CASES = [   # (case, MERGE_ROWS, other decode settings)
     # one split: nothing to merge, one launch either way
-    (DecodeCase(100, (100, 37), 1, 20, hq=4, hkv=2, num_splits=1), 1),
+    (DecodeCase(100, (100, 37), 1, 20, hq=4, hkv=2, num_splits=1), 1, {}),
     # GQA, batch 3, Nq 1 and 3, a few splits
-    (DecodeCase(100, (100, 37, 64), 1, 20, hq=4, hkv=2, num_splits=3), 1),
-    (DecodeCase(100, (100, 5), 3, 20, hq=8, hkv=2, num_splits=4, leaky=8.0), 4),
+    (DecodeCase(100, (100, 37, 64), 1, 20, hq=4, hkv=2, num_splits=3), 1, {}),
+    (DecodeCase(100, (100, 5), 3, 20, hq=8, hkv=2, num_splits=4, leaky=8.0), 4, {}),
     # more splits than key tiles (100 keys, 7 tiles): the spare splits weigh nothing
-    (DecodeCase(100, (100, 60), 2, 33, hq=4, hkv=1, num_splits=40), 1),
+    (DecodeCase(100, (100, 60), 2, 33, hq=4, hkv=1, num_splits=40), 1, {}),
     # two row blocks per KV head (16 heads x 5 queries = 80 rows > MAX_BLOCK_M = 64), rows
     # merged 4 at a time (the last block: 16 rows)
-    (DecodeCase(40, (40, 23), 5, 9, hq=16, hkv=1, num_splits=2, rotated=False), 4),
-    # splits beyond one merge step (MERGE_SPLITS_BLOCK = 4 below): the two-pass merge
-    (DecodeCase(300, (300, 250), 2, 33, hq=4, hkv=2, num_splits=11, logn_len=32), 2),
+    (DecodeCase(40, (40, 23), 5, 9, hq=16, hkv=1, num_splits=2, rotated=False), 4, {}),
+    # splits beyond one merge step (4 per step): three steps unrolled, then as a loop
+    (DecodeCase(300, (300, 250), 2, 33, hq=4, hkv=2, num_splits=11, logn_len=32), 2,
+     {"MERGE_SPLITS_BLOCK": 4}),
+    (DecodeCase(300, (300, 250), 2, 33, hq=4, hkv=2, num_splits=11, logn_len=32), 2,
+     {"MERGE_SPLITS_BLOCK": 4, "MERGE_UNROLL": 2}),
 ]
 
 
-@pytest.mark.parametrize("case, merge_rows", FUSED_CASES,
-                         ids=[f"{c.id()}-rows{r}" for c, r in FUSED_CASES])
-def test_fused_merge_equals_two_launches(case, merge_rows, gen, monkeypatch):
+@pytest.mark.parametrize("case, merge_rows, settings", FUSED_CASES,
+                         ids=[f"{c.id()}-rows{r}" + "".join(f"-{k}{v}" for k, v in o.items())
+                              for c, r, o in FUSED_CASES])
+def test_fused_merge_equals_two_launches(case, merge_rows, settings, gen, monkeypatch):
     """The split kernel's own merge (``FUSED_MERGE``, one launch) gives the bits of the
     two-launch path (split kernel, then the merge kernel) and matches the float64 oracle;
     under poisoned allocations; the counters are zero after each call and a repeated call
-    gives the same output."""
+    gives the same output. The merge's three shapes (one step, steps unrolled, a loop:
+    ``merge_blocks``) are all run."""
     monkeypatch.setattr(decode, "MERGE_ROWS", merge_rows)
-    if case.num_splits == 11:
-        monkeypatch.setattr(decode, "MERGE_SPLITS_BLOCK", 4)
+    for name, value in settings.items():
+        monkeypatch.setattr(decode, name, value)
+    chunks = decode.merge_blocks(case.num_splits, case.d)[3]
+    assert chunks == (0 if settings.get("MERGE_UNROLL") == 2 else 3 if settings else 1)
     q, k_cache, v_cache, lengths = make_cache(gen, case, len(case.lengths), kernel_device())
     outs = {}
     for fused in (False, True):
@@ -535,16 +542,16 @@ def test_gpu_out_of_range_lengths_and_graph_replay(gen):
 
 @pytest.mark.gpu
 @needs_gpu
-@pytest.mark.parametrize("d, merge_rows", [(64, 1), (128, 1), (128, 4)])
+@pytest.mark.parametrize("d, merge_rows", [(64, 4), (128, 4), (128, 1)])
 def test_gpu_fused_merge_equals_two_launches(d, merge_rows, monkeypatch):
     """Benchmark-sized caches (32k keys, bf16, Hq=32, Hkv=8): B=1 (33 splits), B=8 (4), Nq 8
-    (32-row tiles) and per-row lengths: the fused merge gives the two-launch path's bits,
+    (32-row tiles), Nq 4 with per-row lengths: the fused merge gives the two-launch path's bits,
     under poisoned allocations, and leaves every counter at zero."""
     monkeypatch.setattr(decode, "MERGE_ROWS", merge_rows)
     torch.manual_seed(d)
     k = torch.randn(8, 8, 32768, d, device="cuda", dtype=BF16)
     v = torch.randn_like(k)
-    for batch, nq, lengths in ((1, 1, None), (8, 1, None), (1, 8, None),
+    for batch, nq, lengths in ((1, 1, None), (8, 1, None), (1, 8, None), (8, 8, None),
                                (3, 4, (32768, 5000, 17))):
         q = torch.randn(batch, 32, nq, d, device="cuda", dtype=BF16)
         seqlens = torch.tensor(lengths or (32768,) * batch, dtype=torch.int32, device="cuda")
