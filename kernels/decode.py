@@ -11,8 +11,8 @@ things keep it there:
   loaded once for all of them) and writes a partial output and its log-sum-exp; the partials
   are combined exactly (the online softmax's merge rule, :func:`_merge_rows`) by the last
   program of each row group to finish, in the same launch (an atomic counter per group says
-  which is last: one launch per step), or by :func:`_decode_merge_kernel` in a second launch
-  (``FUSED_MERGE = False``).
+  which is last: one launch per step) where that merge is one step (:func:`fused_merge`),
+  else by :func:`_decode_merge_kernel` in a second launch.
 * **One cache, rotated on the fly.** The kernel reads the cache the model already keeps — keys
   RoPE-rotated at their positions (``rotated=True``, the Llama convention) or raw
   (``rotated=False``) — and applies each product's rotation in registers, with the speeds and
@@ -104,12 +104,18 @@ MIN_BLOCK_M, MAX_BLOCK_M = 16, 64
 MIN_KEYS_PER_SPLIT = 256  # never cut a row into chunks shorter than this (merge overhead)
 MAX_SPLITS = 128
 MERGE_SPLITS_BLOCK = 64   # partials the merge folds per step (16: 1-3 % slower at B=1, 33 splits)
-MERGE_ROWS = 4            # rows it merges at once (see merge_blocks; 1: slower, call 1 of h19s5)
 MERGE_TILE = 8192         # at most this many partial elements per step (registers)
-MERGE_UNROLL = 8          # at most this many steps unrolled (their loads in flight together)
+# Rows merged at once (see merge_blocks): by the merge kernel, one per program (its programs
+# run side by side; the same bits and speed as before the fused merge), and by the split
+# kernel's fused merge, where one program merges all rows of its tile (4 at once; one at a time
+# the fused step was slower: B=1, D=128, 32k 63.0 against 54.7 µs, Nq=8 143.5 against 80.9;
+# perf/runs/decode_h19s5_call1_h200.json).
+MERGE_ROWS = 1
+FUSED_MERGE_ROWS = 4
 
 # The merge in the split kernel (FUSED_MERGE, see :func:`fused_merge`): one launch per step
-# instead of two. None: the rule; True / False force one path (measurements, tests).
+# instead of two, where the merge takes one step. None: the rule; True / False force one path
+# (measurements, tests).
 FUSED_MERGE = None
 # The merge counters (see :func:`merge_counters`): at least this many per buffer.
 MIN_COUNTERS = 4096
@@ -348,7 +354,6 @@ def _decode_split_kernel(
     PAGED: tl.constexpr = False, PAGE_SIZE: tl.constexpr = 16, EVICT: tl.constexpr = "",
     PAGE_LOADS: tl.constexpr = 1, FUSED_MERGE: tl.constexpr = False,
     MERGE_ROWS: tl.constexpr = 1, SPLITS_BLOCK: tl.constexpr = 1, LSE_BLOCK: tl.constexpr = 1,
-    MERGE_CHUNKS: tl.constexpr = 1,
 ):
     """Grid ``(B · Hkv, num_splits, cdiv(group · Nq, BLOCK_M))``: one chunk of one row's keys
     for the ``BLOCK_M`` (head, query) rows of one KV-head group.
@@ -364,7 +369,7 @@ def _decode_split_kernel(
     BLOCK_M))``, zero before the launch); the one that finds ``num_splits - 1`` there is the
     last of its rows' splits: it merges their partials into ``Final`` (``(B, Hq, Nq, D)``
     contiguous) with :func:`_merge_rows`, ``MERGE_ROWS`` rows and ``SPLITS_BLOCK`` partials
-    per step as the merge kernel does (the same arithmetic: the same bits), and sets the
+    per step, the merge kernel's arithmetic in the same order, and sets the
     counter back to zero for the next launch (a CUDA graph replays with no memset).
 
     ``PAGED``: ``K, V`` are ``(num_blocks, PAGE_SIZE, Hkv, D)`` pools (the ``sk_b, sk_n``
@@ -475,7 +480,7 @@ def _decode_split_kernel(
             count = tl.minimum(rows_per_head - tl.program_id(2) * BLOCK_M, BLOCK_M)
             for r0 in range(0, count, MERGE_ROWS):
                 _merge_rows(Out, Lse, Final, first + r0, count - r0, n_rows, num_splits,
-                            HEAD_DIM, MERGE_ROWS, SPLITS_BLOCK, LSE_BLOCK, MERGE_CHUNKS)
+                            HEAD_DIM, MERGE_ROWS, SPLITS_BLOCK, LSE_BLOCK)
 
 
 # --- the merge kernel ----------------------------------------------------------------------------
@@ -483,30 +488,28 @@ def _decode_split_kernel(
 
 @triton.jit
 def _merge_rows(Part, PartLse, Out, first, count, n_rows, num_splits, HEAD_DIM: tl.constexpr,
-                ROWS: tl.constexpr, SPLITS_BLOCK: tl.constexpr, LSE_BLOCK: tl.constexpr,
-                CHUNKS: tl.constexpr):
+                ROWS: tl.constexpr, SPLITS_BLOCK: tl.constexpr, LSE_BLOCK: tl.constexpr):
     """Merge the partials of rows ``first … first + min(count, ROWS) - 1``:
     ``out = Σ_s 2^(lse_s − m) o_s / Σ_s 2^(lse_s − m)``, ``m`` the row's largest ``lse_s``.
 
     ``Part`` ``(S, rows, D)`` fp32 and ``PartLse`` ``(S, rows)`` contiguous (``rows =
-    n_rows``); ``Out`` ``(rows, D)`` contiguous. ``ROWS × SPLITS_BLOCK`` partials per step, in
-    ``CHUNKS`` steps (:func:`merge_blocks`): 1, everything loaded at once, one round trip to
-    memory; more, the log-sum-exps in one load (``LSE_BLOCK >= num_splits``) and the steps
-    unrolled, so their loads do not wait for each other; 0 (a great many splits), a first
-    loop over the log-sum-exps for ``m``, ``LSE_BLOCK`` per load, and a second over the
-    partials. Chunks without a visible key have ``lse = −inf`` and weigh nothing. The
-    partials may come from other programs of the same launch (the fused merge): the loads skip
-    L1 (``.cg``). The merge kernel and the split kernel's fused merge both call this with the
-    same constexprs and warps: the same arithmetic in the same order.
+    n_rows``); ``Out`` ``(rows, D)`` contiguous. ``ROWS × SPLITS_BLOCK`` partials per step.
+    When every split fits in one step (``num_splits <= SPLITS_BLOCK``) the log-sum-exps and the
+    partials are loaded together, one round trip to memory; else a first pass finds ``m``
+    (``LSE_BLOCK`` log-sum-exps per load, one load for up to ``LSE_BLOCK`` splits) and a
+    second folds the partials. Chunks without a visible key have ``lse = −inf`` and weigh
+    nothing. The partials may come from other programs of the same launch (the fused merge):
+    the loads skip L1 (``.cg``). The merge kernel and the split kernel's fused merge both call
+    this with the same constexprs and warps: the same arithmetic in the same order (the same
+    bits in every CPU test and in every GPU comparison but one, a 1-ulp difference at one
+    shape: perf/runs/decode_h19s5_call1_h200.json).
     """
     dims = tl.arange(0, HEAD_DIM)
     splits = tl.arange(0, SPLITS_BLOCK)
     r = tl.arange(0, ROWS)
     row_ok = r < count
     rows = first + r.to(tl.int64)
-    total = tl.zeros([ROWS, SPLITS_BLOCK], tl.float32)
-    acc = tl.zeros([ROWS, HEAD_DIM], tl.float32)
-    if CHUNKS == 1:                     # one step: everything loaded at once
+    if num_splits <= SPLITS_BLOCK:      # one step: everything loaded at once
         ok = row_ok[:, None] & (splits < num_splits)[None, :]
         lse = tl.load(PartLse + splits[None, :] * n_rows + rows[:, None], mask=ok,
                       other=float("-inf"), cache_modifier=".cg")
@@ -515,60 +518,43 @@ def _merge_rows(Part, PartLse, Out, first, count, n_rows, num_splits, HEAD_DIM: 
                        mask=ok[:, :, None], other=0.0, cache_modifier=".cg")
         m_max = tl.where(row_ok, tl.max(lse, 1), 0.0)
         weight = tl.math.exp2(lse - m_max[:, None])
-        acc += tl.sum(weight[:, :, None] * part, 1)
-        total += weight
+        acc = tl.zeros([ROWS, HEAD_DIM], tl.float32) + tl.sum(weight[:, :, None] * part, 1)
+        total = tl.zeros([ROWS, SPLITS_BLOCK], tl.float32) + weight
     else:
         lse_splits = tl.arange(0, LSE_BLOCK)
-        if CHUNKS > 1:                  # every log-sum-exp in one load
-            ok = row_ok[:, None] & (lse_splits < num_splits)[None, :]
-            m = tl.load(PartLse + lse_splits[None, :] * n_rows + rows[:, None], mask=ok,
-                        other=float("-inf"), cache_modifier=".cg")
-        else:
-            m = tl.full([ROWS, LSE_BLOCK], float("-inf"), tl.float32)
-            for s0 in range(0, num_splits, LSE_BLOCK):
-                ok = row_ok[:, None] & (s0 + lse_splits < num_splits)[None, :]
-                lse = tl.load(PartLse + (s0 + lse_splits)[None, :] * n_rows + rows[:, None],
-                              mask=ok, other=float("-inf"), cache_modifier=".cg")
-                m = tl.maximum(m, lse)
+        m = tl.full([ROWS, LSE_BLOCK], float("-inf"), tl.float32)
+        for s0 in range(0, num_splits, LSE_BLOCK):
+            ok = row_ok[:, None] & (s0 + lse_splits < num_splits)[None, :]
+            lse = tl.load(PartLse + (s0 + lse_splits)[None, :] * n_rows + rows[:, None],
+                          mask=ok, other=float("-inf"), cache_modifier=".cg")
+            m = tl.maximum(m, lse)
         m_max = tl.where(row_ok, tl.max(m, 1), 0.0)
-        for s0 in tl.static_range(0, CHUNKS * SPLITS_BLOCK, SPLITS_BLOCK):   # unrolled
-            acc, total = _merge_step(acc, total, Part, PartLse, rows, row_ok, m_max, s0,
-                                     n_rows, num_splits, HEAD_DIM, SPLITS_BLOCK)
-        if CHUNKS == 0:
-            for s0 in range(0, num_splits, SPLITS_BLOCK):
-                acc, total = _merge_step(acc, total, Part, PartLse, rows, row_ok, m_max, s0,
-                                         n_rows, num_splits, HEAD_DIM, SPLITS_BLOCK)
+        total = tl.zeros([ROWS, SPLITS_BLOCK], tl.float32)
+        acc = tl.zeros([ROWS, HEAD_DIM], tl.float32)
+        for s0 in range(0, num_splits, SPLITS_BLOCK):
+            ok = row_ok[:, None] & (s0 + splits < num_splits)[None, :]
+            lse = tl.load(PartLse + (s0 + splits)[None, :] * n_rows + rows[:, None], mask=ok,
+                          other=float("-inf"), cache_modifier=".cg")
+            weight = tl.math.exp2(lse - m_max[:, None])
+            part = tl.load(Part + (((s0 + splits)[None, :, None] * n_rows + rows[:, None, None])
+                                   * HEAD_DIM + dims[None, None, :]),
+                           mask=ok[:, :, None], other=0.0, cache_modifier=".cg")
+            acc += tl.sum(weight[:, :, None] * part, 1)
+            total += weight
     out = acc / tl.where(row_ok, tl.sum(total, 1), 1.0)[:, None]
     tl.store(Out + rows[:, None] * HEAD_DIM + dims[None, :], out.to(Out.dtype.element_ty),
              mask=row_ok[:, None])
 
 
 @triton.jit
-def _merge_step(acc, total, Part, PartLse, rows, row_ok, m_max, s0, n_rows, num_splits,
-                HEAD_DIM: tl.constexpr, SPLITS_BLOCK: tl.constexpr):
-    """Fold the partials of splits ``s0 … s0 + SPLITS_BLOCK - 1`` into ``acc`` and the
-    weights into ``total`` (:func:`_merge_rows`)."""
-    dims = tl.arange(0, HEAD_DIM)
-    splits = s0 + tl.arange(0, SPLITS_BLOCK)
-    ok = row_ok[:, None] & (splits < num_splits)[None, :]
-    lse = tl.load(PartLse + splits[None, :] * n_rows + rows[:, None], mask=ok,
-                  other=float("-inf"), cache_modifier=".cg")
-    part = tl.load(Part + ((splits[None, :, None] * n_rows + rows[:, None, None]) * HEAD_DIM
-                           + dims[None, None, :]),
-                   mask=ok[:, :, None], other=0.0, cache_modifier=".cg")
-    weight = tl.math.exp2(lse - m_max[:, None])
-    return acc + tl.sum(weight[:, :, None] * part, 1), total + weight
-
-
-@triton.jit
 def _decode_merge_kernel(Part, PartLse, Out, n_rows, num_splits, HEAD_DIM: tl.constexpr,
                          ROWS: tl.constexpr, SPLITS_BLOCK: tl.constexpr,
-                         LSE_BLOCK: tl.constexpr, CHUNKS: tl.constexpr):
+                         LSE_BLOCK: tl.constexpr):
     """Grid ``(cdiv(B · Hq · Nq, ROWS),)``: :func:`_merge_rows` of ``ROWS`` rows each (the
     two-launch path: the split kernel without ``FUSED_MERGE``, then this)."""
     first = tl.program_id(0).to(tl.int64) * ROWS
     _merge_rows(Part, PartLse, Out, first, n_rows - first, n_rows, num_splits, HEAD_DIM, ROWS,
-                SPLITS_BLOCK, LSE_BLOCK, CHUNKS)
+                SPLITS_BLOCK, LSE_BLOCK)
 
 
 # --- the launcher ---------------------------------------------------------------------------------
@@ -603,26 +589,41 @@ def page_loads(block_n, page_size):
     return 1 if block_n // page_size <= MAX_SCALAR_PAGES else 0
 
 
-def merge_blocks(num_splits, head_dim):
-    """How the merge walks the partials (:func:`_merge_rows`): ``(rows, splits, lse, chunks)``:
-    ``MERGE_ROWS`` rows at once, ``splits`` partials per row and step (a power of two, at most
-    ``MERGE_SPLITS_BLOCK`` and ``MERGE_TILE`` partial elements per step: registers), up to
-    ``lse`` log-sum-exps per load, and ``chunks`` steps unrolled (0: more than
-    ``MERGE_UNROLL`` steps, a loop)."""
+def merge_blocks(num_splits, head_dim, rows):
+    """How the merge walks the partials (:func:`_merge_rows`) when it merges ``rows`` rows at
+    once: ``(splits, lse)``, ``splits`` partials per row and step (a power of two, at most
+    ``MERGE_SPLITS_BLOCK`` and ``MERGE_TILE`` partial elements per step: registers), and up to
+    ``lse`` log-sum-exps per load of the first pass (``MAX_SPLITS``: one load). The merge takes
+    one step when ``num_splits <= splits``."""
     splits = triton.next_power_of_2(num_splits)
-    tile = max(1, MERGE_TILE // (MERGE_ROWS * head_dim))
-    block = min(splits, MERGE_SPLITS_BLOCK, triton.next_power_of_2(tile + 1) // 2)
-    chunks = triton.cdiv(num_splits, block)
-    return (MERGE_ROWS, block, min(splits, max(triton.next_power_of_2(MAX_SPLITS), block)),
-            chunks if chunks <= MERGE_UNROLL and num_splits <= MAX_SPLITS else 0)
+    tile = max(1, MERGE_TILE // (rows * head_dim))
+    return (min(splits, MERGE_SPLITS_BLOCK, triton.next_power_of_2(tile + 1) // 2),
+            min(splits, triton.next_power_of_2(MAX_SPLITS)))
 
 
-def fused_merge(num_splits, rows_per_head):
-    """Whether the split kernel merges the partials itself (``FUSED_MERGE`` if set): one
-    launch per step instead of two whenever there is something to merge."""
+def fused_merge(num_splits, rows, head_dim):
+    """Whether the split kernel merges the partials itself (one launch per step), for a
+    program of ``rows`` (head, query) rows: ``FUSED_MERGE`` if set (and there is something to
+    merge), else where the merge is one step, ``rows <= FUSED_MERGE_ROWS`` and every split in
+    one load (:func:`merge_blocks`).
+
+    Why: the last program of a row group merges alone, after everything else of its group, so
+    its steps are a tail the launch waits for; the merge kernel spreads the rows over programs
+    that run side by side. On the H200 (Hq=32, Hkv=8, bf16; perf/runs/decode_h19s5_call1_h200.json)
+    one step (B=8: 4 splits; B=1 at 4k: 16) took 0-4 % off a step against two launches (B=1
+    4k: D=64 14.9 -> 14.3 µs, D=128 18.7 -> 18.5; B=8 at 4k / 32k / 128k: D=64 35.0 -> 34.0,
+    150.6 -> 147.5, 537.6 -> 524.5; D=128 52.7 -> 51.4, 274.2 -> 268.4, 1027.4 -> 1027.8);
+    several steps (B=1 at 32k and 128k, 33 splits: three steps at D=128, two at D=64) were
+    0.3-1.1 µs slower than two launches, and at Nq = 4 and 8 (B=1, 32k, D=128: 4 and 8 row
+    groups of 4 in the tile, three steps each) 8.1 and 16.0 µs slower. Not measured: one
+    step with several row groups at B=1; at B=8 with Nq=8 (eight groups, one step each) the
+    fused merge was 5 % faster (351.8 -> 332.7 µs), a case the rule leaves to two launches.
+    """
     if FUSED_MERGE is not None:
         return bool(FUSED_MERGE) and num_splits > 1
-    return num_splits > 1
+    if num_splits == 1 or rows > FUSED_MERGE_ROWS:
+        return False
+    return num_splits <= merge_blocks(num_splits, head_dim, FUSED_MERGE_ROWS)[0]
 
 
 def _raw_stream(index):
@@ -1013,7 +1014,7 @@ def _plan(q, k_cache, v_cache, window, cache_seqlens, sm_scale, base, leaky, log
         key = (signature(q, k_cache, v_cache, cache_seqlens, block_table),
                type(cache_seqlens), type(block_table), settings, tuple(map(type, settings)),
                tuple(launch_config(q.shape[-1]).items()), PROGRAMS_PER_SM, PAGE_LOADS_RULE,
-               MAX_SCALAR_PAGES, MERGE_SPLITS_BLOCK, MERGE_ROWS, MERGE_TILE, MERGE_UNROLL,
+               MAX_SCALAR_PAGES, MERGE_SPLITS_BLOCK, MERGE_ROWS, FUSED_MERGE_ROWS, MERGE_TILE,
                FUSED_MERGE)
         plan = _PLANS.get(key)
     except (AttributeError, TypeError):    # not tensors, unhashable settings: checks will say
@@ -1059,8 +1060,9 @@ def _make_plan(q, k_cache, v_cache, window, cache_seqlens, sm_scale, base, leaky
     lse_strides = _contiguous_strides((num_splits, batch, hq, n_queries))
     if num_splits == 1:
         part_strides, lse_strides = (0, *_contiguous_strides(q.shape)), (0, 0, 0, 0)
-    fused = fused_merge(num_splits, group * n_queries)
-    merge_rows, splits_block, lse_block, chunks = merge_blocks(num_splits, d)
+    fused = fused_merge(num_splits, min(group * n_queries, rows_per_program), d)
+    merge_rows = FUSED_MERGE_ROWS if fused else MERGE_ROWS
+    splits_block, lse_block = merge_blocks(num_splits, d, merge_rows)
     program_blocks = triton.cdiv(group * n_queries, rows_per_program)
     split = Launcher(
         _decode_split_kernel, (batch * hkv, num_splits, program_blocks),
@@ -1070,12 +1072,10 @@ def _make_plan(q, k_cache, v_cache, window, cache_seqlens, sm_scale, base, leaky
         PAGE_SIZE=k_cache.shape[1] if paged else 16,
         PAGE_LOADS=page_loads(config["BLOCK_N"], k_cache.shape[1]) if paged else 1,
         **(dict(FUSED_MERGE=True, MERGE_ROWS=merge_rows, SPLITS_BLOCK=splits_block,
-                LSE_BLOCK=lse_block, MERGE_CHUNKS=chunks) if fused else {}), **config)
-    # the merge kernel with the split kernel's warps: the same layouts, the same bits as the
-    # fused merge
+                LSE_BLOCK=lse_block) if fused else {}), **config)
+    # the merge kernel with the split kernel's warps: the same layouts as the fused merge
     merge = Launcher(_decode_merge_kernel, (triton.cdiv(n_rows, merge_rows),), HEAD_DIM=d,
                      ROWS=merge_rows, SPLITS_BLOCK=splits_block, LSE_BLOCK=lse_block,
-                     CHUNKS=chunks,
                      **{k: v for k, v in config.items() if k == "num_warps"})
     return _Plan(
         n_queries=n_queries, n_max=n_max, num_splits=num_splits, fused=fused,

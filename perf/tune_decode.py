@@ -447,21 +447,16 @@ if __name__ == "__main__" and "--round3" in sys.argv:
 
 # --- issue 19, session 5 (h19): the merge folded into the split kernel; TMA reads ---------------
 
-# Call 1 (decode_h19s5_call1_h200.json): S5_GRID with B in (1, 8, 32), S5_EXTRA the first
-# three at D=128, variants two_launch (False, 1), fused_rows1 (True, 1), fused_rows4 (True, 4),
-# the merge's steps as a loop, and the TMA probe. Call 2: the merge's steps unrolled
-# (decode.merge_blocks), B = 32 left out (one split: no merge), more Nq, a diagnosis of the
-# one shape whose fused output differed in call 1 (D=128, B=8, Nq=8).
-S5_GRID = [(b, n) for b in (1, 8) for n in (4096, 32768, 131072)]
-S5_EXTRA = [(128, 1, 32768, 2), (128, 1, 32768, 4), (128, 1, 32768, 8), (128, 8, 32768, 2),
-            (128, 8, 32768, 4), (128, 8, 32768, 8), (64, 1, 32768, 8), (64, 8, 32768, 8)]
-# rerope_decode variants: (decode.FUSED_MERGE, decode.MERGE_ROWS); "base" is the code before
-# (commit e8b0be5, imported as the package kernels_base when the device script provides it)
-S5_VARIANTS = {"two_launch_rows1": (False, 1), "two_launch": (False, 4), "fused": (True, 4)}
-S5_PROBE = False                        # the TMA probe (call 1 only)
+S5_GRID = [(b, n) for b in (1, 8, 32) for n in (4096, 32768, 131072)]
+S5_EXTRA = [(1, 32768, 4), (1, 32768, 8), (8, 32768, 8)]       # (B, context, Nq), D = 128
+# rerope_decode variants: (decode.FUSED_MERGE, rows merged at once: decode.MERGE_ROWS and
+# decode.FUSED_MERGE_ROWS both); "base" is the code before (commit e8b0be5, imported as the
+# package kernels_base when the device script provides it). Run once (session 5, call 1:
+# perf/runs/decode_h19s5_call1_h200.json); s5_diagnose was added after it and has not run.
+S5_VARIANTS = {"two_launch": (False, 1), "fused_rows1": (True, 1), "fused_rows4": (True, 4)}
 S5_SDPA = ("sdpa_cudnn", "sdpa_flash")
 S5_READ = {64: 128, 128: 64}            # the TMA probe: head dim -> keys per tile
-S5_BUDGET_S = 150                       # no new shape after this many seconds
+S5_BUDGET_S = 240                       # no new shape after this many seconds
 
 
 def s5_impl(name):
@@ -473,7 +468,8 @@ def s5_impl(name):
     import kernels
     from kernels import decode
 
-    decode.FUSED_MERGE, decode.MERGE_ROWS = S5_VARIANTS[name]
+    decode.FUSED_MERGE, rows = S5_VARIANTS[name]
+    decode.MERGE_ROWS = decode.FUSED_MERGE_ROWS = rows
     return kernels.rerope_decode, decode
 
 
@@ -585,11 +581,12 @@ def s5_diagnose(q, k, v, repeats=10):
     log-sum-exps the two split kernels write (``torch.equal``), the merge kernel's output from
     the two-launch partials against the fused output, and ``repeats`` fused calls into
     NaN-filled buffers (a merge that read a partial before it was written shows as NaN or as
-    a difference between repeats)."""
+    a difference between repeats). Written after call 1, for the one shape whose fused output
+    differed there (D=128, B=8, Nq=8, one row at a time); not run yet."""
     import torch.utils.deterministic as det
 
     outs, parts = {}, {}
-    for name in ("two_launch", "fused"):
+    for key, name in (("two_launch", "two_launch"), ("fused", "fused_rows1")):
         _, dec = s5_impl(name)
         dec.rerope_decode(q, k, v, WINDOW)
         plan = dec._plan(q, k, v, WINDOW, None, None, 10000.0, None, None, True, None)
@@ -601,14 +598,14 @@ def s5_diagnose(q, k, v, repeats=10):
         plan.launches[0](q, k, v, lengths, lengths, part, lse, out, counters)
         if not plan.fused:
             plan.launches[1](part, lse, out)
-        outs[name], parts[name] = out, (part, lse)
+        outs[key], parts[key] = out, (part, lse)
     torch.cuda.synchronize()
     found = dict(partials_equal=bool(torch.equal(parts["fused"][0], parts["two_launch"][0])),
                  lse_equal=bool(torch.equal(parts["fused"][1], parts["two_launch"][1])),
                  outputs_equal=bool(torch.equal(outs["fused"], outs["two_launch"])),
                  outputs_max_abs_diff=(outs["fused"].float() - outs["two_launch"].float())
                  .abs().max().item())
-    fn, _ = s5_impl("fused")
+    fn, _ = s5_impl("fused_rows1")
     was = torch.are_deterministic_algorithms_enabled(), det.fill_uninitialized_memory
     torch.use_deterministic_algorithms(True, warn_only=True)
     det.fill_uninitialized_memory = True           # torch.empty: NaN
@@ -646,11 +643,10 @@ def round_s5():
     except ImportError:
         names = list(S5_VARIANTS)
     shapes = [(d, b, n, 1) for d in (64, 128) for b, n in S5_GRID]
-    shapes += list(S5_EXTRA)
+    shapes += [(128, b, n, nq) for b, n, nq in S5_EXTRA]
     specs = sorted({(name, d, b, nq, s5_splits(b, n, nq)) for d, b, n, nq in shapes
                     for name in names}, key=str)
-    if S5_PROBE:
-        specs += [("read", d, 0, tma, 0) for d in S5_READ for tma in (0, 1)]
+    specs += [("read", d, 0, tma, 0) for d in S5_READ for tma in (0, 1)]
     with cf.ProcessPoolExecutor(max_workers=15, mp_context=mp.get_context("spawn")) as pool:
         list(pool.map(s5_warm, specs))
     result["meta"]["warm"] = {"variants": len(specs),
@@ -670,11 +666,11 @@ def round_s5():
     # that graph) here, not in the first timed graph
     q0 = torch.randn(1, HQ, 1, 64, device="cuda", dtype=torch.bfloat16)
     k0 = torch.randn(1, HKV, 4096, 64, device="cuda", dtype=torch.bfloat16)
-    fn, _ = s5_impl("fused")
+    fn, _ = s5_impl("fused_rows1")
     bd.graph_us(lambda: fn(q0, k0, k0, WINDOW))
     probe = result["read_probe"] = []
     for index, (d, batch, n, nq) in enumerate(shapes):
-        if index == 2 * len(S5_GRID) and S5_PROBE:   # the grid done: the TMA probe
+        if index == 2 * len(S5_GRID):       # the grid done: the TMA probe, then the extras
             try:
                 s5_read_probe(read, probe)
             except Exception as error:
@@ -706,8 +702,7 @@ def round_s5():
             result.setdefault("diagnosis", []).append(dict(D=d, B=batch, context=n, Nq=nq,
                                                            **s5_diagnose(q, k, v)))
             print("diagnosis", result["diagnosis"][-1], flush=True)
-        # flash is slower than cuDNN at every Nq = 1 shape of call 1: cuDNN only there
-        order = list(S5_SDPA if nq > 1 else S5_SDPA[:1]) + names
+        order = list(S5_SDPA) + names
         for round_ in (0, 1):
             for name in (order if round_ == 0 else order[::-1]):
                 if name in S5_SDPA:

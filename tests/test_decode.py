@@ -374,11 +374,9 @@ FUSED_CASES = [   # (case, MERGE_ROWS, other decode settings)
     # two row blocks per KV head (16 heads x 5 queries = 80 rows > MAX_BLOCK_M = 64), rows
     # merged 4 at a time (the last block: 16 rows)
     (DecodeCase(40, (40, 23), 5, 9, hq=16, hkv=1, num_splits=2, rotated=False), 4, {}),
-    # splits beyond one merge step (4 per step): three steps unrolled, then as a loop
+    # splits beyond one merge step (4 per step): the two passes (log-sum-exps, then partials)
     (DecodeCase(300, (300, 250), 2, 33, hq=4, hkv=2, num_splits=11, logn_len=32), 2,
      {"MERGE_SPLITS_BLOCK": 4}),
-    (DecodeCase(300, (300, 250), 2, 33, hq=4, hkv=2, num_splits=11, logn_len=32), 2,
-     {"MERGE_SPLITS_BLOCK": 4, "MERGE_UNROLL": 2}),
 ]
 
 
@@ -389,13 +387,14 @@ def test_fused_merge_equals_two_launches(case, merge_rows, settings, gen, monkey
     """The split kernel's own merge (``FUSED_MERGE``, one launch) gives the bits of the
     two-launch path (split kernel, then the merge kernel) and matches the float64 oracle;
     under poisoned allocations; the counters are zero after each call and a repeated call
-    gives the same output. The merge's three shapes (one step, steps unrolled, a loop:
-    ``merge_blocks``) are all run."""
+    gives the same output. Both paths merge ``merge_rows`` rows at once here; the merge in
+    one step and in two passes (:func:`decode.merge_blocks`) are both run."""
     monkeypatch.setattr(decode, "MERGE_ROWS", merge_rows)
+    monkeypatch.setattr(decode, "FUSED_MERGE_ROWS", merge_rows)
     for name, value in settings.items():
         monkeypatch.setattr(decode, name, value)
-    chunks = decode.merge_blocks(case.num_splits, case.d)[3]
-    assert chunks == (0 if settings.get("MERGE_UNROLL") == 2 else 3 if settings else 1)
+    one_step = case.num_splits <= decode.merge_blocks(case.num_splits, case.d, merge_rows)[0]
+    assert one_step == (not settings)
     q, k_cache, v_cache, lengths = make_cache(gen, case, len(case.lengths), kernel_device())
     outs = {}
     for fused in (False, True):
@@ -413,14 +412,19 @@ def test_fused_merge_equals_two_launches(case, merge_rows, settings, gen, monkey
 
 
 def test_fused_merge_rule_and_bad_lengths(monkeypatch, gen):
-    """The rule: the merge is fused whenever there is one (``num_splits > 1``), and
+    """The rule: the merge is fused where it is one step for the program's rows (at most
+    ``FUSED_MERGE_ROWS`` rows, every split in one load: 16 splits at D=128, 32 at D=64), and
     ``FUSED_MERGE`` forces either path; rows with an out-of-range length come out NaN through
     the fused merge too (the host check switched off), the others right."""
-    assert decode.fused_merge(1, 4) is False and decode.fused_merge(3, 4) is True
+    rule, splits = decode.fused_merge, decode.default_num_splits
+    assert rule(splits(8, 8, 4, 1, 131072), 4, 128) and rule(splits(1, 8, 4, 1, 4096), 4, 128)
+    assert not rule(splits(1, 8, 4, 1, 131072), 4, 128)             # 33 splits: two launches
+    assert rule(32, 4, 64) and not rule(33, 4, 64) and not rule(16, 4, 256)
+    assert not rule(4, 8, 128) and not rule(1, 4, 128) and rule(2, 1, 128)
     monkeypatch.setattr(decode, "FUSED_MERGE", False)
-    assert decode.fused_merge(3, 4) is False
+    assert not rule(3, 4, 128)
     monkeypatch.setattr(decode, "FUSED_MERGE", True)
-    assert decode.fused_merge(1, 4) is False and decode.fused_merge(2, 64) is True
+    assert not rule(1, 4, 128) and rule(64, 64, 128)
     monkeypatch.setattr(decode, "_check_lengths_on_host", lambda *args: None)
     case = DecodeCase(20, (20, 1, 21, 9), 2, 4, hq=2, hkv=1, num_splits=3)
     q, k_cache, v_cache, _ = make_cache(gen, DecodeCase(**{**asdict(case), "lengths": (20,) * 4}),
@@ -542,16 +546,18 @@ def test_gpu_out_of_range_lengths_and_graph_replay(gen):
 
 @pytest.mark.gpu
 @needs_gpu
-@pytest.mark.parametrize("d, merge_rows", [(64, 4), (128, 4), (128, 1)])
+@pytest.mark.parametrize("d, merge_rows", [(64, 1), (128, 1), (128, 4)])
 def test_gpu_fused_merge_equals_two_launches(d, merge_rows, monkeypatch):
     """Benchmark-sized caches (32k keys, bf16, Hq=32, Hkv=8): B=1 (33 splits), B=8 (4), Nq 8
-    (32-row tiles), Nq 4 with per-row lengths: the fused merge gives the two-launch path's bits,
+    (32-row tiles), Nq 4 with per-row lengths: the fused merge gives the two-launch path's bits
+    (both merging ``merge_rows`` rows at once),
     under poisoned allocations, and leaves every counter at zero."""
     monkeypatch.setattr(decode, "MERGE_ROWS", merge_rows)
+    monkeypatch.setattr(decode, "FUSED_MERGE_ROWS", merge_rows)
     torch.manual_seed(d)
     k = torch.randn(8, 8, 32768, d, device="cuda", dtype=BF16)
     v = torch.randn_like(k)
-    for batch, nq, lengths in ((1, 1, None), (8, 1, None), (1, 8, None), (8, 8, None),
+    for batch, nq, lengths in ((1, 1, None), (8, 1, None), (1, 8, None),
                                (3, 4, (32768, 5000, 17))):
         q = torch.randn(batch, 32, nq, d, device="cuda", dtype=BF16)
         seqlens = torch.tensor(lengths or (32768,) * batch, dtype=torch.int32, device="cuda")

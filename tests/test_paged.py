@@ -178,7 +178,9 @@ def test_paged_strided_pools_tables_and_the_plan(gen):
 ], ids=PagedCase.id)
 def test_paged_fused_merge_equals_two_launches(case, gen, monkeypatch):
     """On a paged cache too, the split kernel's own merge gives the two-launch path's bits
-    (and the contiguous call's, and the oracle's), and leaves every merge counter at zero."""
+    (both merging the same rows at once; and the contiguous call's, and the oracle's), and
+    leaves every merge counter at zero."""
+    monkeypatch.setattr(decode, "MERGE_ROWS", decode.FUSED_MERGE_ROWS)
     q, k, v, k_pages, v_pages, table, lengths = build(gen, case, kernel_device())
     outs = {}
     for fused in (False, True):

@@ -11,10 +11,10 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm,power.limit --format=csv,noheader | tee "$OUT/gpu_h19s5.txt"
 export PYTHONPATH=$PWD/base:$PWD
 start=$(date +%s)
-timeout "${TEST_TIMEOUT:-150}" python3 -m pytest -q -m gpu -p no:cacheprovider -rs \
+timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -q -m gpu -p no:cacheprovider -rs \
     tests/test_decode.py tests/test_paged.py > "$OUT/gpu_tests_h19s5.log" 2>&1 &
 tests=$!
-WAIT_PID=$tests timeout "${BENCH_TIMEOUT:-175}" python3 perf/tune_decode.py --s5 \
+WAIT_PID=$tests timeout "${BENCH_TIMEOUT:-330}" python3 perf/tune_decode.py --s5 \
     > "$OUT/decode_h19s5.log" 2>&1
 echo "bench exit $? after $(( $(date +%s) - start )) s"
 wait $tests; echo "tests exit $?"
