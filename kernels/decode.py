@@ -884,11 +884,12 @@ def rerope_decode(q, k_cache, v_cache, window, cache_seqlens=None, sm_scale=None
     fp16, bf16 or fp32; ``headdim`` in 16, 32, 64, 128, 256. Returns ``out``:
     ``(batch_size, nheads, seqlen_q, headdim)`` in ``q``'s dtype (empty for an empty batch).
     Allocates the output and, when ``num_splits > 1``, the fp32 partials ``(num_splits,
-    batch_size, nheads, seqlen_q, headdim)`` and their log-sum-exps; the partials are merged
-    in the same launch, counted by int32 counters kept per device and stream
-    (:func:`merge_counters`: calls on one stream share them; calls on different streams
-    never do, but CUDA graphs captured on one stream share that stream's, so replay those
-    one at a time). Forward only: with grad mode on, inputs that require grad raise
+    batch_size, nheads, seqlen_q, headdim)`` and their log-sum-exps. Where the merge is one
+    step (:func:`fused_merge`) it runs in the same launch, counted by int32 counters kept per
+    device and stream (:func:`merge_counters`: calls on one stream share them; calls on
+    different streams never do, but CUDA graphs captured on one stream share that stream's, so
+    replay those one at a time); else in a second launch. Forward only: with grad mode on,
+    inputs that require grad raise
     ``ValueError`` (use :func:`kernels.rerope`).
     """
     if torch.compiler.is_compiling():          # an opaque op for the compiler (see _decode_op)
