@@ -889,8 +889,7 @@ def rerope_decode(q, k_cache, v_cache, window, cache_seqlens=None, sm_scale=None
     device and stream (:func:`merge_counters`: calls on one stream share them; calls on
     different streams never do, but CUDA graphs captured on one stream share that stream's, so
     replay those one at a time); else in a second launch. Forward only: with grad mode on,
-    inputs that require grad raise
-    ``ValueError`` (use :func:`kernels.rerope`).
+    inputs that require grad raise ``ValueError`` (use :func:`kernels.rerope`).
     """
     if torch.compiler.is_compiling():          # an opaque op for the compiler (see _decode_op)
         inv_freq = as_frequencies(inv_freq)
