@@ -8,8 +8,11 @@ things keep it there:
   (8 KV heads, 132 SMs). The keys of each row are cut into ``num_splits`` chunks; a program
   folds one chunk for every query of one KV-head group (grouped-query attention: the group's
   ``Hq / Hkv`` heads times ``Nq`` queries form the ``M`` rows of the tile, so each K/V tile is
-  loaded once for all of them) and writes a partial output and its log-sum-exp;
-  :func:`_decode_merge_kernel` combines the partials exactly (the online softmax's merge rule).
+  loaded once for all of them) and writes a partial output and its log-sum-exp; the partials
+  are combined exactly (the online softmax's merge rule, :func:`_merge_rows`) by the last
+  program of each row group to finish, in the same launch (an atomic counter per group says
+  which is last: one launch per step) where that merge is one step (:func:`fused_merge`),
+  else by :func:`_decode_merge_kernel` in a second launch.
 * **One cache, rotated on the fly.** The kernel reads the cache the model already keeps — keys
   RoPE-rotated at their positions (``rotated=True``, the Llama convention) or raw
   (``rotated=False``) — and applies each product's rotation in registers, with the speeds and
@@ -101,6 +104,21 @@ MIN_BLOCK_M, MAX_BLOCK_M = 16, 64
 MIN_KEYS_PER_SPLIT = 256  # never cut a row into chunks shorter than this (merge overhead)
 MAX_SPLITS = 128
 MERGE_SPLITS_BLOCK = 64   # partials the merge folds per step (16: 1-3 % slower at B=1, 33 splits)
+MERGE_TILE = 8192         # at most this many partial elements per step (registers)
+# Rows merged at once (see merge_blocks): by the merge kernel, one per program (its programs
+# run side by side; the same bits and speed as before the fused merge), and by the split
+# kernel's fused merge, where one program merges all rows of its tile (4 at once; one at a time
+# the fused step was slower: B=1, D=128, 32k 63.0 against 54.7 µs, Nq=8 143.5 against 80.9;
+# perf/runs/decode_h19s5_call1_h200.json).
+MERGE_ROWS = 1
+FUSED_MERGE_ROWS = 4
+
+# The merge in the split kernel (FUSED_MERGE, see :func:`fused_merge`): one launch per step
+# instead of two, where the merge takes one step. None: the rule; True / False force one path
+# (measurements, tests).
+FUSED_MERGE = None
+# The merge counters (see :func:`merge_counters`): at least this many per buffer.
+MIN_COUNTERS = 4096
 
 
 # --- the split kernel -----------------------------------------------------------------------------
@@ -325,7 +343,8 @@ def chunk_map(n_keys, n_queries, window, num_splits, block_n):
 # multiple of 16, in the middle of generation.
 @triton.jit(do_not_specialize=["n_max"])
 def _decode_split_kernel(
-    Q, K, V, SeqLens, BlockTable, Out, Lse, TableIn, OffsetIn, TableOut, OffsetOut,
+    Q, K, V, SeqLens, BlockTable, Out, Lse, Final, Counters, TableIn, OffsetIn, TableOut,
+    OffsetOut,
     sq_b, sq_h, sq_n, sq_d, sk_b, sk_h, sk_n, sk_d, sv_b, sv_h, sv_n, sv_d,
     so_s, so_b, so_h, so_n, so_d, sl_s, sl_b, sl_h, sl_n, st_b, st_p, num_blocks,
     n_kv_heads, group, n_queries, n_max, num_splits, window, qk_scale, logn_factor,
@@ -333,7 +352,8 @@ def _decode_split_kernel(
     ROT_KEYS_IN: tl.constexpr, ROT_KEYS_OUT: tl.constexpr, LOGN: tl.constexpr,
     WRITE_LSE: tl.constexpr, DOT_PRECISION: tl.constexpr, ANGLES: tl.constexpr,
     PAGED: tl.constexpr = False, PAGE_SIZE: tl.constexpr = 16, EVICT: tl.constexpr = "",
-    PAGE_LOADS: tl.constexpr = 1,
+    PAGE_LOADS: tl.constexpr = 1, FUSED_MERGE: tl.constexpr = False,
+    MERGE_ROWS: tl.constexpr = 1, SPLITS_BLOCK: tl.constexpr = 1, LSE_BLOCK: tl.constexpr = 1,
 ):
     """Grid ``(B · Hkv, num_splits, cdiv(group · Nq, BLOCK_M))``: one chunk of one row's keys
     for the ``BLOCK_M`` (head, query) rows of one KV-head group.
@@ -342,6 +362,15 @@ def _decode_split_kernel(
     the final output when ``num_splits == 1``, then ``WRITE_LSE`` is off) and its log-sum-exp
     (log2 units, ``-inf`` for a chunk with no visible key) to ``Lse``. A row whose
     ``cache_seqlens`` entry is out of range (``< Nq`` or ``> Nmax``) gets NaN.
+
+    ``FUSED_MERGE`` (with ``num_splits > 1``): the merge happens here, not in
+    :func:`_decode_merge_kernel`. After writing its partial, each program counts itself in
+    ``Counters[program_id(0), program_id(2)]`` (int32, ``(B · Hkv, cdiv(group · Nq,
+    BLOCK_M))``, zero before the launch); the one that finds ``num_splits - 1`` there is the
+    last of its rows' splits: it merges their partials into ``Final`` (``(B, Hq, Nq, D)``
+    contiguous) with :func:`_merge_rows`, ``MERGE_ROWS`` rows and ``SPLITS_BLOCK`` partials
+    per step, the merge kernel's arithmetic in the same order, and sets the
+    counter back to zero for the next launch (a CUDA graph replays with no memset).
 
     ``PAGED``: ``K, V`` are ``(num_blocks, PAGE_SIZE, Hkv, D)`` pools (the ``sk_b, sk_n``
     strides step pages and slots) and ``BlockTable`` ``(B, max_blocks)`` (strides ``st_b,
@@ -436,39 +465,96 @@ def _decode_split_kernel(
     if WRITE_LSE:
         tl.store(Lse + s64 * sl_s + b64 * sl_b + head.to(tl.int64) * sl_h + query * sl_n, lse,
                  mask=row_ok)
+    if FUSED_MERGE:
+        # Every thread's stores come before the count (the barrier); the count releases them
+        # to the GPU, and the last program's count acquires the other programs' partials.
+        tl.debug_barrier()
+        counter = Counters + tl.program_id(0) * tl.num_programs(2) + tl.program_id(2)
+        arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+        if arrived == num_splits - 1:          # the last split of these rows: merge them
+            tl.store(counter, 0)               # ready for the next launch
+            rows_per_head = group * n_queries  # the rows of one KV head, contiguous in Final
+            n_rows = tl.num_programs(0).to(tl.int64) * rows_per_head    # B · Hq · Nq
+            first = (tl.program_id(0).to(tl.int64) * rows_per_head
+                     + tl.program_id(2) * BLOCK_M)
+            count = tl.minimum(rows_per_head - tl.program_id(2) * BLOCK_M, BLOCK_M)
+            for r0 in range(0, count, MERGE_ROWS):
+                _merge_rows(Out, Lse, Final, first + r0, count - r0, n_rows, num_splits,
+                            HEAD_DIM, MERGE_ROWS, SPLITS_BLOCK, LSE_BLOCK)
 
 
 # --- the merge kernel ----------------------------------------------------------------------------
 
 
 @triton.jit
-def _decode_merge_kernel(Part, PartLse, Out, n_rows, num_splits, HEAD_DIM: tl.constexpr,
-                         SPLITS_BLOCK: tl.constexpr):
-    """Grid ``(B · Hq · Nq,)``: ``out = Σ_s 2^(lse_s − m) o_s / Σ_s 2^(lse_s − m)``.
+def _merge_rows(Part, PartLse, Out, first, count, n_rows, num_splits, HEAD_DIM: tl.constexpr,
+                ROWS: tl.constexpr, SPLITS_BLOCK: tl.constexpr, LSE_BLOCK: tl.constexpr):
+    """Merge the partials of rows ``first … first + min(count, ROWS) - 1``:
+    ``out = Σ_s 2^(lse_s − m) o_s / Σ_s 2^(lse_s − m)``, ``m`` the row's largest ``lse_s``.
 
-    ``Part`` ``(S, rows, D)`` fp32 and ``PartLse`` ``(S, rows)`` contiguous; ``Out`` ``(rows,
-    D)`` contiguous. Chunks without a visible key have ``lse = −inf`` and weigh nothing.
+    ``Part`` ``(S, rows, D)`` fp32 and ``PartLse`` ``(S, rows)`` contiguous (``rows =
+    n_rows``); ``Out`` ``(rows, D)`` contiguous. ``ROWS × SPLITS_BLOCK`` partials per step.
+    When every split fits in one step (``num_splits <= SPLITS_BLOCK``) the log-sum-exps and the
+    partials are loaded together, one round trip to memory; else a first pass finds ``m``
+    (``LSE_BLOCK`` log-sum-exps per load, one load for up to ``LSE_BLOCK`` splits) and a
+    second folds the partials. Chunks without a visible key have ``lse = −inf`` and weigh
+    nothing. The partials may come from other programs of the same launch (the fused merge):
+    the loads skip L1 (``.cg``). The merge kernel and the split kernel's fused merge both call
+    this with the same constexprs and warps: the same arithmetic in the same order (the same
+    bits in every CPU test and in every GPU comparison but one, a 1-ulp difference at one
+    shape: perf/runs/decode_h19s5_call1_h200.json).
     """
-    row = tl.program_id(0).to(tl.int64)
     dims = tl.arange(0, HEAD_DIM)
     splits = tl.arange(0, SPLITS_BLOCK)
-    m = tl.full([SPLITS_BLOCK], float("-inf"), tl.float32)
-    for s0 in range(0, num_splits, SPLITS_BLOCK):
-        lse = tl.load(PartLse + (s0 + splits) * n_rows + row, mask=s0 + splits < num_splits,
-                      other=float("-inf"))
-        m = tl.maximum(m, lse)
-    m_max = tl.max(m, 0)
-    total = tl.zeros([SPLITS_BLOCK], tl.float32)
-    acc = tl.zeros([HEAD_DIM], tl.float32)
-    for s0 in range(0, num_splits, SPLITS_BLOCK):
-        ok = s0 + splits < num_splits
-        lse = tl.load(PartLse + (s0 + splits) * n_rows + row, mask=ok, other=float("-inf"))
-        weight = tl.math.exp2(lse - m_max)
-        part = tl.load(Part + ((s0 + splits)[:, None] * n_rows + row) * HEAD_DIM + dims[None, :],
-                       mask=ok[:, None], other=0.0)
-        acc += tl.sum(weight[:, None] * part, 0)
-        total += weight
-    tl.store(Out + row * HEAD_DIM + dims, (acc / tl.sum(total, 0)).to(Out.dtype.element_ty))
+    r = tl.arange(0, ROWS)
+    row_ok = r < count
+    rows = first + r.to(tl.int64)
+    if num_splits <= SPLITS_BLOCK:      # one step: everything loaded at once
+        ok = row_ok[:, None] & (splits < num_splits)[None, :]
+        lse = tl.load(PartLse + splits[None, :] * n_rows + rows[:, None], mask=ok,
+                      other=float("-inf"), cache_modifier=".cg")
+        part = tl.load(Part + ((splits[None, :, None] * n_rows + rows[:, None, None]) * HEAD_DIM
+                               + dims[None, None, :]),
+                       mask=ok[:, :, None], other=0.0, cache_modifier=".cg")
+        m_max = tl.where(row_ok, tl.max(lse, 1), 0.0)
+        weight = tl.math.exp2(lse - m_max[:, None])
+        acc = tl.zeros([ROWS, HEAD_DIM], tl.float32) + tl.sum(weight[:, :, None] * part, 1)
+        total = tl.zeros([ROWS, SPLITS_BLOCK], tl.float32) + weight
+    else:
+        lse_splits = tl.arange(0, LSE_BLOCK)
+        m = tl.full([ROWS, LSE_BLOCK], float("-inf"), tl.float32)
+        for s0 in range(0, num_splits, LSE_BLOCK):
+            ok = row_ok[:, None] & (s0 + lse_splits < num_splits)[None, :]
+            lse = tl.load(PartLse + (s0 + lse_splits)[None, :] * n_rows + rows[:, None],
+                          mask=ok, other=float("-inf"), cache_modifier=".cg")
+            m = tl.maximum(m, lse)
+        m_max = tl.where(row_ok, tl.max(m, 1), 0.0)
+        total = tl.zeros([ROWS, SPLITS_BLOCK], tl.float32)
+        acc = tl.zeros([ROWS, HEAD_DIM], tl.float32)
+        for s0 in range(0, num_splits, SPLITS_BLOCK):
+            ok = row_ok[:, None] & (s0 + splits < num_splits)[None, :]
+            lse = tl.load(PartLse + (s0 + splits)[None, :] * n_rows + rows[:, None], mask=ok,
+                          other=float("-inf"), cache_modifier=".cg")
+            weight = tl.math.exp2(lse - m_max[:, None])
+            part = tl.load(Part + (((s0 + splits)[None, :, None] * n_rows + rows[:, None, None])
+                                   * HEAD_DIM + dims[None, None, :]),
+                           mask=ok[:, :, None], other=0.0, cache_modifier=".cg")
+            acc += tl.sum(weight[:, :, None] * part, 1)
+            total += weight
+    out = acc / tl.where(row_ok, tl.sum(total, 1), 1.0)[:, None]
+    tl.store(Out + rows[:, None] * HEAD_DIM + dims[None, :], out.to(Out.dtype.element_ty),
+             mask=row_ok[:, None])
+
+
+@triton.jit
+def _decode_merge_kernel(Part, PartLse, Out, n_rows, num_splits, HEAD_DIM: tl.constexpr,
+                         ROWS: tl.constexpr, SPLITS_BLOCK: tl.constexpr,
+                         LSE_BLOCK: tl.constexpr):
+    """Grid ``(cdiv(B · Hq · Nq, ROWS),)``: :func:`_merge_rows` of ``ROWS`` rows each (the
+    two-launch path: the split kernel without ``FUSED_MERGE``, then this)."""
+    first = tl.program_id(0).to(tl.int64) * ROWS
+    _merge_rows(Part, PartLse, Out, first, n_rows - first, n_rows, num_splits, HEAD_DIM, ROWS,
+                SPLITS_BLOCK, LSE_BLOCK)
 
 
 # --- the launcher ---------------------------------------------------------------------------------
@@ -501,6 +587,94 @@ def page_loads(block_n, page_size):
     if PAGE_LOADS_RULE is not None:
         return PAGE_LOADS_RULE
     return 1 if block_n // page_size <= MAX_SCALAR_PAGES else 0
+
+
+def merge_blocks(num_splits, head_dim, rows):
+    """How the merge walks the partials (:func:`_merge_rows`) when it merges ``rows`` rows at
+    once: ``(splits, lse)``, ``splits`` partials per row and step (a power of two, at most
+    ``MERGE_SPLITS_BLOCK`` and ``MERGE_TILE`` partial elements per step: registers), and up to
+    ``lse`` log-sum-exps per load of the first pass (``MAX_SPLITS``: one load). The merge takes
+    one step when ``num_splits <= splits``."""
+    splits = triton.next_power_of_2(num_splits)
+    tile = max(1, MERGE_TILE // (rows * head_dim))
+    return (min(splits, MERGE_SPLITS_BLOCK, triton.next_power_of_2(tile + 1) // 2),
+            min(splits, triton.next_power_of_2(MAX_SPLITS)))
+
+
+def fused_merge(num_splits, rows, head_dim):
+    """Whether the split kernel merges the partials itself (one launch per step), for a
+    program of ``rows`` (head, query) rows: ``FUSED_MERGE`` if set (and there is something to
+    merge), else where the merge is one step, ``rows <= FUSED_MERGE_ROWS`` and every split in
+    one load (:func:`merge_blocks`).
+
+    Why: the last program of a row group merges alone, after everything else of its group, so
+    its steps are a tail the launch waits for; the merge kernel spreads the rows over programs
+    that run side by side. On the H200 (Hq=32, Hkv=8, bf16; perf/runs/decode_h19s5_call1_h200.json)
+    one step (B=8: 4 splits; B=1 at 4k: 16) took 0-4 % off a step against two launches (B=1
+    4k: D=64 14.9 -> 14.3 µs, D=128 18.7 -> 18.5; B=8 at 4k / 32k / 128k: D=64 35.0 -> 34.0,
+    150.6 -> 147.5, 537.6 -> 524.5; D=128 52.7 -> 51.4, 274.2 -> 268.4, 1027.4 -> 1027.8);
+    several steps (B=1 at 32k and 128k, 33 splits: three steps at D=128, two at D=64) were
+    0.3-1.1 µs slower than two launches, and at Nq = 4 and 8 (B=1, 32k, D=128: 4 and 8 row
+    groups of 4 in the tile, three steps each) 8.1 and 16.0 µs slower. Not measured: one
+    step with several row groups at B=1; at B=8 with Nq=8 (eight groups, one step each) the
+    fused merge was 5 % faster (351.8 -> 332.7 µs), a case the rule leaves to two launches.
+    """
+    if FUSED_MERGE is not None:
+        return bool(FUSED_MERGE) and num_splits > 1
+    if num_splits == 1 or rows > FUSED_MERGE_ROWS:
+        return False
+    return num_splits <= merge_blocks(num_splits, head_dim, FUSED_MERGE_ROWS)[0]
+
+
+def _raw_stream(index):
+    """The current stream's handle on CUDA device ``index`` (what Triton launches on)."""
+    return torch.cuda.current_stream(index).cuda_stream
+
+
+try:                   # the same without building a Stream object (Triton's own way)
+    _raw_stream = torch._C._cuda_getCurrentRawStream
+except AttributeError:
+    pass
+_COUNTERS = {}         # (device, stream) -> int32 counters, all zero between launches
+_RETIRED = []          # outgrown ones: a captured CUDA graph may still launch on them
+_ALLOC_STREAMS = {}    # device -> the side stream new counters are zeroed on
+
+
+def merge_counters(device, size):
+    """The fused merge's counters for a launch on ``device``'s current stream: an int32 tensor
+    of at least ``size`` zeros (``MIN_COUNTERS``), kept for good.
+
+    The split kernel's last program of each row group sets its counter back to zero, so the
+    buffer is zero again after every launch and needs no memset per step (nor in a CUDA
+    graph). Launches on one stream run one after another, so every call and every plan on a
+    stream share its buffer; two streams get two buffers (concurrent calls never share one).
+    New counters are zeroed on a side stream (the allocation then stays out of a CUDA-graph
+    memory pool that the current stream may be allocating into, e.g. a compiled forward's
+    warm-up) that the current stream waits for; inside a capture they are zeroed on the
+    capturing stream, so that graph zeroes them on each replay (call once on the capture
+    stream first to avoid it). A graph keeps the buffer of the stream it was captured on:
+    replay graphs captured on one stream one at a time, not on several streams at once (as
+    for graphs that share a memory pool).
+    """
+    key = (device, _raw_stream(device.index) if device.type == "cuda" else None)
+    counters = _COUNTERS.get(key)
+    if counters is not None and counters.numel() >= size:
+        return counters
+    if counters is not None:
+        _RETIRED.append(counters)
+    size = max(size, MIN_COUNTERS)
+    if device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+        counters = torch.zeros(size, dtype=torch.int32, device=device)
+    else:
+        stream = torch.cuda.current_stream(device)
+        side = _ALLOC_STREAMS.get(device) or _ALLOC_STREAMS.setdefault(
+            device, torch.cuda.Stream(device))
+        side.wait_stream(stream)
+        with torch.cuda.stream(side):
+            counters = torch.zeros(size, dtype=torch.int32, device=device)
+        stream.wait_stream(side)
+    _COUNTERS[key] = counters
+    return counters
 
 
 def block_m(group, n_queries):
@@ -710,8 +884,12 @@ def rerope_decode(q, k_cache, v_cache, window, cache_seqlens=None, sm_scale=None
     fp16, bf16 or fp32; ``headdim`` in 16, 32, 64, 128, 256. Returns ``out``:
     ``(batch_size, nheads, seqlen_q, headdim)`` in ``q``'s dtype (empty for an empty batch).
     Allocates the output and, when ``num_splits > 1``, the fp32 partials ``(num_splits,
-    batch_size, nheads, seqlen_q, headdim)`` and their log-sum-exps. Forward only: with grad
-    mode on, inputs that require grad raise ``ValueError`` (use :func:`kernels.rerope`).
+    batch_size, nheads, seqlen_q, headdim)`` and their log-sum-exps. Where the merge is one
+    step (:func:`fused_merge`) it runs in the same launch, counted by int32 counters kept per
+    device and stream (:func:`merge_counters`: calls on one stream share them; calls on
+    different streams never do, but CUDA graphs captured on one stream share that stream's, so
+    replay those one at a time); else in a second launch. Forward only: with grad mode on,
+    inputs that require grad raise ``ValueError`` (use :func:`kernels.rerope`).
     """
     if torch.compiler.is_compiling():          # an opaque op for the compiler (see _decode_op)
         inv_freq = as_frequencies(inv_freq)
@@ -737,7 +915,8 @@ def _check_forward_only(q, k_cache, v_cache):
 
 
 def _run(plan, q, k_cache, v_cache, cache_seqlens, block_table=None):
-    """Launch a call's :class:`_Plan`: allocate the output (and partials), one or two launches."""
+    """Launch a call's :class:`_Plan`: allocate the output (and partials), one launch (one
+    split, or the merge fused into the split kernel) or two (split, merge)."""
     if q.numel() == 0:                             # an empty batch: nothing to attend
         return torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if cache_seqlens is None:
@@ -758,14 +937,17 @@ def _run(plan, q, k_cache, v_cache, cache_seqlens, block_table=None):
         part = torch.empty(plan.part_shape, dtype=torch.float32, device=q.device)
         lse = torch.empty(plan.part_shape[:-1], dtype=torch.float32, device=q.device)
     table = cache_seqlens if block_table is None else block_table   # (never read if None)
+    # the fused merge's counters (this stream's); otherwise never read
+    counters = merge_counters(q.device, plan.n_counters) if plan.fused else out
     launches = plan.launches
     if launches:           # the kept launches: the plan's arguments bound (Launcher.fixed)
-        launches[0](q, k_cache, v_cache, cache_seqlens, table, part, lse)
-        if plan.num_splits > 1:
+        launches[0](q, k_cache, v_cache, cache_seqlens, table, part, lse, out, counters)
+        if plan.num_splits > 1 and not plan.fused:
             launches[1](part, lse, out)
     else:
-        plan.split(q, k_cache, v_cache, cache_seqlens, table, part, lse, *plan.split_args)
-        if plan.num_splits > 1:
+        plan.split(q, k_cache, v_cache, cache_seqlens, table, part, lse, out, counters,
+                   *plan.split_args)
+        if plan.num_splits > 1 and not plan.fused:
             plan.merge(part, lse, out, *plan.merge_args)
         if plan.split.bound or INTERPRET:          # keep them once bound (not in a capture)
             launches += [plan.split.fixed(*plan.split_args),
@@ -799,11 +981,14 @@ def _(q, *args):
 class _Plan:
     """Everything a call derives from its arguments' shapes and settings (not their data);
     ``launches``: the split and merge launches with the plan's arguments bound
-    (:meth:`kernels.launch.Launcher.fixed`), kept by the first call whose launch bound."""
+    (:meth:`kernels.launch.Launcher.fixed`), kept by the first call whose launch bound.
+    ``fused``: the split kernel merges (:func:`fused_merge`), with ``n_counters`` counters."""
 
     n_queries: int
     n_max: int
     num_splits: int
+    fused: bool
+    n_counters: int
     page_size: Optional[int]  # keys per page of a paged cache, None for a contiguous one
     full_lengths: Optional[torch.Tensor]    # the lengths of a call that gives none
     part_shape: tuple
@@ -829,7 +1014,8 @@ def _plan(q, k_cache, v_cache, window, cache_seqlens, sm_scale, base, leaky, log
         key = (signature(q, k_cache, v_cache, cache_seqlens, block_table),
                type(cache_seqlens), type(block_table), settings, tuple(map(type, settings)),
                tuple(launch_config(q.shape[-1]).items()), PROGRAMS_PER_SM, PAGE_LOADS_RULE,
-               MAX_SCALAR_PAGES, MERGE_SPLITS_BLOCK)
+               MAX_SCALAR_PAGES, MERGE_SPLITS_BLOCK, MERGE_ROWS, FUSED_MERGE_ROWS, MERGE_TILE,
+               FUSED_MERGE)
         plan = _PLANS.get(key)
     except (AttributeError, TypeError):    # not tensors, unhashable settings: checks will say
         key, plan = None, None
@@ -874,18 +1060,26 @@ def _make_plan(q, k_cache, v_cache, window, cache_seqlens, sm_scale, base, leaky
     lse_strides = _contiguous_strides((num_splits, batch, hq, n_queries))
     if num_splits == 1:
         part_strides, lse_strides = (0, *_contiguous_strides(q.shape)), (0, 0, 0, 0)
+    fused = fused_merge(num_splits, min(group * n_queries, rows_per_program), d)
+    merge_rows = FUSED_MERGE_ROWS if fused else MERGE_ROWS
+    splits_block, lse_block = merge_blocks(num_splits, d, merge_rows)
+    program_blocks = triton.cdiv(group * n_queries, rows_per_program)
     split = Launcher(
-        _decode_split_kernel,
-        (batch * hkv, num_splits, triton.cdiv(group * n_queries, rows_per_program)),
+        _decode_split_kernel, (batch * hkv, num_splits, program_blocks),
         HEAD_DIM=d, BLOCK_M=rows_per_program, ROT_KEYS_IN=rotation.flags["TURN_IN"],
         ROT_KEYS_OUT=rotation.flags["TURN_OUT"], LOGN=logn_len is not None, WRITE_LSE=num_splits > 1,
         DOT_PRECISION=dot_precision(compute_dtype), PAGED=paged,
         PAGE_SIZE=k_cache.shape[1] if paged else 16,
-        PAGE_LOADS=page_loads(config["BLOCK_N"], k_cache.shape[1]) if paged else 1, **config)
-    merge = Launcher(_decode_merge_kernel, (n_rows,), HEAD_DIM=d,
-                     SPLITS_BLOCK=min(triton.next_power_of_2(num_splits), MERGE_SPLITS_BLOCK))
+        PAGE_LOADS=page_loads(config["BLOCK_N"], k_cache.shape[1]) if paged else 1,
+        **(dict(FUSED_MERGE=True, MERGE_ROWS=merge_rows, SPLITS_BLOCK=splits_block,
+                LSE_BLOCK=lse_block) if fused else {}), **config)
+    # the merge kernel with the split kernel's warps: the same layouts as the fused merge
+    merge = Launcher(_decode_merge_kernel, (triton.cdiv(n_rows, merge_rows),), HEAD_DIM=d,
+                     ROWS=merge_rows, SPLITS_BLOCK=splits_block, LSE_BLOCK=lse_block,
+                     **{k: v for k, v in config.items() if k == "num_warps"})
     return _Plan(
-        n_queries=n_queries, n_max=n_max, num_splits=num_splits,
+        n_queries=n_queries, n_max=n_max, num_splits=num_splits, fused=fused,
+        n_counters=batch * hkv * program_blocks,
         page_size=k_cache.shape[1] if paged else None,
         # only where no lengths come: a plan built inside a compiled forward's CUDA-graph
         # warm-up must keep no tensor of its own (it would sit in the graph's memory pool)

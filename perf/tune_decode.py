@@ -225,7 +225,7 @@ def main():
     save()
 
 
-if __name__ == "__main__" and not {"--round2", "--round3"} & set(sys.argv):
+if __name__ == "__main__" and not {"--round2", "--round3", "--s5"} & set(sys.argv):
     with torch.no_grad():
         main()
 
@@ -257,6 +257,7 @@ def round2():
     started = time.perf_counter()
     result = {"meta": run_meta(window=WINDOW, dtype="bfloat16", Hq=HQ, Hkv=HKV)}
     save = saver(result, "decode_round2.json", started)
+    decode.FUSED_MERGE = False          # this round timed the two-launch path (split, merge)
 
     specs = set()
     for d, cfgs in R2_STAGES.items():
@@ -306,7 +307,8 @@ def round2():
                     if not plan.launches:
                         continue
                     split = plan.launches[0]
-                    rows.append(timed(lambda: split(q, k, v, lengths, lengths, part, lse),
+                    rows.append(timed(lambda: split(q, k, v, lengths, lengths, part, lse,
+                                                    part, part),
                                       batch, n, d, impl="split_only", config=list(cfg),
                                       num_splits=plan.num_splits))
             save()
@@ -441,3 +443,296 @@ def round3():
 if __name__ == "__main__" and "--round3" in sys.argv:
     with torch.no_grad():
         round3()
+
+
+# --- issue 19, session 5 (h19): the merge folded into the split kernel; TMA reads ---------------
+
+S5_GRID = [(b, n) for b in (1, 8, 32) for n in (4096, 32768, 131072)]
+S5_EXTRA = [(1, 32768, 4), (1, 32768, 8), (8, 32768, 8)]       # (B, context, Nq), D = 128
+# rerope_decode variants: (decode.FUSED_MERGE, rows merged at once: decode.MERGE_ROWS and
+# decode.FUSED_MERGE_ROWS both); "base" is the code before (commit e8b0be5, imported as the
+# package kernels_base when the device script provides it). Run once (session 5, call 1:
+# perf/runs/decode_h19s5_call1_h200.json); s5_diagnose was added after it and has not run.
+S5_VARIANTS = {"two_launch": (False, 1), "fused_rows1": (True, 1), "fused_rows4": (True, 4)}
+S5_SDPA = ("sdpa_cudnn", "sdpa_flash")
+S5_READ = {64: 128, 128: 64}            # the TMA probe: head dim -> keys per tile
+S5_BUDGET_S = 240                       # no new shape after this many seconds
+
+
+def s5_impl(name):
+    """``(rerope_decode, decode module)`` of a variant, its switches set."""
+    if name == "base":
+        import kernels_base
+        from kernels_base import decode as base_decode
+        return kernels_base.rerope_decode, base_decode
+    import kernels
+    from kernels import decode
+
+    decode.FUSED_MERGE, rows = S5_VARIANTS[name]
+    decode.MERGE_ROWS = decode.FUSED_MERGE_ROWS = rows
+    return kernels.rerope_decode, decode
+
+
+def s5_splits(batch, n, nq=1):
+    from kernels import decode
+
+    return decode.default_num_splits(batch, HKV, HQ // HKV, nq, n, 132)
+
+
+def s5_warm(spec):
+    """Compile one variant on a 4096-key cache (the timed calls' specialisation)."""
+    name, d, batch, nq, splits = spec
+    if name == "read":                  # the TMA probe's kernel (nq: TMA or not)
+        from kernels import attention
+
+        attention._ensure_scratch_allocator()
+        k = torch.randn(8, 8192, d, device="cuda", dtype=torch.bfloat16)
+        out = torch.empty(8 * 2, device="cuda", dtype=torch.float32)
+        _s5_read_kernel()[(8, 2)](k, k, out, 8192, 4096, HEAD_DIM=d, BLOCK_N=S5_READ[d],
+                                  TMA=bool(nq), num_warps=4, num_stages=3)
+        torch.cuda.synchronize()
+        return spec
+    decode_fn, _ = s5_impl(name)
+    q = torch.randn(batch, HQ, nq, d, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(batch, HKV, 4096, d, device="cuda", dtype=torch.bfloat16)
+    decode_fn(q, k, torch.randn_like(k), WINDOW, num_splits=splits)
+    torch.cuda.synchronize()
+    return spec
+
+
+def _s5_read_kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def read_kv(K, V, Out, n_keys, chunk, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
+                TMA: tl.constexpr):
+        """The decode kernel's reads without its softmax: one program per (row, chunk) of a
+        ``(rows, n_keys, D)`` K and V, a 16-row product per tile as the decode kernel does
+        (``q kᵀ`` then ``p v``, so the loads are pipelined the same way), TMA tensor
+        descriptors or pointer loads; one number out per program."""
+        row = tl.program_id(0).to(tl.int64)
+        lo = tl.program_id(1) * chunk
+        k_row, v_row = K + row * n_keys * HEAD_DIM, V + row * n_keys * HEAD_DIM
+        offs_n, dims = tl.arange(0, BLOCK_N), tl.arange(0, HEAD_DIM)
+        if TMA:
+            k_desc = tl.make_tensor_descriptor(k_row, shape=[n_keys, HEAD_DIM],
+                                               strides=[HEAD_DIM, 1],
+                                               block_shape=[BLOCK_N, HEAD_DIM])
+            v_desc = tl.make_tensor_descriptor(v_row, shape=[n_keys, HEAD_DIM],
+                                               strides=[HEAD_DIM, 1],
+                                               block_shape=[BLOCK_N, HEAD_DIM])
+        q = tl.full([16, HEAD_DIM], 0.01, K.dtype.element_ty)
+        acc = tl.zeros([16, HEAD_DIM], tl.float32)
+        for start in range(lo, lo + chunk, BLOCK_N):
+            if TMA:
+                k = k_desc.load([start, 0])
+                v = v_desc.load([start, 0])
+            else:
+                k = tl.load(k_row + (start + offs_n)[:, None] * HEAD_DIM + dims[None, :])
+                v = tl.load(v_row + (start + offs_n)[:, None] * HEAD_DIM + dims[None, :])
+            scores = tl.dot(q, tl.trans(k))
+            acc = tl.dot(scores.to(v.dtype), v, acc)
+        tl.store(Out + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1), tl.sum(acc))
+    return read_kv
+
+
+def s5_read_probe(read_bytes_s, rows_out):
+    """TMA against pointer loads in :func:`_s5_read_kernel`, B=32 x Hkv=8 rows of 128k keys
+    (the B=32 128k decode shape, one program per row) and B=1 128k in 32 chunks per row."""
+    from kernels import attention
+
+    attention._ensure_scratch_allocator()
+    kernel = _s5_read_kernel()
+    for d, block_n in S5_READ.items():
+        for rows, n, chunks in ((256, 131072, 1), (8, 131072, 32)):
+            k = torch.randn(rows, n, d, device="cuda", dtype=torch.bfloat16)
+            v = torch.randn_like(k)
+            outs = {}
+            for tma in (False, True):
+                for stages in (3,):
+                    out = torch.empty(rows * chunks, device="cuda", dtype=torch.float32)
+                    step = lambda: kernel[(rows, chunks)](k, v, out, n, n // chunks, HEAD_DIM=d,
+                                                          BLOCK_N=block_n, TMA=tma, num_warps=4,
+                                                          num_stages=stages)
+                    try:
+                        from kernels import bench_decode as bd
+                        us = bd.graph_us(step)
+                        outs[tma, stages] = out.clone()
+                        rows_out.append(dict(probe="read_kv", D=d, rows=rows, context=n,
+                                             chunks=chunks, tma=tma, num_stages=stages, us=us,
+                                             tb_s=2 * k.numel() * 2 / us / 1e6,
+                                             of_read_bound=2 * k.numel() * 2 / read_bytes_s
+                                             * 1e6 / us))
+                    except Exception as error:      # report it and go on
+                        rows_out.append(dict(probe="read_kv", D=d, rows=rows, tma=tma,
+                                             num_stages=stages,
+                                             error=f"{type(error).__name__}: {error}"[:300]))
+                    print(rows_out[-1], flush=True)
+            if (False, 3) in outs and (True, 3) in outs:
+                rows_out[-1]["tma_equals_pointer"] = bool(torch.equal(outs[False, 3],
+                                                                      outs[True, 3]))
+            del k, v
+            torch.cuda.empty_cache()
+
+
+def s5_diagnose(q, k, v, repeats=10):
+    """Where a fused output could differ from the two-launch one: the partials and
+    log-sum-exps the two split kernels write (``torch.equal``), the merge kernel's output from
+    the two-launch partials against the fused output, and ``repeats`` fused calls into
+    NaN-filled buffers (a merge that read a partial before it was written shows as NaN or as
+    a difference between repeats). Written after call 1, for the one shape whose fused output
+    differed there (D=128, B=8, Nq=8, one row at a time); not run yet."""
+    import torch.utils.deterministic as det
+
+    outs, parts = {}, {}
+    for key, name in (("two_launch", "two_launch"), ("fused", "fused_rows1")):
+        _, dec = s5_impl(name)
+        dec.rerope_decode(q, k, v, WINDOW)
+        plan = dec._plan(q, k, v, WINDOW, None, None, 10000.0, None, None, True, None)
+        part = torch.full(plan.part_shape, float("nan"), dtype=torch.float32, device="cuda")
+        lse = torch.full(plan.part_shape[:-1], float("nan"), dtype=torch.float32, device="cuda")
+        out = torch.full(q.shape, float("nan"), dtype=q.dtype, device="cuda")
+        counters = dec.merge_counters(q.device, plan.n_counters) if plan.fused else out
+        lengths = plan.full_lengths
+        plan.launches[0](q, k, v, lengths, lengths, part, lse, out, counters)
+        if not plan.fused:
+            plan.launches[1](part, lse, out)
+        outs[key], parts[key] = out, (part, lse)
+    torch.cuda.synchronize()
+    found = dict(partials_equal=bool(torch.equal(parts["fused"][0], parts["two_launch"][0])),
+                 lse_equal=bool(torch.equal(parts["fused"][1], parts["two_launch"][1])),
+                 outputs_equal=bool(torch.equal(outs["fused"], outs["two_launch"])),
+                 outputs_max_abs_diff=(outs["fused"].float() - outs["two_launch"].float())
+                 .abs().max().item())
+    fn, _ = s5_impl("fused_rows1")
+    was = torch.are_deterministic_algorithms_enabled(), det.fill_uninitialized_memory
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    det.fill_uninitialized_memory = True           # torch.empty: NaN
+    try:
+        runs = [fn(q, k, v, WINDOW) for _ in range(repeats)]
+    finally:
+        det.fill_uninitialized_memory = was[1]
+        torch.use_deterministic_algorithms(was[0])
+    torch.cuda.synchronize()
+    found.update(repeats_equal=all(torch.equal(r, runs[0]) for r in runs),
+                 repeats_finite=all(bool(torch.isfinite(r).all()) for r in runs),
+                 repeat_equals_fused=bool(torch.equal(runs[0], outs["fused"])))
+    return found
+
+
+def round_s5():
+    """``python perf/tune_decode.py --s5``: writes ``$OUT/decode_h19s5.json``.
+
+    * the grid's (D, B, context) shapes, bf16, window 2048, Nq = 1 (and a few Nq = 4 / 8 at
+      D=128): ``base`` (the code before), the two-launch path, the fused merge with 1 and 4
+      rows per step, SDPA cuDNN and flash; two rounds, the second in reverse order; at B <= 8
+      the split kernel alone (the two-launch path's first launch); every variant's output
+      against the two-launch one (``torch.equal``) and the base (max |diff|);
+    * the TMA probe (:func:`s5_read_probe`).
+    """
+    from kernels import bench_decode as bd
+
+    started = time.perf_counter()
+    result = {"meta": run_meta(window=WINDOW, dtype="bfloat16", Hq=HQ, Hkv=HKV,
+                               variants=S5_VARIANTS)}
+    save = saver(result, "decode_h19s5.json", started)
+    try:
+        import kernels_base  # noqa: F401
+        names = ["base", *S5_VARIANTS]
+    except ImportError:
+        names = list(S5_VARIANTS)
+    shapes = [(d, b, n, 1) for d in (64, 128) for b, n in S5_GRID]
+    shapes += [(128, b, n, nq) for b, n, nq in S5_EXTRA]
+    specs = sorted({(name, d, b, nq, s5_splits(b, n, nq)) for d, b, n, nq in shapes
+                    for name in names}, key=str)
+    specs += [("read", d, 0, tma, 0) for d in S5_READ for tma in (0, 1)]
+    with cf.ProcessPoolExecutor(max_workers=15, mp_context=mp.get_context("spawn")) as pool:
+        list(pool.map(s5_warm, specs))
+    result["meta"]["warm"] = {"variants": len(specs),
+                              "wall_s": round(time.perf_counter() - started, 1)}
+    print("warm", result["meta"]["warm"], flush=True)
+    wait = os.environ.get("WAIT_PID")       # the GPU tests: let them finish first
+    while wait and os.path.exists(f"/proc/{wait}"):
+        time.sleep(0.5)
+    read, reads = bd.triton_read_bandwidth()
+    result["meta"].update(read_tb_s=read / 1e12,
+                          read_configs_tb_s={k: v / 1e12 for k, v in reads.items()})
+    bd.TIME_BUDGET_S, bd.MIN_REPS = 0.03, 5
+    timed = timer(read)
+    rows = result["rows"] = []
+    checks = result["checks"] = []
+    # a first capture on the default capture stream: its counters are allocated (and zeroed in
+    # that graph) here, not in the first timed graph
+    q0 = torch.randn(1, HQ, 1, 64, device="cuda", dtype=torch.bfloat16)
+    k0 = torch.randn(1, HKV, 4096, 64, device="cuda", dtype=torch.bfloat16)
+    fn, _ = s5_impl("fused_rows1")
+    bd.graph_us(lambda: fn(q0, k0, k0, WINDOW))
+    probe = result["read_probe"] = []
+    for index, (d, batch, n, nq) in enumerate(shapes):
+        if index == 2 * len(S5_GRID):       # the grid done: the TMA probe, then the extras
+            try:
+                s5_read_probe(read, probe)
+            except Exception as error:
+                probe.append(dict(error=f"{type(error).__name__}: {error}"[:300]))
+            save()
+        if time.perf_counter() - started > S5_BUDGET_S:
+            result["meta"]["stopped_early"] = [d, batch, n, nq]
+            break
+        torch.manual_seed(0)
+        k = torch.randn(batch, HKV, n, d, device="cuda", dtype=torch.bfloat16)
+        v = torch.randn_like(k)
+        q = torch.randn(batch, HQ, nq, d, device="cuda", dtype=torch.bfloat16)
+        info = dict(Nq=nq, num_splits=s5_splits(batch, n, nq))
+        outs = {}
+        for name in names:
+            fn, _ = s5_impl(name)
+            outs[name] = fn(q, k, v, WINDOW)
+        torch.cuda.synchronize()
+        for name in names:
+            checks.append(dict(D=d, B=batch, context=n, impl=name, **info,
+                               equal_two_launch=bool(torch.equal(outs[name],
+                                                                 outs["two_launch"])),
+                               max_abs_diff_base=(outs[name].float() - outs[names[0]].float())
+                               .abs().max().item()))
+        _, new_decode = s5_impl("two_launch")
+        print("checks", checks[-len(names):], "counters zero",
+              all(not bool(c.any()) for c in new_decode._COUNTERS.values()), flush=True)
+        if nq > 1:
+            result.setdefault("diagnosis", []).append(dict(D=d, B=batch, context=n, Nq=nq,
+                                                           **s5_diagnose(q, k, v)))
+            print("diagnosis", result["diagnosis"][-1], flush=True)
+        order = list(S5_SDPA) + names
+        for round_ in (0, 1):
+            for name in (order if round_ == 0 else order[::-1]):
+                if name in S5_SDPA:
+                    step = bd.build_step(name, q, k, v, WINDOW, None)
+                else:
+                    fn, _ = s5_impl(name)
+                    step = lambda: fn(q, k, v, WINDOW)
+                try:
+                    rows.append(timed(step, batch, n, d, impl=name, round=round_, **info))
+                except Exception as error:
+                    rows.append(dict(D=d, B=batch, context=n, impl=name, round=round_,
+                                     error=f"{type(error).__name__}: {error}"[:300], **info))
+                    print(rows[-1], flush=True)
+            if batch <= 8 and info["num_splits"] > 1:   # the split kernel alone
+                _, dec = s5_impl("two_launch")
+                plan = dec._plan(q, k, v, WINDOW, None, None, 10000.0, None, None, True, None)
+                if plan.launches:
+                    part = torch.empty(plan.part_shape, dtype=torch.float32, device="cuda")
+                    lse = torch.empty(plan.part_shape[:-1], dtype=torch.float32, device="cuda")
+                    split, lengths = plan.launches[0], plan.full_lengths
+                    rows.append(timed(lambda: split(q, k, v, lengths, lengths, part, lse, part,
+                                                    part), batch, n, d, impl="split_only",
+                                      round=round_, **info))
+        save()
+        del k, v, q, outs
+        torch.cuda.empty_cache()
+    save()
+    print("done", round(time.perf_counter() - started, 1), flush=True)
+
+
+if __name__ == "__main__" and "--s5" in sys.argv:
+    with torch.no_grad():
+        round_s5()

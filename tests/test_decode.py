@@ -349,6 +349,110 @@ def test_out_of_range_lengths_give_nan_rows(monkeypatch, gen):
         assert not problems, "\n".join(problems)
 
 
+# --- the merge folded into the split kernel ------------------------------------------------------
+
+
+def _plan_of(q, k_cache, v_cache, lengths, case, block_table=None):
+    return decode._plan(q, k_cache, v_cache, case.window, lengths, case.sm_scale, 10000.0,
+                        case.leaky, case.logn_len, case.rotated, case.num_splits, None,
+                        block_table)
+
+
+def counters_all_zero():
+    """Whether every merge-counter buffer (every device and stream) is back to zero."""
+    return all(not bool(c.any()) for c in decode._COUNTERS.values())
+
+
+FUSED_CASES = [   # (case, MERGE_ROWS, other decode settings)
+    # one split: nothing to merge, one launch either way
+    (DecodeCase(100, (100, 37), 1, 20, hq=4, hkv=2, num_splits=1), 1, {}),
+    # GQA, batch 3, Nq 1 and 3, a few splits
+    (DecodeCase(100, (100, 37, 64), 1, 20, hq=4, hkv=2, num_splits=3), 1, {}),
+    (DecodeCase(100, (100, 5), 3, 20, hq=8, hkv=2, num_splits=4, leaky=8.0), 4, {}),
+    # more splits than key tiles (100 keys, 7 tiles): the spare splits weigh nothing
+    (DecodeCase(100, (100, 60), 2, 33, hq=4, hkv=1, num_splits=40), 1, {}),
+    # two row blocks per KV head (16 heads x 5 queries = 80 rows > MAX_BLOCK_M = 64), rows
+    # merged 4 at a time (the last block: 16 rows)
+    (DecodeCase(40, (40, 23), 5, 9, hq=16, hkv=1, num_splits=2, rotated=False), 4, {}),
+    # splits beyond one merge step (4 per step): the two passes (log-sum-exps, then partials)
+    (DecodeCase(300, (300, 250), 2, 33, hq=4, hkv=2, num_splits=11, logn_len=32), 2,
+     {"MERGE_SPLITS_BLOCK": 4}),
+]
+
+
+@pytest.mark.parametrize("case, merge_rows, settings", FUSED_CASES,
+                         ids=[f"{c.id()}-rows{r}" + "".join(f"-{k}{v}" for k, v in o.items())
+                              for c, r, o in FUSED_CASES])
+def test_fused_merge_equals_two_launches(case, merge_rows, settings, gen, monkeypatch):
+    """The split kernel's own merge (``FUSED_MERGE``, one launch) gives the bits of the
+    two-launch path (split kernel, then the merge kernel) and matches the float64 oracle;
+    under poisoned allocations; the counters are zero after each call and a repeated call
+    gives the same output. Both paths merge ``merge_rows`` rows at once here; the merge in
+    one step and in two passes (:func:`decode.merge_blocks`) are both run."""
+    monkeypatch.setattr(decode, "MERGE_ROWS", merge_rows)
+    monkeypatch.setattr(decode, "FUSED_MERGE_ROWS", merge_rows)
+    for name, value in settings.items():
+        monkeypatch.setattr(decode, name, value)
+    one_step = case.num_splits <= decode.merge_blocks(case.num_splits, case.d, merge_rows)[0]
+    assert one_step == (not settings)
+    q, k_cache, v_cache, lengths = make_cache(gen, case, len(case.lengths), kernel_device())
+    outs = {}
+    for fused in (False, True):
+        monkeypatch.setattr(decode, "FUSED_MERGE", fused)
+        plan = _plan_of(q, k_cache, v_cache, lengths, case)
+        assert plan.fused == (fused and case.num_splits > 1)
+        outs[fused] = run_kernel(q, k_cache, v_cache, lengths, case)
+        assert counters_all_zero(), "a merge counter was left non-zero"
+    assert torch.equal(outs[True], outs[False]), "fused merge differs from the merge kernel"
+    again = run_kernel(q, k_cache, v_cache, lengths, case)
+    assert torch.equal(again, outs[True]) and counters_all_zero()
+    problems = close_problems("out", outs[True], oracle(q, k_cache, v_cache, lengths, case),
+                              tolerance(case.dtype))
+    assert not problems, "\n".join(problems)
+
+
+def test_fused_merge_rule_and_bad_lengths(monkeypatch, gen):
+    """The rule: the merge is fused where it is one step for the program's rows (at most
+    ``FUSED_MERGE_ROWS`` rows, every split in one load: 16 splits at D=128, 32 at D=64), and
+    ``FUSED_MERGE`` forces either path; rows with an out-of-range length come out NaN through
+    the fused merge too (the host check switched off), the others right."""
+    rule, splits = decode.fused_merge, decode.default_num_splits
+    assert rule(splits(8, 8, 4, 1, 131072), 4, 128) and rule(splits(1, 8, 4, 1, 4096), 4, 128)
+    assert not rule(splits(1, 8, 4, 1, 131072), 4, 128)             # 33 splits: two launches
+    assert rule(32, 4, 64) and not rule(33, 4, 64) and not rule(16, 4, 256)
+    assert not rule(4, 8, 128) and not rule(1, 4, 128) and rule(2, 1, 128)
+    monkeypatch.setattr(decode, "FUSED_MERGE", False)
+    assert not rule(3, 4, 128)
+    monkeypatch.setattr(decode, "FUSED_MERGE", True)
+    assert not rule(1, 4, 128) and rule(64, 64, 128)
+    monkeypatch.setattr(decode, "_check_lengths_on_host", lambda *args: None)
+    case = DecodeCase(20, (20, 1, 21, 9), 2, 4, hq=2, hkv=1, num_splits=3)
+    q, k_cache, v_cache, _ = make_cache(gen, DecodeCase(**{**asdict(case), "lengths": (20,) * 4}),
+                                        4, kernel_device())
+    out = run_kernel(q, k_cache, v_cache, _lengths(*case.lengths), case)
+    assert out[1].isnan().all() and out[2].isnan().all(), "bad rows must be NaN"
+    assert counters_all_zero()
+    good = DecodeCase(**{**asdict(case), "lengths": (20, 9)})
+    want = oracle(q[[0, 3]], k_cache[[0, 3]], v_cache[[0, 3]], _lengths(20, 9), good)
+    assert not close_problems("good rows", out[[0, 3]], want, tolerance(F32))
+
+
+def test_merge_counters_grow_and_stay(monkeypatch):
+    """``merge_counters``: at least ``MIN_COUNTERS`` zeros per (device, stream), the same
+    buffer while it is large enough, a larger one when not (the outgrown one kept alive: a
+    captured graph may still use it)."""
+    monkeypatch.setattr(decode, "_COUNTERS", {})
+    monkeypatch.setattr(decode, "_RETIRED", [])
+    device = torch.device(kernel_device(), 0) if kernel_device() == "cuda" else torch.device("cpu")
+    first = decode.merge_counters(device, 10)
+    assert first.dtype == torch.int32 and first.numel() == decode.MIN_COUNTERS
+    assert not first.any() and first.device == device
+    assert decode.merge_counters(device, decode.MIN_COUNTERS) is first
+    bigger = decode.merge_counters(device, decode.MIN_COUNTERS + 1)
+    assert bigger.numel() == decode.MIN_COUNTERS + 1 and not bigger.any()
+    assert decode._RETIRED == [first] and decode.merge_counters(device, 5) is bigger
+
+
 # --- GPU ------------------------------------------------------------------------------------------
 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -438,3 +542,70 @@ def test_gpu_out_of_range_lengths_and_graph_replay(gen):
                                                                        "lengths": tuple(new)}))
         problems = close_problems("replay", captured, want, tolerance(F16, "gpu"))
         assert not problems, "\n".join(problems)
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("d, merge_rows", [(64, 1), (128, 1), (128, 4)])
+def test_gpu_fused_merge_equals_two_launches(d, merge_rows, monkeypatch):
+    """Benchmark-sized caches (32k keys, bf16, Hq=32, Hkv=8): B=1 (33 splits), B=8 (4), Nq 8
+    (32-row tiles), Nq 4 with per-row lengths: the fused merge gives the two-launch path's bits
+    (both merging ``merge_rows`` rows at once),
+    under poisoned allocations, and leaves every counter at zero."""
+    monkeypatch.setattr(decode, "MERGE_ROWS", merge_rows)
+    monkeypatch.setattr(decode, "FUSED_MERGE_ROWS", merge_rows)
+    torch.manual_seed(d)
+    k = torch.randn(8, 8, 32768, d, device="cuda", dtype=BF16)
+    v = torch.randn_like(k)
+    for batch, nq, lengths in ((1, 1, None), (8, 1, None), (1, 8, None),
+                               (3, 4, (32768, 5000, 17))):
+        q = torch.randn(batch, 32, nq, d, device="cuda", dtype=BF16)
+        seqlens = torch.tensor(lengths or (32768,) * batch, dtype=torch.int32, device="cuda")
+        outs = {}
+        for fused in (False, True):
+            monkeypatch.setattr(decode, "FUSED_MERGE", fused)
+            with poisoned_empty():
+                outs[fused] = kernels.rerope_decode(q, k[:batch], v[:batch], 2048,
+                                                    cache_seqlens=seqlens)
+        torch.cuda.synchronize()
+        assert torch.isfinite(outs[True]).all()
+        assert torch.equal(outs[True], outs[False]), f"B={batch} Nq={nq}: fused differs"
+        assert counters_all_zero(), f"B={batch} Nq={nq}: a counter was left non-zero"
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_gpu_fused_merge_graphs_and_streams(gen):
+    """CUDA graphs of the fused merge: captured on a stream that never ran a decode step (its
+    counters are allocated and zeroed inside the capture), then again on that stream (its
+    buffer kept); replayed several times they equal the eager call and leave the counters at
+    zero (no memset per replay needed). Two other streams get buffers of their own."""
+    case = DecodeCase(4096, (4096, 1000, 3001), 1, 512, hq=32, hkv=8, d=128, dtype=BF16,
+                      num_splits=8)
+    q, k_cache, v_cache, lengths = make_cache(gen, case, 3, "cuda")
+    settings = dict(cache_seqlens=lengths, num_splits=8)
+    want = kernels.rerope_decode(q, k_cache, v_cache, case.window, **settings)
+    assert _plan_of(q, k_cache, v_cache, lengths, case).fused
+    stream = torch.cuda.Stream()
+    graphs = []
+    for _ in range(2):
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            out = kernels.rerope_decode(q, k_cache, v_cache, case.window, **settings)
+        graphs.append((graph, out))
+    for graph, out in graphs + graphs[::-1]:
+        for _ in range(3):
+            graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, want), "a graph replay differs from the eager call"
+        assert counters_all_zero()
+    sides = torch.cuda.Stream(), torch.cuda.Stream()
+    outs = []
+    for side in sides:
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            outs.append(kernels.rerope_decode(q, k_cache, v_cache, case.window, **settings))
+    torch.cuda.synchronize()
+    assert all(torch.equal(out, want) for out in outs) and counters_all_zero()
+    streams = {stream for (device, stream) in decode._COUNTERS if device.type == "cuda"}
+    assert {s.cuda_stream for s in (stream, *sides)} <= streams

@@ -172,6 +172,28 @@ def test_paged_strided_pools_tables_and_the_plan(gen):
     assert torch.equal(sliced, got)
 
 
+@pytest.mark.parametrize("case", [
+    PagedCase(16, (100, 17, 64), n_queries=3, hq=8, hkv=2, num_splits=3),
+    PagedCase(32, (90, 33), n_queries=1, hq=4, hkv=1, num_splits=9, rotated=False),  # > tiles
+], ids=PagedCase.id)
+def test_paged_fused_merge_equals_two_launches(case, gen, monkeypatch):
+    """On a paged cache too, the split kernel's own merge gives the two-launch path's bits
+    (both merging the same rows at once; and the contiguous call's, and the oracle's), and
+    leaves every merge counter at zero."""
+    monkeypatch.setattr(decode, "MERGE_ROWS", decode.FUSED_MERGE_ROWS)
+    q, k, v, k_pages, v_pages, table, lengths = build(gen, case, kernel_device())
+    outs = {}
+    for fused in (False, True):
+        monkeypatch.setattr(decode, "FUSED_MERGE", fused)
+        outs[fused] = decode_call(q, k_pages, v_pages, lengths, case, block_table=table)
+        assert all(not bool(c.any()) for c in decode._COUNTERS.values())
+    assert torch.equal(outs[True], outs[False]), "fused merge differs from the merge kernel"
+    assert torch.equal(outs[True], decode_call(q, k, v, lengths, case))
+    problems = close_problems("fused paged vs float64", outs[True],
+                              oracle(q, k, v, lengths, case), tolerance(case.dtype))
+    assert not problems, "\n".join(problems)
+
+
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")     # numpy on the NaN rows
 def test_out_of_range_entry_gives_nan_rows_without_host_check(gen, monkeypatch):
     """What a GPU does (no host check there): a used entry outside the pool makes its row NaN,
