@@ -113,10 +113,20 @@ MERGE_TILE = 8192         # at most this many partial elements per step (registe
 MERGE_ROWS = 1
 FUSED_MERGE_ROWS = 4
 
-# The merge in the split kernel (FUSED_MERGE, see :func:`fused_merge`): one launch per step
-# instead of two, where the merge takes one step. None: the rule; True / False force one path
-# (measurements, tests).
-FUSED_MERGE = None
+
+def _fused_merge_setting(value):
+    """``KERNELS_FUSED_MERGE``: ``0`` (the default: two launches), ``rule`` (fused where the
+    measured rule of :func:`fused_merge` says) or ``1`` (fused wherever there is a merge)."""
+    settings = {"0": False, "rule": None, "1": True}
+    if value not in settings:
+        raise ValueError(f"KERNELS_FUSED_MERGE must be one of {sorted(settings)}, not {value!r}")
+    return settings[value]
+
+
+# The merge in the split kernel (see :func:`fused_merge`): one launch per step instead of two.
+# Opt-in (False: two launches; None: the rule; True: always): its counters are per stream, so
+# CUDA graphs captured on one stream must not replay at once on several streams.
+FUSED_MERGE = _fused_merge_setting(os.environ.get("KERNELS_FUSED_MERGE", "0"))
 # The merge counters (see :func:`merge_counters`): at least this many per buffer.
 MIN_COUNTERS = 4096
 
@@ -603,9 +613,19 @@ def merge_blocks(num_splits, head_dim, rows):
 
 def fused_merge(num_splits, rows, head_dim):
     """Whether the split kernel merges the partials itself (one launch per step), for a
-    program of ``rows`` (head, query) rows: ``FUSED_MERGE`` if set (and there is something to
-    merge), else where the merge is one step, ``rows <= FUSED_MERGE_ROWS`` and every split in
-    one load (:func:`merge_blocks`).
+    program of ``rows`` (head, query) rows: never by default (``FUSED_MERGE`` False); with
+    ``FUSED_MERGE`` True wherever there is something to merge; with ``None`` (the rule) where
+    the merge is one step, ``rows <= FUSED_MERGE_ROWS`` and every split in one load
+    (:func:`merge_blocks`). The environment variable ``KERNELS_FUSED_MERGE`` sets it (``0``,
+    ``rule``, ``1``).
+
+    Why opt-in: the counters that say which program is last live per (device, stream)
+    (:func:`merge_counters`), and a CUDA graph keeps the buffer of the stream it was captured
+    on. Graphs captured on one stream and replayed at the same time on different streams (a
+    serving engine overlapping two micro-batches) would count each other's programs and give
+    wrong rows, with no error. Calls and graphs that run one after another, or on the streams
+    they were made on, are safe: that is the case the rule was measured for, and its gain is
+    small (below).
 
     Why: the last program of a row group merges alone, after everything else of its group, so
     its steps are a tail the launch waits for; the merge kernel spreads the rows over programs
@@ -620,7 +640,7 @@ def fused_merge(num_splits, rows, head_dim):
     fused merge was 5 % faster (351.8 -> 332.7 µs), a case the rule leaves to two launches.
     """
     if FUSED_MERGE is not None:
-        return bool(FUSED_MERGE) and num_splits > 1
+        return FUSED_MERGE and num_splits > 1
     if num_splits == 1 or rows > FUSED_MERGE_ROWS:
         return False
     return num_splits <= merge_blocks(num_splits, head_dim, FUSED_MERGE_ROWS)[0]
@@ -884,11 +904,11 @@ def rerope_decode(q, k_cache, v_cache, window, cache_seqlens=None, sm_scale=None
     fp16, bf16 or fp32; ``headdim`` in 16, 32, 64, 128, 256. Returns ``out``:
     ``(batch_size, nheads, seqlen_q, headdim)`` in ``q``'s dtype (empty for an empty batch).
     Allocates the output and, when ``num_splits > 1``, the fp32 partials ``(num_splits,
-    batch_size, nheads, seqlen_q, headdim)`` and their log-sum-exps. Where the merge is one
-    step (:func:`fused_merge`) it runs in the same launch, counted by int32 counters kept per
-    device and stream (:func:`merge_counters`: calls on one stream share them; calls on
-    different streams never do, but CUDA graphs captured on one stream share that stream's, so
-    replay those one at a time); else in a second launch. Forward only: with grad mode on,
+    batch_size, nheads, seqlen_q, headdim)`` and their log-sum-exps; the merge of the partials
+    is a second launch, or, opted in (``KERNELS_FUSED_MERGE``, :func:`fused_merge`), runs in
+    the same launch, counted by int32 counters kept per device and stream
+    (:func:`merge_counters`: CUDA graphs captured on one stream share that stream's, so replay
+    those one at a time). Forward only: with grad mode on,
     inputs that require grad raise ``ValueError`` (use :func:`kernels.rerope`).
     """
     if torch.compiler.is_compiling():          # an opaque op for the compiler (see _decode_op)

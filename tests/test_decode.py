@@ -417,6 +417,10 @@ def test_fused_merge_rule_and_bad_lengths(monkeypatch, gen):
     ``FUSED_MERGE`` forces either path; rows with an out-of-range length come out NaN through
     the fused merge too (the host check switched off), the others right."""
     rule, splits = decode.fused_merge, decode.default_num_splits
+    assert decode._fused_merge_setting("0") is False and not rule(4, 4, 128)    # the default
+    with pytest.raises(ValueError, match="KERNELS_FUSED_MERGE"):
+        decode._fused_merge_setting("yes")
+    monkeypatch.setattr(decode, "FUSED_MERGE", None)                          # the rule
     assert rule(splits(8, 8, 4, 1, 131072), 4, 128) and rule(splits(1, 8, 4, 1, 4096), 4, 128)
     assert not rule(splits(1, 8, 4, 1, 131072), 4, 128)             # 33 splits: two launches
     assert rule(32, 4, 64) and not rule(33, 4, 64) and not rule(16, 4, 256)
@@ -575,11 +579,13 @@ def test_gpu_fused_merge_equals_two_launches(d, merge_rows, monkeypatch):
 
 @pytest.mark.gpu
 @needs_gpu
-def test_gpu_fused_merge_graphs_and_streams(gen):
-    """CUDA graphs of the fused merge: captured on a stream that never ran a decode step (its
-    counters are allocated and zeroed inside the capture), then again on that stream (its
-    buffer kept); replayed several times they equal the eager call and leave the counters at
-    zero (no memset per replay needed). Two other streams get buffers of their own."""
+def test_gpu_fused_merge_graphs_and_streams(gen, monkeypatch):
+    """CUDA graphs of the fused merge (opted in: the rule): captured on a stream that never ran
+    a decode step (its counters are allocated and zeroed inside the capture), then again on
+    that stream (its buffer kept); replayed several times they equal the eager call and leave
+    the counters at zero (no memset per replay needed). Two other streams get buffers of their
+    own."""
+    monkeypatch.setattr(decode, "FUSED_MERGE", None)
     case = DecodeCase(4096, (4096, 1000, 3001), 1, 512, hq=32, hkv=8, d=128, dtype=BF16,
                       num_splits=8)
     q, k_cache, v_cache, lengths = make_cache(gen, case, 3, "cuda")
