@@ -238,19 +238,31 @@ def _rotations(n_k, head_dim, base, window, leaky, logn_len, rotated, device, in
 # --- launchers -----------------------------------------------------------------------------------
 
 PRETURN_MIN_KEYS = 4096      # from this many keys on, the forward pre-turns keys (see below)
+PRETURN_BLOCK_M = 128        # the forward's largest query block (configs.py)
 
 
-def preturn_keys(n_k):
+def preturn_keys(n_k, n_q=PRETURN_BLOCK_M + 1, group=1):
     """Whether the fused forward turns a product's keys once, before the kernel, rather than
-    every key tile in every query block that reads it (:func:`kernels.rotary.turn_keys`).
+    every key tile in every query block that reads it (:func:`kernels.rotary.turn_keys`), for
+    ``n_k`` keys, ``n_q`` queries and ``group`` query heads per key head.
 
     Pre-turning costs one more launch and one pass over ``k`` (``Hkv`` heads: small under
     grouped-query attention); turning in registers costs elementwise work and a trip of the
     turned tile through shared memory per (query block, key tile) of that product — most of
-    the key axis for rotated inputs, whose outside product turns keys. Measured on the H200
-    (book/data/preturn_h200.json, chapter 7): from ``PRETURN_MIN_KEYS`` keys on, pre-turning is faster.
+    the key axis for rotated inputs, whose outside product turns keys. From
+    ``PRETURN_MIN_KEYS`` keys on, and only where a key tile would be turned at least twice in
+    registers, by the ``group · cdiv(Nq, 128)`` programs that read it (a chunk of at most 128
+    queries without grouped-query attention reads each key once: the extra pass would be pure
+    cost). Measured on the H200 with the turn's launch bound in the plan
+    (book/data/preturn_h200.json, chapter 7): from 4096 keys on faster in all but one case
+    (raw inputs, D=128, 32k keys: 2 % slower), up to 1.35x for rotated inputs. In GPU time it
+    pays from 1024 keys on (raw inputs at 2048 keys: 1.10x at D=64, 1.17x at D=128), but the
+    turn adds ~20 µs of host time per call, and at 2048 keys that decides: through
+    ``kernels.rerope``, back to back, with inputs that need a gradient, 83.5 against 87.3 µs a
+    call on one host (perf/runs/preturn_host_h200_session5.json) and host-bound at 118 µs
+    against 86 µs of GPU time on a slower one (perf/runs/device_s5_call6.log).
     """
-    return n_k >= PRETURN_MIN_KEYS
+    return n_k >= PRETURN_MIN_KEYS and group * -(-n_q // PRETURN_BLOCK_M) >= 2
 
 
 PRETURN_BWD_MIN_KEYS = 4096  # from this many keys on, the backward pre-turns its operands ...
@@ -321,7 +333,7 @@ def rerope_forward(q1, q2, k1, k2, v, window, causal, sm_scale, operands=None, p
     """
     batch, n_heads, n_q, head_dim = q1.shape
     n_k = k1.shape[2]
-    pre = preturn_keys(n_k) if preturn is None else preturn
+    pre = preturn_keys(n_k, n_q, n_heads // k1.shape[1]) if preturn is None else preturn
     first = heads_first(n_k, batch * n_heads)
     call_key = ("forward call", pre, configs.TMA, first)
     if launchers is not None and operands is not None:     # the fused form's plan: its call

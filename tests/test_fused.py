@@ -485,6 +485,12 @@ def test_preturn_policy_and_extra_bytes(gen, monkeypatch):
         inside_only = {(): qb + kb, ("rotated",): 0, ("leaky",): qb + kb,
                        ("logn_len", "rotated"): qb}[tuple(sorted(kw))]
         assert attention._preturned_shapes(q, k, ops, outside=False)[1] == inside_only, kw
+    # the forward's keys: from PRETURN_MIN_KEYS keys on, where a key tile is read at least
+    # twice (group · cdiv(Nq, 128) programs)
+    m = attention.PRETURN_MIN_KEYS
+    assert attention.preturn_keys(m, 4096) and not attention.preturn_keys(m - 1, 4096)
+    assert not attention.preturn_keys(m, 128) and attention.preturn_keys(m, 129)
+    assert attention.preturn_keys(m, 1, group=2) and not attention.preturn_keys(m, 1, group=1)
     monkeypatch.setattr(attention, "PRETURN_BWD_MAX_BYTES", 1000)
     assert attention.preturn_memory_limit("cpu") == 1000
     assert attention.preturn_backward(1 << 20, 1000, "cpu")
