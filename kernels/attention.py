@@ -32,7 +32,7 @@ from ._validate import (Frequencies, as_frequencies, check_flag, check_head_dim,
 from .backward import _bwd_delta_kernel, _bwd_dkdv_kernel, _bwd_dq_kernel
 from .forward import _rerope_fwd_kernel
 from .online_softmax import LOG2E
-from .launch import Launcher, PlanCache, signature
+from .launch import Launcher, PlanCache, kept_launcher, signature
 from .rotary import logn_factor, rotation_tables, turn_operands
 from .runtime import INTERPRET, dot_precision, prepare_for_device
 
@@ -124,11 +124,7 @@ def _bound(where, args, constexprs, make, launchers=None):
     Without one, kept in :data:`_LAUNCHERS` per exact argument list: integers by value, tensors
     by dtype and pointer alignment (what Triton specialises a compiled kernel on)."""
     if launchers is not None:
-        key = (where, tuple(constexprs.items()))
-        launcher = launchers.get(key)
-        if launcher is None:
-            launcher = launchers[key] = make()
-        return launcher
+        return kept_launcher(launchers, where, constexprs, make)
     key = (where, tuple(constexprs.items()),
            tuple((a.dtype, a.data_ptr() % 16 == 0) if isinstance(a, torch.Tensor) else a
                  for a in args))

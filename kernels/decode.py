@@ -627,7 +627,7 @@ def fused_merge(num_splits, rows, head_dim):
     they were made on, are safe: that is the case the rule was measured for, and its gain is
     small (below).
 
-    Why: the last program of a row group merges alone, after everything else of its group, so
+    The rule's reason: the last program of a row group merges alone, after everything else of its group, so
     its steps are a tail the launch waits for; the merge kernel spreads the rows over programs
     that run side by side. On the H200 (Hq=32, Hkv=8, bf16; perf/runs/decode_h19s5_call1_h200.json)
     one step (B=8: 4 splits; B=1 at 4k: 16) took 0-4 % off a step against two launches (B=1

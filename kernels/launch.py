@@ -161,6 +161,17 @@ class Launcher:
         return self._compiled is not None
 
 
+def kept_launcher(launchers, where, constexprs, make):
+    """The :class:`Launcher` a plan keeps in its dict ``launchers`` for the launch ``where``
+    (kernel and grid) with ``constexprs``; ``make()`` builds it on the first call. The plan's
+    call signature fixes every other argument of the launch, so this short key is enough."""
+    key = (where, tuple(constexprs.items()))
+    launcher = launchers.get(key)
+    if launcher is None:
+        launcher = launchers[key] = make()
+    return launcher
+
+
 try:
     from triton.knobs import runtime as _runtime_knobs
 except ImportError:              # an older Triton: keep to its own launch path

@@ -50,7 +50,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import Launcher
+from .launch import Launcher, kept_launcher
 from .rope import frequencies
 
 _TABLES = {}
@@ -357,9 +357,6 @@ def turn_operands(x, inside, outside, first_position=0, logn_factor=0.0, launche
         if launchers is None:
             _turn_operands_kernel[grid](*args, **constexprs)
         else:
-            key = ("turn operands", grid, tuple(constexprs.items()))
-            launcher = launchers.get(key)
-            if launcher is None:
-                launcher = launchers[key] = Launcher(_turn_operands_kernel, grid, **constexprs)
-            launcher(*args)
+            kept_launcher(launchers, ("turn operands", grid), constexprs,
+                          lambda: Launcher(_turn_operands_kernel, grid, **constexprs))(*args)
     return outs[0], outs[1]

@@ -9,24 +9,14 @@ import argparse
 import json
 import os
 import sys
-import time
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import kernels  # noqa: E402
 from kernels import attention  # noqa: E402
-
-
-def per_call_us(fn, calls=300):
-    for _ in range(10):
-        fn()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) / calls * 1e6
+from probe_fused import host_time  # noqa: E402
 
 
 def main():
@@ -42,7 +32,7 @@ def main():
                 attention.PRETURN_MIN_KEYS = 0 if pre else 1 << 40
                 def fn():
                     return kernels.rerope(q, k, v, 2048)
-                us = per_call_us(fn)
+                us = host_time(fn, 300)
                 rows.append(dict(N=n, grad=grad, preturn=pre, us_per_call=round(us, 1)))
                 print(rows[-1], flush=True)
                 if pre and grad:
