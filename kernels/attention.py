@@ -33,7 +33,7 @@ from .backward import _bwd_delta_kernel, _bwd_dkdv_kernel, _bwd_dq_kernel
 from .forward import _rerope_fwd_kernel
 from .online_softmax import LOG2E
 from .launch import Launcher, PlanCache, kept_launcher, signature
-from .rotary import logn_factor, rotation_tables, turn_operands
+from .rotary import kept_turn, logn_factor, rotation_tables, turn_operands
 from .runtime import INTERPRET, dot_precision, prepare_for_device
 
 _KERNELS = {"fwd": _rerope_fwd_kernel, "dkdv": _bwd_dkdv_kernel, "dq": _bwd_dq_kernel}
@@ -338,7 +338,7 @@ def rerope_forward(q1, q2, k1, k2, v, window, causal, sm_scale, operands=None, p
             return call(q1, q2, k1, k2, v)
     out = torch.empty(q1.shape, dtype=q1.dtype, device=q1.device)
     lse = torch.empty(batch * n_heads, n_q, dtype=torch.float32, device=q1.device)
-    fused = operands is not None
+    fused, keys = operands is not None, k1      # keys: as given (the plan's layout)
     operands = operands or _five_tensors(lse)
     turn_keys_in, turn_keys_out = operands.flags["TURN_IN"], operands.flags["TURN_OUT"]
     turn_tables = (None, None)
@@ -357,8 +357,8 @@ def rerope_forward(q1, q2, k1, k2, v, window, causal, sm_scale, operands=None, p
         TMA=_tma_of(launchers, "fwd", q1, q2, k1, k2, v), TURN_K_IN=turn_keys_in,
         TURN_K_OUT=turn_keys_out, HEADS_FIRST=first, **operands.constexprs(head_dim))
     if launchers is not None and fused:
-        launchers[call_key] = _forward_call(launcher, out, lse, turn_tables, tuple(args[7:]),
-                                            launchers)
+        launchers[call_key] = _forward_call(launcher, out, lse, keys, turn_tables,
+                                            tuple(args[7:]), launchers)
     return out, lse
 
 
@@ -370,6 +370,14 @@ def _has_outside(n_k, window):
     return n_k > window
 
 
+def _key_products(table_in, table_out):
+    """The two products' key turns for :func:`kernels.rotary.turn_operands`: a product's
+    ``(table, offset, turn, shift)`` where its table is given, ``None`` where its keys stay as
+    they are (keys have no offset: the table stands in for it, unread)."""
+    return tuple(None if table is None else (table, table, True, False)
+                 for table in (table_in, table_out))
+
+
 def _turned_keys(k1, k2, table_in, table_out, launchers=None):
     """``k1, k2`` (the fused form's one ``k``) with each product's keys turned once where its
     table is given (``None``: that product's keys as they are): one read of ``k`` for both
@@ -377,27 +385,27 @@ def _turned_keys(k1, k2, table_in, table_out, launchers=None):
     :func:`kernels.rotary.turn_keys`'. ``launchers``: the plan's (a bound launch)."""
     if table_in is None and table_out is None:
         return k1, k2
-    return turn_operands(k1, None if table_in is None else (table_in, table_in, True, False),
-                         None if table_out is None else (table_out, table_out, True, False),
-                         launchers=launchers)
+    return turn_operands(k1, *_key_products(table_in, table_out), launchers=launchers)
 
 
-def _forward_call(launcher, out, lse, turn_tables, tail, launchers):
+def _forward_call(launcher, out, lse, keys, turn_tables, tail, launchers):
     """A fused-form plan's forward after its first call: everything the call signature fixes
     (the launcher, the strides, tables and scalars after the seven tensors, whether keys are
     pre-turned, the outputs' shapes, dtype and device: those of the first call's ``out`` and
-    ``lse``) is kept, and a call allocates its outputs and launches (the key turn through the
-    plan's ``launchers``, bound)."""
+    ``lse``) is kept, and a call allocates its outputs and launches. The key turn, where there
+    is one, is kept for the layout of ``keys`` (the first call's ``k``, not kept alive;
+    :func:`kernels.rotary.kept_turn`), its launch bound in the plan's ``launchers``."""
     launch = launcher.fixed(*tail)
-    turn = turn_tables[0] is not None or turn_tables[1] is not None
+    turn = (None if turn_tables == (None, None) else
+            kept_turn(keys, *_key_products(*turn_tables), launchers=launchers))
     out_shape, lse_shape, dtype, device = out.shape, lse.shape, out.dtype, out.device
-    del out, lse                          # (not kept alive by the call)
+    del out, lse, keys                    # (not kept alive by the call)
 
     def call(q1, q2, k1, k2, v):
         out = torch.empty(out_shape, dtype=dtype, device=device)
         lse = torch.empty(lse_shape, dtype=torch.float32, device=device)
-        if turn:
-            k1, k2 = _turned_keys(k1, k2, *turn_tables, launchers)
+        if turn is not None:
+            k1, k2 = turn(k1)
         launch(q1, q2, k1, k2, v, out, lse)
         return out, lse
 
@@ -444,8 +452,10 @@ def rerope_backward(dout, q1, q2, k1, k2, v, out, lse, window, causal, sm_scale,
         if any(writes) and (preturn_backward(n_k, extra, q1.device) if preturn is None
                               else preturn):
             # the five-tensor kernels on each product's operands, gradients turned back
-            turn = _operand_turns(operands, n_k - n_q, outside, launchers)
-            q1, q2, k1, k2 = turn(q1, k1)
+            q_in, k_in = q1, k1
+            q1, q2, k1, k2 = _operand_turns(operands, n_k - n_q, outside, launchers)(q1, k1)
+            if launchers is not None:       # for the plan's later calls: kept, bound
+                turn = _operand_turns(operands, n_k - n_q, outside, launchers, (q_in, k_in))
             constexprs.update(SPLIT=False, TWO_DOTS=False, TURN_BACK=True)
     dq = [torch.empty(q1.shape, dtype=q1.dtype, device=q1.device) for _ in range(1 if split else 2)]
     dk = [torch.empty(k1.shape, dtype=k1.dtype, device=k1.device) for _ in range(1 if split else 2)]
@@ -471,24 +481,26 @@ def rerope_backward(dout, q1, q2, k1, k2, v, out, lse, window, causal, sm_scale,
     return (dq[0], dk[0], dv) if split else (dq[0], dq[1], dk[0], dk[1], dv)
 
 
-def _operand_turns(operands, first_query, outside=True, launchers=None):
+def _operand_turns(operands, first_query, outside=True, launchers=None, like=None):
     """``turn(q, k) -> (q1, q2, k1, k2)``: each product's operands turned once (extra tensors,
     :func:`kernels.rotary.turn_operands`) for the pre-turned backward; the outside product's
     only where it has a tile (``outside``, :func:`_has_outside`: else ``q``, ``k``, unread).
-    ``launchers``: the plan's (bound launches)."""
+    ``launchers``: the plan's (bound launches). ``like``: ``(q, k)`` of the plan's call
+    signature, for a turn kept for that layout (:func:`kernels.rotary.kept_turn`: build it
+    after the plan's first turn, whose launches it then takes bound)."""
     tab_in, off_in, tab_out, off_out = operands.tables
     f = operands.flags
-    q_out = (tab_out, off_out, f["TURN_OUT"], f["SHIFT_OUT"]) if outside else None
-    k_out = (tab_out, off_out, f["TURN_OUT"], False) if outside else None
-
-    def turn(q, k):
-        q1, q2 = turn_operands(q, (tab_in, off_in, f["TURN_IN"], f["SHIFT_IN"]), q_out,
-                               first_query, operands.logn_factor, launchers)
-        k1, k2 = turn_operands(k, (tab_in, off_in, f["TURN_IN"], False), k_out,
-                               launchers=launchers)
-        return q1, q2, k1, k2
-
-    return turn
+    q_turns = ((tab_in, off_in, f["TURN_IN"], f["SHIFT_IN"]),
+               (tab_out, off_out, f["TURN_OUT"], f["SHIFT_OUT"]) if outside else None,
+               first_query, operands.logn_factor)
+    k_turns = ((tab_in, off_in, f["TURN_IN"], False),
+               (tab_out, off_out, f["TURN_OUT"], False) if outside else None)
+    if like is not None:
+        turn_q = kept_turn(like[0], *q_turns, launchers=launchers)
+        turn_k = kept_turn(like[1], *k_turns, launchers=launchers)
+        return lambda q, k: (*turn_q(q), *turn_k(k))
+    return lambda q, k: (*turn_operands(q, *q_turns, launchers=launchers),
+                         *turn_operands(k, *k_turns, launchers=launchers))
 
 
 def _backward_call(delta, turn, dkdv, dq, dq_first, dk_first):

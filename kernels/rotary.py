@@ -340,23 +340,54 @@ def turn_operands(x, inside, outside, first_position=0, logn_factor=0.0, launche
     alignment): the launch is kept there, bound (:class:`kernels.launch.Launcher`), so a repeated
     call skips Triton's Python launch path; ``None``: launched through ``kernel[grid]``.
     """
+    writes, launch = _turn_launch(x, inside, outside, first_position, logn_factor, launchers)
+    outs = [torch.empty(x.shape, dtype=x.dtype, device=x.device) if write else x
+            for write in writes]
+    if launch is not None:
+        launch(x, *outs)
+    return outs[0], outs[1]
+
+
+def kept_turn(x, inside, outside, first_position=0, logn_factor=0.0, launchers=None):
+    """:func:`turn_operands` kept for ``x``'s call signature (shape, strides, dtype, device):
+    ``turn(x) -> (x1, x2)`` for later tensors of that signature, with all but the outputs'
+    allocation and the launch done once. Where ``launchers`` holds this launch bound (the
+    plan's first call ran it), the launch takes the bound path with the tables, strides and
+    scalars fixed (:meth:`kernels.launch.Launcher.fixed`). ``x`` itself is not kept."""
+    writes, launch = _turn_launch(x, inside, outside, first_position, logn_factor, launchers,
+                                  fixed=True)
+    shape, dtype, device = x.shape, x.dtype, x.device
+
+    def turn(x):
+        outs = [torch.empty(shape, dtype=dtype, device=device) if write else x
+                for write in writes]
+        if launch is not None:
+            launch(x, *outs)
+        return outs[0], outs[1]
+
+    return turn
+
+
+def _turn_launch(x, inside, outside, first_position, logn_factor, launchers, fixed=False):
+    """``(writes, launch)`` of :func:`turn_operands`: which of the two outputs it writes, and
+    ``launch(x, out1, out2)`` (``None`` when it writes neither; an output not written is passed
+    as ``x``, unread). ``fixed``: the launch binds its other arguments once."""
     batch, heads, n_rows, head_dim = x.shape
     logn = logn_factor != 0.0
     writes = [p is not None and (logn or p[2] or p[3]) for p in (inside, outside)]
-    outs = [torch.empty((batch, heads, n_rows, head_dim), dtype=x.dtype, device=x.device)
-            if write else x for write in writes]
-    if any(writes):
-        (tab1, off1, turn1, shift1), (tab2, off2, turn2, shift2) = (   # None: placeholders
-            p if p is not None else (*other[:2], False, False)
-            for p, other in ((inside, outside), (outside, inside)))
-        grid = (batch * heads, triton.cdiv(n_rows, 64))
-        constexprs = dict(HEAD_DIM=head_dim, BLOCK=64, LOGN=logn, WRITE1=writes[0], TURN1=turn1,
-                          SHIFT1=shift1, WRITE2=writes[1], TURN2=turn2, SHIFT2=shift2)
-        args = (x, outs[0], outs[1], tab1, off1, tab2, off2, *x.stride(), heads, n_rows,
-                first_position, logn_factor)
-        if launchers is None:
-            _turn_operands_kernel[grid](*args, **constexprs)
-        else:
-            kept_launcher(launchers, ("turn operands", grid), constexprs,
-                          lambda: Launcher(_turn_operands_kernel, grid, **constexprs))(*args)
-    return outs[0], outs[1]
+    if not any(writes):
+        return writes, None
+    (tab1, off1, turn1, shift1), (tab2, off2, turn2, shift2) = (   # None: placeholders
+        p if p is not None else (*other[:2], False, False)
+        for p, other in ((inside, outside), (outside, inside)))
+    grid = (batch * heads, triton.cdiv(n_rows, 64))
+    constexprs = dict(HEAD_DIM=head_dim, BLOCK=64, LOGN=logn, WRITE1=writes[0], TURN1=turn1,
+                      SHIFT1=shift1, WRITE2=writes[1], TURN2=turn2, SHIFT2=shift2)
+    tail = (tab1, off1, tab2, off2, *x.stride(), heads, n_rows, first_position, logn_factor)
+    if launchers is None:
+        return writes, lambda *xs: _turn_operands_kernel[grid](*xs, *tail, **constexprs)
+    launcher = kept_launcher(launchers, ("turn operands", grid), constexprs,
+                             lambda: Launcher(_turn_operands_kernel, grid, **constexprs))
+    if fixed:
+        return writes, launcher.fixed(*tail)
+    return writes, lambda *xs: launcher(*xs, *tail)

@@ -326,7 +326,8 @@ def test_bad_input(bad, error, match):
 def backward_path(monkeypatch):
     """``force(path)``: make the fused backward pre-turn its operands (``"preturned"``) or turn
     tiles in registers (``"in_registers"``) whatever the size; returns the calls of
-    ``turn_operands`` seen since, to prove which path ran."""
+    ``turn_operands`` seen since, to prove which path ran (the plans are emptied, so the next
+    call is a plan's first, which turns through ``turn_operands``)."""
     from kernels import attention
 
     calls = []
@@ -338,6 +339,7 @@ def backward_path(monkeypatch):
         min_keys = 0 if path == "preturned" else 1 << 62
         monkeypatch.setattr(attention, "PRETURN_BWD_MIN_KEYS", min_keys)
         monkeypatch.setattr(attention, "PRETURN_BWD_MAX_BYTES", 1 << 62)
+        attention._OP_PLANS.clear()     # a plan's later calls turn through its kept turn
         calls.clear()
         return calls
 

@@ -55,12 +55,18 @@ def _call_keys(launchers):
 
 
 def _launchers(launchers):
+    return [launcher for _, launcher in _keyed_launchers(launchers)]
+
+
+def _keyed_launchers(launchers):
+    """``(key, launcher)`` of every :class:`Launcher` in a plan's ``launchers``, sub-dicts
+    included (a key's first item names the launch: ``(kernel, grid)``)."""
     found = []
-    for value in launchers.values():
+    for key, value in launchers.items():
         if isinstance(value, dict):
-            found += _launchers(value)
+            found += _keyed_launchers(value)
         elif isinstance(value, Launcher):
-            found.append(value)
+            found.append((key, value))
     return found
 
 
@@ -198,10 +204,14 @@ def test_wrong_device_still_raises_every_call(gen):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
-def test_gpu_plan_launchers_are_bound(gen):
+@pytest.mark.parametrize("preturn", [False, True], ids=["in_registers", "preturned"])
+def test_gpu_plan_launchers_are_bound(preturn, gen, monkeypatch):
     """Eagerly and through the ops, every launcher a plan keeps is bound to its compiled kernel
     after the first call, and the second call (bound launches, tables passed as addresses)
-    gives the first's results bit for bit."""
+    gives the first's results bit for bit; ``preturned``: with the forward's key turn and the
+    backward's operand turns (kept turns, :func:`kernels.rotary.kept_turn`)."""
+    for name in ("PRETURN_MIN_KEYS", "PRETURN_BWD_MIN_KEYS"):
+        monkeypatch.setattr(attention, name, 0 if preturn else 1 << 62)
     attention._OP_PLANS.clear()
     q, k, v = (t.to(torch.float16).requires_grad_() for t in _fused_qkv(gen, h=4, n=300, d=64))
     dout = torch.randn_like(q)
@@ -218,3 +228,6 @@ def test_gpu_plan_launchers_are_bound(gen):
     launchers = [l for plan in attention._OP_PLANS._plans.values()
                  for l in _launchers(plan.launchers)]
     assert len(launchers) >= 8 and all(l.bound for l in launchers)
+    turns = [key for plan in attention._OP_PLANS._plans.values()
+             for key, _ in _keyed_launchers(plan.launchers) if key[0][0] == "turn operands"]
+    assert bool(turns) == preturn, turns
