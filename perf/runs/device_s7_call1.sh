@@ -1,6 +1,6 @@
 #!/bin/bash
-# Device call 1 of 2026-12-04 (issues 18 and 20). What the cut-off session of 2026-12-02 had
-# prepared (device_s6_call{1,2}.sh) in one call:
+# Device call 1 of 2026-12-04 (issues 18 and 20): the runs a cut-off session of 2026-12-02 had
+# prepared for two calls, in one:
 # * GPU tests of the plans (kept turns bound) and of the fused op;
 # * perf/probe_bwd_host.py: the fwd+bwd host time taken apart (the autograd engine's floor, SDPA,
 #   our direct calls) and the N=2048 forward + fwd+bwd pre-turn A/B (PRETURN_MIN_KEYS 4096 vs
