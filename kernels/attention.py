@@ -233,7 +233,7 @@ def _rotations(n_k, head_dim, base, window, leaky, logn_len, rotated, device, in
 
 # --- launchers -----------------------------------------------------------------------------------
 
-PRETURN_MIN_KEYS = 4096      # from this many keys on, the forward pre-turns keys (see below)
+PRETURN_MIN_KEYS = 2048      # from this many keys on, the forward pre-turns keys (see below)
 PRETURN_BLOCK_M = 128        # the forward's largest query block (configs.py)
 
 
@@ -251,12 +251,15 @@ def preturn_keys(n_k, n_q=PRETURN_BLOCK_M + 1, group=1):
     queries without grouped-query attention reads each key once: the extra pass would be pure
     cost). Measured on the H200 with the turn's launch bound in the plan
     (book/data/preturn_h200.json, chapter 7): from 4096 keys on faster in all but one case
-    (raw inputs, D=128, 32k keys: 2 % slower), up to 1.35x for rotated inputs. In GPU time it
-    pays from 1024 keys on (raw inputs at 2048 keys: 1.10x at D=64, 1.17x at D=128), but the
-    turn adds ~20 µs of host time per call, and at 2048 keys that decides: through
-    ``kernels.rerope``, back to back, with inputs that need a gradient, 83.5 against 87.3 µs a
-    call on one host (perf/runs/preturn_host_h200_session5.json) and host-bound at 118 µs
-    against 86 µs of GPU time on a slower one (perf/runs/device_s5_call6.log).
+    (raw inputs, D=128, 32k keys: 2 % slower), up to 1.35x for rotated inputs; in GPU time
+    from 1024 keys on (raw inputs at 2048 keys: 1.10x at D=64, 1.17x at D=128). A plan keeps
+    its turn for later calls with every argument but ``k`` bound
+    (:func:`kernels.rotary.kept_turn`), and with that the host's share no longer decides at
+    2048 keys: through ``kernels.rerope`` at B=1 H=32 N=2048 from raw ``q, k``, two rounds
+    alternating 4096 and 2048, the forward took 0.091-0.095 against 0.099 ms at D=64 (fp16
+    and bf16) and 0.152 against 0.179 ms at D=128; forward + backward 0.787-0.800 against
+    0.815-0.826 ms at D=128, and at D=64 (host-bound, noisy) 0.47-0.59 against 0.48-0.53 ms
+    (perf/runs/probe_bwd_host_h200_s7_call1.json).
     """
     return n_k >= PRETURN_MIN_KEYS and group * -(-n_q // PRETURN_BLOCK_M) >= 2
 
