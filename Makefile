@@ -84,6 +84,9 @@ $(STAMP): requirements.txt requirements-nodeps.txt
 	$(PIP) "$(TORCH)"
 	$(PIP) -r requirements.txt
 	$(PIP) --no-deps -r requirements-nodeps.txt
+	@# Hugging Face's package `kernels` shares this repository's import name (requirements.txt);
+	@# a venv set up with transformers >= 5.25 has it: remove it (a no-op where it is absent)
+	$(BIN)/python -m pip --disable-pip-version-check uninstall -y -q kernels
 	touch $@
 
 # Reinstalls only when the pins change (the stamp holds them).

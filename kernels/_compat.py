@@ -32,6 +32,9 @@ COLAB_HINT = ("On Colab: choose the latest runtime version (Runtime > Change run
               "run `%pip install -U torch` in a cell and then Runtime > Restart session.")
 
 
+HUB_KERNELS_FROM = "5.25"           # transformers from which it depends on Hugging Face's kernels
+
+
 class UnsupportedVersionError(ImportError):
     """The installed Triton (or, under the interpreter, numpy) is older than the kernels need."""
 
@@ -100,3 +103,34 @@ def check(interpret):
     found = problems(triton_version, numpy_version, interpret, torch_version)
     if found:
         raise UnsupportedVersionError(" ".join(found))
+
+
+def hub_kernels_clash(package_file):
+    """Why transformers cannot be used beside this package, or ``None`` when it can.
+
+    Hugging Face publishes a package that also imports as ``kernels`` (hub kernels), and
+    transformers depends on it from 5.25 on. When its distribution is installed, transformers
+    reads that distribution's version, decides hub kernels are available and imports them by
+    name — from this repository's ``kernels``, first on ``sys.path`` — and fails (``cannot
+    import name 'CUDAProperties' from 'kernels'``). Without that distribution transformers finds
+    no version and leaves hub kernels off: it needs nothing from it to run a model.
+    ``package_file``: this package's ``__init__.py`` (a distribution that is this package is no
+    clash).
+    """
+    import importlib.metadata
+    import os
+
+    try:
+        dist = importlib.metadata.distribution("kernels")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    theirs = os.path.realpath(str(dist.locate_file(os.path.join("kernels", "__init__.py"))))
+    if theirs == os.path.realpath(package_file):
+        return None
+    return (f"Hugging Face's package `kernels` {dist.version} is installed (transformers >= "
+            f"{HUB_KERNELS_FROM} depends on it), and its import name is this repository's "
+            f"package's: transformers would import this package in its place and fail "
+            f"(\"cannot import name 'CUDAProperties' from 'kernels'\"). transformers runs "
+            f"without it; remove it: pip uninstall -y kernels (requirements.txt pins "
+            f"transformers<{HUB_KERNELS_FROM}, which does not pull it in). On Colab: run "
+            f"`%pip uninstall -y kernels` in a cell, then Runtime > Restart session.")

@@ -62,16 +62,23 @@ import functools
 import hashlib
 import math
 import numbers
+import os
 import weakref
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
+from ._compat import hub_kernels_clash
 from ._validate import DEFAULT_BASE, HEAD_DIMS, Frequencies, as_frequencies, check_rope_settings
 from .attention import rerope
 from .decode import MAX_QUERIES, rerope_decode
 from .rope import rope_frequencies
+
+_CLASH = hub_kernels_clash(os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                        "__init__.py"))
+if _CLASH:      # before any transformers import fails with a message that says nothing of this
+    raise ImportError(_CLASH)
 
 # Model types whose attention layers are verified to match what this module expects
 # (``rotate_half`` RoPE applied before the registry call, the dynamic cache updated with the

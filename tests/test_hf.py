@@ -150,6 +150,64 @@ def test_transformers_does_not_take_this_repo_for_hub_kernels():
     assert logits_of(model, torch.arange(5)[None]).shape == (1, 5, VOCAB)
 
 
+def test_hub_kernels_distribution_is_named(tmp_path):
+    """Hugging Face's ``kernels`` distribution installed beside this repository (transformers
+    >= 5.25 depends on it) makes transformers import our package as its own and fail: ``import
+    kernels.hf`` refuses first, naming the package, its version and the fix; a distribution
+    that is this package, or none, is no clash."""
+    import importlib.metadata
+    import importlib.util
+    import os
+    import subprocess
+    import sys
+
+    from kernels._compat import hub_kernels_clash
+
+    ours = kernels.__file__
+    found = importlib.util.find_spec("kernels")
+    assert found is not None and os.path.realpath(found.origin) == os.path.realpath(ours)
+
+    class Dist:
+        def __init__(self, folder, version="0.19.1"):
+            self.folder, self.version = folder, version
+
+        def locate_file(self, path):
+            return os.path.join(self.folder, path)
+
+    def clash_with(dist):
+        real = importlib.metadata.distribution
+
+        def fake(name):
+            if name != "kernels":
+                return real(name)
+            if dist is None:
+                raise importlib.metadata.PackageNotFoundError(name)
+            return dist
+        importlib.metadata.distribution = fake
+        try:
+            return hub_kernels_clash(ours)
+        finally:
+            importlib.metadata.distribution = real
+
+    message = clash_with(Dist(str(tmp_path)))
+    assert message and "0.19.1" in message and "pip uninstall -y kernels" in message
+    assert "transformers<5.25" in message
+    assert clash_with(Dist(os.path.dirname(os.path.dirname(ours)))) is None     # this package
+    assert clash_with(None) is None
+
+    # a real (if empty) distribution named kernels on sys.path, behind this repository
+    site = tmp_path / "site"
+    info = site / "kernels-0.19.1.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: kernels\nVersion: 0.19.1\n")
+    root = os.path.dirname(os.path.dirname(ours))
+    code = ("import sys; sys.path[:0] = [sys.argv[1], sys.argv[2]]\n"
+            "try:\n    import kernels.hf\nexcept ImportError as e:\n    print('REFUSED', e)\n")
+    done = subprocess.run([sys.executable, "-c", code, root, str(site)], capture_output=True,
+                          text=True, timeout=300, env=dict(os.environ, TRITON_INTERPRET="1"))
+    assert "REFUSED Hugging Face's package `kernels` 0.19.1" in done.stdout, done.stderr[-2000:]
+
+
 # --- prefill: stock logits, reference logits ----------------------------------------------------
 
 STOCK_CASES = {
