@@ -59,6 +59,11 @@ from .rotary import (_logn_scale, _rotate, _table_rows, _unrotate, logn_factor,
                      rotation_tables)
 from .runtime import INTERPRET, dot_precision, prepare_for_device
 
+try:                   # programmatic dependent launch (Hopper on): Triton >= 3.3
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:    # pragma: no cover - never called then (PDL stays off)
+    gdc_launch_dependents = gdc_wait = None
+
 MAX_QUERIES = 16          # Nq per row: one token, or a few speculative ones
 
 # Launch configuration. BLOCK_N keys per tile; BLOCK_M rows (group heads × queries) per program,
@@ -99,6 +104,13 @@ PAGE_SIZES = (16, 32, 64, 128, 256)
 MAX_SCALAR_PAGES = 4
 PAGE_LOADS_RULE = None
 MIN_BLOCK_M, MAX_BLOCK_M = 16, 64
+# K and V tiles through TMA tensor descriptors (:func:`use_tma`): under ``KERNELS_TMA=auto``
+# (kernels.configs.TMA, the default) for contiguous fp16/bf16 caches on Hopper or newer at
+# these head dims; ``KERNELS_TMA=1`` forces it wherever the layout allows (the interpreter
+# too), ``0`` never.
+TMA_HEAD_DIMS = (64, 128)
+# The merge kernel as a programmatic dependent launch of the split kernel (:func:`pdl_merge`).
+PDL_MERGE = True
 
 # The splits rule (see :func:`default_num_splits`).
 MIN_KEYS_PER_SPLIT = 256  # never cut a row into chunks shorter than this (merge overhead)
@@ -151,7 +163,8 @@ def _decode_pass(acc, l_i, m_i, q_a, q_b, K, V, sk_n, sk_d, sv_n, sv_d, Table, c
                  PRODUCT: tl.constexpr, MASKED: tl.constexpr, ROT_KEYS: tl.constexpr,
                  BLOCK_N: tl.constexpr, HALF: tl.constexpr, DOT_PRECISION: tl.constexpr,
                  ANGLES: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
-                 EVICT: tl.constexpr, PAGE_LOADS: tl.constexpr):
+                 EVICT: tl.constexpr, PAGE_LOADS: tl.constexpr, TMA: tl.constexpr,
+                 dtype: tl.constexpr):
     """Fold the key tiles of ``walk`` (``(lo1, hi1, lo2, hi2)``) into the softmax state.
 
     ``q_a, q_b``: the halves of the queries, already rotated for this product (fp32).
@@ -171,39 +184,49 @@ def _decode_pass(acc, l_i, m_i, q_a, q_b, K, V, sk_n, sk_d, sv_n, sv_d, Table, c
     page ``BlockTable[j // PAGE_SIZE]`` (:func:`_key_rows`), the entries as :func:`_tile_pages`
     loads them (``PAGE_LOADS``, :func:`page_loads`): 0, a gather per key; 1, one scalar load
     per page of the tile.
+
+    ``dtype``: the cache's element type (the keys are turned in fp32 and go back to it).
+    ``TMA`` (contiguous caches only): ``K, V`` are tensor descriptors of this row's ``n_keys``
+    keys (:func:`_kv_sources`), ``K``'s blocks ``BLOCK_N × D/2`` (the two halves are two
+    loads), ``V``'s ``BLOCK_N × D``; rows at and past ``n_keys`` come back as zeros without
+    being read, as the masked pointer loads do.
     """
     offs_n = tl.arange(0, BLOCK_N)
     halves = tl.arange(0, HALF)
-    dtype = K.dtype.element_ty
     qd_a, qd_b = q_a.to(dtype), q_b.to(dtype)
     lo1, hi1, lo2, hi2 = walk
     n1 = _tile_count(lo1, hi1, BLOCK_N)
     for t in range(0, n1 + _tile_count(lo2, hi2, BLOCK_N)):
         start = tl.multiple_of(_nth_tile(t, lo1, n1, lo2, BLOCK_N), BLOCK_N)
         cols = start + offs_n
-        if PAGED:
-            page = _tile_pages(pages, start, n_keys, BLOCK_N, PAGE_SIZE, PAGE_LOADS == 1)
-            k_rows, v_rows, paged_ok = _key_rows(pages, page, cols, sk_n, sv_n, BLOCK_N,
-                                                 PAGE_SIZE)
+        if TMA:         # the bulk tensor-copy engine; zeros past n_keys (no mask needed)
+            k_a = K.load([start, 0])
+            k_b = K.load([start, HALF])
+            v = V.load([start, 0])
         else:
-            k_rows, v_rows = cols.to(tl.int64) * sk_n, cols.to(tl.int64) * sv_n
-        k_ptrs = K + k_rows[:, None] + halves[None, :] * sk_d
-        v_ptrs = V + v_rows[:, None] + tl.arange(0, 2 * HALF)[None, :] * sv_d
-        if MASKED or PAGED:
-            if MASKED and PAGED:
-                live = ((cols < n_keys) & paged_ok)[:, None]
-            elif MASKED:
-                live = (cols < n_keys)[:, None]
+            if PAGED:
+                page = _tile_pages(pages, start, n_keys, BLOCK_N, PAGE_SIZE, PAGE_LOADS == 1)
+                k_rows, v_rows, paged_ok = _key_rows(pages, page, cols, sk_n, sv_n, BLOCK_N,
+                                                     PAGE_SIZE)
             else:
-                live = paged_ok[:, None]
-            k_a = tl.load(k_ptrs, mask=live, other=0.0, eviction_policy=EVICT)
-            k_b = tl.load(k_ptrs + HALF * sk_d, mask=live, other=0.0,
-                          eviction_policy=EVICT)
-            v = tl.load(v_ptrs, mask=live, other=0.0, eviction_policy=EVICT)
-        else:
-            k_a = tl.load(k_ptrs, eviction_policy=EVICT)
-            k_b = tl.load(k_ptrs + HALF * sk_d, eviction_policy=EVICT)
-            v = tl.load(v_ptrs, eviction_policy=EVICT)
+                k_rows, v_rows = cols.to(tl.int64) * sk_n, cols.to(tl.int64) * sv_n
+            k_ptrs = K + k_rows[:, None] + halves[None, :] * sk_d
+            v_ptrs = V + v_rows[:, None] + tl.arange(0, 2 * HALF)[None, :] * sv_d
+            if MASKED or PAGED:
+                if MASKED and PAGED:
+                    live = ((cols < n_keys) & paged_ok)[:, None]
+                elif MASKED:
+                    live = (cols < n_keys)[:, None]
+                else:
+                    live = paged_ok[:, None]
+                k_a = tl.load(k_ptrs, mask=live, other=0.0, eviction_policy=EVICT)
+                k_b = tl.load(k_ptrs + HALF * sk_d, mask=live, other=0.0,
+                              eviction_policy=EVICT)
+                v = tl.load(v_ptrs, mask=live, other=0.0, eviction_policy=EVICT)
+            else:
+                k_a = tl.load(k_ptrs, eviction_policy=EVICT)
+                k_b = tl.load(k_ptrs + HALF * sk_d, eviction_policy=EVICT)
+                v = tl.load(v_ptrs, eviction_policy=EVICT)
         if ROT_KEYS:
             if ANGLES == 2:      # one table row per key
                 cos, sin = _table_rows(Table, cols, HALF)
@@ -288,6 +311,21 @@ def _key_rows(pages, page, cols, sk_slot, sv_slot, BLOCK_N: tl.constexpr,
 
 
 @triton.jit
+def _kv_sources(K, V, sk_n, sv_n, n_keys, BLOCK_N: tl.constexpr, HALF: tl.constexpr,
+                TMA: tl.constexpr):
+    """How :func:`_decode_pass` reads the keys and values of one row (``K, V`` at its slot 0):
+    with ``TMA`` two tensor descriptors over its ``n_keys`` keys (rows past them read as zeros,
+    unread), ``K``'s blocks half a head wide; otherwise the pointers themselves."""
+    if TMA:
+        return (tl.make_tensor_descriptor(K, shape=[n_keys, 2 * HALF], strides=[sk_n, 1],
+                                          block_shape=[BLOCK_N, HALF]),
+                tl.make_tensor_descriptor(V, shape=[n_keys, 2 * HALF], strides=[sv_n, 1],
+                                          block_shape=[BLOCK_N, 2 * HALF]))
+    else:
+        return K, V
+
+
+@triton.jit
 def _query_halves(q_a, q_b, Table, Offset, positions, ROT_TABLE: tl.constexpr,
                   HALF: tl.constexpr):
     """The query halves (fp32) rotated by ``R(σ i + offset)`` for one product: the offset's
@@ -364,6 +402,7 @@ def _decode_split_kernel(
     PAGED: tl.constexpr = False, PAGE_SIZE: tl.constexpr = 16, EVICT: tl.constexpr = "",
     PAGE_LOADS: tl.constexpr = 1, FUSED_MERGE: tl.constexpr = False,
     MERGE_ROWS: tl.constexpr = 1, SPLITS_BLOCK: tl.constexpr = 1, LSE_BLOCK: tl.constexpr = 1,
+    TMA: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
     """Grid ``(B · Hkv, num_splits, cdiv(group · Nq, BLOCK_M))``: one chunk of one row's keys
     for the ``BLOCK_M`` (head, query) rows of one KV-head group.
@@ -386,8 +425,15 @@ def _decode_split_kernel(
     strides step pages and slots) and ``BlockTable`` ``(B, max_blocks)`` (strides ``st_b,
     st_p``) maps a row's logical page ``j // PAGE_SIZE`` to its page; ``Nmax = max_blocks ·
     PAGE_SIZE``. A row with an entry outside ``[0, num_blocks)`` among its pages gets NaN.
+
+    ``TMA`` (contiguous only): K and V tiles are read through tensor descriptors
+    (:func:`_kv_sources`) instead of pointer loads. ``PDL``: the merge kernel is launched as a
+    programmatic dependent of this one (:func:`pdl_merge`): every program lets it launch as
+    soon as it starts (the merge waits for this grid to finish before reading a partial).
     """
     HALF: tl.constexpr = HEAD_DIM // 2
+    if PDL:
+        gdc_launch_dependents()
     # the KV heads of one chunk side by side (they read the same rows of the angle table)
     batch = tl.program_id(0) // n_kv_heads
     kv_head = tl.program_id(0) % n_kv_heads
@@ -414,6 +460,8 @@ def _decode_split_kernel(
         K = K + b64 * sk_b
         V = V + b64 * sv_b
         pages = (BlockTable, st_p, sk_b, sv_b, num_blocks)
+    kv_dtype = V.dtype.element_ty
+    Ks, Vs = _kv_sources(K, V, sk_n, sv_n, n_keys, BLOCK_N, HALF, TMA)
     halves = tl.arange(0, HALF)
     q_ptrs = (Q + b64 * sq_b + head[:, None].to(tl.int64) * sq_h + query[:, None] * sq_n
               + halves[None, :] * sq_d)
@@ -435,31 +483,31 @@ def _decode_split_kernel(
     sin_r = tl.zeros([BLOCK_N, HALF], tl.float32)
     if ROT_KEYS_OUT and (ANGLES == 0 or ANGLES == 3):
         cos_r, sin_r = _table_rows(TableOut, offs_r, HALF)
-    acc, l_i, m_i = _decode_pass(acc, l_i, m_i, qo_a, qo_b, K, V, sk_n, sk_d, sv_n, sv_d,
+    acc, l_i, m_i = _decode_pass(acc, l_i, m_i, qo_a, qo_b, Ks, Vs, sk_n, sk_d, sv_n, sv_d,
                                  TableOut, cos_r, sin_r, positions, (lo, c1, c1, c1), n_keys,
                                  window, qk_scale, pages, OUTSIDE, False, ROT_KEYS_OUT, BLOCK_N,
                                  HALF, DOT_PRECISION, ANGLES, PAGED, PAGE_SIZE, EVICT,
-                                 PAGE_LOADS)
-    acc, l_i, m_i = _decode_pass(acc, l_i, m_i, qo_a, qo_b, K, V, sk_n, sk_d, sv_n, sv_d,
+                                 PAGE_LOADS, TMA, kv_dtype)
+    acc, l_i, m_i = _decode_pass(acc, l_i, m_i, qo_a, qo_b, Ks, Vs, sk_n, sk_d, sv_n, sv_d,
                                  TableOut, cos_r, sin_r, positions, (c1, c2, c2, c2), n_keys,
                                  window, qk_scale, pages, OUTSIDE, True, ROT_KEYS_OUT, BLOCK_N,
                                  HALF, DOT_PRECISION, ANGLES, PAGED, PAGE_SIZE, EVICT,
-                                 PAGE_LOADS)
+                                 PAGE_LOADS, TMA, kv_dtype)
     # inside the window: the last `window` keys
     qi_a, qi_b = _query_halves(q_a, q_b, TableIn, OffsetIn, positions, ROT_KEYS_IN,
                                HALF)
     if ROT_KEYS_IN and (ANGLES == 0 or ANGLES == 3):
         cos_r, sin_r = _table_rows(TableIn, offs_r, HALF)
-    acc, l_i, m_i = _decode_pass(acc, l_i, m_i, qi_a, qi_b, K, V, sk_n, sk_d, sv_n, sv_d,
+    acc, l_i, m_i = _decode_pass(acc, l_i, m_i, qi_a, qi_b, Ks, Vs, sk_n, sk_d, sv_n, sv_d,
                                  TableIn, cos_r, sin_r, positions, (c2, c3, c3, c3), n_keys,
                                  window, qk_scale, pages, INSIDE, False, ROT_KEYS_IN, BLOCK_N,
                                  HALF, DOT_PRECISION, ANGLES, PAGED, PAGE_SIZE, EVICT,
-                                 PAGE_LOADS)
-    acc, l_i, m_i = _decode_pass(acc, l_i, m_i, qi_a, qi_b, K, V, sk_n, sk_d, sv_n, sv_d,
+                                 PAGE_LOADS, TMA, kv_dtype)
+    acc, l_i, m_i = _decode_pass(acc, l_i, m_i, qi_a, qi_b, Ks, Vs, sk_n, sk_d, sv_n, sv_d,
                                  TableIn, cos_r, sin_r, positions, (c1, c2, c3, hi), n_keys,
                                  window, qk_scale, pages, INSIDE, True, ROT_KEYS_IN, BLOCK_N,
                                  HALF, DOT_PRECISION, ANGLES, PAGED, PAGE_SIZE, EVICT,
-                                 PAGE_LOADS)
+                                 PAGE_LOADS, TMA, kv_dtype)
 
     seen = l_i > 0.0
     out = acc / tl.where(seen, l_i, 1.0)[:, None]
@@ -559,9 +607,12 @@ def _merge_rows(Part, PartLse, Out, first, count, n_rows, num_splits, HEAD_DIM: 
 @triton.jit
 def _decode_merge_kernel(Part, PartLse, Out, n_rows, num_splits, HEAD_DIM: tl.constexpr,
                          ROWS: tl.constexpr, SPLITS_BLOCK: tl.constexpr,
-                         LSE_BLOCK: tl.constexpr):
+                         LSE_BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     """Grid ``(cdiv(B · Hq · Nq, ROWS),)``: :func:`_merge_rows` of ``ROWS`` rows each (the
-    two-launch path: the split kernel without ``FUSED_MERGE``, then this)."""
+    two-launch path: the split kernel without ``FUSED_MERGE``, then this). ``PDL``: launched
+    as a programmatic dependent of the split kernel (:func:`pdl_merge`): wait for it first."""
+    if PDL:
+        gdc_wait()
     first = tl.program_id(0).to(tl.int64) * ROWS
     _merge_rows(Part, PartLse, Out, first, n_rows - first, n_rows, num_splits, HEAD_DIM, ROWS,
                 SPLITS_BLOCK, LSE_BLOCK)
@@ -587,6 +638,46 @@ def launch_config(head_dim):
     """The split kernel's launch configuration for ``head_dim`` on a GPU (``BLOCK_N``,
     ``ANGLES``, ``num_warps``, ``num_stages``): ``HEAD_DIM_CONFIGS`` or ``GPU_CONFIG``."""
     return HEAD_DIM_CONFIGS.get(head_dim, GPU_CONFIG)
+
+
+def use_tma(k_cache, v_cache, paged):
+    """Whether the split kernel reads K and V tiles through TMA tensor descriptors (``TMA``;
+    ``k_cache, v_cache`` as the kernel sees them). Never for a paged cache (a tile's keys are
+    not one box of memory). ``kernels.configs.TMA``: ``"0"`` never; ``"1"`` wherever the layout
+    allows (under the interpreter too: the tests run this path on CPU); ``"auto"``, on a GPU
+    where :func:`kernels.configs.tma_pays` (Hopper or newer, 16-bit, ``D <= 128``), for head
+    dims in ``TMA_HEAD_DIMS``. The layout: 16-byte aligned starts, unit stride along ``D``,
+    16-byte aligned key, head and batch strides (:func:`kernels.attention._tma_layout_ok`)."""
+    from . import configs
+    from .attention import _capability, _tma_layout_ok
+
+    if paged or configs.TMA == "0":
+        return False
+    d = k_cache.shape[-1]
+    if configs.TMA != "1" and (INTERPRET or d not in TMA_HEAD_DIMS or not configs.tma_pays(
+            _capability(k_cache.device), k_cache.element_size(), d)):
+        return False
+    return _tma_layout_ok(k_cache) and _tma_layout_ok(v_cache)
+
+
+def pdl_merge():
+    """Whether the merge kernel is launched as a programmatic dependent of the split kernel
+    (``PDL_MERGE``, on a GPU whose Triton has ``launch_pdl``; Hopper or newer): its programs
+    can then be resident and waiting (``griddepcontrol.wait``) when the split kernel ends,
+    instead of being launched after it. The split kernel lets them launch when its programs
+    start; nothing of the merge reads a partial before the wait."""
+    if not PDL_MERGE or INTERPRET or gdc_wait is None:
+        return False
+    return _has_launch_pdl() and torch.cuda.get_device_capability()[0] >= 9
+
+
+@functools.lru_cache(maxsize=None)
+def _has_launch_pdl():
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions
+    except ImportError:
+        return False
+    return "launch_pdl" in getattr(CUDAOptions, "__dataclass_fields__", {})
 
 
 def page_loads(block_n, page_size):
@@ -1035,7 +1126,7 @@ def _plan(q, k_cache, v_cache, window, cache_seqlens, sm_scale, base, leaky, log
                type(cache_seqlens), type(block_table), settings, tuple(map(type, settings)),
                tuple(launch_config(q.shape[-1]).items()), PROGRAMS_PER_SM, PAGE_LOADS_RULE,
                MAX_SCALAR_PAGES, MERGE_SPLITS_BLOCK, MERGE_ROWS, FUSED_MERGE_ROWS, MERGE_TILE,
-               FUSED_MERGE)
+               FUSED_MERGE, _tma_setting(), PDL_MERGE)
         plan = _PLANS.get(key)
     except (AttributeError, TypeError):    # not tensors, unhashable settings: checks will say
         key, plan = None, None
@@ -1080,7 +1171,12 @@ def _make_plan(q, k_cache, v_cache, window, cache_seqlens, sm_scale, base, leaky
     lse_strides = _contiguous_strides((num_splits, batch, hq, n_queries))
     if num_splits == 1:
         part_strides, lse_strides = (0, *_contiguous_strides(q.shape)), (0, 0, 0, 0)
+    tma = use_tma(prepared[1], prepared[2], paged)
+    if tma and not INTERPRET:
+        from .attention import _ensure_scratch_allocator
+        _ensure_scratch_allocator()         # the descriptors live in a global scratch buffer
     fused = fused_merge(num_splits, min(group * n_queries, rows_per_program), d)
+    pdl = num_splits > 1 and not fused and pdl_merge()
     merge_rows = FUSED_MERGE_ROWS if fused else MERGE_ROWS
     splits_block, lse_block = merge_blocks(num_splits, d, merge_rows)
     program_blocks = triton.cdiv(group * n_queries, rows_per_program)
@@ -1092,10 +1188,11 @@ def _make_plan(q, k_cache, v_cache, window, cache_seqlens, sm_scale, base, leaky
         PAGE_SIZE=k_cache.shape[1] if paged else 16,
         PAGE_LOADS=page_loads(config["BLOCK_N"], k_cache.shape[1]) if paged else 1,
         **(dict(FUSED_MERGE=True, MERGE_ROWS=merge_rows, SPLITS_BLOCK=splits_block,
-                LSE_BLOCK=lse_block) if fused else {}), **config)
+                LSE_BLOCK=lse_block) if fused else {}), TMA=tma, PDL=pdl, **config)
     # the merge kernel with the split kernel's warps: the same layouts as the fused merge
     merge = Launcher(_decode_merge_kernel, (triton.cdiv(n_rows, merge_rows),), HEAD_DIM=d,
                      ROWS=merge_rows, SPLITS_BLOCK=splits_block, LSE_BLOCK=lse_block,
+                     **({"PDL": True, "launch_pdl": True} if pdl else {}),
                      **{k: v for k, v in config.items() if k == "num_warps"})
     return _Plan(
         n_queries=n_queries, n_max=n_max, num_splits=num_splits, fused=fused,
@@ -1112,6 +1209,12 @@ def _make_plan(q, k_cache, v_cache, window, cache_seqlens, sm_scale, base, leaky
                     scale * LOG2E, logn_factor(logn_len)),
         merge=merge, merge_args=(n_rows, num_splits),
         lift=compute_dtype != q.dtype)
+
+
+def _tma_setting():
+    from . import configs
+
+    return configs.TMA, TMA_HEAD_DIMS
 
 
 def _contiguous_strides(shape):
