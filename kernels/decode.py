@@ -59,11 +59,6 @@ from .rotary import (_logn_scale, _rotate, _table_rows, _unrotate, logn_factor,
                      rotation_tables)
 from .runtime import INTERPRET, dot_precision, prepare_for_device
 
-try:                   # programmatic dependent launch (Hopper on): Triton >= 3.3
-    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-except ImportError:    # pragma: no cover - never called then (PDL stays off)
-    gdc_launch_dependents = gdc_wait = None
-
 MAX_QUERIES = 16          # Nq per row: one token, or a few speculative ones
 
 # Launch configuration. BLOCK_N keys per tile; BLOCK_M rows (group heads × queries) per program,
@@ -106,11 +101,18 @@ PAGE_LOADS_RULE = None
 MIN_BLOCK_M, MAX_BLOCK_M = 16, 64
 # K and V tiles through TMA tensor descriptors (:func:`use_tma`): under ``KERNELS_TMA=auto``
 # (kernels.configs.TMA, the default) for contiguous fp16/bf16 caches on Hopper or newer at
-# these head dims; ``KERNELS_TMA=1`` forces it wherever the layout allows (the interpreter
-# too), ``0`` never.
+# these head dims, where each split reads at least TMA_MIN_KEYS keys of the cache;
+# ``KERNELS_TMA=1`` forces it wherever the layout allows (the interpreter too), ``0`` never.
+# H200, bf16, window 2048 (perf/runs/decode_h19s7_call1_h200.json, mean of two rounds, µs,
+# pointer loads -> TMA): long chunks gain, D=128 B=32 at 32k / 128k 1050.5 -> 971.7 /
+# 4165.9 -> 3832.2, B=8 at 32k / 128k 274.9 -> 263.2 / 1094.4 -> 986.2, B=1 at 128k (4032
+# keys per split) 150.6 -> 146.2; D=64 B=32 520.9 -> 494.7 / 2144.8 -> 2024.5, B=8 151.5 ->
+# 145.7 / 543.3 -> 508.1, B=1 at 128k 86.7 -> 86.5; chunks of 1024 keys or fewer lose (each
+# program builds its descriptors after reading its row's length): B=1 at 4k / 32k, D=128
+# 18.4 -> 19.9 / 54.3 -> 56.7, D=64 14.6 -> 16.2 / 36.0 -> 38.5; B=8 at 4k 53.1 -> 54.7,
+# 35.1 -> 35.9. One split of 4096 keys (B=32 at 4k): within 0.6 %.
 TMA_HEAD_DIMS = (64, 128)
-# The merge kernel as a programmatic dependent launch of the split kernel (:func:`pdl_merge`).
-PDL_MERGE = True
+TMA_MIN_KEYS = 2048
 
 # The splits rule (see :func:`default_num_splits`).
 MIN_KEYS_PER_SPLIT = 256  # never cut a row into chunks shorter than this (merge overhead)
@@ -402,7 +404,7 @@ def _decode_split_kernel(
     PAGED: tl.constexpr = False, PAGE_SIZE: tl.constexpr = 16, EVICT: tl.constexpr = "",
     PAGE_LOADS: tl.constexpr = 1, FUSED_MERGE: tl.constexpr = False,
     MERGE_ROWS: tl.constexpr = 1, SPLITS_BLOCK: tl.constexpr = 1, LSE_BLOCK: tl.constexpr = 1,
-    TMA: tl.constexpr = False, PDL: tl.constexpr = False,
+    TMA: tl.constexpr = False,
 ):
     """Grid ``(B · Hkv, num_splits, cdiv(group · Nq, BLOCK_M))``: one chunk of one row's keys
     for the ``BLOCK_M`` (head, query) rows of one KV-head group.
@@ -426,14 +428,10 @@ def _decode_split_kernel(
     st_p``) maps a row's logical page ``j // PAGE_SIZE`` to its page; ``Nmax = max_blocks ·
     PAGE_SIZE``. A row with an entry outside ``[0, num_blocks)`` among its pages gets NaN.
 
-    ``TMA`` (contiguous only): K and V tiles are read through tensor descriptors
-    (:func:`_kv_sources`) instead of pointer loads. ``PDL``: the merge kernel is launched as a
-    programmatic dependent of this one (:func:`pdl_merge`): every program lets it launch as
-    soon as it starts (the merge waits for this grid to finish before reading a partial).
+    ``TMA`` (contiguous only, :func:`use_tma`): K and V tiles are read through tensor
+    descriptors (:func:`_kv_sources`) instead of pointer loads.
     """
     HALF: tl.constexpr = HEAD_DIM // 2
-    if PDL:
-        gdc_launch_dependents()
     # the KV heads of one chunk side by side (they read the same rows of the angle table)
     batch = tl.program_id(0) // n_kv_heads
     kv_head = tl.program_id(0) % n_kv_heads
@@ -607,12 +605,9 @@ def _merge_rows(Part, PartLse, Out, first, count, n_rows, num_splits, HEAD_DIM: 
 @triton.jit
 def _decode_merge_kernel(Part, PartLse, Out, n_rows, num_splits, HEAD_DIM: tl.constexpr,
                          ROWS: tl.constexpr, SPLITS_BLOCK: tl.constexpr,
-                         LSE_BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+                         LSE_BLOCK: tl.constexpr):
     """Grid ``(cdiv(B · Hq · Nq, ROWS),)``: :func:`_merge_rows` of ``ROWS`` rows each (the
-    two-launch path: the split kernel without ``FUSED_MERGE``, then this). ``PDL``: launched
-    as a programmatic dependent of the split kernel (:func:`pdl_merge`): wait for it first."""
-    if PDL:
-        gdc_wait()
+    two-launch path: the split kernel without ``FUSED_MERGE``, then this)."""
     first = tl.program_id(0).to(tl.int64) * ROWS
     _merge_rows(Part, PartLse, Out, first, n_rows - first, n_rows, num_splits, HEAD_DIM, ROWS,
                 SPLITS_BLOCK, LSE_BLOCK)
@@ -640,44 +635,29 @@ def launch_config(head_dim):
     return HEAD_DIM_CONFIGS.get(head_dim, GPU_CONFIG)
 
 
-def use_tma(k_cache, v_cache, paged):
+def use_tma(k_cache, v_cache, paged, keys_per_split):
     """Whether the split kernel reads K and V tiles through TMA tensor descriptors (``TMA``;
-    ``k_cache, v_cache`` as the kernel sees them). Never for a paged cache (a tile's keys are
-    not one box of memory). ``kernels.configs.TMA``: ``"0"`` never; ``"1"`` wherever the layout
-    allows (under the interpreter too: the tests run this path on CPU); ``"auto"``, on a GPU
-    where :func:`kernels.configs.tma_pays` (Hopper or newer, 16-bit, ``D <= 128``), for head
-    dims in ``TMA_HEAD_DIMS``. The layout: 16-byte aligned starts, unit stride along ``D``,
-    16-byte aligned key, head and batch strides (:func:`kernels.attention._tma_layout_ok`)."""
+    ``k_cache, v_cache`` as the kernel sees them, ``keys_per_split`` the cache slots of one
+    split, ``cdiv(Nmax, num_splits)``: shapes only). Never for a paged cache (a tile's keys
+    are not one box of memory). ``kernels.configs.TMA``: ``"0"`` never; ``"1"`` wherever the
+    layout allows (under the interpreter too: the tests run this path on CPU); ``"auto"``, on a
+    GPU where :func:`kernels.configs.tma_pays` (Hopper or newer, 16-bit, ``D <= 128``), for
+    head dims in ``TMA_HEAD_DIMS`` and splits of at least ``TMA_MIN_KEYS`` keys (each program
+    builds two descriptors once it has read its row's length: on short chunks that latency
+    costs more than the loads gain; the figures are at ``TMA_MIN_KEYS``). The layout: 16-byte
+    aligned starts, unit stride along ``D``, 16-byte aligned key, head and batch strides
+    (:func:`kernels.attention._tma_layout_ok`)."""
     from . import configs
     from .attention import _capability, _tma_layout_ok
 
     if paged or configs.TMA == "0":
         return False
     d = k_cache.shape[-1]
-    if configs.TMA != "1" and (INTERPRET or d not in TMA_HEAD_DIMS or not configs.tma_pays(
-            _capability(k_cache.device), k_cache.element_size(), d)):
+    if configs.TMA != "1" and (INTERPRET or d not in TMA_HEAD_DIMS
+                               or keys_per_split < TMA_MIN_KEYS or not configs.tma_pays(
+                                   _capability(k_cache.device), k_cache.element_size(), d)):
         return False
     return _tma_layout_ok(k_cache) and _tma_layout_ok(v_cache)
-
-
-def pdl_merge():
-    """Whether the merge kernel is launched as a programmatic dependent of the split kernel
-    (``PDL_MERGE``, on a GPU whose Triton has ``launch_pdl``; Hopper or newer): its programs
-    can then be resident and waiting (``griddepcontrol.wait``) when the split kernel ends,
-    instead of being launched after it. The split kernel lets them launch when its programs
-    start; nothing of the merge reads a partial before the wait."""
-    if not PDL_MERGE or INTERPRET or gdc_wait is None:
-        return False
-    return _has_launch_pdl() and torch.cuda.get_device_capability()[0] >= 9
-
-
-@functools.lru_cache(maxsize=None)
-def _has_launch_pdl():
-    try:
-        from triton.backends.nvidia.compiler import CUDAOptions
-    except ImportError:
-        return False
-    return "launch_pdl" in getattr(CUDAOptions, "__dataclass_fields__", {})
 
 
 def page_loads(block_n, page_size):
@@ -1126,7 +1106,7 @@ def _plan(q, k_cache, v_cache, window, cache_seqlens, sm_scale, base, leaky, log
                type(cache_seqlens), type(block_table), settings, tuple(map(type, settings)),
                tuple(launch_config(q.shape[-1]).items()), PROGRAMS_PER_SM, PAGE_LOADS_RULE,
                MAX_SCALAR_PAGES, MERGE_SPLITS_BLOCK, MERGE_ROWS, FUSED_MERGE_ROWS, MERGE_TILE,
-               FUSED_MERGE, _tma_setting(), PDL_MERGE)
+               FUSED_MERGE, _tma_setting())
         plan = _PLANS.get(key)
     except (AttributeError, TypeError):    # not tensors, unhashable settings: checks will say
         key, plan = None, None
@@ -1171,12 +1151,11 @@ def _make_plan(q, k_cache, v_cache, window, cache_seqlens, sm_scale, base, leaky
     lse_strides = _contiguous_strides((num_splits, batch, hq, n_queries))
     if num_splits == 1:
         part_strides, lse_strides = (0, *_contiguous_strides(q.shape)), (0, 0, 0, 0)
-    tma = use_tma(prepared[1], prepared[2], paged)
+    tma = use_tma(prepared[1], prepared[2], paged, triton.cdiv(n_max, num_splits))
     if tma and not INTERPRET:
         from .attention import _ensure_scratch_allocator
         _ensure_scratch_allocator()         # the descriptors live in a global scratch buffer
     fused = fused_merge(num_splits, min(group * n_queries, rows_per_program), d)
-    pdl = num_splits > 1 and not fused and pdl_merge()
     merge_rows = FUSED_MERGE_ROWS if fused else MERGE_ROWS
     splits_block, lse_block = merge_blocks(num_splits, d, merge_rows)
     program_blocks = triton.cdiv(group * n_queries, rows_per_program)
@@ -1188,11 +1167,10 @@ def _make_plan(q, k_cache, v_cache, window, cache_seqlens, sm_scale, base, leaky
         PAGE_SIZE=k_cache.shape[1] if paged else 16,
         PAGE_LOADS=page_loads(config["BLOCK_N"], k_cache.shape[1]) if paged else 1,
         **(dict(FUSED_MERGE=True, MERGE_ROWS=merge_rows, SPLITS_BLOCK=splits_block,
-                LSE_BLOCK=lse_block) if fused else {}), TMA=tma, PDL=pdl, **config)
+                LSE_BLOCK=lse_block) if fused else {}), TMA=tma, **config)
     # the merge kernel with the split kernel's warps: the same layouts as the fused merge
     merge = Launcher(_decode_merge_kernel, (triton.cdiv(n_rows, merge_rows),), HEAD_DIM=d,
                      ROWS=merge_rows, SPLITS_BLOCK=splits_block, LSE_BLOCK=lse_block,
-                     **({"PDL": True, "launch_pdl": True} if pdl else {}),
                      **{k: v for k, v in config.items() if k == "num_warps"})
     return _Plan(
         n_queries=n_queries, n_max=n_max, num_splits=num_splits, fused=fused,
@@ -1214,7 +1192,7 @@ def _make_plan(q, k_cache, v_cache, window, cache_seqlens, sm_scale, base, leaky
 def _tma_setting():
     from . import configs
 
-    return configs.TMA, TMA_HEAD_DIMS
+    return configs.TMA, TMA_HEAD_DIMS, TMA_MIN_KEYS
 
 
 def _contiguous_strides(shape):

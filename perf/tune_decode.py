@@ -739,6 +739,10 @@ if __name__ == "__main__" and "--s5" in sys.argv:
 
 
 # --- session 7 (issue 19): TMA loads of K and V, the merge as a dependent launch, registers ------
+# Run once (call 1: perf/runs/decode_h19s7_call1_h200.json) on commit 45ac5d5, where TMA was
+# used for every contiguous split (no TMA_MIN_KEYS yet) and decode.PDL_MERGE launched the merge
+# kernel as a programmatic dependent launch (griddepcontrol; removed since: it lost). With the
+# code since, "auto" follows decode.TMA_MIN_KEYS and the *_pdl variants equal their base.
 
 # name -> (kernels.configs.TMA, decode.PDL_MERGE, launch-config changes, programs per SM)
 S7_VARIANTS = {
@@ -826,7 +830,7 @@ def round_s7():
     result = {"meta": run_meta(window=WINDOW, dtype="bfloat16", Hq=HQ, Hkv=HKV,
                                variants={k: list(v) for k, v in S7_VARIANTS.items()},
                                base_configs={str(d): c for d, c in _s7_base_configs().items()},
-                               pdl_available=decode.pdl_merge())}
+                               pdl_available=getattr(decode, "pdl_merge", bool)())}
     save = saver(result, "decode_h19s7.json", started)
     names = list(S7_VARIANTS)
     specs = sorted({(name, d, b, s7_splits(name, b, n)) for name in names for d in (64, 128)
