@@ -24,6 +24,12 @@ things keep it there:
   ``(num_blocks, block_size, Hkv, D)`` with a block table, FlashAttention's layout
   (``block_table=``): only where a key tile is loaded from changes (:func:`_key_rows`, the
   ``PAGED`` constexpr); positions, rotations, regions and splits stay logical.
+* **Tiles by the copy engine where chunks are long.** On Hopper a contiguous fp16/bf16 cache is
+  read through TMA tensor descriptors (the ``TMA`` constexpr, :func:`use_tma`) where each split
+  covers at least ``TMA_MIN_KEYS`` keys, pointer loads elsewhere. On the H200 that took the
+  steps with B >= 8 and >= 32k keys 4-11 % faster (to 0.94-1.00x the faster SDPA); splits of 1024
+  keys or fewer were 2-11 % slower with descriptors (each program builds its own after reading
+  its row's length), so they keep pointer loads (perf/decode_issue19.md, session 7).
 
 Regions along a row's keys ``0 … L-1`` (queries at ``L-Nq … L-1``, causal): keys before
 ``L - Nq - w + 1`` are outside the window for every query — nearly all of a long cache — and
@@ -68,9 +74,9 @@ MAX_QUERIES = 16          # Nq per row: one token, or a few speculative ones
 # programs of GPU_CONFIG are resident per SM (its ~255 registers per thread allow two), for the
 # splits rule (:func:`default_num_splits`). KERNELS_DECODE_CONFIG="BLOCK_N,ANGLES,num_warps,
 # num_stages,programs per SM" overrides both. Chosen on the H200 by
-# ``python -m kernels.bench_decode --tune`` (book/data/decode_h200.json, meta.tuning): 4 warps
-# beat 8 by 1.45x at 128k keys; ANGLES 3, 1 and 0 are within 2 % of each other, 32-key tiles
-# 25 % slower.
+# ``python -m kernels.bench_decode --tune`` (2026-12-01: meta.tuning of book/data/decode_h200.json
+# as of commit 10b3661): 4 warps beat 8 by 1.45x at 128k keys; ANGLES 3, 1 and 0 are within 2 %
+# of each other, 32-key tiles 25 % slower.
 GPU_CONFIG = dict(BLOCK_N=64, ANGLES=3, num_warps=4, num_stages=3)
 # Per head dim where the H200 measured a better one (GPU_CONFIG for the others; issue 19,
 # perf/tune_decode.py, perf/runs/tune_decode_h200.json): at D=64, 128-key tiles take B=8 at
@@ -79,7 +85,11 @@ GPU_CONFIG = dict(BLOCK_N=64, ANGLES=3, num_warps=4, num_stages=3)
 # splits rule are no faster than 2 (3 is up to 1.3x slower: a second partial wave). An earlier
 # benchmark sweep timed evict-first loads (EVICT, no change); 4 stages over the 9 (B, context)
 # shapes of the grid (perf/runs/decode_round2_h200.json): D=128 from 3 % faster (B=8, 128k) to
-# 7 % slower (B=1, 32k), D=64 up to 8 % slower; not adopted.
+# 7 % slower (B=1, 32k), D=64 up to 8 % slower; not adopted. With TMA loads (session 7, the
+# grid's 18 bf16 shapes, perf/runs/decode_h19s7_call1_h200.json): 4 stages 1-7 % slower but at
+# D=128 B=32 128k (3 % faster); ANGLES 1 within 2 % at D=128, 0.5-6 % slower at D=64;
+# maxnreg=168 (the kernel holds 255 registers, 2 programs per SM) with 3 programs per SM in
+# the splits rule: it spills, D=128 1.10-1.60x slower, D=64 2-13 %. None adopted.
 HEAD_DIM_CONFIGS = {64: dict(BLOCK_N=128, ANGLES=3, num_warps=4, num_stages=3)}
 PROGRAMS_PER_SM = 2
 if os.environ.get("KERNELS_DECODE_CONFIG"):
@@ -979,7 +989,10 @@ def rerope_decode(q, k_cache, v_cache, window, cache_seqlens=None, sm_scale=None
     is a second launch, or, opted in (``KERNELS_FUSED_MERGE``, :func:`fused_merge`), runs in
     the same launch, counted by int32 counters kept per device and stream
     (:func:`merge_counters`: CUDA graphs captured on one stream share that stream's, so replay
-    those one at a time). Forward only: with grad mode on,
+    those one at a time). Where K and V are read through TMA descriptors (:func:`use_tma`),
+    Triton also asks for a small scratch buffer per launch (the descriptors, 128 bytes each,
+    two per program), from torch's allocator unless the caller installed one
+    (``triton.set_allocator``). Forward only: with grad mode on,
     inputs that require grad raise ``ValueError`` (use :func:`kernels.rerope`).
     """
     if torch.compiler.is_compiling():          # an opaque op for the compiler (see _decode_op)
