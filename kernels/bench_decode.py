@@ -33,13 +33,16 @@ Per step we report ``us``: the median GPU time of one step replayed from a CUDA 
 cache flushed before each replay (in a model the other layers' caches evict it), timed with CUDA
 events; and ``us_eager``: the wall-clock time per step of back-to-back eager calls (host included:
 what a Python decode loop sees). ``hbm_fraction = hbm_bound / us``. Every kernel variant is
-compiled first in parallel worker processes (:func:`precompile`). JSON like
+compiled first in parallel worker processes (:func:`precompile`); with ``WAIT_PID`` set (a
+process sharing the GPU, e.g. a test run) the timing waits for that process to end. A
+``rerope_decode`` row's ``tma`` says whether it read K and V through TMA descriptors
+(:func:`kernels.decode.use_tma`). JSON like
 :mod:`kernels.bench`::
 
     {"meta": {"gpu", "torch", "triton", "cuda", "date", "read_tb_s", "copy_tb_s", ...},
      "rows": [{"impl", "B", "Hq", "Hkv", "D", "dtype", "window", "context", "Nq",
                "us", "us_eager", "hbm_fraction", ("num_splits"), ("layout", "page_size"),
-               ("rotated"), ("skipped")}],
+               ("tma"), ("rotated"), ("skipped")}],
      "sweep": [...]}      # num_splits variants
 
 :func:`load_results`, :func:`select_rows` and :func:`plot_latency` read the file back; they need
@@ -49,6 +52,7 @@ no GPU.
 import argparse
 import datetime
 import gc
+import os
 import statistics
 import sys
 import time
@@ -523,12 +527,20 @@ def run(args):
             "config": dict(decode.GPU_CONFIG), "programs_per_sm": decode.PROGRAMS_PER_SM,
             "head_dim_configs": {str(d): dict(decode.launch_config(d)) for d in args.head_dim},
             "args": vars(args)}
+    from kernels import configs
+
+    meta["tma"] = {"mode": configs.TMA, "head_dims": list(decode.TMA_HEAD_DIMS),
+                   "min_keys_per_split": decode.TMA_MIN_KEYS}
     rows, sweep = [], []
     groups = grid(args)
     if not args.no_precompile:
         meta["precompiled"] = precompile(groups)
         meta["precompile_s"] = round(time.perf_counter() - started, 1)
         print(f"precompiled {meta['precompiled']} variants in {meta['precompile_s']} s", flush=True)
+    wait = os.environ.get("WAIT_PID")   # a process sharing the GPU (a test run): let it end first
+    while wait and os.path.exists(f"/proc/{wait}"):
+        time.sleep(0.5)
+    meta["timing_started_s"] = round(time.perf_counter() - started, 1)
     bandwidth = copy_bandwidth()
     meta["copy_tb_s"] = bandwidth / 1e12
     read, reads = triton_read_bandwidth()
@@ -579,6 +591,8 @@ def run(args):
                     info.setdefault("num_splits", decode.default_num_splits(
                         batch, HKV, HQ // HKV, nq, context, meta["sms"]))
                     info["layout"] = "paged" if extra.get("page_size") else "contiguous"
+                    info["tma"] = decode.use_tma(k_cache, v_cache, bool(extra.get("page_size")),
+                                                 -(-context // info["num_splits"]))
                     step = _rerope_call(q, k_cache, v_cache, window, {**extra, **info})
                     if extra.get("page_size"):     # the paged call must give the same output
                         want = kernels.rerope_decode(q, k_cache, v_cache, window,

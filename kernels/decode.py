@@ -24,6 +24,12 @@ things keep it there:
   ``(num_blocks, block_size, Hkv, D)`` with a block table, FlashAttention's layout
   (``block_table=``): only where a key tile is loaded from changes (:func:`_key_rows`, the
   ``PAGED`` constexpr); positions, rotations, regions and splits stay logical.
+* **Tiles by the copy engine where chunks are long.** On Hopper a contiguous fp16/bf16 cache is
+  read through TMA tensor descriptors (the ``TMA`` constexpr, :func:`use_tma`) where each split
+  covers at least ``TMA_MIN_KEYS`` keys, pointer loads elsewhere. On the H200 that took the
+  steps with B >= 8 and >= 32k keys 4-11 % faster (to 0.94-1.00x the faster SDPA); splits of 1024
+  keys or fewer were 2-11 % slower with descriptors (each program builds its own after reading
+  its row's length), so they keep pointer loads (perf/decode_issue19.md, session 7).
 
 Regions along a row's keys ``0 … L-1`` (queries at ``L-Nq … L-1``, causal): keys before
 ``L - Nq - w + 1`` are outside the window for every query — nearly all of a long cache — and
@@ -68,9 +74,9 @@ MAX_QUERIES = 16          # Nq per row: one token, or a few speculative ones
 # programs of GPU_CONFIG are resident per SM (its ~255 registers per thread allow two), for the
 # splits rule (:func:`default_num_splits`). KERNELS_DECODE_CONFIG="BLOCK_N,ANGLES,num_warps,
 # num_stages,programs per SM" overrides both. Chosen on the H200 by
-# ``python -m kernels.bench_decode --tune`` (book/data/decode_h200.json, meta.tuning): 4 warps
-# beat 8 by 1.45x at 128k keys; ANGLES 3, 1 and 0 are within 2 % of each other, 32-key tiles
-# 25 % slower.
+# ``python -m kernels.bench_decode --tune`` (2026-12-01: meta.tuning of book/data/decode_h200.json
+# as of commit 10b3661): 4 warps beat 8 by 1.45x at 128k keys; ANGLES 3, 1 and 0 are within 2 %
+# of each other, 32-key tiles 25 % slower.
 GPU_CONFIG = dict(BLOCK_N=64, ANGLES=3, num_warps=4, num_stages=3)
 # Per head dim where the H200 measured a better one (GPU_CONFIG for the others; issue 19,
 # perf/tune_decode.py, perf/runs/tune_decode_h200.json): at D=64, 128-key tiles take B=8 at
@@ -79,7 +85,11 @@ GPU_CONFIG = dict(BLOCK_N=64, ANGLES=3, num_warps=4, num_stages=3)
 # splits rule are no faster than 2 (3 is up to 1.3x slower: a second partial wave). An earlier
 # benchmark sweep timed evict-first loads (EVICT, no change); 4 stages over the 9 (B, context)
 # shapes of the grid (perf/runs/decode_round2_h200.json): D=128 from 3 % faster (B=8, 128k) to
-# 7 % slower (B=1, 32k), D=64 up to 8 % slower; not adopted.
+# 7 % slower (B=1, 32k), D=64 up to 8 % slower; not adopted. With TMA loads (session 7, the
+# grid's 18 bf16 shapes, perf/runs/decode_h19s7_call1_h200.json): 4 stages 1-7 % slower but at
+# D=128 B=32 128k (3 % faster); ANGLES 1 within 2 % at D=128, 0.5-6 % slower at D=64;
+# maxnreg=168 (the kernel holds 255 registers, 2 programs per SM) with 3 programs per SM in
+# the splits rule: it spills, D=128 1.10-1.60x slower, D=64 2-13 %. None adopted.
 HEAD_DIM_CONFIGS = {64: dict(BLOCK_N=128, ANGLES=3, num_warps=4, num_stages=3)}
 PROGRAMS_PER_SM = 2
 if os.environ.get("KERNELS_DECODE_CONFIG"):
@@ -99,6 +109,20 @@ PAGE_SIZES = (16, 32, 64, 128, 256)
 MAX_SCALAR_PAGES = 4
 PAGE_LOADS_RULE = None
 MIN_BLOCK_M, MAX_BLOCK_M = 16, 64
+# K and V tiles through TMA tensor descriptors (:func:`use_tma`): under ``KERNELS_TMA=auto``
+# (kernels.configs.TMA, the default) for contiguous fp16/bf16 caches on Hopper or newer at
+# these head dims, where each split reads at least TMA_MIN_KEYS keys of the cache;
+# ``KERNELS_TMA=1`` forces it wherever the layout allows (the interpreter too), ``0`` never.
+# H200, bf16, window 2048 (perf/runs/decode_h19s7_call1_h200.json, mean of two rounds, µs,
+# pointer loads -> TMA): long chunks gain, D=128 B=32 at 32k / 128k 1050.5 -> 971.7 /
+# 4165.9 -> 3832.2, B=8 at 32k / 128k 274.9 -> 263.2 / 1094.4 -> 986.2, B=1 at 128k (4032
+# keys per split) 150.6 -> 146.2; D=64 B=32 520.9 -> 494.7 / 2144.8 -> 2024.5, B=8 151.5 ->
+# 145.7 / 543.3 -> 508.1, B=1 at 128k 86.7 -> 86.5; chunks of 1024 keys or fewer lose (each
+# program builds its descriptors after reading its row's length): B=1 at 4k / 32k, D=128
+# 18.4 -> 19.9 / 54.3 -> 56.7, D=64 14.6 -> 16.2 / 36.0 -> 38.5; B=8 at 4k 53.1 -> 54.7,
+# 35.1 -> 35.9. One split of 4096 keys (B=32 at 4k): within 0.6 %.
+TMA_HEAD_DIMS = (64, 128)
+TMA_MIN_KEYS = 2048
 
 # The splits rule (see :func:`default_num_splits`).
 MIN_KEYS_PER_SPLIT = 256  # never cut a row into chunks shorter than this (merge overhead)
@@ -151,7 +175,8 @@ def _decode_pass(acc, l_i, m_i, q_a, q_b, K, V, sk_n, sk_d, sv_n, sv_d, Table, c
                  PRODUCT: tl.constexpr, MASKED: tl.constexpr, ROT_KEYS: tl.constexpr,
                  BLOCK_N: tl.constexpr, HALF: tl.constexpr, DOT_PRECISION: tl.constexpr,
                  ANGLES: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
-                 EVICT: tl.constexpr, PAGE_LOADS: tl.constexpr):
+                 EVICT: tl.constexpr, PAGE_LOADS: tl.constexpr, TMA: tl.constexpr,
+                 dtype: tl.constexpr):
     """Fold the key tiles of ``walk`` (``(lo1, hi1, lo2, hi2)``) into the softmax state.
 
     ``q_a, q_b``: the halves of the queries, already rotated for this product (fp32).
@@ -171,39 +196,49 @@ def _decode_pass(acc, l_i, m_i, q_a, q_b, K, V, sk_n, sk_d, sv_n, sv_d, Table, c
     page ``BlockTable[j // PAGE_SIZE]`` (:func:`_key_rows`), the entries as :func:`_tile_pages`
     loads them (``PAGE_LOADS``, :func:`page_loads`): 0, a gather per key; 1, one scalar load
     per page of the tile.
+
+    ``dtype``: the cache's element type (the keys are turned in fp32 and go back to it).
+    ``TMA`` (contiguous caches only): ``K, V`` are tensor descriptors of this row's ``n_keys``
+    keys (:func:`_kv_sources`), ``K``'s blocks ``BLOCK_N × D/2`` (the two halves are two
+    loads), ``V``'s ``BLOCK_N × D``; rows at and past ``n_keys`` come back as zeros without
+    being read, as the masked pointer loads do.
     """
     offs_n = tl.arange(0, BLOCK_N)
     halves = tl.arange(0, HALF)
-    dtype = K.dtype.element_ty
     qd_a, qd_b = q_a.to(dtype), q_b.to(dtype)
     lo1, hi1, lo2, hi2 = walk
     n1 = _tile_count(lo1, hi1, BLOCK_N)
     for t in range(0, n1 + _tile_count(lo2, hi2, BLOCK_N)):
         start = tl.multiple_of(_nth_tile(t, lo1, n1, lo2, BLOCK_N), BLOCK_N)
         cols = start + offs_n
-        if PAGED:
-            page = _tile_pages(pages, start, n_keys, BLOCK_N, PAGE_SIZE, PAGE_LOADS == 1)
-            k_rows, v_rows, paged_ok = _key_rows(pages, page, cols, sk_n, sv_n, BLOCK_N,
-                                                 PAGE_SIZE)
+        if TMA:         # the bulk tensor-copy engine; zeros past n_keys (no mask needed)
+            k_a = K.load([start, 0])
+            k_b = K.load([start, HALF])
+            v = V.load([start, 0])
         else:
-            k_rows, v_rows = cols.to(tl.int64) * sk_n, cols.to(tl.int64) * sv_n
-        k_ptrs = K + k_rows[:, None] + halves[None, :] * sk_d
-        v_ptrs = V + v_rows[:, None] + tl.arange(0, 2 * HALF)[None, :] * sv_d
-        if MASKED or PAGED:
-            if MASKED and PAGED:
-                live = ((cols < n_keys) & paged_ok)[:, None]
-            elif MASKED:
-                live = (cols < n_keys)[:, None]
+            if PAGED:
+                page = _tile_pages(pages, start, n_keys, BLOCK_N, PAGE_SIZE, PAGE_LOADS == 1)
+                k_rows, v_rows, paged_ok = _key_rows(pages, page, cols, sk_n, sv_n, BLOCK_N,
+                                                     PAGE_SIZE)
             else:
-                live = paged_ok[:, None]
-            k_a = tl.load(k_ptrs, mask=live, other=0.0, eviction_policy=EVICT)
-            k_b = tl.load(k_ptrs + HALF * sk_d, mask=live, other=0.0,
-                          eviction_policy=EVICT)
-            v = tl.load(v_ptrs, mask=live, other=0.0, eviction_policy=EVICT)
-        else:
-            k_a = tl.load(k_ptrs, eviction_policy=EVICT)
-            k_b = tl.load(k_ptrs + HALF * sk_d, eviction_policy=EVICT)
-            v = tl.load(v_ptrs, eviction_policy=EVICT)
+                k_rows, v_rows = cols.to(tl.int64) * sk_n, cols.to(tl.int64) * sv_n
+            k_ptrs = K + k_rows[:, None] + halves[None, :] * sk_d
+            v_ptrs = V + v_rows[:, None] + tl.arange(0, 2 * HALF)[None, :] * sv_d
+            if MASKED or PAGED:
+                if MASKED and PAGED:
+                    live = ((cols < n_keys) & paged_ok)[:, None]
+                elif MASKED:
+                    live = (cols < n_keys)[:, None]
+                else:
+                    live = paged_ok[:, None]
+                k_a = tl.load(k_ptrs, mask=live, other=0.0, eviction_policy=EVICT)
+                k_b = tl.load(k_ptrs + HALF * sk_d, mask=live, other=0.0,
+                              eviction_policy=EVICT)
+                v = tl.load(v_ptrs, mask=live, other=0.0, eviction_policy=EVICT)
+            else:
+                k_a = tl.load(k_ptrs, eviction_policy=EVICT)
+                k_b = tl.load(k_ptrs + HALF * sk_d, eviction_policy=EVICT)
+                v = tl.load(v_ptrs, eviction_policy=EVICT)
         if ROT_KEYS:
             if ANGLES == 2:      # one table row per key
                 cos, sin = _table_rows(Table, cols, HALF)
@@ -288,6 +323,21 @@ def _key_rows(pages, page, cols, sk_slot, sv_slot, BLOCK_N: tl.constexpr,
 
 
 @triton.jit
+def _kv_sources(K, V, sk_n, sv_n, n_keys, BLOCK_N: tl.constexpr, HALF: tl.constexpr,
+                TMA: tl.constexpr):
+    """How :func:`_decode_pass` reads the keys and values of one row (``K, V`` at its slot 0):
+    with ``TMA`` two tensor descriptors over its ``n_keys`` keys (rows past them read as zeros,
+    unread), ``K``'s blocks half a head wide; otherwise the pointers themselves."""
+    if TMA:
+        return (tl.make_tensor_descriptor(K, shape=[n_keys, 2 * HALF], strides=[sk_n, 1],
+                                          block_shape=[BLOCK_N, HALF]),
+                tl.make_tensor_descriptor(V, shape=[n_keys, 2 * HALF], strides=[sv_n, 1],
+                                          block_shape=[BLOCK_N, 2 * HALF]))
+    else:
+        return K, V
+
+
+@triton.jit
 def _query_halves(q_a, q_b, Table, Offset, positions, ROT_TABLE: tl.constexpr,
                   HALF: tl.constexpr):
     """The query halves (fp32) rotated by ``R(σ i + offset)`` for one product: the offset's
@@ -364,6 +414,7 @@ def _decode_split_kernel(
     PAGED: tl.constexpr = False, PAGE_SIZE: tl.constexpr = 16, EVICT: tl.constexpr = "",
     PAGE_LOADS: tl.constexpr = 1, FUSED_MERGE: tl.constexpr = False,
     MERGE_ROWS: tl.constexpr = 1, SPLITS_BLOCK: tl.constexpr = 1, LSE_BLOCK: tl.constexpr = 1,
+    TMA: tl.constexpr = False,
 ):
     """Grid ``(B · Hkv, num_splits, cdiv(group · Nq, BLOCK_M))``: one chunk of one row's keys
     for the ``BLOCK_M`` (head, query) rows of one KV-head group.
@@ -386,6 +437,9 @@ def _decode_split_kernel(
     strides step pages and slots) and ``BlockTable`` ``(B, max_blocks)`` (strides ``st_b,
     st_p``) maps a row's logical page ``j // PAGE_SIZE`` to its page; ``Nmax = max_blocks ·
     PAGE_SIZE``. A row with an entry outside ``[0, num_blocks)`` among its pages gets NaN.
+
+    ``TMA`` (contiguous only, :func:`use_tma`): K and V tiles are read through tensor
+    descriptors (:func:`_kv_sources`) instead of pointer loads.
     """
     HALF: tl.constexpr = HEAD_DIM // 2
     # the KV heads of one chunk side by side (they read the same rows of the angle table)
@@ -414,6 +468,8 @@ def _decode_split_kernel(
         K = K + b64 * sk_b
         V = V + b64 * sv_b
         pages = (BlockTable, st_p, sk_b, sv_b, num_blocks)
+    kv_dtype = V.dtype.element_ty
+    Ks, Vs = _kv_sources(K, V, sk_n, sv_n, n_keys, BLOCK_N, HALF, TMA)
     halves = tl.arange(0, HALF)
     q_ptrs = (Q + b64 * sq_b + head[:, None].to(tl.int64) * sq_h + query[:, None] * sq_n
               + halves[None, :] * sq_d)
@@ -435,31 +491,31 @@ def _decode_split_kernel(
     sin_r = tl.zeros([BLOCK_N, HALF], tl.float32)
     if ROT_KEYS_OUT and (ANGLES == 0 or ANGLES == 3):
         cos_r, sin_r = _table_rows(TableOut, offs_r, HALF)
-    acc, l_i, m_i = _decode_pass(acc, l_i, m_i, qo_a, qo_b, K, V, sk_n, sk_d, sv_n, sv_d,
+    acc, l_i, m_i = _decode_pass(acc, l_i, m_i, qo_a, qo_b, Ks, Vs, sk_n, sk_d, sv_n, sv_d,
                                  TableOut, cos_r, sin_r, positions, (lo, c1, c1, c1), n_keys,
                                  window, qk_scale, pages, OUTSIDE, False, ROT_KEYS_OUT, BLOCK_N,
                                  HALF, DOT_PRECISION, ANGLES, PAGED, PAGE_SIZE, EVICT,
-                                 PAGE_LOADS)
-    acc, l_i, m_i = _decode_pass(acc, l_i, m_i, qo_a, qo_b, K, V, sk_n, sk_d, sv_n, sv_d,
+                                 PAGE_LOADS, TMA, kv_dtype)
+    acc, l_i, m_i = _decode_pass(acc, l_i, m_i, qo_a, qo_b, Ks, Vs, sk_n, sk_d, sv_n, sv_d,
                                  TableOut, cos_r, sin_r, positions, (c1, c2, c2, c2), n_keys,
                                  window, qk_scale, pages, OUTSIDE, True, ROT_KEYS_OUT, BLOCK_N,
                                  HALF, DOT_PRECISION, ANGLES, PAGED, PAGE_SIZE, EVICT,
-                                 PAGE_LOADS)
+                                 PAGE_LOADS, TMA, kv_dtype)
     # inside the window: the last `window` keys
     qi_a, qi_b = _query_halves(q_a, q_b, TableIn, OffsetIn, positions, ROT_KEYS_IN,
                                HALF)
     if ROT_KEYS_IN and (ANGLES == 0 or ANGLES == 3):
         cos_r, sin_r = _table_rows(TableIn, offs_r, HALF)
-    acc, l_i, m_i = _decode_pass(acc, l_i, m_i, qi_a, qi_b, K, V, sk_n, sk_d, sv_n, sv_d,
+    acc, l_i, m_i = _decode_pass(acc, l_i, m_i, qi_a, qi_b, Ks, Vs, sk_n, sk_d, sv_n, sv_d,
                                  TableIn, cos_r, sin_r, positions, (c2, c3, c3, c3), n_keys,
                                  window, qk_scale, pages, INSIDE, False, ROT_KEYS_IN, BLOCK_N,
                                  HALF, DOT_PRECISION, ANGLES, PAGED, PAGE_SIZE, EVICT,
-                                 PAGE_LOADS)
-    acc, l_i, m_i = _decode_pass(acc, l_i, m_i, qi_a, qi_b, K, V, sk_n, sk_d, sv_n, sv_d,
+                                 PAGE_LOADS, TMA, kv_dtype)
+    acc, l_i, m_i = _decode_pass(acc, l_i, m_i, qi_a, qi_b, Ks, Vs, sk_n, sk_d, sv_n, sv_d,
                                  TableIn, cos_r, sin_r, positions, (c1, c2, c3, hi), n_keys,
                                  window, qk_scale, pages, INSIDE, True, ROT_KEYS_IN, BLOCK_N,
                                  HALF, DOT_PRECISION, ANGLES, PAGED, PAGE_SIZE, EVICT,
-                                 PAGE_LOADS)
+                                 PAGE_LOADS, TMA, kv_dtype)
 
     seen = l_i > 0.0
     out = acc / tl.where(seen, l_i, 1.0)[:, None]
@@ -587,6 +643,31 @@ def launch_config(head_dim):
     """The split kernel's launch configuration for ``head_dim`` on a GPU (``BLOCK_N``,
     ``ANGLES``, ``num_warps``, ``num_stages``): ``HEAD_DIM_CONFIGS`` or ``GPU_CONFIG``."""
     return HEAD_DIM_CONFIGS.get(head_dim, GPU_CONFIG)
+
+
+def use_tma(k_cache, v_cache, paged, keys_per_split):
+    """Whether the split kernel reads K and V tiles through TMA tensor descriptors (``TMA``;
+    ``k_cache, v_cache`` as the kernel sees them, ``keys_per_split`` the cache slots of one
+    split, ``cdiv(Nmax, num_splits)``: shapes only). Never for a paged cache (a tile's keys
+    are not one box of memory). ``kernels.configs.TMA``: ``"0"`` never; ``"1"`` wherever the
+    layout allows (under the interpreter too: the tests run this path on CPU); ``"auto"``, on a
+    GPU where :func:`kernels.configs.tma_pays` (Hopper or newer, 16-bit, ``D <= 128``), for
+    head dims in ``TMA_HEAD_DIMS`` and splits of at least ``TMA_MIN_KEYS`` keys (each program
+    builds two descriptors once it has read its row's length: on short chunks that latency
+    costs more than the loads gain; the figures are at ``TMA_MIN_KEYS``). The layout: 16-byte
+    aligned starts, unit stride along ``D``, 16-byte aligned key, head and batch strides
+    (:func:`kernels.attention._tma_layout_ok`)."""
+    from . import configs
+    from .attention import _capability, _tma_layout_ok
+
+    if paged or configs.TMA == "0":
+        return False
+    d = k_cache.shape[-1]
+    if configs.TMA != "1" and (INTERPRET or d not in TMA_HEAD_DIMS
+                               or keys_per_split < TMA_MIN_KEYS or not configs.tma_pays(
+                                   _capability(k_cache.device), k_cache.element_size(), d)):
+        return False
+    return _tma_layout_ok(k_cache) and _tma_layout_ok(v_cache)
 
 
 def page_loads(block_n, page_size):
@@ -908,7 +989,10 @@ def rerope_decode(q, k_cache, v_cache, window, cache_seqlens=None, sm_scale=None
     is a second launch, or, opted in (``KERNELS_FUSED_MERGE``, :func:`fused_merge`), runs in
     the same launch, counted by int32 counters kept per device and stream
     (:func:`merge_counters`: CUDA graphs captured on one stream share that stream's, so replay
-    those one at a time). Forward only: with grad mode on,
+    those one at a time). Where K and V are read through TMA descriptors (:func:`use_tma`),
+    Triton also asks for a small scratch buffer per launch (the descriptors, 128 bytes each,
+    two per program), from torch's allocator unless the caller installed one
+    (``triton.set_allocator``). Forward only: with grad mode on,
     inputs that require grad raise ``ValueError`` (use :func:`kernels.rerope`).
     """
     if torch.compiler.is_compiling():          # an opaque op for the compiler (see _decode_op)
@@ -1035,7 +1119,7 @@ def _plan(q, k_cache, v_cache, window, cache_seqlens, sm_scale, base, leaky, log
                type(cache_seqlens), type(block_table), settings, tuple(map(type, settings)),
                tuple(launch_config(q.shape[-1]).items()), PROGRAMS_PER_SM, PAGE_LOADS_RULE,
                MAX_SCALAR_PAGES, MERGE_SPLITS_BLOCK, MERGE_ROWS, FUSED_MERGE_ROWS, MERGE_TILE,
-               FUSED_MERGE)
+               FUSED_MERGE, _tma_setting())
         plan = _PLANS.get(key)
     except (AttributeError, TypeError):    # not tensors, unhashable settings: checks will say
         key, plan = None, None
@@ -1080,6 +1164,10 @@ def _make_plan(q, k_cache, v_cache, window, cache_seqlens, sm_scale, base, leaky
     lse_strides = _contiguous_strides((num_splits, batch, hq, n_queries))
     if num_splits == 1:
         part_strides, lse_strides = (0, *_contiguous_strides(q.shape)), (0, 0, 0, 0)
+    tma = use_tma(prepared[1], prepared[2], paged, triton.cdiv(n_max, num_splits))
+    if tma and not INTERPRET:
+        from .attention import _ensure_scratch_allocator
+        _ensure_scratch_allocator()         # the descriptors live in a global scratch buffer
     fused = fused_merge(num_splits, min(group * n_queries, rows_per_program), d)
     merge_rows = FUSED_MERGE_ROWS if fused else MERGE_ROWS
     splits_block, lse_block = merge_blocks(num_splits, d, merge_rows)
@@ -1092,7 +1180,7 @@ def _make_plan(q, k_cache, v_cache, window, cache_seqlens, sm_scale, base, leaky
         PAGE_SIZE=k_cache.shape[1] if paged else 16,
         PAGE_LOADS=page_loads(config["BLOCK_N"], k_cache.shape[1]) if paged else 1,
         **(dict(FUSED_MERGE=True, MERGE_ROWS=merge_rows, SPLITS_BLOCK=splits_block,
-                LSE_BLOCK=lse_block) if fused else {}), **config)
+                LSE_BLOCK=lse_block) if fused else {}), TMA=tma, **config)
     # the merge kernel with the split kernel's warps: the same layouts as the fused merge
     merge = Launcher(_decode_merge_kernel, (triton.cdiv(n_rows, merge_rows),), HEAD_DIM=d,
                      ROWS=merge_rows, SPLITS_BLOCK=splits_block, LSE_BLOCK=lse_block,
@@ -1112,6 +1200,12 @@ def _make_plan(q, k_cache, v_cache, window, cache_seqlens, sm_scale, base, leaky
                     scale * LOG2E, logn_factor(logn_len)),
         merge=merge, merge_args=(n_rows, num_splits),
         lift=compute_dtype != q.dtype)
+
+
+def _tma_setting():
+    from . import configs
+
+    return configs.TMA, TMA_HEAD_DIMS, TMA_MIN_KEYS
 
 
 def _contiguous_strides(shape):

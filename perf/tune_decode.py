@@ -225,7 +225,7 @@ def main():
     save()
 
 
-if __name__ == "__main__" and not {"--round2", "--round3", "--s5"} & set(sys.argv):
+if __name__ == "__main__" and not {"--round2", "--round3", "--s5", "--s7"} & set(sys.argv):
     with torch.no_grad():
         main()
 
@@ -736,3 +736,212 @@ def round_s5():
 if __name__ == "__main__" and "--s5" in sys.argv:
     with torch.no_grad():
         round_s5()
+
+
+# --- session 7 (issue 19): TMA loads of K and V, the merge as a dependent launch, registers ------
+# Run once (call 1: perf/runs/decode_h19s7_call1_h200.json) on commit 45ac5d5, where TMA was
+# used for every contiguous split (no TMA_MIN_KEYS yet) and decode.PDL_MERGE launched the merge
+# kernel as a programmatic dependent launch (griddepcontrol; removed since: it lost). With the
+# code since, "auto" follows decode.TMA_MIN_KEYS and the *_pdl variants equal their base.
+
+# name -> (kernels.configs.TMA, decode.PDL_MERGE, launch-config changes, programs per SM)
+S7_VARIANTS = {
+    "ptr": ("0", False, {}, 2),                  # the code before: pointer loads, plain merge
+    "ptr_pdl": ("0", True, {}, 2),
+    "tma": ("auto", False, {}, 2),
+    "tma_pdl": ("auto", True, {}, 2),
+    "tma_pdl_s4": ("auto", True, {"num_stages": 4}, 2),
+    "tma_pdl_r168": ("auto", True, {"maxnreg": 168}, 3),   # 3 programs per SM resident
+    "tma_pdl_a1": ("auto", True, {"ANGLES": 1}, 2),        # no BLOCK_N x D/2 table held
+}
+S7_SDPA = ("sdpa_cudnn", "sdpa_flash")
+S7_GRID = [(b, n) for b in (1, 8, 32) for n in (4096, 32768, 131072)]
+S7_BUDGET_S = 200                       # no new shape after this many seconds
+
+
+def _s7_base_configs():
+    from kernels import decode
+
+    return {d: dict(decode.launch_config(d)) for d in (64, 128)}
+
+
+S7_BASE = None
+
+
+def s7_set(name, d):
+    """Switch the decode module to variant ``name`` for head dim ``d``; returns its splits
+    rule's programs per SM."""
+    global S7_BASE
+    from kernels import configs, decode
+
+    if S7_BASE is None:
+        S7_BASE = _s7_base_configs()
+    tma, pdl, changes, per_sm = S7_VARIANTS[name]
+    configs.TMA = tma
+    decode.TMA_HEAD_DIMS = (64, 128)
+    decode.PDL_MERGE = pdl
+    decode.PROGRAMS_PER_SM = per_sm
+    decode.HEAD_DIM_CONFIGS[d] = {**S7_BASE[d], **changes}
+    return per_sm
+
+
+def s7_splits(name, batch, n):
+    from kernels import decode
+
+    per_sm = S7_VARIANTS[name][3]
+    saved = decode.PROGRAMS_PER_SM
+    decode.PROGRAMS_PER_SM = per_sm
+    try:
+        return decode.default_num_splits(batch, HKV, HQ // HKV, 1, n, 132)
+    finally:
+        decode.PROGRAMS_PER_SM = saved
+
+
+def s7_warm(spec):
+    """Compile one variant on a 4096-key cache (the timed calls' specialisation)."""
+    import kernels
+
+    name, d, batch, splits = spec
+    s7_set(name, d)
+    q = torch.randn(batch, HQ, 1, d, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(batch, HKV, 4096, d, device="cuda", dtype=torch.bfloat16)
+    started = time.perf_counter()
+    try:
+        kernels.rerope_decode(q, k, torch.randn_like(k), WINDOW, num_splits=splits)
+        torch.cuda.synchronize()
+        error = None
+    except Exception as exc:           # reported; the timing loop records it per shape
+        error = f"{type(exc).__name__}: {exc}"[:300]
+    return spec, time.perf_counter() - started, error
+
+
+def round_s7():
+    """``python perf/tune_decode.py --s7``: writes ``$OUT/decode_h19s7.json``.
+
+    The main grid's (D, B, context) shapes, bf16, window 2048, Nq = 1, a full rotated cache:
+    every variant of :data:`S7_VARIANTS` and SDPA cuDNN / flash, two rounds (the second in
+    reverse order), each variant's output against ``ptr`` (the code before) bit for bit.
+    """
+    import kernels
+    from kernels import bench_decode as bd
+    from kernels import decode
+
+    started = time.perf_counter()
+    result = {"meta": run_meta(window=WINDOW, dtype="bfloat16", Hq=HQ, Hkv=HKV,
+                               variants={k: list(v) for k, v in S7_VARIANTS.items()},
+                               base_configs={str(d): c for d, c in _s7_base_configs().items()},
+                               pdl_available=getattr(decode, "pdl_merge", bool)())}
+    save = saver(result, "decode_h19s7.json", started)
+    names = list(S7_VARIANTS)
+    specs = sorted({(name, d, b, s7_splits(name, b, n)) for name in names for d in (64, 128)
+                    for b, n in S7_GRID}, key=str)
+    errors = {}
+    with cf.ProcessPoolExecutor(max_workers=12, mp_context=mp.get_context("spawn")) as pool:
+        for spec, secs, error in pool.map(s7_warm, specs):
+            if error:
+                errors[str(spec)] = error
+    result["meta"]["warm"] = {"variants": len(specs),
+                              "wall_s": round(time.perf_counter() - started, 1),
+                              "errors": errors}
+    print("warm", result["meta"]["warm"], flush=True)
+    wait = os.environ.get("WAIT_PID")       # the GPU tests: let them finish first
+    while wait and os.path.exists(f"/proc/{wait}"):
+        time.sleep(0.5)
+    result["meta"]["tests_done_s"] = round(time.perf_counter() - started, 1)
+    read, reads = bd.triton_read_bandwidth()
+    result["meta"].update(read_tb_s=read / 1e12,
+                          read_configs_tb_s={k: v / 1e12 for k, v in reads.items()})
+    bd.TIME_BUDGET_S, bd.MIN_REPS = 0.03, 5
+    timed = timer(read)
+    rows = result["rows"] = []
+    checks = result["checks"] = []
+    for d in (128, 64):
+        for batch, n in S7_GRID:
+            if time.perf_counter() - started > S7_BUDGET_S:
+                result["meta"]["stopped_early"] = [d, batch, n]
+                break
+            torch.manual_seed(0)
+            k = torch.randn(batch, HKV, n, d, device="cuda", dtype=torch.bfloat16)
+            v = torch.randn_like(k)
+            q = torch.randn(batch, HQ, 1, d, device="cuda", dtype=torch.bfloat16)
+            outs, info = {}, {}
+            for name in names:
+                s7_set(name, d)
+                try:
+                    outs[name] = kernels.rerope_decode(q, k, v, WINDOW)
+                    plan = decode._plan(q, k, v, WINDOW, None, None, 10000.0, None, None, True,
+                                        None)
+                    info[name] = dict(num_splits=plan.num_splits,
+                                      tma=plan.split.constexprs.get("TMA"),
+                                      pdl=plan.split.constexprs.get("PDL"))
+                except Exception as error:
+                    info[name] = dict(error=f"{type(error).__name__}: {error}"[:300])
+            torch.cuda.synchronize()
+            for name in names:
+                row = dict(D=d, B=batch, context=n, impl=name, **info[name])
+                if name in outs and "ptr" in outs:
+                    row.update(equal_ptr=bool(torch.equal(outs[name], outs["ptr"])),
+                               max_abs_diff_ptr=(outs[name].float() - outs["ptr"].float())
+                               .abs().max().item())
+                checks.append(row)
+            print("checks", checks[-len(names):], flush=True)
+            order = list(S7_SDPA) + [name for name in names if name in outs]
+            for round_ in (0, 1):
+                for name in (order if round_ == 0 else order[::-1]):
+                    if name in S7_SDPA:
+                        step = bd.build_step(name, q, k, v, WINDOW, None)
+                        extra = {}
+                    else:
+                        s7_set(name, d)
+                        step = lambda: kernels.rerope_decode(q, k, v, WINDOW)
+                        extra = info[name]
+                    try:
+                        rows.append(timed(step, batch, n, d, impl=name, round=round_, **extra))
+                    except Exception as error:
+                        rows.append(dict(D=d, B=batch, context=n, impl=name, round=round_,
+                                         error=f"{type(error).__name__}: {error}"[:300]))
+                        print(rows[-1], flush=True)
+            save()
+            del k, v, q, outs
+            torch.cuda.empty_cache()
+    s7_summary(result)
+    save()
+    print("done", round(time.perf_counter() - started, 1), flush=True)
+
+
+def s7_summary(result):
+    """Per shape: each variant's mean time over both rounds, its ratio to ``ptr`` and to the
+    faster SDPA; per variant and head dim: the geometric means. Printed and kept in
+    ``result["summary"]``."""
+    import math
+
+    times = {}
+    for row in result.get("rows", []):
+        if row.get("us"):
+            times.setdefault((row["D"], row["B"], row["context"]), {}).setdefault(
+                row["impl"], []).append(row["us"])
+    summary, logs = [], {}
+    for (d, b, n), impls in sorted(times.items()):
+        mean = {k: sum(v) / len(v) for k, v in impls.items()}
+        sdpa = min(mean.get(k, math.inf) for k in S7_SDPA)
+        line = dict(D=d, B=b, context=n, sdpa_best_us=sdpa, us={}, x_ptr={}, x_sdpa={})
+        for name in S7_VARIANTS:
+            if name in mean:
+                line["us"][name] = round(mean[name], 2)
+                line["x_sdpa"][name] = round(sdpa / mean[name], 3)
+                if "ptr" in mean:
+                    line["x_ptr"][name] = round(mean["ptr"] / mean[name], 3)
+                    logs.setdefault((d, name), []).append(math.log(mean["ptr"] / mean[name]))
+        summary.append(line)
+        print(f"summary D={d} B={b} n={n} sdpa {sdpa:.1f} | "
+              + " ".join(f"{k} {v:.1f} ({line['x_sdpa'][k]:.2f})" for k, v in line["us"].items()),
+              flush=True)
+    result["summary"] = summary
+    result["geomean_x_ptr"] = {f"D{d} {name}": round(math.exp(sum(v) / len(v)), 3)
+                               for (d, name), v in sorted(logs.items())}
+    print("geomean x ptr", result["geomean_x_ptr"], flush=True)
+
+
+if __name__ == "__main__" and "--s7" in sys.argv:
+    with torch.no_grad():
+        round_s7()

@@ -155,6 +155,63 @@ def test_every_angle_variant(angles, gen, monkeypatch):
         assert not problems, f"ANGLES={angles} rotated={rotated}\n" + "\n".join(problems)
 
 
+TMA_CASES = [   # the descriptor path: NaN past every length, ragged rows, both conventions
+    DecodeCase(100, (100, 5, 63), 5, 20, hq=4, hkv=2, num_splits=3, leaky=8.0),
+    DecodeCase(100, (100, 1), 1, 7, dtype=BF16, num_splits=3),
+    DecodeCase(100, (64, 100), 2, 33, hq=4, hkv=1, dtype=F16, logn_len=8, rotated=False),
+    DecodeCase(100, (100, 48), 1, 10, hq=2, hkv=2, layout="transposed", dtype=F16),
+    DecodeCase(300, (300, 123), 1, 64, d=64, num_splits=1),
+    DecodeCase(300, (17, 300), 5, 40, hq=4, hkv=2, num_splits=24, rotated=False, leaky=2.0),
+]
+
+
+@pytest.mark.parametrize("case", TMA_CASES, ids=DecodeCase.id)
+def test_tma_descriptors_match_oracle_and_pointer_loads(case, gen, monkeypatch):
+    """K and V through tensor descriptors (``TMA``, forced by ``KERNELS_TMA=1``: the
+    interpreter runs it too) give the pointer loads' output bit for bit and match the oracle;
+    the slots past each row's length (NaN) stay unread."""
+    from kernels import configs
+
+    q, k_cache, v_cache, lengths = make_cache(gen, case, len(case.lengths), kernel_device())
+    outs = {}
+    for mode in ("0", "1"):
+        monkeypatch.setattr(configs, "TMA", mode)
+        assert decode.use_tma(k_cache, v_cache, False, 1) == (mode == "1")
+        outs[mode] = run_kernel(q, k_cache, v_cache, lengths, case)
+    assert torch.isfinite(outs["1"]).all(), "a descriptor load read a slot past a length"
+    assert torch.equal(outs["1"], outs["0"]), "descriptor and pointer loads differ"
+    problems = close_problems("out", outs["1"], oracle(q, k_cache, v_cache, lengths, case),
+                              tolerance(case.dtype))
+    assert not problems, describe(gen, **asdict(case)) + "\n" + "\n".join(problems)
+
+
+def test_tma_only_where_the_layout_allows(gen, monkeypatch):
+    """Forced or not, no descriptors for a paged cache or a layout TMA cannot take (a start or
+    a row stride that is not 16-byte aligned): those calls read through pointers, and stay
+    exact; under ``KERNELS_TMA=auto`` the interpreter never uses them, nor a GPU for splits
+    shorter than ``TMA_MIN_KEYS`` keys."""
+    from kernels import configs
+
+    monkeypatch.setattr(configs, "TMA", "1")
+    case = DecodeCase(40, (40, 31), 1, 8, hq=4, hkv=2, dtype=F16, d=16)
+    q, k_cache, v_cache, lengths = make_cache(gen, case, 2, kernel_device())
+    assert decode.use_tma(k_cache, v_cache, False, 1)
+    assert not decode.use_tma(k_cache, v_cache, True, 1 << 20)
+    wide = torch.zeros(2, 2, 40, 17, dtype=F16, device=k_cache.device)
+    wide[..., 1:] = k_cache
+    shifted = wide[..., 1:]          # unaligned start, 34-byte row stride
+    assert not decode.use_tma(shifted, v_cache, False, 1 << 20)
+    out = run_kernel(q, shifted, v_cache, lengths, case)
+    problems = close_problems("out", out, oracle(q, shifted, v_cache, lengths, case),
+                              tolerance(F16))
+    assert not problems, "\n".join(problems)
+    monkeypatch.setattr(configs, "TMA", "auto")
+    monkeypatch.setattr(decode, "TMA_HEAD_DIMS", (16,))
+    on_hopper = kernel_device() == "cuda" and torch.cuda.get_device_capability()[0] >= 9
+    assert decode.use_tma(k_cache, v_cache, False, decode.TMA_MIN_KEYS) == on_hopper
+    assert not decode.use_tma(k_cache, v_cache, False, decode.TMA_MIN_KEYS - 1)
+
+
 def test_split_counts_agree(gen):
     """One split, three, and more splits than key tiles give the same output."""
     case = DecodeCase(300, (150,), 2, 50, hq=4, hkv=2, rotated=True)
@@ -615,3 +672,55 @@ def test_gpu_fused_merge_graphs_and_streams(gen, monkeypatch):
     assert all(torch.equal(out, want) for out in outs) and counters_all_zero()
     streams = {stream for (device, stream) in decode._COUNTERS if device.type == "cuda"}
     assert {s.cuda_stream for s in (stream, *sides)} <= streams
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("d", [64, 128])
+def test_gpu_tma_gives_the_pointer_path_bits(d, monkeypatch):
+    """Benchmark-sized caches (32k keys, Hq=32, Hkv=8): B=8 in bf16 and fp16, B=1 (33 splits
+    of 993 keys), B=3 with ragged lengths and Nq=4, a transposed cache with ragged lengths: K
+    and V through TMA descriptors (forced) give the output of pointer loads bit for bit, eager
+    and (B=8) replayed from a CUDA graph, under poisoned allocations; ``KERNELS_TMA=auto``
+    takes them where the splits are at least ``TMA_MIN_KEYS`` keys long."""
+    from kernels import configs
+
+    torch.manual_seed(d)
+    for dtype in (BF16, F16):
+        k = torch.randn(8, 8, 32768, d, device="cuda", dtype=dtype)
+        v = torch.randn_like(k)
+        cases = [(8, 1, None, k, v)]
+        if dtype == BF16:        # a (B, N, Hkv, D) buffer seen as (B, Hkv, N, D)
+            kt = k[:2].transpose(1, 2).contiguous().transpose(1, 2)
+            cases += [(1, 1, None, k, v), (3, 4, (32768, 5000, 17), k, v),
+                      (2, 1, (32768, 20000), kt, v)]
+        for batch, nq, lengths, kc, vc in cases:
+            q = torch.randn(batch, 32, nq, d, device="cuda", dtype=dtype)
+            seqlens = torch.tensor(lengths or (32768,) * batch, dtype=torch.int32,
+                                   device="cuda")
+            outs = {}
+            for tma in ("0", "1", "auto"):
+                monkeypatch.setattr(configs, "TMA", tma)
+                plan = decode._plan(q, kc[:batch], vc[:batch], 2048, seqlens, None, 10000.0,
+                                    None, None, True, None)
+                rule = -(-32768 // plan.num_splits) >= decode.TMA_MIN_KEYS
+                want_tma = {"0": False, "1": True, "auto": rule and d in decode.TMA_HEAD_DIMS}
+                assert plan.split.constexprs["TMA"] == want_tma[tma], (tma, plan.num_splits)
+                with poisoned_empty():
+                    outs[tma] = kernels.rerope_decode(q, kc[:batch], vc[:batch], 2048,
+                                                      cache_seqlens=seqlens)
+                if batch == 8 and tma != "auto":     # the bound launches, captured, replayed
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph):
+                        captured = kernels.rerope_decode(q, kc[:batch], vc[:batch], 2048,
+                                                         cache_seqlens=seqlens)
+                    for _ in range(3):
+                        graph.replay()
+                    torch.cuda.synchronize()
+                    assert torch.equal(captured, outs[tma]), ("graph", dtype, tma)
+            torch.cuda.synchronize()
+            assert torch.isfinite(outs["0"]).all()
+            for tma in ("1", "auto"):
+                assert torch.equal(outs[tma], outs["0"]), f"{dtype} B={batch} Nq={nq} {tma}"
+        del k, v
+        torch.cuda.empty_cache()
