@@ -98,6 +98,25 @@ def timer(read):
     return timed
 
 
+def start_timing(result, budget_s, started=None):
+    """After a round's warm-up: wait for a test run sharing the GPU to finish (its pid in
+    ``WAIT_PID``; with ``started``, the seconds that took go to ``meta.tests_done_s``), measure
+    the read bound into ``result["meta"]`` and set the timing budget. Returns ``(read bytes/s,
+    timer(read))``."""
+    from kernels import bench_decode as bd
+
+    wait = os.environ.get("WAIT_PID")
+    while wait and os.path.exists(f"/proc/{wait}"):
+        time.sleep(0.5)
+    if started is not None:
+        result["meta"]["tests_done_s"] = round(time.perf_counter() - started, 1)
+    read, reads = bd.triton_read_bandwidth()
+    result["meta"].update(read_tb_s=read / 1e12,
+                          read_configs_tb_s={k: v / 1e12 for k, v in reads.items()})
+    bd.TIME_BUDGET_S, bd.MIN_REPS = budget_s, 5
+    return read, timer(read)
+
+
 def set_config(d, cfg):
     from kernels import decode
 
@@ -276,14 +295,7 @@ def round2():
     result["meta"]["warm"] = {"variants": len(specs), "wall_s": round(time.perf_counter() - started, 1),
                               "max_call_s": round(max(compile_s), 1)}
     print("warm", result["meta"]["warm"], flush=True)
-    wait = os.environ.get("WAIT_PID")       # a test run sharing the GPU: let it finish first
-    while wait and os.path.exists(f"/proc/{wait}"):
-        time.sleep(0.5)
-    read, _ = bd.triton_read_bandwidth()
-    result["meta"]["read_tb_s"] = read / 1e12
-    bd.TIME_BUDGET_S, bd.MIN_REPS = 0.04, 5
-
-    timed = timer(read)
+    read, timed = start_timing(result, 0.04)
     rows = result["rows"] = []
     for d in (64, 128):
         for batch, n in R2_GRID:
@@ -652,14 +664,7 @@ def round_s5():
     result["meta"]["warm"] = {"variants": len(specs),
                               "wall_s": round(time.perf_counter() - started, 1)}
     print("warm", result["meta"]["warm"], flush=True)
-    wait = os.environ.get("WAIT_PID")       # the GPU tests: let them finish first
-    while wait and os.path.exists(f"/proc/{wait}"):
-        time.sleep(0.5)
-    read, reads = bd.triton_read_bandwidth()
-    result["meta"].update(read_tb_s=read / 1e12,
-                          read_configs_tb_s={k: v / 1e12 for k, v in reads.items()})
-    bd.TIME_BUDGET_S, bd.MIN_REPS = 0.03, 5
-    timed = timer(read)
+    read, timed = start_timing(result, 0.03)
     rows = result["rows"] = []
     checks = result["checks"] = []
     # a first capture on the default capture stream: its counters are allocated (and zeroed in
@@ -844,15 +849,7 @@ def round_s7():
                               "wall_s": round(time.perf_counter() - started, 1),
                               "errors": errors}
     print("warm", result["meta"]["warm"], flush=True)
-    wait = os.environ.get("WAIT_PID")       # the GPU tests: let them finish first
-    while wait and os.path.exists(f"/proc/{wait}"):
-        time.sleep(0.5)
-    result["meta"]["tests_done_s"] = round(time.perf_counter() - started, 1)
-    read, reads = bd.triton_read_bandwidth()
-    result["meta"].update(read_tb_s=read / 1e12,
-                          read_configs_tb_s={k: v / 1e12 for k, v in reads.items()})
-    bd.TIME_BUDGET_S, bd.MIN_REPS = 0.03, 5
-    timed = timer(read)
+    read, timed = start_timing(result, 0.03, started)
     rows = result["rows"] = []
     checks = result["checks"] = []
     for d in (128, 64):
