@@ -513,6 +513,14 @@ def precompile(groups, workers=15):
     return len(specs)
 
 
+def wait_for_gpu_sharer():
+    """Return once the process named by the environment variable ``WAIT_PID`` (one sharing the
+    GPU, e.g. a test run started beside the warm-up) has ended; at once when it is unset."""
+    wait = os.environ.get("WAIT_PID")
+    while wait and os.path.exists(f"/proc/{wait}"):
+        time.sleep(0.5)
+
+
 def run(args):
     import kernels
     from kernels import decode
@@ -537,9 +545,7 @@ def run(args):
         meta["precompiled"] = precompile(groups)
         meta["precompile_s"] = round(time.perf_counter() - started, 1)
         print(f"precompiled {meta['precompiled']} variants in {meta['precompile_s']} s", flush=True)
-    wait = os.environ.get("WAIT_PID")   # a process sharing the GPU (a test run): let it end first
-    while wait and os.path.exists(f"/proc/{wait}"):
-        time.sleep(0.5)
+    wait_for_gpu_sharer()
     meta["timing_started_s"] = round(time.perf_counter() - started, 1)
     bandwidth = copy_bandwidth()
     meta["copy_tb_s"] = bandwidth / 1e12

@@ -340,12 +340,7 @@ def turn_operands(x, inside, outside, first_position=0, logn_factor=0.0, launche
     alignment): the launch is kept there, bound (:class:`kernels.launch.Launcher`), so a repeated
     call skips Triton's Python launch path; ``None``: launched through ``kernel[grid]``.
     """
-    writes, launch = _turn_launch(x, inside, outside, first_position, logn_factor, launchers)
-    outs = [torch.empty(x.shape, dtype=x.dtype, device=x.device) if write else x
-            for write in writes]
-    if launch is not None:
-        launch(x, *outs)
-    return outs[0], outs[1]
+    return kept_turn(x, inside, outside, first_position, logn_factor, launchers)(x)
 
 
 def kept_turn(x, inside, outside, first_position=0, logn_factor=0.0, launchers=None):
@@ -354,8 +349,7 @@ def kept_turn(x, inside, outside, first_position=0, logn_factor=0.0, launchers=N
     allocation and the launch done once. Where ``launchers`` holds this launch bound (the
     plan's first call ran it), the launch takes the bound path with the tables, strides and
     scalars fixed (:meth:`kernels.launch.Launcher.fixed`). ``x`` itself is not kept."""
-    writes, launch = _turn_launch(x, inside, outside, first_position, logn_factor, launchers,
-                                  fixed=True)
+    writes, launch = _turn_launch(x, inside, outside, first_position, logn_factor, launchers)
     shape, dtype, device = x.shape, x.dtype, x.device
 
     def turn(x):
@@ -368,10 +362,11 @@ def kept_turn(x, inside, outside, first_position=0, logn_factor=0.0, launchers=N
     return turn
 
 
-def _turn_launch(x, inside, outside, first_position, logn_factor, launchers, fixed=False):
+def _turn_launch(x, inside, outside, first_position, logn_factor, launchers):
     """``(writes, launch)`` of :func:`turn_operands`: which of the two outputs it writes, and
     ``launch(x, out1, out2)`` (``None`` when it writes neither; an output not written is passed
-    as ``x``, unread). ``fixed``: the launch binds its other arguments once."""
+    as ``x``, unread), its other arguments bound once (:meth:`kernels.launch.Launcher.fixed`
+    where ``launchers`` keeps the launch)."""
     batch, heads, n_rows, head_dim = x.shape
     logn = logn_factor != 0.0
     writes = [p is not None and (logn or p[2] or p[3]) for p in (inside, outside)]
@@ -388,6 +383,4 @@ def _turn_launch(x, inside, outside, first_position, logn_factor, launchers, fix
         return writes, lambda *xs: _turn_operands_kernel[grid](*xs, *tail, **constexprs)
     launcher = kept_launcher(launchers, ("turn operands", grid), constexprs,
                              lambda: Launcher(_turn_operands_kernel, grid, **constexprs))
-    if fixed:
-        return writes, launcher.fixed(*tail)
-    return writes, lambda *xs: launcher(*xs, *tail)
+    return writes, launcher.fixed(*tail)

@@ -105,9 +105,7 @@ def start_timing(result, budget_s, started=None):
     timer(read))``."""
     from kernels import bench_decode as bd
 
-    wait = os.environ.get("WAIT_PID")
-    while wait and os.path.exists(f"/proc/{wait}"):
-        time.sleep(0.5)
+    bd.wait_for_gpu_sharer()
     if started is not None:
         result["meta"]["tests_done_s"] = round(time.perf_counter() - started, 1)
     read, reads = bd.triton_read_bandwidth()
