@@ -2,23 +2,30 @@
 #   make book   set up .venv, then build the HTML book (_build/html); any warning fails it
 #   make test   make book, install Debian's chromium + chromedriver when missing, then run the
 #               unit tests, the notebooks (nbval) and the rendered-site test in one pytest run
-#   make test-floor  the oldest supported Triton (kernels/_compat.py) in a venv of its own,
+#   make test-floor  the oldest supported Triton (kernels/rerope/_compat.py) in a venv of its own,
 #               .venv-floor: the sm_75/80/89/90 cross-compile, a few interpreter cases
 #   make lab    the .venv plus JupyterLab (requirements-lab.txt, not part of make test), then
 #               `jupyter lab book/`: the notebooks, opened locally
 # Setup runs once: .venv/.setup-stamp records it, and it reruns only when requirements.txt or
-# requirements-nodeps.txt changes. Override e.g. `make test PYTHON=python3.12 TORCH=torch==2.11.0`.
+# requirements-nodeps.txt changes. Override e.g. `make test PYTHON=python3.12 TORCH=torch==2.11.0`;
+# on a machine without the local CPU wheel, take torch from another index, e.g.
+#   make test TORCH=torch TORCH_INDEX=https://download.pytorch.org/whl/cpu
+#   make test-install   build the wheel, install it with the newest transformers into a fresh
+#               venv (.venv-install) and run tools/smoke_install.py from outside the checkout
 
 PYTHON ?= python3
 # On the project's CPU machines torch==2.13.0 is a CPU wheel on local disk. It is installed
 # before requirements.txt so that the open torch range there never pulls a CUDA build.
 TORCH  ?= torch==2.13.0
+# An index for torch alone (empty: pip's configured one), e.g. PyTorch's CPU index.
+TORCH_INDEX ?=
 VENV   ?= .venv
 
 BIN   := $(VENV)/bin
 STAMP := $(VENV)/.setup-stamp
 SUDO  := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 PIP   := $(BIN)/python -m pip --disable-pip-version-check install --progress-bar off
+TORCH_FROM := $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX),)
 
 JB_FLAGS     ?= --all --warningiserror --keep-going
 PYTEST_FLAGS ?=
@@ -27,7 +34,7 @@ PYTEST_FLAGS ?=
 # the time of one process. PYTEST_PARALLEL= runs everything in one process.
 PYTEST_PARALLEL ?= -n auto --maxprocesses 4 --dist loadfile
 
-# The floor job's venv: the oldest Triton the package supports (kernels/_compat.py, stated in
+# The floor job's venv: the oldest Triton the package supports (kernels/rerope/_compat.py, stated in
 # requirements.txt and README.md; tests/test_versions.py checks that all of them agree), numpy
 # below 2.4 (Triton < 3.7's interpreter needs it), the same CPU torch and pytest: nothing else.
 FLOOR_VENV   ?= .venv-floor
@@ -36,7 +43,10 @@ FLOOR_NUMPY  ?= numpy<2.4
 FLOOR_BIN    := $(FLOOR_VENV)/bin
 FLOOR_PINS   := "$(TORCH)" "$(FLOOR_TRITON)" "$(FLOOR_NUMPY)" pytest
 
-.PHONY: book test test-floor setup setup-floor browser clean lab
+# The install job's venv: the wheel as a user installs it, beside the newest transformers.
+INSTALL_VENV ?= .venv-install
+
+.PHONY: book test test-floor test-install setup setup-floor browser clean lab
 
 book: $(STAMP)
 	$(BIN)/jupyter-book build $(JB_FLAGS) .
@@ -62,6 +72,22 @@ test-floor: setup-floor
 
 setup: $(STAMP)
 
+# The package as users install it: build the wheel (library only), install it with its `hf`
+# extra and the newest transformers into a fresh venv (torch first, as above), check
+# `pip check`, then run the smoke test from a folder outside the checkout.
+test-install:
+	rm -rf $(INSTALL_VENV) dist
+	$(call make-venv,$(INSTALL_VENV))
+	$(INSTALL_VENV)/bin/python -m pip --disable-pip-version-check install --progress-bar off \
+	    $(TORCH_FROM) "$(TORCH)"
+	$(INSTALL_VENV)/bin/python -m pip --disable-pip-version-check install --progress-bar off build
+	$(INSTALL_VENV)/bin/python -m build --wheel --outdir dist .
+	$(INSTALL_VENV)/bin/python -m pip --disable-pip-version-check install --progress-bar off \
+	    "$$(ls dist/rerope_triton-*.whl)[hf]" transformers
+	$(INSTALL_VENV)/bin/python -m pip --disable-pip-version-check check
+	cd "$$(mktemp -d)" && cp $(CURDIR)/tools/smoke_install.py . && \
+	    $(CURDIR)/$(INSTALL_VENV)/bin/python smoke_install.py
+
 # JupyterLab only here: CI and `make test` never install it.
 lab: $(STAMP)
 	$(PIP) -r requirements-lab.txt
@@ -81,18 +107,17 @@ endef
 
 $(STAMP): requirements.txt requirements-nodeps.txt
 	$(call make-venv,$(VENV))
-	$(PIP) "$(TORCH)"
+	$(PIP) $(TORCH_FROM) "$(TORCH)"
 	$(PIP) -r requirements.txt
 	$(PIP) --no-deps -r requirements-nodeps.txt
-	@# Hugging Face's package `kernels` shares this repository's import name (requirements.txt);
-	@# a venv set up with transformers >= 5.25 has it: remove it (a no-op where it is absent)
-	$(BIN)/python -m pip --disable-pip-version-check uninstall -y -q kernels
 	touch $@
 
 # Reinstalls only when the pins change (the stamp holds them).
 setup-floor:
 	$(call make-venv,$(FLOOR_VENV))
 	@if [ "$$(cat $(FLOOR_VENV)/.setup-stamp 2>/dev/null)" != '$(FLOOR_PINS)' ]; then \
+	    $(FLOOR_BIN)/python -m pip --disable-pip-version-check install --progress-bar off \
+	        $(TORCH_FROM) "$(TORCH)" && \
 	    $(FLOOR_BIN)/python -m pip --disable-pip-version-check install --progress-bar off \
 	        $(FLOOR_PINS) && \
 	    echo '$(FLOOR_PINS)' > $(FLOOR_VENV)/.setup-stamp; \
@@ -107,4 +132,4 @@ browser:
 	fi
 
 clean:
-	rm -rf _build
+	rm -rf _build dist build

@@ -8,7 +8,7 @@ Chapter 10 of the book. The modules, in the order the experiment runs:
                                    convention, grouped-query attention) and the position schemes
                                    it can be evaluated with (RoPE, NTK-aware RoPE, ReRoPE, Leaky
                                    ReRoPE, each with or without log-n); ReRoPE runs through
-                                   :func:`kernels.rerope`
+                                   :func:`rerope.rerope`
 3. :mod:`extrapolation.train`     ``python -m extrapolation.train --seed 0``: trains with
                                    ordinary RoPE at 256 bytes, writes the weights and loss curve
 4. :mod:`extrapolation.evaluate`  ``python -m extrapolation.evaluate``: held-out loss per position

@@ -4,7 +4,7 @@
 # Environment: STEPS (optimizer steps, default 2000: the stored run) or TRAIN_SECONDS, SEED (default 0). Everything comes back under $OUT:
 # the four files train.py writes, the evaluation JSON, the executed notebook and run.log.
 set -o pipefail
-export PYTHONUNBUFFERED=1 KERNELS_AUTOTUNE=0
+export PYTHONUNBUFFERED=1 REROPE_AUTOTUNE=0
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 exec > >(tee "$OUT/run.log") 2>&1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \

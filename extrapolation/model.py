@@ -2,8 +2,8 @@
 
 The model is trained with ordinary RoPE only. At evaluation time the *same weights* run with a
 different :class:`Positions` scheme — plain RoPE, NTK-aware RoPE (a larger base), ReRoPE or Leaky
-ReRoPE (through the fused kernel :func:`kernels.rerope`), each optionally with log-n query
-scaling — with no fine-tuning. RoPE itself is :func:`kernels.rope.apply_rope` (the Llama /
+ReRoPE (through the fused kernel :func:`rerope.rerope`), each optionally with log-n query
+scaling — with no fine-tuning. RoPE itself is :func:`rerope.rope.apply_rope` (the Llama /
 Hugging Face ``rotate_half`` convention), the one definition the whole project uses.
 
 Shapes: tokens ``(B, N)`` int64 bytes; hidden states ``(B, N, d_model)``; per-head tensors
@@ -18,9 +18,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import kernels
-from kernels import reference
-from kernels.rope import apply_rope, logn_scale
+import rerope
+from rerope import reference
+from rerope.rope import apply_rope, logn_scale
 
 from .data import VOCAB_SIZE
 
@@ -41,7 +41,7 @@ class Positions:
         ntk_alpha: NTK scale ``α >= 1``, usually target length / training length (``ntk`` only).
         logn_len: if set, queries at position ``i`` are scaled by ``max(1, log(i+1)/log(logn_len))``
             (log-n scaling; ``logn_len`` is the training length). Any kind.
-        backend: ``"kernels"`` (the fused Triton kernel, :func:`kernels.rerope`) or
+        backend: ``"kernels"`` (the fused Triton kernel, :func:`rerope.rerope`) or
             ``"reference"`` (the naive two-matrix oracle) for ``rerope``/``leaky``.
     """
 
@@ -101,12 +101,12 @@ def ntk_base(base, head_dim, alpha):
 def attend(q, k, v, positions, base):
     """Causal attention of raw (un-rotated) ``q`` ``(B, Hq, N, D)``, ``k, v`` ``(B, Hkv, N, D)``.
 
-    RoPE / NTK run through :func:`kernels.rope.apply_rope` and PyTorch's
-    ``scaled_dot_product_attention``; ReRoPE / Leaky ReRoPE through :func:`kernels.rerope` (or
+    RoPE / NTK run through :func:`rerope.rope.apply_rope` and PyTorch's
+    ``scaled_dot_product_attention``; ReRoPE / Leaky ReRoPE through :func:`rerope.rerope` (or
     the naive reference). Returns ``(B, Hq, N, D)``.
     """
     if positions.kind in ("rerope", "leaky"):
-        op = kernels.rerope if positions.backend == "kernels" else reference.rerope
+        op = rerope.rerope if positions.backend == "kernels" else reference.rerope
         return op(q, k, v, positions.window, causal=True, base=base, leaky=positions.leaky,
                   logn_len=positions.logn_len)
     n = q.shape[-2]

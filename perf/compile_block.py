@@ -1,5 +1,5 @@
 """``torch.compile(fullgraph=True)`` of a fused-QKV attention block (``tests/test_generation.py``'s
-``Block``: one ``Linear`` for q, k, v, viewed and permuted, ``kernels.rerope``, an output
+``Block``: one ``Linear`` for q, k, v, viewed and permuted, ``rerope.rerope``, an output
 projection), forward + backward, against eager: the largest differences of the output and every
 gradient, and the time of a training step of each (CUDA events, median); with ``--profile``,
 the GPU time per step of each one's ten costliest kernels (``torch.profiler``), to see where
@@ -7,10 +7,10 @@ the two differ. Each step is timed twice: alone (a sync after each, so the host'
 the first kernel counts: ``*_ms``) and back to back as a training loop runs them (20 steps, one
 sync: ``*_pipelined_ms``). ``--reduce-overhead`` adds the block compiled with
 ``mode="reduce-overhead"`` (the training step replayed as CUDA graphs). ``--stock`` runs the same
-block with plain RoPE in torch and SDPA instead of ``kernels.rerope`` (rows ``impl: "stock"``):
+block with plain RoPE in torch and SDPA instead of ``rerope.rerope`` (rows ``impl: "stock"``):
 what compiling costs or saves a model without ReRoPE on the same host. Run on a GPU::
 
-    KERNELS_AUTOTUNE=0 python3 perf/compile_block.py --out perf/runs/compile_block_h200.json
+    REROPE_AUTOTUNE=0 python3 perf/compile_block.py --out perf/runs/compile_block_h200.json
 """
 
 import argparse
@@ -32,7 +32,7 @@ from bench_hf import event_ms  # noqa: E402,I100
 
 class StockBlock(Block):
     """:class:`Block` with plain RoPE (torch, rotate-half convention, base 10000) and SDPA's
-    causal attention in place of ``kernels.rerope``: the stock model's block."""
+    causal attention in place of ``rerope.rerope``: the stock model's block."""
 
     def forward(self, x):
         b, n, dim = x.shape

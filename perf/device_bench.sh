@@ -5,7 +5,7 @@
 # Compiling is the slow part, so four processes first warm Triton's and Inductor's on-disk caches
 # in parallel (one per dtype x causal, one timed run per case), then one process times the grid.
 set -o pipefail
-export PYTHONUNBUFFERED=1 KERNELS_AUTOTUNE=0
+export PYTHONUNBUFFERED=1 REROPE_AUTOTUNE=0
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" /tmp/warm
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
@@ -14,7 +14,7 @@ python3 -m ipykernel install --user --name python3 >/dev/null 2>&1
 
 start=$(date +%s)
 for dtype in float16 bfloat16; do for causal in true false; do
-    timeout "${WARM_TIMEOUT:-170}" python3 -m kernels.bench --skip-check --reps 1 \
+    timeout "${WARM_TIMEOUT:-170}" python3 -m benchmarks.attention --skip-check --reps 1 \
         --impl rerope,flex_two_pass --dtype $dtype --causal $causal \
         --out /tmp/warm/$dtype-$causal.json > /tmp/warm/$dtype-$causal.log 2>&1 &
 done; done
@@ -26,7 +26,7 @@ fi
 wait
 echo "warm-up done in $(( $(date +%s) - start )) s"; tail -n 2 /tmp/warm/*.log
 
-timeout "${BENCH_TIMEOUT:-300}" python3 -m kernels.bench --skip-check --reps 10 \
+timeout "${BENCH_TIMEOUT:-300}" python3 -m benchmarks.attention --skip-check --reps 10 \
     --out "$OUT/bench_full.json" > "$OUT/bench_full.log" 2>&1
 echo "bench exit $? after $(( $(date +%s) - start )) s"; tail -n 45 "$OUT/bench_full.log"
 python3 perf/merge_bench.py book/data/bench_h200.json book/data/bench_h200.json "$OUT/bench_full.json"

@@ -4,7 +4,7 @@
 # Environment: NB_TIMEOUT (s, default 330), GPU_TEST_FILTER (pytest -k; no tests if unset),
 # TEST_TIMEOUT (s, default 200). Results (notebooks, logs, test report) go to $OUT.
 set -o pipefail
-export PYTHONUNBUFFERED=1 KERNELS_AUTOTUNE=0
+export PYTHONUNBUFFERED=1 REROPE_AUTOTUNE=0
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site PATH=/tmp/site/bin:$PATH || exit 1

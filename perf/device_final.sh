@@ -17,7 +17,7 @@
 #     book/06_speed.ipynb book/07_fused_rotation.ipynb book/08_decoding.ipynb \
 #     book/09_huggingface.ipynb" bash perf/device_final.sh
 set -o pipefail
-export PYTHONUNBUFFERED=1 KERNELS_AUTOTUNE=0
+export PYTHONUNBUFFERED=1 REROPE_AUTOTUNE=0
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" /tmp/warm /tmp/logs
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site PATH=/tmp/site/bin:$PATH || exit 1
@@ -33,7 +33,7 @@ GPU_TEST_REPORT=/tmp/logs/gpu_tests.json timeout ${TEST_TIMEOUT:-200} python3 -m
     > /tmp/logs/gpu_tests.log 2>&1 &
 fi
 [ "${BENCH:-1}" = 1 ] && for dtype in float16 bfloat16; do
-    timeout ${WARM_TIMEOUT:-150} python3 -m kernels.bench --skip-check --reps 1 \
+    timeout ${WARM_TIMEOUT:-150} python3 -m benchmarks.attention --skip-check --reps 1 \
         --impl rerope,rerope_raw,rerope_rotated --dtype $dtype --causal true \
         --out /tmp/warm/$dtype.json > /tmp/warm/$dtype.log 2>&1 &
 done
@@ -48,9 +48,9 @@ if [ -n "$PRETURN_PROBE" ]; then
 fi
 # 2. the benchmark rows
 if [ "${BENCH:-1}" = 1 ]; then
-timeout ${BENCH_TIMEOUT:-150} python3 -m kernels.bench --reps 10 --impl $IMPLS --causal true \
+timeout ${BENCH_TIMEOUT:-150} python3 -m benchmarks.attention --reps 10 --impl $IMPLS --causal true \
     --dtype float16 --out /tmp/bench_f16.json > /tmp/logs/bench_f16.log 2>&1
-timeout 60 python3 -m kernels.bench --skip-check --reps 10 --impl $IMPLS --causal true \
+timeout 60 python3 -m benchmarks.attention --skip-check --reps 10 --impl $IMPLS --causal true \
     --dtype bfloat16 --n 8192 --out /tmp/bench_bf16.json > /tmp/logs/bench_bf16.log 2>&1
 grep -E "check|N=8192|N=2048" /tmp/logs/bench_f16.log | tee -a "$OUT/final.log"
 python3 perf/merge_bench.py book/data/bench_h200.json book/data/bench_h200.json \
@@ -60,7 +60,7 @@ fi
 # 2b. optional (HF_BENCH=1): the Hugging Face model benchmark of issue 11 into book/data/
 if [ -n "$HF_BENCH" ]; then
     python3 -m pip show transformers | head -2 | tee -a "$OUT/final.log"
-    timeout ${HF_TIMEOUT:-280} python3 perf/bench_hf.py --out book/data/hf_h200.json 2>&1 | tee /tmp/logs/hf.log \
+    timeout ${HF_TIMEOUT:-280} python -m benchmarks.hf --out book/data/hf_h200.json 2>&1 | tee /tmp/logs/hf.log \
         | tail -n 30 | tee -a "$OUT/final.log"
 fi
 # 3. the notebooks, three groups in parallel

@@ -3,7 +3,7 @@
 # (they also fill Triton's on-disk cache), then the timings in one process.
 #   bash perf/device_fused.sh        (results in $OUT: check_*.json, time.json, fused.log)
 set -o pipefail
-export PYTHONUNBUFFERED=1 KERNELS_AUTOTUNE=${KERNELS_AUTOTUNE:-0}
+export PYTHONUNBUFFERED=1 REROPE_AUTOTUNE=${REROPE_AUTOTUNE:-0}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" /tmp/logs
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/fused.log"
 start=$(date +%s)

@@ -4,11 +4,11 @@
 # compiled fused-QKV block; the Hugging Face benchmark. Results under $OUT. Stages (1 = run):
 #   TESTS (pytest -m gpu of $TEST_FILES), REDUCE (the reduce-overhead generate test, alone, and
 #   again without Inductor's static launcher if it fails), HOST (HOST_PROFILE=prefix also
-#   writes cProfile tables), BENCH, BLOCK, HF ($HF_ARGS passed to perf/bench_hf.py).
+#   writes cProfile tables), BENCH, BLOCK, HF ($HF_ARGS passed to benchmarks/hf.py).
 #   Call A (2026-12-01): all stages with defaults. Call C (session 2): REDUCE and HF with
 #   HF_ARGS="--impls stock_static_compiled,rerope_static_compiled --skip-checks".
 set -o pipefail
-export PYTHONUNBUFFERED=1 KERNELS_AUTOTUNE=0
+export PYTHONUNBUFFERED=1 REROPE_AUTOTUNE=0
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 log="$OUT/generation.log"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee -a "$log"
@@ -32,7 +32,7 @@ HOST_PROFILE=${HOST_PROFILE:+$OUT/$HOST_PROFILE} timeout 120 python3 perf/host_h
     --out "$OUT/host_h200.json" 2>&1 | tee -a "$log"; stamp host
 fi
 if [ "${BENCH:-1}" = 1 ]; then
-timeout 150 python3 -m kernels.bench --n 2048 --d 64 --dtype float16 --causal true --reps 20 \
+timeout 150 python3 -m benchmarks.attention --n 2048 --d 64 --dtype float16 --causal true --reps 20 \
     --impl rerope_raw,sdpa_cudnn,rope_sdpa_cudnn --out "$OUT/bench_n2048.json" 2>&1 \
     | grep -E "check|N=2048" | tee -a "$log"; stamp bench
 fi
@@ -41,11 +41,11 @@ timeout 200 python3 perf/compile_block.py --out "$OUT/compile_block_h200.json" 2
 stamp block
 fi
 if [ "${HF:-1}" = 1 ]; then
-timeout ${HF_TIMEOUT:-260} python3 perf/bench_hf.py --steps 32 --reps 3 ${HF_ARGS} \
+timeout ${HF_TIMEOUT:-260} python -m benchmarks.hf --steps 32 --reps 3 ${HF_ARGS} \
     --out "$OUT/hf_h200.json" > "$OUT/hf.log" 2>&1
 if [ $? -eq 139 ]; then          # a segfault (Inductor's static launcher once): again without it
     echo "hf: segfault; again with TORCHINDUCTOR_USE_STATIC_CUDA_LAUNCHER=0" | tee -a "$log"
-    TORCHINDUCTOR_USE_STATIC_CUDA_LAUNCHER=0 timeout ${HF_TIMEOUT:-260} python3 perf/bench_hf.py \
+    TORCHINDUCTOR_USE_STATIC_CUDA_LAUNCHER=0 timeout ${HF_TIMEOUT:-260} python -m benchmarks.hf \
         --steps 32 --reps 3 ${HF_ARGS} --out "$OUT/hf_h200.json" > "$OUT/hf_nsl.log" 2>&1
 fi
 grep -hE "^ *[0-9]+ s |ratio|Error" "$OUT"/hf*.log | tail -n 20 | tee -a "$log"; stamp hf

@@ -3,7 +3,7 @@
 # (they also fill Triton's on-disk cache), then the timings in one process, then the merge.
 #   bash perf/device_self_extend.sh      (results in $OUT: self_extend_h200.json, self_extend.log)
 set -o pipefail
-export PYTHONUNBUFFERED=1 KERNELS_AUTOTUNE=${KERNELS_AUTOTUNE:-0}
+export PYTHONUNBUFFERED=1 REROPE_AUTOTUNE=${REROPE_AUTOTUNE:-0}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" /tmp/logs /tmp/se
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/self_extend.log"
 start=$(date +%s)

@@ -2,7 +2,7 @@
 # One device call: compile every case of perf/sweep_fused.py in parallel, then time them all in
 # one process, then the host-path timings of perf/probe_fused.py (short grid).
 set -o pipefail
-export PYTHONUNBUFFERED=1 KERNELS_AUTOTUNE=0
+export PYTHONUNBUFFERED=1 REROPE_AUTOTUNE=0
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" /tmp/logs
 n=$(python3 -c "import sys; sys.path.insert(0,'perf'); import sweep_fused; print(len(sweep_fused.CASES))")
 start=$(date +%s)

@@ -13,8 +13,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import kernels  # noqa: E402
-import kernels.hf  # noqa: E402
+import rerope  # noqa: E402
+import rerope.hf  # noqa: E402
 from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -34,9 +34,9 @@ def main():
             lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True))
     rows["sdpa_default"] = per_call_us(
         lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True))
-    rows["rerope_decode"] = per_call_us(lambda: kernels.rerope_decode(q, k, v, 2048, base=5e5))
+    rows["rerope_decode"] = per_call_us(lambda: rerope.rerope_decode(q, k, v, 2048, base=5e5))
     rows["rerope_decode_one_split"] = per_call_us(
-        lambda: kernels.rerope_decode(q, k, v, 2048, base=5e5, num_splits=1))
+        lambda: rerope.rerope_decode(q, k, v, 2048, base=5e5, num_splits=1))
     rows["empty_x3"] = per_call_us(lambda: [torch.empty(1, 32, 1, 64, device="cuda")
                                             for _ in range(3)])
     # a new cache length every call, as in generation: the plan is rebuilt each time
@@ -44,10 +44,10 @@ def main():
 
     def new_length():
         n = 32768 - next(lengths) % 512
-        return kernels.rerope_decode(q, k[:, :, :n], v[:, :, :n], 2048, base=5e5)
+        return rerope.rerope_decode(q, k[:, :, :n], v[:, :, :n], 2048, base=5e5)
 
     rows["rerope_decode_new_length"] = per_call_us(new_length)
-    settings = kernels.hf.Settings(window=2048)
+    settings = rerope.hf.Settings(window=2048)
 
     class Layer:            # what the attention function reads from the module
         is_causal = True
@@ -57,7 +57,7 @@ def main():
             rope_parameters = {"rope_type": "default", "rope_theta": 5e5}
 
     positions = torch.tensor([[32767]], device="cuda")
-    rows["hf_attention_function"] = per_call_us(lambda: kernels.hf.rerope_attention_forward(
+    rows["hf_attention_function"] = per_call_us(lambda: rerope.hf.rerope_attention_forward(
         settings, Layer, q, k, v, None, scaling=0.125, position_ids=positions))
     meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
             "triton": __import__("triton").__version__,

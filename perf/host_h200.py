@@ -2,19 +2,19 @@
 length where the GPU work is negligible: many calls back to back, one synchronisation
 (``probe_fused.host_time``). Run on a GPU from the repository root::
 
-    KERNELS_AUTOTUNE=0 python3 perf/host_h200.py --out book/data/host_h200.json
+    REROPE_AUTOTUNE=0 python3 perf/host_h200.py --out book/data/host_h200.json
 
 Shapes (fp16, causal, D=64): ``rerope_fwd`` / ``rerope_fwd_bwd`` B=1 H=32 N=128 from raw q, k;
 ``rerope_decode`` one query, Hq=32 Hkv=8, a cache of N keys (bf16 as in the Hugging Face
 benchmark), against ``F.scaled_dot_product_attention`` on the same tensors (the SDPA backend
 torch picks). ``*_fwd``: no gradient (``torch.no_grad``); ``*_fwd_grad``: the forward of inputs
 that require grad (the autograd node recorded, no backward); ``op_rerope_fwd`` /
-``op_rerope_fwd_bwd``: the custom ops a compiled graph calls (``torch.ops.kernels.rerope_fwd``
+``op_rerope_fwd_bwd``: the custom ops a compiled graph calls (``torch.ops.rerope.rerope_fwd``
 and ``rerope_bwd``, no autograd). JSON: ``{"meta": {...}, "rows": [{"impl", "N",
 "python_us"}]}``.
 
 ``--label`` names the run in ``meta`` (e.g. ``before`` for the same script on an older
-``kernels``: the checks below use only what every version has).
+``rerope``: the checks below use only what every version has).
 """
 
 import argparse
@@ -29,8 +29,8 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import kernels  # noqa: E402
-from kernels import attention, decode  # noqa: E402
+import rerope  # noqa: E402
+from rerope import attention, decode  # noqa: E402
 from probe_fused import host_time  # noqa: E402
 
 
@@ -38,7 +38,7 @@ CHECKS = {}
 
 
 def _plan_launchers(launchers):
-    """The :class:`kernels.launch.Launcher` objects a plan keeps (sub-dicts included)."""
+    """The :class:`rerope.launch.Launcher` objects a plan keeps (sub-dicts included)."""
     found = []
     for value in launchers.values():
         if isinstance(value, dict):
@@ -69,25 +69,25 @@ def rows_for(n, calls):
         return run
 
     def rerope():
-        return kernels.rerope(q, k, v, 32)
+        return rerope.rerope(q, k, v, 32)
 
     def sdpa():
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
     def op_fwd():
-        return torch.ops.kernels.rerope_fwd(q, k, v, 32, True, 0.125, 10000.0, None, None, False)
+        return torch.ops.rerope.rerope_fwd(q, k, v, 32, True, 0.125, 10000.0, None, None, False)
 
     def op_fwd_bwd():
         out, lse = op_fwd()
-        return torch.ops.kernels.rerope_bwd(dout, q, k, v, out, lse, 32, True, 0.125, 10000.0,
-                                            None, None, False)
+        return torch.ops.rerope.rerope_bwd(dout, q, k, v, out, lse, 32, True, 0.125, 10000.0,
+                                           None, None, False)
 
     qd = torch.randn(1, 32, 1, 64, device=dev, dtype=bf16)
     kd, vd = (torch.randn(1, 8, n, 64, device=dev, dtype=bf16) for _ in range(2))
     timings = {}
     with torch.no_grad():      # a bound launch gives the first (Triton-launched) call's result
-        first, first_decode = rerope(), kernels.rerope_decode(qd, kd, vd, 32)
-        again, again_decode = rerope(), kernels.rerope_decode(qd, kd, vd, 32)
+        first, first_decode = rerope(), rerope.rerope_decode(qd, kd, vd, 32)
+        again, again_decode = rerope(), rerope.rerope_decode(qd, kd, vd, 32)
         first_op, again_op = op_fwd_bwd(), op_fwd_bwd()
         CHECKS[n] = dict(fwd_equal=bool(torch.equal(first, again)),
                          decode_equal=bool(torch.equal(first_decode, again_decode)),
@@ -98,7 +98,7 @@ def rows_for(n, calls):
     with torch.no_grad():
         timings["rerope_fwd"] = host_time(rerope, calls)
         timings["sdpa_fwd"] = host_time(sdpa, calls)
-        timings["rerope_decode"] = host_time(lambda: kernels.rerope_decode(qd, kd, vd, 32), calls)
+        timings["rerope_decode"] = host_time(lambda: rerope.rerope_decode(qd, kd, vd, 32), calls)
         timings["sdpa_decode"] = host_time(
             lambda: F.scaled_dot_product_attention(qd, kd, vd, enable_gqa=True), calls)
     with torch.no_grad():
@@ -114,7 +114,7 @@ def rows_for(n, calls):
         import pstats
         for name, fn, grad in (("rerope_fwd_bwd", fwd_bwd(rerope), True),
                                ("rerope_fwd", rerope, False),
-                               ("rerope_decode", lambda: kernels.rerope_decode(qd, kd, vd, 32),
+                               ("rerope_decode", lambda: rerope.rerope_decode(qd, kd, vd, 32),
                                 False)):
             profiler = cProfile.Profile()
             with torch.set_grad_enabled(grad):
@@ -152,7 +152,7 @@ def main():
         print(row, flush=True)
     meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
             "triton": triton.__version__, "date": datetime.date.today().isoformat(),
-            "autotune": os.environ.get("KERNELS_AUTOTUNE", "1") != "0",
+            "autotune": os.environ.get("REROPE_AUTOTUNE", "1") != "0",
             "shapes": "fwd, fwd_bwd: B=1 H=32 D=64 fp16 causal, raw q, k, window 32; decode: "
                       "B=1 Hq=32 Hkv=8 D=64 bf16, one query, window 32",
             "unit": f"microseconds of host time per call ({args.calls} calls, one sync)",

@@ -1,4 +1,4 @@
-"""Merge several `python -m kernels.bench --out ...` files into one (the book's bench_h200.json).
+"""Merge several `python -m benchmarks.attention --out ...` files into one (the book's bench_h200.json).
 
     python perf/merge_bench.py OUT.json IN1.json IN2.json ...
 

@@ -15,8 +15,8 @@ import torch
 import triton
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import kernels  # noqa: E402
-from kernels import attention, reference  # noqa: E402
+import rerope  # noqa: E402
+from rerope import attention, reference  # noqa: E402
 
 
 def bench(fn, reps=30):
@@ -50,7 +50,7 @@ def main():
                                                  generator=gen).requires_grad_() for _ in range(5))
                 do = torch.randn(B, H, N, d, device="cuda", dtype=dtype, generator=gen)
                 ins = (q1, q2, k1, k2, v)
-                out = kernels.rerope_attention(*ins, W, causal=causal)
+                out = rerope.rerope_attention(*ins, W, causal=causal)
                 out.backward(do)
                 grads = [t.grad.clone() for t in ins]
                 compile_s = time.time() - t0

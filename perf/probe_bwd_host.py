@@ -1,4 +1,4 @@
-"""Where the host time of a forward + backward through ``kernels.rerope`` goes (issue 18: the
+"""Where the host time of a forward + backward through ``rerope.rerope`` goes (issue 18: the
 fwd+bwd target), against SDPA and against the autograd engine's own floor, in one process.
 
 Per call, back to back, one synchronisation at the end (``probe_fused.host_time``); B=1 H=32
@@ -18,12 +18,12 @@ work is negligible, so each figure is host time):
 
 With ``--n2048``, also the N=2048 forward from raw ``q, k`` with the keys turned in registers
 and pre-turned (``attention.PRETURN_MIN_KEYS`` 4096 and 1024, alternating, three rounds; D=64
-fp16): ``kernels.bench.measure_case``'s figure beside SDPA cuDNN's, and back to back with and
+fp16): ``benchmarks.attention.measure_case``'s figure beside SDPA cuDNN's, and back to back with and
 without a gradient; ``--n2048-grid``: D 64 and 128, fp16 and bf16, forward and forward +
 backward, ``PRETURN_MIN_KEYS`` 4096 and 2048, two rounds (back to back at D=64 fp16 only).
 
-    KERNELS_AUTOTUNE=0 python3 perf/probe_bwd_host.py --n2048 --out F.json
-    KERNELS_AUTOTUNE=0 python3 perf/probe_bwd_host.py --skip-host --n2048 --n2048-grid --out F.json
+    REROPE_AUTOTUNE=0 python3 perf/probe_bwd_host.py --n2048 --out F.json
+    REROPE_AUTOTUNE=0 python3 perf/probe_bwd_host.py --skip-host --n2048 --n2048-grid --out F.json
 """
 import argparse
 import datetime
@@ -36,8 +36,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import kernels  # noqa: E402
-from kernels import attention, bench  # noqa: E402
+import rerope  # noqa: E402
+from rerope import attention, bench  # noqa: E402
 from probe_fused import host_time  # noqa: E402
 
 WINDOW = 32
@@ -62,7 +62,7 @@ def host_rows(calls):
     q, k, v = (torch.randn(1, 32, 128, 64, device="cuda", dtype=torch.float16,
                            requires_grad=True) for _ in range(3))
     dout = torch.randn_like(q)
-    forwards = {"rerope": lambda: kernels.rerope(q, k, v, WINDOW),
+    forwards = {"rerope": lambda: rerope.rerope(q, k, v, WINDOW),
                 "sdpa": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True),
                 "floor": lambda: _Floor.apply(q, k, v)}
     timings = {}
@@ -88,7 +88,7 @@ def host_rows(calls):
         timings["rerope_direct_bwd"] = host_time(lambda: backward(out, lse), calls)
         timings["empty"] = host_time(
             lambda: torch.empty(q.shape, dtype=q.dtype, device=q.device), calls)
-        sub = plan.launchers[("backward", *kernels.launch.signature(dout))]
+        sub = plan.launchers[("backward", *rerope.launch.signature(dout))]
         delta_launcher = next(l for key, l in sub.items() if key[0][0] == "delta")
         delta = torch.empty_like(lse)
         tail = (*attention._strides(out, dout), 32, 128)
@@ -120,7 +120,7 @@ def n2048_rows(rounds=3, min_keys=(4096, 1024), dims=(64,), dtypes=("float16",),
                     for grad in (False, True) if first else ():
                         leaves = [t.clone().requires_grad_(grad) for t in (q, k, v)]
                         row[f"back_to_back_us_grad_{grad}"] = host_time(
-                            lambda: kernels.rerope(*leaves, 2048), 200)
+                            lambda: rerope.rerope(*leaves, 2048), 200)
                     rows.append(row)
                     print(row, flush=True)
                 row = dict(round=r, D=d, dtype=dtype, impl="sdpa_cudnn")

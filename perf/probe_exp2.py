@@ -9,7 +9,7 @@ also a handful of FMA-pipe instructions: round ``x`` to the nearest integer ``n`
 (max relative error 8.4e-6), ``n`` added to its exponent bits. This probe makes copies of the
 package whose ``online_softmax._softmax_step`` sends a share of the tile's columns (``half``:
 odd columns; ``quarter``: one in four) through that polynomial, and times the forward against
-main in one process each (``kernels.bench``), alternating; the copies' correctness is the
+main in one process each (``benchmarks.attention``), alternating; the copies' correctness is the
 benchmark's own check against the naive reference, and ``--errors`` compares outputs with
 main's on the GPU.
 

@@ -1,15 +1,15 @@
-"""One GPU probe of the fused-rotation op ``kernels.rerope`` (rotation inside the kernels).
+"""One GPU probe of the fused-rotation op ``rerope.rerope`` (rotation inside the kernels).
 
     python perf/probe_fused.py check --dtype float16 --d 64 --out check.json   # correctness
     python perf/probe_fused.py time --out time.json                            # timings
 
-``check``: forward and ``dq, dk, dv`` of ``kernels.rerope`` (raw and rotated inputs, causal
+``check``: forward and ``dq, dk, dv`` of ``rerope.rerope`` (raw and rotated inputs, causal
 and not, chunked prefill ``Nq < Nk``, Leaky + log-n) at N = 8192, W = 2048 against the float32
 reference on the GPU, and the same for the five-tensor route (``rerope_inputs`` rounded to the
 input dtype, then ``rerope_attention``): the error the fused rotation removes.
 ``time``: the headline shape (B=1 H=32 N=8192 W=2048, causal, fp16) for the five-tensor op,
 ``rerope`` from raw and from rotated inputs, plain RoPE + cuDNN, cuDNN alone; forward and
-forward + backward (``kernels.bench.measure_case``), the short-sequence row N=2048, and the
+forward + backward (``benchmarks.attention.measure_case``), the short-sequence row N=2048, and the
 host time of one call (a tiny shape, many calls, one synchronisation).
 """
 
@@ -23,9 +23,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import kernels  # noqa: E402
-from kernels import bench, reference  # noqa: E402
-from kernels.rope import apply_rope, rerope_inputs  # noqa: E402
+import rerope  # noqa: E402
+from benchmarks import attention as bench, reference  # noqa: E402
+from rerope.rope import apply_rope, rerope_inputs  # noqa: E402
 
 
 def errors(got, want):
@@ -48,7 +48,7 @@ def check_case(dtype, d, rotated, causal, n_q, n_k, window, leaky=None, logn_len
     dout = torch.randn(1, hq, n_q, d, device="cuda", dtype=dtype)
     kw = dict(causal=causal, leaky=leaky, logn_len=logn_len, rotated=rotated)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-    out = kernels.rerope(*leaves, window, **kw)
+    out = rerope.rerope(*leaves, window, **kw)
     grads = torch.autograd.grad(out, leaves, dout)
     ref_leaves = [t.detach().float().requires_grad_() for t in (q, k, v)]
     ref = reference.rerope(*ref_leaves, window, **kw)
@@ -63,7 +63,7 @@ def check_case(dtype, d, rotated, causal, n_q, n_k, window, leaky=None, logn_len
         leaves5 = [t.clone().requires_grad_() for t in (q, k, v)]
         five = rerope_inputs(leaves5[0], leaves5[1], window, leaky=leaky, logn_len=logn_len,
                              rotated=rotated)
-        out5 = kernels.rerope_attention(*five, leaves5[2], window, causal=causal)
+        out5 = rerope.rerope_attention(*five, leaves5[2], window, causal=causal)
         grads5 = torch.autograd.grad(out5, leaves5, dout)
         for name, a, b in zip(("out", "dq", "dk", "dv"), (out5, *grads5), (ref, *ref_grads)):
             row["five_tensor"][name] = errors(a, b)
@@ -125,18 +125,18 @@ def run_time(args):
     host = {}
     q, k, v = (torch.randn(1, 2, 128, 64, device="cuda", dtype=torch.float16) for _ in range(3))
     five = rerope_inputs(q, k, 64)
-    host["rerope_raw_fwd"] = host_time(lambda: kernels.rerope(q, k, v, 64))
-    host["rerope_attention_fwd"] = host_time(lambda: kernels.rerope_attention(*five, v, 64))
+    host["rerope_raw_fwd"] = host_time(lambda: rerope.rerope(q, k, v, 64))
+    host["rerope_attention_fwd"] = host_time(lambda: rerope.rerope_attention(*five, v, 64))
     host["sdpa_fwd"] = host_time(lambda: torch.nn.functional.scaled_dot_product_attention(
         q, k, v, is_causal=True))
-    from kernels import attention
+    from rerope import attention
     ops = attention._rotations(128, 64, 10000.0, 64, None, None, False, q.device)
     host["launcher_only_fwd"] = host_time(
         lambda: attention.rerope_forward(q, q, k, k, v, 64, True, 0.125, ops))
     host["custom_op_fwd"] = host_time(
         lambda: attention._fused_fwd(q, k, v, 64, True, 0.125, 10000.0, None, None, False))
     qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
-    host["rerope_raw_fwd_requires_grad"] = host_time(lambda: kernels.rerope(qg, kg, vg, 64))
+    host["rerope_raw_fwd_requires_grad"] = host_time(lambda: rerope.rerope(qg, kg, vg, 64))
     for name, us in host.items():
         print(f"host {name}: {us:.1f} us per call", flush=True)
     with open(args.out, "w") as f:

@@ -1,11 +1,11 @@
 """GPU probe: the fused forward with each product's keys turned in registers (per key tile, per
-query block) against turned once before the kernel (``kernels.rotary.turn_keys``).
+query block) against turned once before the kernel (``rerope.rotary.turn_keys``).
 
-    KERNELS_AUTOTUNE=0 python perf/probe_preturn.py --out book/data/preturn_h200.json
+    REROPE_AUTOTUNE=0 python perf/probe_preturn.py --out book/data/preturn_h200.json
 
-Times ``kernels.attention.rerope_forward`` (causal, W = 2048) both ways with
+Times ``rerope.attention.rerope_forward`` (causal, W = 2048) both ways with
 ``triton.testing.do_bench`` (L2 cleared between runs; the pre-turned time includes the key
-turn's launch; both through a plan's launchers, every launch bound as in ``kernels.rerope``),
+turn's launch; both through a plan's launchers, every launch bound as in ``rerope.rerope``),
 for raw and rotated inputs, fp16, B = 1, H = 32 (no GQA: the most keys to turn per query
 head), D = 64 and 128, N = 1k … 32k; and the shape of the Hugging Face
 benchmark (bf16, Hq = 32, Hkv = 8, D = 64, rotated). Also the largest difference between the
@@ -23,8 +23,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import kernels  # noqa: E402,F401  (before triton: the interpreter is chosen at import)
-from kernels import attention  # noqa: E402
+import rerope  # noqa: E402,F401  (before triton: the interpreter is chosen at import)
+from rerope import attention  # noqa: E402
 
 import triton  # noqa: E402
 import triton.testing  # noqa: E402
@@ -73,7 +73,7 @@ def main():
         print(json.dumps(rows[-1]), flush=True)
     meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
             "triton": triton.__version__, "date": datetime.date.today().isoformat(),
-            "autotune": os.environ.get("KERNELS_AUTOTUNE", "1") != "0",
+            "autotune": os.environ.get("REROPE_AUTOTUNE", "1") != "0",
             "PRETURN_MIN_KEYS": attention.PRETURN_MIN_KEYS}
     with open(args.out, "w") as f:
         json.dump({"meta": meta, "rows": rows}, f, indent=1)

@@ -1,7 +1,7 @@
 """GPU probe: the fused backward on pre-turned operands against turning tiles in registers, and
 against plain RoPE + SDPA cuDNN (issue 20).
 
-    KERNELS_AUTOTUNE=0 python perf/probe_preturn_bwd.py --out book/data/preturn_bwd_h200.json
+    REROPE_AUTOTUNE=0 python perf/probe_preturn_bwd.py --out book/data/preturn_bwd_h200.json
 
 Three parts, one process (plus compile warm-up workers):
 
@@ -10,11 +10,11 @@ Three parts, one process (plus compile warm-up workers):
    specialisations as every N of the run, below and above the forward's key pre-turn
    threshold), which fill Triton's on-disk cache.
 2. Check at full size (B = 1, H = 32, N = 8192, W = 2048, causal), fp16 and bf16, D = 64 and
-   128, raw and rotated: ``kernels.attention.rerope_backward`` with ``preturn=False`` (in
+   128, raw and rotated: ``rerope.attention.rerope_backward`` with ``preturn=False`` (in
    registers) and ``True`` (pre-turned) on the same forward; the largest difference between the
    two, relative to the largest gradient, and each one's error against a float32 reference
-   (``kernels.reference.rerope``, first two heads).
-3. Timing, forward + backward, with the benchmark's own ``kernels.bench.measure_case`` (median
+   (``rerope.reference.rerope``, first two heads).
+3. Timing, forward + backward, with the benchmark's own ``benchmarks.attention.measure_case`` (median
    of CUDA-event timings, L2 flushed, inputs requiring grad, ``torch.autograd.grad``):
    ``rerope_raw`` / ``rerope_rotated`` with each backward path (forced through
    ``attention.PRETURN_BWD_MIN_KEYS``), and ``rope_sdpa_cudnn``; N = 8192 for fp16 and bf16,
@@ -41,8 +41,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import kernels  # noqa: E402  (before triton: the interpreter is chosen at import)
-from kernels import attention, bench, reference  # noqa: E402
+import rerope  # noqa: E402  (before triton: the interpreter is chosen at import)
+from rerope import attention, bench, reference  # noqa: E402
 
 import triton  # noqa: E402
 
@@ -66,7 +66,7 @@ def warm(job):
     attention.PRETURN_BWD_MAX_BYTES = 1 << 62
     for n in (1024, 4096) if dtype == "float16" and short else (4096,):
         q, k, v, dout = (t.requires_grad_() for t in _inputs(n, d, getattr(torch, dtype), 0))
-        out = kernels.rerope(q, k, v, WINDOW, rotated=rotated)
+        out = rerope.rerope(q, k, v, WINDOW, rotated=rotated)
         torch.autograd.grad(out, (q, k, v), dout)
     torch.cuda.synchronize()
 
@@ -131,7 +131,7 @@ CORE = (("sdpa_cudnn", "fwd"), ("sdpa_cudnn", "fwd+bwd"), ("rerope", "fwd"), ("r
 def core_rows(dtype, d, n):
     """Rows ``part: "core"``: plain SDPA cuDNN and the five-tensor op ``rerope_attention``
     (``rerope``: the standing core-op target, forward and forward + backward), and the forwards
-    of torch RoPE + cuDNN and of ``kernels.rerope`` (raw, rotated; the policy's key pre-turn), each
+    of torch RoPE + cuDNN and of ``rerope.rerope`` (raw, rotated; the policy's key pre-turn), each
     with ``vs_cudnn`` (plain cuDNN's time over this one, same mode)."""
     shape = bench.Shape(B=1, H=HEADS, N=n, D=d, window=WINDOW, dtype=dtype, causal=True)
     rows, cudnn = [], {}
@@ -164,12 +164,12 @@ def main():
     meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
             "triton": triton.__version__,
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "autotune": os.environ.get("KERNELS_AUTOTUNE", "1") != "0",
+            "autotune": os.environ.get("REROPE_AUTOTUNE", "1") != "0",
             "PRETURN_MIN_KEYS": attention.PRETURN_MIN_KEYS,
             "PRETURN_BWD_MIN_KEYS": default_min_keys,
             "preturn_memory_limit": attention.preturn_memory_limit(torch.device("cuda")),
             "paths": "forced per row (PRETURN_BWD_MIN_KEYS 0 or 2**62), not the policy",
-            "timing": "kernels.bench.measure_case (median CUDA events, L2 flushed)"}
+            "timing": "benchmarks.attention.measure_case (median CUDA events, L2 flushed)"}
     lengths = sorted({int(x) for x in args.lengths.split(",") if x} | {8192})
     if args.note:
         meta["changes"] = args.note

@@ -1,9 +1,9 @@
-"""Host cost of the forward's key pre-turn through ``kernels.rerope`` (issue 18 follow-up): per
+"""Host cost of the forward's key pre-turn through ``rerope.rerope`` (issue 18 follow-up): per
 call, back to back, inputs that need a gradient and inputs that do not, pre-turned
 (``PRETURN_MIN_KEYS = 0``) and in registers, at N = 128 (host-bound: the difference is the
 pre-turn's host time) and N = 2048; plus torch.profiler's CPU table of the pre-turned grad call.
 
-    KERNELS_AUTOTUNE=0 python3 perf/probe_preturn_host.py --out F.json
+    REROPE_AUTOTUNE=0 python3 perf/probe_preturn_host.py --out F.json
 """
 import argparse
 import json
@@ -14,8 +14,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import kernels  # noqa: E402
-from kernels import attention  # noqa: E402
+import rerope  # noqa: E402
+from rerope import attention  # noqa: E402
 from probe_fused import host_time  # noqa: E402
 
 
@@ -31,7 +31,7 @@ def main():
             for pre in (False, True):
                 attention.PRETURN_MIN_KEYS = 0 if pre else 1 << 40
                 def fn():
-                    return kernels.rerope(q, k, v, 2048)
+                    return rerope.rerope(q, k, v, 2048)
                 us = host_time(fn, 300)
                 rows.append(dict(N=n, grad=grad, preturn=pre, us_per_call=round(us, 1)))
                 print(rows[-1], flush=True)

@@ -4,14 +4,14 @@
     python perf/probe_self_extend.py time --out time.json
     python perf/probe_self_extend.py merge --out self_extend_h200.json check_*.json time.json
 
-``check``: ``kernels.rerope`` forward and ``dq, dk, dv`` at B=1 H=32 N=8192 W=2048, Self-Extend
+``check``: ``rerope.rerope`` forward and ``dq, dk, dv`` at B=1 H=32 N=8192 W=2048, Self-Extend
 G=8 and ReRoPE, rotated inputs (and raw ones with ``--raw``), against a float32 reference
-(``kernels.reference.rerope``, TF32 off) on the first two heads; a chunked-prefill GQA case
-(Nq=1024 of Nk=8192, Hq=32, Hkv=8) forward only; ``kernels.rerope_decode`` on a 32k rotated
+(``rerope.reference.rerope``, TF32 off) on the first two heads; a chunked-prefill GQA case
+(Nq=1024 of Nk=8192, Hq=32, Hkv=8) forward only; ``rerope.rerope_decode`` on a 32k rotated
 cache (Hq=32, Hkv=8) against the reference on that row. Errors: ``max|err| / max|ref|`` and
 the relative Frobenius norm.
-``time``: the same shapes, fp16: forward and forward + backward at N=8192 (``kernels.bench.
-time_cuda``, L2 flushed), decode against a 32k cache (CUDA-graph replay, ``kernels.bench_decode.
+``time``: the same shapes, fp16: forward and forward + backward at N=8192 (``benchmarks.attention.
+time_cuda``, L2 flushed), decode against a 32k cache (CUDA-graph replay, ``benchmarks.decode.
 graph_us``); ReRoPE, Self-Extend and Leaky ReRoPE with κ = G (Self-Extend without the floor)
 interleaved three times, medians kept, ratios SE / ReRoPE and SE / Leaky. ``merge`` keeps the
 checks of an earlier merged file given among its inputs (``meta.checks_date``).
@@ -30,9 +30,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import kernels  # noqa: E402
-from kernels import reference  # noqa: E402
-from kernels.rope import apply_rope  # noqa: E402
+import rerope  # noqa: E402
+from rerope import reference  # noqa: E402
+from rerope.rope import apply_rope  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -84,7 +84,7 @@ def check_prefill(dtype, d, s, rotated, group, backward=True, n_q=None, hq=None,
     slice_q, slice_kv = row["reference_heads"], row["reference_heads"] * hkv // hq
     leaves = [t.clone().requires_grad_(backward) for t in (q, k, v)]
     dout = torch.randn(q.shape, device=DEVICE, dtype=dtype)
-    out = kernels.rerope(*leaves, s["window"], **kw)
+    out = rerope.rerope(*leaves, s["window"], **kw)
     got = {"out": out}
     if backward:
         got.update(zip(("dq", "dk", "dv"), torch.autograd.grad(out, leaves, dout)))
@@ -105,7 +105,7 @@ def check_decode(dtype, d, s, group):
     n_k = s["cache"]
     q, k, v = inputs(dtype, d, s["heads"], s["kv_heads"], 1, n_k, True)
     with torch.no_grad():
-        out = kernels.rerope_decode(q, k, v, s["window"], group=group)
+        out = rerope.rerope_decode(q, k, v, s["window"], group=group)
     ref = _reference([t.float() for t in (q, k, v)], s["window"], rotated=True, group=group)
     return {"case": "decode", "dtype": str(dtype).split(".")[-1], "D": d, "rotated": True,
             "group": group, "Nq": 1, "Nk": n_k, "Hq": s["heads"], "Hkv": s["kv_heads"],
@@ -143,14 +143,14 @@ def _time(step):
         start = time.perf_counter()
         step()
         return (time.perf_counter() - start) * 1e3
-    from kernels import bench
+    from benchmarks import attention as bench
     return bench.time_cuda(step, reps=20)
 
 
 def _graph_us(step):
     if DEVICE == "cpu":
         return _time(step) * 1e3
-    from kernels import bench_decode
+    from benchmarks import decode as bench_decode
     return bench_decode.graph_us(step)
 
 
@@ -190,8 +190,8 @@ def run_time(args):
             def fwd(g, leaky, q=q, k=k, v=v, rotated=rotated):
                 def step():
                     with torch.no_grad():
-                        kernels.rerope(q, k, v, s["window"], rotated=rotated, group=g,
-                                       leaky=leaky)
+                        rerope.rerope(q, k, v, s["window"], rotated=rotated, group=g,
+                                      leaky=leaky)
                 return step
             pair("fwd", fwd, _time, **common)
             leaves = [t.clone().requires_grad_() for t in (q, k, v)]
@@ -199,8 +199,8 @@ def run_time(args):
 
             def fwd_bwd(g, leaky, leaves=leaves, dout=dout, rotated=rotated):
                 def step():
-                    out = kernels.rerope(*leaves, s["window"], rotated=rotated, group=g,
-                                         leaky=leaky)
+                    out = rerope.rerope(*leaves, s["window"], rotated=rotated, group=g,
+                                        leaky=leaky)
                     torch.autograd.grad(out, leaves, dout)
                 return step
             pair("fwd+bwd", fwd_bwd, _time, **common)
@@ -210,7 +210,7 @@ def run_time(args):
 
         def decode(g, leaky, q=q, k=k, v=v):
             def step():
-                kernels.rerope_decode(q, k, v, s["window"], group=g, leaky=leaky)
+                rerope.rerope_decode(q, k, v, s["window"], group=g, leaky=leaky)
             return step
         pair("decode", decode, _graph_us, D=d, Nk=s["cache"], Nq=1, B=1, Hq=s["heads"],
              Hkv=s["kv_heads"], dtype="float16", rotated=True, unit="us")
@@ -221,13 +221,13 @@ def run_time(args):
 def run_merge(args):
     import triton
     data = {"meta": {
-        "what": "Self-Extend (kernels.rerope / rerope_decode with group=G) beside ReRoPE in the "
+        "what": "Self-Extend (rerope.rerope / rerope_decode with group=G) beside ReRoPE in the "
                 "same ops: GPU correctness against a float32 reference and speed; written by "
                 "perf/probe_self_extend.py",
         "device": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu",
         "torch": torch.__version__, "triton": triton.__version__,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "autotune": os.environ.get("KERNELS_AUTOTUNE", "1"),
+        "autotune": os.environ.get("REROPE_AUTOTUNE", "1"),
         "error_metrics": "scaled = max|got - ref| / max|ref|; rel_norm = ||got - ref|| / ||ref||"},
         "checks": [], "timings": []}
     for path in args.inputs:

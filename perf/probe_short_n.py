@@ -4,9 +4,9 @@
     python perf/probe_short_n.py time --out F.json   # time everything (one process)
 
 At B=1 H=32 N=2048 D=64 fp16 causal (the issue's shape; window 2048 as in the benchmark grid,
-and 512) it times, for ``kernels.rerope`` from raw and rotated ``q, k`` and for SDPA cuDNN/flash:
+and 512) it times, for ``rerope.rerope`` from raw and rotated ``q, k`` and for SDPA cuDNN/flash:
 
-* the benchmark's own figure (``kernels.bench.measure_case``: inputs that require grad, L2
+* the benchmark's own figure (``benchmarks.attention.measure_case``: inputs that require grad, L2
   flushed, one CUDA-event pair per call): what ``book/data/bench_h200.json`` reports;
 * the GPU time alone: a CUDA graph of 20 no-grad forwards, replayed (``graph_us``);
 * back-to-back eager calls with one sync at the end (``stream_us``: max of host and GPU time);
@@ -29,8 +29,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import kernels  # noqa: E402
-from kernels import attention, bench, configs  # noqa: E402
+import rerope  # noqa: E402
+from rerope import attention, bench, configs  # noqa: E402
 
 B, H, N, D = 1, 32, 2048, 64
 DEFAULT = (128, 64, 4, 3)
@@ -85,7 +85,7 @@ def forward_of(impl, window):
                 return F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return run
     rotated = impl == "rerope_rotated"
-    return lambda q, k, v: kernels.rerope(q, k, v, window, rotated=rotated)
+    return lambda q, k, v: rerope.rerope(q, k, v, window, rotated=rotated)
 
 
 def graph_us(fn, args, calls=20, replays=10):

@@ -1,9 +1,9 @@
 """GPU probe for v4: TMA tensor-descriptor loads and the fused score scale, against v3.
 
-    KERNELS_AUTOTUNE=0 python perf/probe_tma.py [--d 64 128] [--sweep]
+    REROPE_AUTOTUNE=0 python perf/probe_tma.py [--d 64 128] [--sweep]
 
 Times, at B=1 H=32 N=8192 W=2048 fp16 causal: v3 (``perf/variants/kernels_v3``, the previous
-version: pointer loads, scale applied in its own pass), v4 with pointer loads (``KERNELS_TMA=0``)
+version: pointer loads, scale applied in its own pass), v4 with pointer loads (``REROPE_TMA=0``)
 and v4 with TMA; the same v4 at ``window = N`` (plain causal attention through the same kernels:
 what the band costs); and SDPA's cuDNN backend. Checks v4 (both load paths) against a float32
 reference on 4 heads first. ``--sweep`` then autotunes the TMA kernels over a wider candidate
@@ -26,8 +26,8 @@ import triton
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "perf", "variants"))
-import kernels  # noqa: E402
-from kernels import attention, configs, reference  # noqa: E402
+import rerope  # noqa: E402
+from rerope import attention, configs, reference  # noqa: E402
 from probe import bench, rel_err  # noqa: E402  (perf/probe.py, beside this script)
 
 SWEEP = {   # extra candidates tried with TMA (BLOCK_M, BLOCK_N, warps, stages)
@@ -58,7 +58,7 @@ def check(d, ins, do, window):
     """v4 forward and gradients vs float32 reference on 4 heads, with the current load path."""
     hs = slice(0, 4)
     small = [t[:, hs].contiguous().requires_grad_() for t in ins]
-    out = kernels.rerope_attention(*small, window)
+    out = rerope.rerope_attention(*small, window)
     out.backward(do[:, hs])
     ref_in = [t.detach().float().requires_grad_() for t in small]
     ref = reference.rerope_attention(*ref_in, window)

@@ -1,4 +1,4 @@
-"""Profile a few decode steps of the 1B-like Llama of perf/bench_hf.py at 32k context, stock
+"""Profile a few decode steps of the 1B-like Llama of benchmarks/hf.py at 32k context, stock
 SDPA and ReRoPE: where a generated token's time goes (torch.profiler, top ops by CUDA and by
 CPU time). Run on a GPU: ``python perf/profile_hf_decode.py > profile.txt``; with ``--python``,
 Python's own profiler instead (cProfile, top functions by total and by own time), for stock SDPA
@@ -15,7 +15,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import bench_hf  # noqa: E402
-import kernels.hf  # noqa: E402
+import rerope.hf  # noqa: E402
 
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
@@ -25,7 +25,7 @@ def main(context=32768, steps=3, python=False):
     ids = torch.randint(0, bench_hf.VOCAB, (1, context), device="cuda")
     for impl in ("stock_sdpa_flash", "rerope") if python else ("stock_sdpa", "rerope"):
         if impl == "rerope":
-            kernels.hf.enable_rerope(model, window=2048)
+            rerope.hf.enable_rerope(model, window=2048)
         if python:
             python_profile(model, ids, impl, steps)
             continue

@@ -4,7 +4,7 @@
 
 Writes ``book/data/extrapolation_self_extend.json``: the same held-out documents, lengths and
 summaries as ``python -m extrapolation.evaluate`` (its ``summarise``, ``binned`` and passkey
-test), for Self-Extend (``kernels.rerope(..., group=G)`` on the model's raw ``q, k``) at the
+test), for Self-Extend (``rerope.rerope(..., group=G)`` on the model's raw ``q, k``) at the
 windows of the ReRoPE rows (``w`` = ¼ and ½ of the training length), with and without log-n:
 
 * ``per_length``: the authors' rule for the group size, the smallest ``G`` (a power of two
@@ -28,7 +28,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-import kernels  # noqa: E402
+import rerope  # noqa: E402
 from extrapolation import data, evaluate  # noqa: E402
 from extrapolation import model as lm  # noqa: E402
 from extrapolation.train import environment  # noqa: E402
@@ -50,7 +50,7 @@ class SelfExtend:
 _stock_attend = lm.attend
 
 
-OP = {"op": kernels.rerope}    # --reference: kernels.reference.rerope (a CPU dry run)
+OP = {"op": rerope.rerope}    # --reference: rerope.reference.rerope (a CPU dry run)
 
 
 def attend(q, k, v, positions, base):
@@ -63,8 +63,8 @@ def attend(q, k, v, positions, base):
 lm.attend = attend
 
 
-# the authors' rule for G, as kernels.rope states it (the package's copy, since the run)
-recommended_group = kernels.rope.self_extend_group
+# the authors' rule for G, as rerope.rope states it (the package's copy, since the run)
+recommended_group = rerope.rope.self_extend_group
 
 
 def main(argv=None):
@@ -77,10 +77,10 @@ def main(argv=None):
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--max-factor", type=int, default=16)
     p.add_argument("--reference", action="store_true",
-                   help="Self-Extend and ReRoPE through kernels.reference (a quick CPU dry run)")
+                   help="Self-Extend and ReRoPE through rerope.reference (a quick CPU dry run)")
     args = p.parse_args(argv)
     if args.reference:
-        from kernels import reference
+        from rerope import reference
         OP["op"] = reference.rerope
     started = time.perf_counter()
     device = torch.device(args.device)

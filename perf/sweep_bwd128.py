@@ -1,7 +1,7 @@
 """Launch-configuration sweep of the pre-turned backward at D = 128, and where its time goes
 (issue 20). One command on the GPU:
 
-    KERNELS_AUTOTUNE=0 python perf/sweep_bwd128.py --out sweep_bwd128.json
+    REROPE_AUTOTUNE=0 python perf/sweep_bwd128.py --out sweep_bwd128.json
 
 Shape: B = 1, H = 32, N = 8192, W = 2048, causal, D = 128. The pre-turned backward
 (``attention.rerope_backward(..., preturn=True)``) runs the five-tensor kernels on the turned
@@ -19,12 +19,12 @@ cache):
    gradients are compared with the first candidate's (``max_rel_diff``).
 2. ``breakdown``: at the first candidates, fp16 and bf16, raw and rotated: the forward (and its
    key turn), the backward's turn pass, dK/dV, dQ and the rest (the δ kernel), and forward +
-   backward with ``kernels.bench.measure_case`` beside torch RoPE + SDPA cuDNN's, forward and
+   backward with ``benchmarks.attention.measure_case`` beside torch RoPE + SDPA cuDNN's, forward and
    forward + backward, in the same run.
 3. ``warp_specialize``: a probe, not a change — a copy of the package in a temporary folder
    whose backward loops run ``tl.range(..., warp_specialize=not MASKED)`` (the unmasked
    passes), timed as in part 1 (fp16 raw, first candidates), or the error it raised.
-4. ``step``: the benchmark's own step (``kernels.bench.build_case``: forward, then
+4. ``step``: the benchmark's own step (``benchmarks.attention.build_case``: forward, then
    ``torch.autograd.grad``) of ``rerope_raw`` and ``rope_sdpa_cudnn``, fp16: timed as
    ``measure_case`` does, and again with a ~1 ms GPU sleep before the start event (the host's
    launch path then hidden) and an event between the forward and the backward, plus the host
@@ -51,7 +51,7 @@ breakdown, step and clocks rows of runs go to the book's data file, beside what
 
 which sets its key ``breakdown`` to ``{"source", "runs": [{"meta", "rows"}, ...]}``.
 
-Rows go to ``--out`` after each one (``kernels.bench.write_results``: ``meta`` and ``rows``).
+Rows go to ``--out`` after each one (``benchmarks.attention.write_results``: ``meta`` and ``rows``).
 """
 
 import argparse
@@ -70,8 +70,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import kernels  # noqa: E402,F401  (before triton: the interpreter is chosen at import)
-from kernels import attention, bench, configs  # noqa: E402
+import rerope  # noqa: E402,F401  (before triton: the interpreter is chosen at import)
+from rerope import attention, bench, configs  # noqa: E402
 
 import triton  # noqa: E402
 
@@ -91,7 +91,7 @@ WS_LOOP = {"BLOCK_M": "for t in range(0, n1 + _tile_count(lo2, hi2, BLOCK_M)):",
 TIMING = ("kernel and breakdown pieces: median of 20 CUDA-event runs, each after an L2 flush "
           "and a ~1 ms GPU sleep (the host runs ahead), events around each launch and turn "
           "pass; breakdown fwd_bwd_ms, rope_cudnn_* and step measure_case_*: "
-          "kernels.bench.measure_case; step plain_* / sleep_*: median of 20 runs of the "
+          "benchmarks.attention.measure_case; step plain_* / sleep_*: median of 20 runs of the "
           "benchmark's step after an L2 flush, without / with the sleep before the start event, "
           "an event between forward and backward; host_*: perf_counter of each half's Python")
 SLEEP_CYCLES = 2_000_000          # ~1 ms: the host enqueues the backward while the GPU sleeps
@@ -221,13 +221,13 @@ def warm(job):
             backward_step(job["dtype"], False, n=1024)()
     elif job["kind"] == "combo":        # forward + backward at the first candidates, N = 4096
         q, k, v, dout = (t.requires_grad_() for t in inputs(job["dtype"], 4096))
-        out = kernels.rerope(q, k, v, WINDOW, rotated=job["rotated"])
+        out = rerope.rerope(q, k, v, WINDOW, rotated=job["rotated"])
         torch.autograd.grad(out, (q, k, v), dout)
     elif job["kind"] == "ws":           # N = 4096: the forward's keys pre-turned, as at N
         backward_step("float16", False, n=4096)()
     elif job["kind"] == "fwd":          # the forward at N = 4096 (its keys pre-turned)
         q, k, v, _ = inputs(job["dtype"], 4096)
-        kernels.rerope(q, k, v, WINDOW, rotated=job["rotated"])
+        rerope.rerope(q, k, v, WINDOW, rotated=job["rotated"])
     torch.cuda.synchronize()
 
 
@@ -266,8 +266,8 @@ def warp_specialized_copy(variant="both_bwd"):
 
 def reference_errors(dtype, rotated, seed):
     """The forward's and the pre-turned backward's max |err| / max |ref| on the first two heads
-    against a float32 reference (``kernels.reference.rerope``), inputs as ``backward_step``'s."""
-    from kernels import reference
+    against a float32 reference (``rerope.reference.rerope``), inputs as ``backward_step``'s."""
+    from rerope import reference
 
     q, k, v, dout = inputs(dtype, seed=seed)
     ops, scale = operands(N, rotated), D ** -0.5

@@ -1,4 +1,4 @@
-"""Launch-configuration sweep for the fused-rotation kernels (``kernels.rerope``) on a GPU.
+"""Launch-configuration sweep for the fused-rotation kernels (``rerope.rerope``) on a GPU.
 
     python perf/sweep_fused.py warm --index I        # compile case I (run many in parallel)
     python perf/sweep_fused.py time --out sweep.json # time every case (one process)
@@ -19,8 +19,8 @@ import triton
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import kernels  # noqa: E402
-from kernels import attention, bench, configs  # noqa: E402
+import rerope  # noqa: E402
+from rerope import attention, bench, configs  # noqa: E402
 
 SWEEP = {
     ("fwd", 64): [(128, 64, 4, 3), (128, 64, 8, 3), (64, 64, 4, 3), (128, 32, 4, 3),

@@ -1,7 +1,7 @@
 """Issue 19, first H200 call: launch configurations of the decode kernel per head dim, the
 split rule's programs per SM, the paged layout against the contiguous one, and the read bound.
 
-Run from the repository root on a CUDA GPU (``KERNELS_AUTOTUNE=0``)::
+Run from the repository root on a CUDA GPU (``REROPE_AUTOTUNE=0``)::
 
     python perf/tune_decode.py            # writes $OUT/tune_decode.json
 
@@ -35,7 +35,7 @@ BUDGET_S = 190
 
 
 def splits_for(batch, per_sm, nq=1):
-    from kernels import decode
+    from rerope import decode
 
     saved = decode.PROGRAMS_PER_SM
     decode.PROGRAMS_PER_SM = per_sm
@@ -65,8 +65,8 @@ def saver(result, name, started):
 def decode_once(d, batch, nq, splits, page):
     """One decode call on a 4096-key cache, contiguous (``page`` None) or in pages of ``page``
     keys: compiles that variant (the same specialisation as the timed calls). Returns seconds."""
-    import kernels
-    from kernels import bench_decode as bd
+    import rerope
+    from benchmarks import decode as bench_decode as bd
 
     n = 4096
     q = torch.randn(batch, HQ, nq, d, device="cuda", dtype=torch.bfloat16)
@@ -74,12 +74,12 @@ def decode_once(d, batch, nq, splits, page):
     v = torch.randn_like(k)
     started = time.perf_counter()
     if page is None:
-        kernels.rerope_decode(q, k, v, WINDOW, num_splits=splits)
+        rerope.rerope_decode(q, k, v, WINDOW, num_splits=splits)
     else:
         kp, vp, table = bd.paged_copy(k, v, page)
         lengths = torch.full((batch,), n, dtype=torch.int32, device="cuda")
-        kernels.rerope_decode(q, kp, vp, WINDOW, cache_seqlens=lengths, num_splits=splits,
-                              block_table=table)
+        rerope.rerope_decode(q, kp, vp, WINDOW, cache_seqlens=lengths, num_splits=splits,
+                             block_table=table)
     torch.cuda.synchronize()
     return time.perf_counter() - started
 
@@ -87,7 +87,7 @@ def decode_once(d, batch, nq, splits, page):
 def timer(read):
     """``timed(step, batch, n, d, **info)``: a row of ``step``'s CUDA-graph time and its fraction
     of the read bound (``read`` bytes/s), printed."""
-    from kernels import bench_decode as bd
+    from benchmarks import decode as bench_decode as bd
 
     def timed(step, batch, n, d, **info):
         bound = bd.kv_bytes(batch, n, d=d) / read * 1e6
@@ -103,7 +103,7 @@ def start_timing(result, budget_s, started=None):
     ``WAIT_PID``; with ``started``, the seconds that took go to ``meta.tests_done_s``), measure
     the read bound into ``result["meta"]`` and set the timing budget. Returns ``(read bytes/s,
     timer(read))``."""
-    from kernels import bench_decode as bd
+    from benchmarks import decode as bench_decode as bd
 
     bd.wait_for_gpu_sharer()
     if started is not None:
@@ -116,7 +116,7 @@ def start_timing(result, budget_s, started=None):
 
 
 def set_config(d, cfg):
-    from kernels import decode
+    from rerope import decode
 
     decode.HEAD_DIM_CONFIGS[d] = dict(BLOCK_N=cfg[0], ANGLES=cfg[1], num_warps=cfg[2],
                                       num_stages=cfg[3])
@@ -130,8 +130,8 @@ def warm(spec):
 
 
 def main():
-    import kernels
-    from kernels import bench_decode as bd
+    import rerope
+    from benchmarks import decode as bench_decode as bd
 
     started = time.perf_counter()
     result = {"meta": run_meta()}
@@ -193,8 +193,8 @@ def main():
                         splits = splits_for(batch, per_sm)
                         if time.perf_counter() - started > BUDGET_S:
                             break
-                        us = bd.graph_us(lambda: kernels.rerope_decode(q, k, v, WINDOW,
-                                                                       num_splits=splits))
+                        us = bd.graph_us(lambda: rerope.rerope_decode(q, k, v, WINDOW,
+                                                                      num_splits=splits))
                         rows.append(dict(impl="rerope_decode", D=d, B=batch, context=n,
                                          config=list(cfg), per_sm=per_sm, num_splits=splits,
                                          us=us, hbm_fraction=bound / us))
@@ -208,15 +208,15 @@ def main():
             for n in (32768, 131072):
                 q, k, v = data[d, 8, n]
                 splits = splits_for(8, 2)
-                want = kernels.rerope_decode(q, k, v, WINDOW, num_splits=splits)
-                cont = bd.graph_us(lambda: kernels.rerope_decode(q, k, v, WINDOW, num_splits=splits))
+                want = rerope.rerope_decode(q, k, v, WINDOW, num_splits=splits)
+                cont = bd.graph_us(lambda: rerope.rerope_decode(q, k, v, WINDOW, num_splits=splits))
                 for page in PAGES:
                     if time.perf_counter() - started > BUDGET_S + 40:
                         break
                     kp, vp, table = bd.paged_copy(k, v, page)
                     lengths = torch.full((8,), n, dtype=torch.int32, device="cuda")
-                    step = lambda: kernels.rerope_decode(q, kp, vp, WINDOW, cache_seqlens=lengths,
-                                                         num_splits=splits, block_table=table)
+                    step = lambda: rerope.rerope_decode(q, kp, vp, WINDOW, cache_seqlens=lengths,
+                                                        num_splits=splits, block_table=table)
                     diff = (step().float() - want.float()).abs().max().item()
                     us = bd.graph_us(step)
                     paged.append(dict(D=d, config=list(cfg), context=n, page=page, us=us,
@@ -235,7 +235,7 @@ def main():
     # the graph anomaly: eager against graph at B=8, 128k, D=128, default config
     set_config(128, CONFIGS[128][0])
     q, k, v = data[128, 8, 131072]
-    step = lambda: kernels.rerope_decode(q, k, v, WINDOW)
+    step = lambda: rerope.rerope_decode(q, k, v, WINDOW)
     result["anomaly"] = dict(graph_us=bd.graph_us(step), eager_us=bd.eager_us(step),
                              graph_again_us=bd.graph_us(step))
     print(result["anomaly"], flush=True)
@@ -267,9 +267,9 @@ def round2():
     * Nq = 8 (32-row tiles) under a few launch configurations;
     * the split kernel alone against split + merge at B = 1 (the merge launch's share).
     """
-    import kernels
-    from kernels import bench_decode as bd
-    from kernels import decode
+    import rerope
+    from benchmarks import decode as bench_decode as bd
+    from rerope import decode
 
     started = time.perf_counter()
     result = {"meta": run_meta(window=WINDOW, dtype="bfloat16", Hq=HQ, Hkv=HKV)}
@@ -306,7 +306,7 @@ def round2():
                                   impl=impl))
             for cfg in R2_STAGES[d]:
                 set_config(d, cfg)
-                rows.append(timed(lambda: kernels.rerope_decode(q, k, v, WINDOW), batch, n, d,
+                rows.append(timed(lambda: rerope.rerope_decode(q, k, v, WINDOW), batch, n, d,
                                   impl="rerope_decode", config=list(cfg)))
                 if batch == 1:     # the split kernel alone (its launch bound by the call above)
                     plan = decode._plan(q, k, v, WINDOW, None, None, 10000.0, None, None, True,
@@ -325,12 +325,12 @@ def round2():
             if (batch, n) in R2_PAGED_SHAPES:
                 set_config(d, R2_STAGES[d][0])
                 splits = splits_for(batch, 2)
-                want = kernels.rerope_decode(q, k, v, WINDOW, num_splits=splits)
+                want = rerope.rerope_decode(q, k, v, WINDOW, num_splits=splits)
                 lengths = torch.full((batch,), n, dtype=torch.int32, device="cuda")
                 for page in R2_PAGES:
                     kp, vp, table = bd.paged_copy(k, v, page)
-                    step = lambda: kernels.rerope_decode(q, kp, vp, WINDOW, cache_seqlens=lengths,
-                                                         num_splits=splits, block_table=table)
+                    step = lambda: rerope.rerope_decode(q, kp, vp, WINDOW, cache_seqlens=lengths,
+                                                        num_splits=splits, block_table=table)
                     diff = (step().float() - want.float()).abs().max().item()
                     rows.append(timed(step, batch, n, d, impl="rerope_decode_paged",
                                       page_size=page, config=list(R2_STAGES[d][0]),
@@ -341,7 +341,7 @@ def round2():
                 q8 = torch.randn(batch, HQ, 8, d, device="cuda", dtype=torch.bfloat16)
                 for cfg in R2_NQ8[d]:
                     set_config(d, cfg)
-                    rows.append(timed(lambda: kernels.rerope_decode(q8, k, v, WINDOW), batch, n,
+                    rows.append(timed(lambda: rerope.rerope_decode(q8, k, v, WINDOW), batch, n,
                                       d, impl="rerope_decode", Nq=8, config=list(cfg)))
                 save()
             del k, v, q
@@ -364,7 +364,7 @@ R3_MERGE = (16, 64, 128)                         # decode.MERGE_SPLITS_BLOCK
 
 def warm3(spec):
     """Compile one round-3 variant on a small cache (same specialisation as the timed call)."""
-    from kernels import decode
+    from rerope import decode
 
     d, batch, page, rule, merge_block, splits = spec
     decode.PAGE_LOADS_RULE, decode.MERGE_SPLITS_BLOCK = rule, merge_block
@@ -376,9 +376,9 @@ def round3():
     ways of reading a paged cache's block table (``decode.PAGE_LOADS_RULE``) on pages smaller
     than the key tile against the contiguous layout (bit-identical outputs checked), and the
     merge's partials per step (``decode.MERGE_SPLITS_BLOCK``) at B = 1."""
-    import kernels
-    from kernels import bench_decode as bd
-    from kernels import decode
+    import rerope
+    from benchmarks import decode as bench_decode as bd
+    from rerope import decode
 
     started = time.perf_counter()
     result = {"meta": run_meta(window=WINDOW, dtype="bfloat16", Hq=HQ, Hkv=HKV,
@@ -420,24 +420,24 @@ def round3():
             if batch == 1:
                 for merge_block in R3_MERGE:
                     decode.PAGE_LOADS_RULE, decode.MERGE_SPLITS_BLOCK = None, merge_block
-                    timed(lambda: kernels.rerope_decode(q, k, v, WINDOW), batch, n, d,
+                    timed(lambda: rerope.rerope_decode(q, k, v, WINDOW), batch, n, d,
                           impl="rerope_decode", merge_splits_block=merge_block,
                           num_splits=decode.default_num_splits(batch, HKV, HQ // HKV, 1, n))
             decode.MERGE_SPLITS_BLOCK = 16
             if (batch, n) in R2_PAGED_SHAPES:
                 splits = splits_for(batch, 2)
                 decode.PAGE_LOADS_RULE = None
-                want = kernels.rerope_decode(q, k, v, WINDOW, num_splits=splits)
-                timed(lambda: kernels.rerope_decode(q, k, v, WINDOW, num_splits=splits), batch,
+                want = rerope.rerope_decode(q, k, v, WINDOW, num_splits=splits)
+                timed(lambda: rerope.rerope_decode(q, k, v, WINDOW, num_splits=splits), batch,
                       n, d, impl="rerope_decode", layout="contiguous")
                 lengths = torch.full((batch,), n, dtype=torch.int32, device="cuda")
                 for page in R3_PAGES[d]:
                     kp, vp, table = bd.paged_copy(k, v, page)
                     for rule in R3_RULES:
                         decode.PAGE_LOADS_RULE = rule
-                        step = lambda: kernels.rerope_decode(q, kp, vp, WINDOW,
-                                                             cache_seqlens=lengths,
-                                                             num_splits=splits, block_table=table)
+                        step = lambda: rerope.rerope_decode(q, kp, vp, WINDOW,
+                                                            cache_seqlens=lengths,
+                                                            num_splits=splits, block_table=table)
                         diff = (step().float() - want.float()).abs().max().item()
                         timed(step, batch, n, d, impl="rerope_decode", layout="paged",
                               page_size=page, page_loads=rule, max_abs_diff_vs_contiguous=diff)
@@ -475,16 +475,16 @@ def s5_impl(name):
         import kernels_base
         from kernels_base import decode as base_decode
         return kernels_base.rerope_decode, base_decode
-    import kernels
-    from kernels import decode
+    import rerope
+    from rerope import decode
 
     decode.FUSED_MERGE, rows = S5_VARIANTS[name]
     decode.MERGE_ROWS = decode.FUSED_MERGE_ROWS = rows
-    return kernels.rerope_decode, decode
+    return rerope.rerope_decode, decode
 
 
 def s5_splits(batch, n, nq=1):
-    from kernels import decode
+    from rerope import decode
 
     return decode.default_num_splits(batch, HKV, HQ // HKV, nq, n, 132)
 
@@ -493,7 +493,7 @@ def s5_warm(spec):
     """Compile one variant on a 4096-key cache (the timed calls' specialisation)."""
     name, d, batch, nq, splits = spec
     if name == "read":                  # the TMA probe's kernel (nq: TMA or not)
-        from kernels import attention
+        from rerope import attention
 
         attention._ensure_scratch_allocator()
         k = torch.randn(8, 8192, d, device="cuda", dtype=torch.bfloat16)
@@ -550,7 +550,7 @@ def _s5_read_kernel():
 def s5_read_probe(read_bytes_s, rows_out):
     """TMA against pointer loads in :func:`_s5_read_kernel`, B=32 x Hkv=8 rows of 128k keys
     (the B=32 128k decode shape, one program per row) and B=1 128k in 32 chunks per row."""
-    from kernels import attention
+    from rerope import attention
 
     attention._ensure_scratch_allocator()
     kernel = _s5_read_kernel()
@@ -566,7 +566,7 @@ def s5_read_probe(read_bytes_s, rows_out):
                                                           BLOCK_N=block_n, TMA=tma, num_warps=4,
                                                           num_stages=stages)
                     try:
-                        from kernels import bench_decode as bd
+                        from benchmarks import decode as bench_decode as bd
                         us = bd.graph_us(step)
                         outs[tma, stages] = out.clone()
                         rows_out.append(dict(probe="read_kv", D=d, rows=rows, context=n,
@@ -641,7 +641,7 @@ def round_s5():
       against the two-launch one (``torch.equal``) and the base (max |diff|);
     * the TMA probe (:func:`s5_read_probe`).
     """
-    from kernels import bench_decode as bd
+    from benchmarks import decode as bench_decode as bd
 
     started = time.perf_counter()
     result = {"meta": run_meta(window=WINDOW, dtype="bfloat16", Hq=HQ, Hkv=HKV,
@@ -747,7 +747,7 @@ if __name__ == "__main__" and "--s5" in sys.argv:
 # kernel as a programmatic dependent launch (griddepcontrol; removed since: it lost). With the
 # code since, "auto" follows decode.TMA_MIN_KEYS and the *_pdl variants equal their base.
 
-# name -> (kernels.configs.TMA, decode.PDL_MERGE, launch-config changes, programs per SM)
+# name -> (rerope.configs.TMA, decode.PDL_MERGE, launch-config changes, programs per SM)
 S7_VARIANTS = {
     "ptr": ("0", False, {}, 2),                  # the code before: pointer loads, plain merge
     "ptr_pdl": ("0", True, {}, 2),
@@ -763,7 +763,7 @@ S7_BUDGET_S = 200                       # no new shape after this many seconds
 
 
 def _s7_base_configs():
-    from kernels import decode
+    from rerope import decode
 
     return {d: dict(decode.launch_config(d)) for d in (64, 128)}
 
@@ -775,7 +775,7 @@ def s7_set(name, d):
     """Switch the decode module to variant ``name`` for head dim ``d``; returns its splits
     rule's programs per SM."""
     global S7_BASE
-    from kernels import configs, decode
+    from rerope import configs, decode
 
     if S7_BASE is None:
         S7_BASE = _s7_base_configs()
@@ -789,7 +789,7 @@ def s7_set(name, d):
 
 
 def s7_splits(name, batch, n):
-    from kernels import decode
+    from rerope import decode
 
     per_sm = S7_VARIANTS[name][3]
     saved = decode.PROGRAMS_PER_SM
@@ -802,7 +802,7 @@ def s7_splits(name, batch, n):
 
 def s7_warm(spec):
     """Compile one variant on a 4096-key cache (the timed calls' specialisation)."""
-    import kernels
+    import rerope
 
     name, d, batch, splits = spec
     s7_set(name, d)
@@ -810,7 +810,7 @@ def s7_warm(spec):
     k = torch.randn(batch, HKV, 4096, d, device="cuda", dtype=torch.bfloat16)
     started = time.perf_counter()
     try:
-        kernels.rerope_decode(q, k, torch.randn_like(k), WINDOW, num_splits=splits)
+        rerope.rerope_decode(q, k, torch.randn_like(k), WINDOW, num_splits=splits)
         torch.cuda.synchronize()
         error = None
     except Exception as exc:           # reported; the timing loop records it per shape
@@ -825,9 +825,9 @@ def round_s7():
     every variant of :data:`S7_VARIANTS` and SDPA cuDNN / flash, two rounds (the second in
     reverse order), each variant's output against ``ptr`` (the code before) bit for bit.
     """
-    import kernels
-    from kernels import bench_decode as bd
-    from kernels import decode
+    import rerope
+    from benchmarks import decode as bench_decode as bd
+    from rerope import decode
 
     started = time.perf_counter()
     result = {"meta": run_meta(window=WINDOW, dtype="bfloat16", Hq=HQ, Hkv=HKV,
@@ -863,7 +863,7 @@ def round_s7():
             for name in names:
                 s7_set(name, d)
                 try:
-                    outs[name] = kernels.rerope_decode(q, k, v, WINDOW)
+                    outs[name] = rerope.rerope_decode(q, k, v, WINDOW)
                     plan = decode._plan(q, k, v, WINDOW, None, None, 10000.0, None, None, True,
                                         None)
                     info[name] = dict(num_splits=plan.num_splits,
@@ -888,7 +888,7 @@ def round_s7():
                         extra = {}
                     else:
                         s7_set(name, d)
-                        step = lambda: kernels.rerope_decode(q, k, v, WINDOW)
+                        step = lambda: rerope.rerope_decode(q, k, v, WINDOW)
                         extra = info[name]
                     try:
                         rows.append(timed(step, batch, n, d, impl=name, round=round_, **extra))

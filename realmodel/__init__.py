@@ -8,7 +8,7 @@ the *quantized* model's, not the original bf16 weights'.
 
 1. :mod:`realmodel.smollm2`   load the model from the installed package; the position methods
                               (stock RoPE, transformers' ``dynamic`` and ``yarn``, ReRoPE and
-                              Leaky ReRoPE through :mod:`kernels.hf`); per-token losses without
+                              Leaky ReRoPE through :mod:`rerope.hf`); per-token losses without
                               full logits; the held-out text; the passkey prompts
 2. :mod:`realmodel.evaluate`  ``python -m realmodel.evaluate``: loss against position at 8k-64k,
                               passkey retrieval, time and peak memory; writes

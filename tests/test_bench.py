@@ -1,6 +1,6 @@
 """CPU tests of the benchmark module: its pure helpers, the Flex two-pass math, and the no-GPU exit.
 
-The timing itself needs a GPU (``python -m kernels.bench``); nothing here does.
+The timing itself needs a GPU (``python -m benchmarks.attention``); nothing here does.
 """
 
 import json
@@ -17,9 +17,9 @@ import torch
 ROOT = pathlib.Path(__file__).resolve().parents[1]   # on sys.path first (pyproject.toml)
 
 try:
-    from kernels import bench
+    from benchmarks import attention as bench
 except Exception as error:  # the package is being written; nothing to test until it imports
-    pytest.skip(f"kernels.bench does not import: {error!r}", allow_module_level=True)
+    pytest.skip(f"benchmarks.attention does not import: {error!r}", allow_module_level=True)
 
 
 # --- FLOP counts, by hand -----------------------------------------------------------------
@@ -178,7 +178,7 @@ def test_parse_args_rejects_bad_values(argv, capsys):
 def test_without_a_gpu_the_module_exits_1_with_one_clear_line(tmp_path):
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONPATH=str(ROOT))
     out = tmp_path / "never.json"
-    done = subprocess.run([sys.executable, "-m", "kernels.bench", "--out", str(out)], cwd=ROOT,
+    done = subprocess.run([sys.executable, "-m", "benchmarks.attention", "--out", str(out)], cwd=ROOT,
                           env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 1
     assert "Traceback" not in done.stdout + done.stderr

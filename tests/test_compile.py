@@ -3,14 +3,14 @@
 No GPU needed: ``triton.compile(ASTSource(fn, signature, constexprs), target=GPUTarget("cuda",
 cc, 32))`` cross-compiles a kernel down to a cubin for compute capability ``cc``, and the
 compiled kernel's ``metadata.shared`` is the shared memory one block needs. For each kernel of
-:data:`kernels.attention._KERNELS` and each configuration :func:`kernels.configs.launch_configs`
+:data:`rerope.attention._KERNELS` and each configuration :func:`rerope.configs.launch_configs`
 returns for sm_75 (T4), sm_80 (A100), sm_89 (L4) and sm_90 (H100/H200) this checks
 
 * the kernel compiles with that configuration (block sizes, warps, pipeline stages);
 * ``metadata.shared <= configs.SHARED_MEMORY[cc]`` (else the launch fails on that GPU);
 * ``configs.estimate_shared_memory(...) >= metadata.shared`` (the pruning estimate is safe).
 
-Importing ``kernels`` without CUDA switches Triton to its interpreter, whose ``@triton.jit``
+Importing ``rerope`` without CUDA switches Triton to its interpreter, whose ``@triton.jit``
 functions cannot be compiled; so the compiling runs in a child process started with
 ``TRITON_INTERPRET=0`` (this very file run as a script, see ``main``), which prints one JSON
 result per configuration. Two children share the work (CI machines have two cores); they start
@@ -72,7 +72,7 @@ BACKWARD_ONLY = {"preturned"}
 
 def _configs(kernel, form, head_dim, cap, elem_bytes):
     """Every configuration ``launch_configs`` gives, with its shared-memory estimate."""
-    from kernels import configs
+    from rerope import configs
     from rerope_testing import all_launch_configs
 
     split = FORMS[form]["SPLIT"]
@@ -95,8 +95,8 @@ def jobs(full=FULL):
     ones most likely not to fit — and of the forward too on sm_89 (quick to compile there); the
     pre-turned backward's form on sm_75 and sm_90 only.
     """
-    from kernels import configs
-    from kernels.attention import _KERNELS
+    from rerope import configs
+    from rerope.attention import _KERNELS
 
     todo = []
     for cap in CAPABILITIES:
@@ -124,8 +124,8 @@ def jobs(full=FULL):
 
 def uses_tma(job):
     """Whether a launch with this job's GPU, dtype and D reads through TMA descriptors (as
-    ``kernels.attention._use_tma`` decides for contiguous tensors)."""
-    from kernels import configs
+    ``rerope.attention._use_tma`` decides for contiguous tensors)."""
+    from rerope import configs
 
     return configs.tma_pays(job["capability"], TORCH_DTYPES[job["dtype"]].itemsize,
                             job["head_dim"])
@@ -144,8 +144,8 @@ def _source(job):
     """``ASTSource`` of one kernel, specialized as a launch on contiguous tensors would be."""
     from triton.compiler import ASTSource
 
-    from kernels.attention import _KERNELS
-    from kernels.runtime import dot_precision
+    from rerope.attention import _KERNELS
+    from rerope.runtime import dot_precision
 
     fn = _KERNELS[job["kernel"]]
     signature, constexprs, attrs = {}, {}, {}
@@ -200,7 +200,7 @@ def compile_job(job):
 
 def main():
     """Child: read jobs (JSON list) from stdin, print one JSON result per line."""
-    from kernels.runtime import INTERPRET
+    from rerope.runtime import INTERPRET
 
     assert not INTERPRET, "run with TRITON_INTERPRET=0"
     for job in json.load(sys.stdin):
@@ -310,7 +310,7 @@ def test_shared_memory_estimate_is_safe(job, compiled):
 
 
 def test_matrix_covers_every_kernel_and_capability():
-    from kernels.attention import _KERNELS
+    from rerope.attention import _KERNELS
 
     assert {j["kernel"] for j in JOBS} == set(_KERNELS)
     assert {j["form"] for j in JOBS} == set(FORMS)

@@ -1,4 +1,4 @@
-"""``kernels.rerope_decode``: split-KV decoding against the float64 oracle, and its bad input.
+"""``rerope.rerope_decode``: split-KV decoding against the float64 oracle, and its bad input.
 
 CPU (Triton's interpreter, 16-key tiles): ``Nq`` 1, 2, 5 over caches of 1, 17, 100 and 300
 slots, ``cache_seqlens`` different per row (1 and ``Nmax`` among them), GQA groups 1, 2 and 4,
@@ -8,7 +8,7 @@ rotated and raw caches, Leaky ReRoPE and log-n, windows below and above the cach
 (``poisoned_empty``: an output element never written shows). The oracle is
 ``reference.rerope_from_relative_positions`` in float64, per batch row on the valid keys only.
 
-A decode step must equal the matching rows of a prefill (``kernels.rerope`` and the reference).
+A decode step must equal the matching rows of a prefill (``rerope.rerope`` and the reference).
 
 GPU (``-m gpu``, skipped without CUDA): the benchmark shapes at 128k keys against a float32
 reference computed per batch row and KV-head group; out-of-range ``cache_seqlens`` give NaN
@@ -20,8 +20,8 @@ from dataclasses import asdict, dataclass
 import pytest
 import torch
 
-import kernels
-from kernels import decode, reference, rope
+import rerope
+from rerope import decode, reference, rope
 from rerope_testing import (close_problems, describe, kernel_device, poisoned_empty, randn,
                             tolerance)
 
@@ -112,7 +112,7 @@ def oracle(q, k_cache, v_cache, lengths, case, window=None):
 
 def run_kernel(q, k_cache, v_cache, lengths, case, window=None):
     with poisoned_empty(), torch.no_grad():
-        return kernels.rerope_decode(
+        return rerope.rerope_decode(
             q, k_cache, v_cache, case.window if window is None else window,
             cache_seqlens=lengths, sm_scale=case.sm_scale, leaky=case.leaky,
             logn_len=case.logn_len, rotated=case.rotated, num_splits=case.num_splits)
@@ -167,10 +167,10 @@ TMA_CASES = [   # the descriptor path: NaN past every length, ragged rows, both 
 
 @pytest.mark.parametrize("case", TMA_CASES, ids=DecodeCase.id)
 def test_tma_descriptors_match_oracle_and_pointer_loads(case, gen, monkeypatch):
-    """K and V through tensor descriptors (``TMA``, forced by ``KERNELS_TMA=1``: the
+    """K and V through tensor descriptors (``TMA``, forced by ``REROPE_TMA=1``: the
     interpreter runs it too) give the pointer loads' output bit for bit and match the oracle;
     the slots past each row's length (NaN) stay unread."""
-    from kernels import configs
+    from rerope import configs
 
     q, k_cache, v_cache, lengths = make_cache(gen, case, len(case.lengths), kernel_device())
     outs = {}
@@ -188,9 +188,9 @@ def test_tma_descriptors_match_oracle_and_pointer_loads(case, gen, monkeypatch):
 def test_tma_only_where_the_layout_allows(gen, monkeypatch):
     """Forced or not, no descriptors for a paged cache or a layout TMA cannot take (a start or
     a row stride that is not 16-byte aligned): those calls read through pointers, and stay
-    exact; under ``KERNELS_TMA=auto`` the interpreter never uses them, nor a GPU for splits
+    exact; under ``REROPE_TMA=auto`` the interpreter never uses them, nor a GPU for splits
     shorter than ``TMA_MIN_KEYS`` keys."""
-    from kernels import configs
+    from rerope import configs
 
     monkeypatch.setattr(configs, "TMA", "1")
     case = DecodeCase(40, (40, 31), 1, 8, hq=4, hkv=2, dtype=F16, d=16)
@@ -231,14 +231,14 @@ def test_split_counts_agree(gen):
                                                      (True, 8.0, 16)],
                          ids=["raw", "rotated", "rotated-leaky-logn"])
 def test_decode_equals_prefill_rows(rotated, leaky, logn_len, gen):
-    """Prefill ``N`` tokens with ``kernels.rerope``; decoding the tokens ``t - Nq … t - 1`` of
+    """Prefill ``N`` tokens with ``rerope.rerope``; decoding the tokens ``t - Nq … t - 1`` of
     each row against the cache of its first ``t`` keys gives the same rows."""
     device = kernel_device()
     batch, hq, hkv, n, d, window, n_queries = 2, 2, 1, 40, 32, 12, 2
     q, k, v = (randn(gen, batch, h, n, d, dtype=F32, device=device) for h in (hq, hkv, hkv))
     kwargs = dict(leaky=leaky, logn_len=logn_len)
     with torch.no_grad():
-        prefill = kernels.rerope(q, k, v, window, **kwargs)
+        prefill = rerope.rerope(q, k, v, window, **kwargs)
     prefill_oracle = reference.rerope(q.double(), k.double(), v.double(), window, **kwargs)
     ends = [n, 30]                                     # row 0: the last tokens; row 1: earlier
     if rotated:                                        # what a Llama model caches
@@ -250,11 +250,11 @@ def test_decode_equals_prefill_rows(rotated, leaky, logn_len, gen):
         k_cache[b, :, t:] = float("nan")
         v_cache[b, :, t:] = float("nan")
     with poisoned_empty(), torch.no_grad():
-        out = kernels.rerope_decode(q_new, k_cache, v_cache, window,
-                                    cache_seqlens=torch.tensor(ends, dtype=torch.int32,
+        out = rerope.rerope_decode(q_new, k_cache, v_cache, window,
+                                   cache_seqlens=torch.tensor(ends, dtype=torch.int32,
                                                                device=device),
                                     rotated=rotated, num_splits=2, **kwargs)
-    for name, full in (("kernels.rerope", prefill), ("reference.rerope", prefill_oracle)):
+    for name, full in (("rerope.rerope", prefill), ("reference.rerope", prefill_oracle)):
         want = torch.stack([full[b, :, t - n_queries:t] for b, t in enumerate(ends)])
         problems = close_problems(f"decode vs {name}", out, want, tolerance(F32))
         assert not problems, "\n".join(problems)
@@ -383,7 +383,7 @@ def test_bad_input(what, build, error, words):
     if kernel_device() == "cuda" and what.startswith("length "):
         pytest.skip("lengths are not read on the host on a GPU (NaN rows instead: test_gpu_*)")
     with pytest.raises(error) as raised:
-        kernels.rerope_decode(q, k_cache, v_cache, **kwargs)
+        rerope.rerope_decode(q, k_cache, v_cache, **kwargs)
     assert words in str(raised.value), f"{what}: message {str(raised.value)!r} lacks {words!r}"
 
 
@@ -475,7 +475,7 @@ def test_fused_merge_rule_and_bad_lengths(monkeypatch, gen):
     the fused merge too (the host check switched off), the others right."""
     rule, splits = decode.fused_merge, decode.default_num_splits
     assert decode._fused_merge_setting("0") is False and not rule(4, 4, 128)    # the default
-    with pytest.raises(ValueError, match="KERNELS_FUSED_MERGE"):
+    with pytest.raises(ValueError, match="REROPE_FUSED_MERGE"):
         decode._fused_merge_setting("yes")
     monkeypatch.setattr(decode, "FUSED_MERGE", None)                          # the rule
     assert rule(splits(8, 8, 4, 1, 131072), 4, 128) and rule(splits(1, 8, 4, 1, 4096), 4, 128)
@@ -565,8 +565,8 @@ def test_gpu_128k(batch, n_queries, window, rotated, leaky, logn_len, lengths, g
     v_cache = torch.randn_like(k_cache)
     lengths = torch.tensor(lengths or (n_max,) * batch, dtype=torch.int32, device="cuda")
     with poisoned_empty(), torch.no_grad():
-        out = kernels.rerope_decode(q, k_cache, v_cache, window, cache_seqlens=lengths,
-                                    leaky=leaky, logn_len=logn_len, rotated=rotated)
+        out = rerope.rerope_decode(q, k_cache, v_cache, window, cache_seqlens=lengths,
+                                   leaky=leaky, logn_len=logn_len, rotated=rotated)
     want = float32_reference(q, k_cache, v_cache, lengths, window, leaky, logn_len, rotated)
     problems = close_problems("out", out, want, tolerance(BF16, "gpu"))
     stats = (out.float() - want).abs().max().item()
@@ -583,20 +583,20 @@ def test_gpu_out_of_range_lengths_and_graph_replay(gen):
     q, k_cache, v_cache, _ = make_cache(gen, DecodeCase(**{**asdict(case), "lengths": (300,) * 4}),
                                         4, "cuda")
     lengths = torch.tensor(case.lengths, dtype=torch.int32, device="cuda")
-    out = kernels.rerope_decode(q, k_cache, v_cache, case.window, cache_seqlens=lengths)
+    out = rerope.rerope_decode(q, k_cache, v_cache, case.window, cache_seqlens=lengths)
     assert out[1].isnan().all() and out[2].isnan().all()
     assert torch.isfinite(out[[0, 3]]).all()
 
     lengths.copy_(torch.tensor([300, 5, 150, 77], dtype=torch.int32))
     static = dict(cache_seqlens=lengths, num_splits=4)
-    kernels.rerope_decode(q, k_cache, v_cache, case.window, **static)          # warm-up
+    rerope.rerope_decode(q, k_cache, v_cache, case.window, **static)          # warm-up
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        captured = kernels.rerope_decode(q, k_cache, v_cache, case.window, **static)
+        captured = rerope.rerope_decode(q, k_cache, v_cache, case.window, **static)
     for new in ([300, 5, 150, 77], [12, 299, 1, 200]):
         lengths.copy_(torch.tensor(new, dtype=torch.int32))
         graph.replay()
-        eager = kernels.rerope_decode(q, k_cache, v_cache, case.window, **static)
+        eager = rerope.rerope_decode(q, k_cache, v_cache, case.window, **static)
         torch.cuda.synchronize()
         assert torch.equal(captured, eager), f"graph replay differs from eager at lengths {new}"
         want = oracle(q, k_cache, v_cache, lengths.cpu(), DecodeCase(**{**asdict(case),
@@ -626,8 +626,8 @@ def test_gpu_fused_merge_equals_two_launches(d, merge_rows, monkeypatch):
         for fused in (False, True):
             monkeypatch.setattr(decode, "FUSED_MERGE", fused)
             with poisoned_empty():
-                outs[fused] = kernels.rerope_decode(q, k[:batch], v[:batch], 2048,
-                                                    cache_seqlens=seqlens)
+                outs[fused] = rerope.rerope_decode(q, k[:batch], v[:batch], 2048,
+                                                   cache_seqlens=seqlens)
         torch.cuda.synchronize()
         assert torch.isfinite(outs[True]).all()
         assert torch.equal(outs[True], outs[False]), f"B={batch} Nq={nq}: fused differs"
@@ -647,14 +647,14 @@ def test_gpu_fused_merge_graphs_and_streams(gen, monkeypatch):
                       num_splits=8)
     q, k_cache, v_cache, lengths = make_cache(gen, case, 3, "cuda")
     settings = dict(cache_seqlens=lengths, num_splits=8)
-    want = kernels.rerope_decode(q, k_cache, v_cache, case.window, **settings)
+    want = rerope.rerope_decode(q, k_cache, v_cache, case.window, **settings)
     assert _plan_of(q, k_cache, v_cache, lengths, case).fused
     stream = torch.cuda.Stream()
     graphs = []
     for _ in range(2):
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, stream=stream):
-            out = kernels.rerope_decode(q, k_cache, v_cache, case.window, **settings)
+            out = rerope.rerope_decode(q, k_cache, v_cache, case.window, **settings)
         graphs.append((graph, out))
     for graph, out in graphs + graphs[::-1]:
         for _ in range(3):
@@ -667,7 +667,7 @@ def test_gpu_fused_merge_graphs_and_streams(gen, monkeypatch):
     for side in sides:
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            outs.append(kernels.rerope_decode(q, k_cache, v_cache, case.window, **settings))
+            outs.append(rerope.rerope_decode(q, k_cache, v_cache, case.window, **settings))
     torch.cuda.synchronize()
     assert all(torch.equal(out, want) for out in outs) and counters_all_zero()
     streams = {stream for (device, stream) in decode._COUNTERS if device.type == "cuda"}
@@ -681,9 +681,9 @@ def test_gpu_tma_gives_the_pointer_path_bits(d, monkeypatch):
     """Benchmark-sized caches (32k keys, Hq=32, Hkv=8): B=8 in bf16 and fp16, B=1 (33 splits
     of 993 keys), B=3 with ragged lengths and Nq=4, a transposed cache with ragged lengths: K
     and V through TMA descriptors (forced) give the output of pointer loads bit for bit, eager
-    and (B=8) replayed from a CUDA graph, under poisoned allocations; ``KERNELS_TMA=auto``
+    and (B=8) replayed from a CUDA graph, under poisoned allocations; ``REROPE_TMA=auto``
     takes them where the splits are at least ``TMA_MIN_KEYS`` keys long."""
-    from kernels import configs
+    from rerope import configs
 
     torch.manual_seed(d)
     for dtype in (BF16, F16):
@@ -707,13 +707,13 @@ def test_gpu_tma_gives_the_pointer_path_bits(d, monkeypatch):
                 want_tma = {"0": False, "1": True, "auto": rule and d in decode.TMA_HEAD_DIMS}
                 assert plan.split.constexprs["TMA"] == want_tma[tma], (tma, plan.num_splits)
                 with poisoned_empty():
-                    outs[tma] = kernels.rerope_decode(q, kc[:batch], vc[:batch], 2048,
-                                                      cache_seqlens=seqlens)
+                    outs[tma] = rerope.rerope_decode(q, kc[:batch], vc[:batch], 2048,
+                                                     cache_seqlens=seqlens)
                 if batch == 8 and tma != "auto":     # the bound launches, captured, replayed
                     graph = torch.cuda.CUDAGraph()
                     with torch.cuda.graph(graph):
-                        captured = kernels.rerope_decode(q, kc[:batch], vc[:batch], 2048,
-                                                         cache_seqlens=seqlens)
+                        captured = rerope.rerope_decode(q, kc[:batch], vc[:batch], 2048,
+                                                        cache_seqlens=seqlens)
                     for _ in range(3):
                         graph.replay()
                     torch.cuda.synchronize()

@@ -1,4 +1,4 @@
-"""The checkers of the book's Triton exercises (kernels/exercises.py), through the interpreter.
+"""The checkers of the book's Triton exercises (kernels/rerope/exercises.py), through the interpreter.
 
 Each checker must accept a right answer, and for a wrong one say where it is wrong (the tile, the
 rows, the quantity), which is the point of a Triton-Puzzles-style exercise. The right answers
@@ -10,11 +10,11 @@ import torch
 import triton
 import triton.language as tl
 
-import kernels
-from kernels import exercises
-from kernels.regions import OUTSIDE
+import rerope
+from rerope import exercises
+from rerope.regions import OUTSIDE
 
-pytestmark = pytest.mark.skipif(not kernels.runtime.INTERPRET, reason="CPU interpreter only")
+pytestmark = pytest.mark.skipif(not rerope.runtime.INTERPRET, reason="CPU interpreter only")
 
 
 # --- chapter 3 ----------------------------------------------------------------------------------
@@ -165,8 +165,8 @@ def pass_right(acc, l_i, m_i, q, K, V, rows, lo, hi, n_ctx, window, qk_scale,
         if CAUSAL:
             keep = keep & (gap >= 0)
         scores = tl.where(keep, tl.dot(q, tl.trans(k)), float("-inf"))
-        acc, l_i, m_i = kernels.online_softmax._softmax_step(acc, l_i, m_i, scores, v, qk_scale,
-                                                             "tf32")
+        acc, l_i, m_i = rerope.online_softmax._softmax_step(acc, l_i, m_i, scores, v, qk_scale,
+                                                            "tf32")
     return acc, l_i, m_i
 
 
@@ -184,8 +184,8 @@ def pass_no_window_side(acc, l_i, m_i, q, K, V, rows, lo, hi, n_ctx, window, qk_
                     other=0.0)
         keep = (cols[None, :] < n_ctx) & (cols[None, :] <= rows[:, None])
         scores = tl.where(keep, tl.dot(q, tl.trans(k)), float("-inf"))
-        acc, l_i, m_i = kernels.online_softmax._softmax_step(acc, l_i, m_i, scores, v, qk_scale,
-                                                             "tf32")
+        acc, l_i, m_i = rerope.online_softmax._softmax_step(acc, l_i, m_i, scores, v, qk_scale,
+                                                            "tf32")
     return acc, l_i, m_i
 
 
@@ -207,8 +207,8 @@ def pass_no_load_mask(acc, l_i, m_i, q, K, V, rows, lo, hi, n_ctx, window, qk_sc
         if CAUSAL:
             keep = keep & (gap >= 0)
         scores = tl.where(keep, tl.dot(q, tl.trans(k)), float("-inf"))
-        acc, l_i, m_i = kernels.online_softmax._softmax_step(acc, l_i, m_i, scores, v, qk_scale,
-                                                             "tf32")
+        acc, l_i, m_i = rerope.online_softmax._softmax_step(acc, l_i, m_i, scores, v, qk_scale,
+                                                            "tf32")
     return acc, l_i, m_i
 
 
@@ -226,7 +226,7 @@ def walk_keys(n, window, block_m, block_n, causal, program, walk):
 
 def test_walk_tiles_match_the_tile_map():
     """The masked walks the diagnosis names are those the kernels' schedule makes."""
-    from kernels.regions import INSIDE_MASKED, OUTSIDE_MASKED
+    from rerope.regions import INSIDE_MASKED, OUTSIDE_MASKED
     for n, window, causal, block_m, block_n in ((40, 13, True, 16, 16), (48, 20, True, 32, 16),
                                                 (40, 13, False, 16, 16)):
         flags = exercises.tile_map(n, window, block_m, block_n, causal=causal)
@@ -714,7 +714,7 @@ def band_right(acc, l_i, m_i, q1, q2, K1, K2, V, rows, lo, hi, n_ctx, window, qk
         keep = cols[None, :] < n_ctx
         if CAUSAL:
             keep = keep & (gap >= 0)
-        acc, l_i, m_i = kernels.online_softmax._softmax_step(
+        acc, l_i, m_i = rerope.online_softmax._softmax_step(
             acc, l_i, m_i, tl.where(keep, scores, float("-inf")), v, qk_scale, "tf32")
     return acc, l_i, m_i
 
@@ -752,7 +752,7 @@ def band_core(acc, l_i, m_i, q1, q2, K1, K2, V, rows, lo, hi, n_ctx, window, qk_
         keep = cols[None, :] < n_ctx
         if CAUSAL and SLIP != 4:
             keep = keep & (gap >= 0)
-        acc, l_i, m_i = kernels.online_softmax._softmax_step(
+        acc, l_i, m_i = rerope.online_softmax._softmax_step(
             acc, l_i, m_i, tl.where(keep, scores, float("-inf")), v, qk_scale, "tf32")
     return acc, l_i, m_i
 
@@ -955,7 +955,7 @@ def test_merge_lse_kernel():
 
 
 def test_split_free_batch():
-    from kernels import decode
+    from rerope import decode
 
     def right(kv_heads, n_keys, sms):
         if -(-n_keys // decode.MIN_KEYS_PER_SPLIT) <= 1:

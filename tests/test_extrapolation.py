@@ -49,7 +49,7 @@ def test_config_rejects_head_dims_the_kernels_lack():
     {"kind": "leaky", "window": 8, "leaky": 4.0, "logn_len": 16},
 ])
 def test_kernel_path_equals_reference(options):
-    """The model's ReRoPE attention through kernels.rerope (interpreter) == the naive oracle."""
+    """The model's ReRoPE attention through rerope.rerope (interpreter) == the naive oracle."""
     model, x = tiny_model(), tokens(2, 40)
     with torch.no_grad():
         fused = model(x, Positions(**options))

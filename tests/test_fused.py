@@ -1,6 +1,6 @@
-"""``kernels.rerope``: rotation inside the kernels, against the float64 relative-position oracle.
+"""``rerope.rerope``: rotation inside the kernels, against the float64 relative-position oracle.
 
-The oracle (``kernels.reference.rerope_from_relative_positions``) never builds rotated tensors:
+The oracle (``rerope.reference.rerope_from_relative_positions``) never builds rotated tensors:
 it scores every pair straight from ReRoPE's relative position, after rotating ``rotated=True``
 inputs back in float64. Forward and ``dq, dk, dv`` are compared with the tolerance table of
 ``tests/conftest.py``; outputs are allocated poisoned (NaN), so an element a kernel forgets to
@@ -14,8 +14,8 @@ from dataclasses import asdict, dataclass
 import pytest
 import torch
 
-import kernels
-from kernels import reference
+import rerope
+from rerope import reference
 from rerope_testing import (F16, F32, _place, describe, error_stats, log_errors, poisoned_empty,
                             randn, results_problems, tolerance)
 
@@ -109,7 +109,7 @@ def fused_results(leaves, dout, window, **kw):
     for t in leaves:
         t.grad = None
     with poisoned_empty():
-        out = kernels.rerope(*leaves, window, **kw)
+        out = rerope.rerope(*leaves, window, **kw)
         out.backward(dout)
     return {"out": out.detach(), **{n: t.grad for n, t in zip(NAMES[1:], leaves)}}
 
@@ -136,7 +136,7 @@ def test_matches_oracle(case, gen):
 @pytest.mark.parametrize("mode", ["0", "1"], ids=["pointers", "descriptors"])
 def test_both_load_paths(rotated, mode, gen, monkeypatch):
     """The halves are read through two tensor descriptors (TMA) or two pointer loads."""
-    from kernels import attention, configs
+    from rerope import attention, configs
 
     monkeypatch.setattr(configs, "TMA", mode)
     case = C(33, 60, 11, rotated=rotated, dtype=F16, hq=2, hkv=1)
@@ -152,8 +152,8 @@ def test_both_load_paths(rotated, mode, gen, monkeypatch):
 def test_chunked_prefill_is_the_tail_of_the_full_sequence(rotated, gen):
     """Queries as the last ``Nq`` of ``Nk`` positions give exactly those rows of the full op."""
     q, k, v = (randn(gen, 1, 2, 70, 32, dtype=F32) for _ in range(3))
-    full = kernels.rerope(q, k, v, 12, rotated=rotated)
-    tail = kernels.rerope(q[:, :, -23:], k, v, 12, rotated=rotated)
+    full = rerope.rerope(q, k, v, 12, rotated=rotated)
+    tail = rerope.rerope(q[:, :, -23:], k, v, 12, rotated=rotated)
     torch.testing.assert_close(tail, full[:, :, -23:], rtol=1e-5, atol=1e-6)
 
 
@@ -161,7 +161,7 @@ def test_chunked_prefill_is_the_tail_of_the_full_sequence(rotated, gen):
 def test_decode_steps_go_to_the_split_kv_kernel(rotated, gen, monkeypatch):
     """Few causal queries with no gradient wanted take the decode kernel; the result is the
     prefill kernels' (and with a gradient wanted, the prefill kernels run)."""
-    from kernels import decode
+    from rerope import decode
 
     q = randn(gen, 1, 4, 3, 32, dtype=F32)
     k, v = (randn(gen, 1, 2, 70, 32, dtype=F32) for _ in range(2))
@@ -169,10 +169,10 @@ def test_decode_steps_go_to_the_split_kv_kernel(rotated, gen, monkeypatch):
     real = decode.rerope_decode
     monkeypatch.setattr(decode, "rerope_decode", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     with torch.no_grad():
-        routed = kernels.rerope(q, k, v, 12, rotated=rotated)
+        routed = rerope.rerope(q, k, v, 12, rotated=rotated)
     assert calls, "a 3-query causal call under no_grad did not take rerope_decode"
     calls.clear()
-    prefill = kernels.rerope(q.requires_grad_(), k, v, 12, rotated=rotated)
+    prefill = rerope.rerope(q.requires_grad_(), k, v, 12, rotated=rotated)
     assert not calls, "a call that needs gradients must take the prefill kernels"
     torch.testing.assert_close(routed, prefill.detach(), rtol=1e-5, atol=1e-5)
 
@@ -190,8 +190,8 @@ PRETURN_CASES = [
 def test_preturned_keys_match_turning_in_registers(case, gen):
     """Long sequences get the keys of each product that turns them turned once, before the
     forward kernel (``attention.preturn_keys``); both ways agree with the oracle and each other."""
-    from kernels import attention
-    from kernels.runtime import prepare_for_device
+    from rerope import attention
+    from rerope.runtime import prepare_for_device
 
     leaves, _ = fused_inputs(gen, case)
     (q, k, v), restore = prepare_for_device(*(t.detach() for t in leaves))
@@ -219,7 +219,7 @@ def test_preturn_skips_the_product_with_no_tile(rotated, gen, monkeypatch):
     """At ``Nk <= w`` no pair is ``w`` apart, so the outside product has no tile: pre-turned,
     the forward and the backward turn only the inside product's operands (raw inputs) or none
     at all (rotated), and the results still match the oracle."""
-    from kernels import attention
+    from rerope import attention
 
     seen = []
     real = attention.turn_operands
@@ -241,8 +241,8 @@ def test_preturn_skips_the_product_with_no_tile(rotated, gen, monkeypatch):
 
 def test_turn_keys_is_rope_at_the_table_speed(gen):
     """``turn_keys`` rotates row ``j`` by ``R(speed · j)``: RoPE at position ``speed · j``."""
-    from kernels.rope import apply_rope
-    from kernels.rotary import rope_table, turn_keys
+    from rerope.rope import apply_rope
+    from rerope.rotary import rope_table, turn_keys
 
     k = _place(randn(gen, 2, 3, 70, 32, dtype=F32), "transposed")
     for speed in (1.0, -1.0, 0.25):
@@ -255,22 +255,22 @@ def test_turn_keys_is_rope_at_the_table_speed(gen):
 
 def test_rotated_inputs_are_raw_inputs_rotated(gen):
     """``rotated=True`` on RoPE-rotated ``q, k`` equals ``rotated=False`` on the raw ones."""
-    from kernels.rope import apply_rope
+    from rerope.rope import apply_rope
 
     q, k, v = (randn(gen, 1, 2, 45, 32, dtype=F32) for _ in range(3))
     pos = torch.arange(45, dtype=torch.float64)
-    raw = kernels.rerope(q, k, v, 10, leaky=8.0)
-    turned = kernels.rerope(apply_rope(q, pos), apply_rope(k, pos), v, 10, leaky=8.0,
-                            rotated=True)
+    raw = rerope.rerope(q, k, v, 10, leaky=8.0)
+    turned = rerope.rerope(apply_rope(q, pos), apply_rope(k, pos), v, 10, leaky=8.0,
+                           rotated=True)
     torch.testing.assert_close(turned, raw, rtol=1e-5, atol=1e-5)
 
 
 def test_rotation_plan_products_match_relative_positions():
-    """The speed/offset table of ``kernels.rotary``: with keys turned by ``speed·j`` and queries
+    """The speed/offset table of ``rerope.rotary``: with keys turned by ``speed·j`` and queries
     by ``speed·i + offset``, on inputs that already carry ``c·p`` (``c = 1`` if rotated), a
     product sees relative position ``(speed + c)(i − j) + offset`` — ``i − j`` inside the
     window, ``w`` (ReRoPE) or ``w + (i − j − w)/κ`` (Leaky) outside."""
-    from kernels.rotary import rotation_plan
+    from rerope.rotary import rotation_plan
 
     w = 11
     i, j = torch.meshgrid(torch.arange(60.0), torch.arange(60.0), indexing="ij")
@@ -285,21 +285,21 @@ def test_rotation_plan_products_match_relative_positions():
 
 
 def test_tables_are_shared_and_long_enough():
-    from kernels.rotary import rope_table
+    from rerope.rotary import rope_table
 
     a = rope_table(100, 32, 10000.0, 1.0, "cpu")
     assert a.shape[0] >= 100 + 256 and a.shape[0] % 4096 == 0 and a.dtype == F32
     assert rope_table(50, 32, 10000.0, 1.0, "cpu") is a            # cached, shared
     angles = torch.arange(a.shape[0], dtype=torch.float64)[:, None] * \
-        kernels.rope.rope_frequencies(32)[None, :]
+        rerope.rope.rope_frequencies(32)[None, :]
     torch.testing.assert_close(a, torch.cat((angles.cos(), angles.sin()), -1).float())
 
 
 def test_no_grad_and_requires_grad_flags(gen):
     q, k, v = (randn(gen, 1, 1, 20, 16, dtype=F32) for _ in range(3))
     with torch.no_grad():
-        assert not kernels.rerope(q, k, v, 5).requires_grad
-    out = kernels.rerope(q.requires_grad_(), k, v, 5)
+        assert not rerope.rerope(q, k, v, 5).requires_grad
+    out = rerope.rerope(q.requires_grad_(), k, v, 5)
     assert out.requires_grad and out.grad_fn is not None
 
 
@@ -316,7 +316,7 @@ def test_bad_input(bad, error, match):
     q = torch.randn(1, 1, q_len, d, dtype=dtype)
     k, v = (torch.randn(1, 1, k_len, d, dtype=dtype) for _ in range(2))
     with pytest.raises(error, match=match):
-        kernels.rerope(q, k, v, bad.pop("window", 4), **bad)
+        rerope.rerope(q, k, v, bad.pop("window", 4), **bad)
 
 
 # --- the backward on pre-turned operands (attention.preturn_backward) -----------------------------
@@ -328,7 +328,7 @@ def backward_path(monkeypatch):
     tiles in registers (``"in_registers"``) whatever the size; returns the calls of
     ``turn_operands`` seen since, to prove which path ran (the plans are emptied, so the next
     call is a plan's first, which turns through ``turn_operands``)."""
-    from kernels import attention
+    from rerope import attention
 
     calls = []
     real = attention.turn_operands
@@ -409,7 +409,7 @@ def test_preturned_dq_is_bit_identical_at_d16(rotated, extra, gen, backward_path
 
 
 def _rotations_for(case, device="cpu"):
-    from kernels import attention
+    from rerope import attention
 
     return attention._rotations(case.n_k, case.d, 10000.0, case.window, case.leaky,
                                 case.logn_len, case.rotated, device)
@@ -419,7 +419,7 @@ def _rotations_for(case, device="cpu"):
 def test_turn_operands_keys_are_turn_keys_bit_for_bit(rotated, gen):
     """Keys pre-turned for the backward are the forward's pre-turned keys (``turn_keys``), bit
     for bit; a product that does not turn keys gets ``k`` itself (no copy)."""
-    from kernels.rotary import turn_keys, turn_operands
+    from rerope.rotary import turn_keys, turn_operands
 
     case = C(70, window=9, rotated=rotated, leaky=4.0, dtype=F16)
     k = _place(randn(gen, 2, 3, 70, 32, dtype=F16), "transposed")
@@ -446,8 +446,8 @@ def test_turn_operands_keys_are_turn_keys_bit_for_bit(rotated, gen):
 def test_turn_operands_queries_are_rope_at_each_products_angle(rotated, logn_len, gen):
     """Query row ``r`` at position ``p = Nk − Nq + r``, for each product: scaled by log-n, then
     RoPE at ``speed · p + offset`` (float64 oracle); one that changes nothing returns ``q``."""
-    from kernels.rope import apply_rope
-    from kernels.rotary import logn_factor, rotation_plan, turn_operands
+    from rerope.rope import apply_rope
+    from rerope.rotary import logn_factor, rotation_plan, turn_operands
 
     case = C(23, 60, 9, rotated=rotated, leaky=4.0 if rotated else None, logn_len=logn_len)
     q = _place(randn(gen, 1, 4, 23, 32, dtype=F32), "transposed")
@@ -473,7 +473,7 @@ def test_preturn_policy_and_extra_bytes(gen, monkeypatch):
     """The extra memory is one ``q``-sized tensor per product that changes its query operand and
     one ``k``-sized per product that turns keys; over the byte limit, or below
     ``PRETURN_BWD_MIN_KEYS`` keys, the backward turns tiles in registers."""
-    from kernels import attention
+    from rerope import attention
 
     q = torch.empty(2, 4, 10, 32, dtype=F16)
     k = torch.empty(2, 2, 30, 32, dtype=F16)
@@ -502,7 +502,7 @@ def test_preturn_policy_and_extra_bytes(gen, monkeypatch):
 
 def test_backward_falls_back_to_registers_when_memory_is_tight(gen, backward_path, monkeypatch):
     """Long enough to pre-turn, but over the byte limit: the in-register path runs, and is right."""
-    from kernels import attention
+    from rerope import attention
 
     calls = backward_path("preturned")
     monkeypatch.setattr(attention, "PRETURN_BWD_MAX_BYTES", 0)
@@ -523,7 +523,7 @@ def test_backward_falls_back_to_registers_when_memory_is_tight(gen, backward_pat
 def test_both_backward_paths_at_full_size(dtype, d, rotated):
     """The benchmark's shape (B=1, H=32, N=8192, W=2048, causal): both backward paths on one
     forward, against each other and against a float32 reference on two heads."""
-    from kernels import attention
+    from rerope import attention
 
     n, w, scale = 8192, 2048, d ** -0.5
     gen = torch.Generator(device="cuda").manual_seed(d + rotated)

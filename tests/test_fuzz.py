@@ -1,29 +1,29 @@
 """Property-based fuzz test of both public ops against the float64 relative-position oracle.
 
-Hypothesis draws a case: tiny shapes, grouped-query ratios, ``Nq <= Nk`` (``kernels.rerope``),
+Hypothesis draws a case: tiny shapes, grouped-query ratios, ``Nq <= Nk`` (``rerope.rerope``),
 windows (1, ``w >= Nk``, ``Nk - 1``, around the interpreter's 16-wide tiles), causal or not,
 ``sm_scale``, Leaky ReRoPE, log-n scaling, ``rotated`` inputs, dtypes, and a memory layout per
 tensor (contiguous, transposed, sliced out of a NaN buffer, stride-0 broadcast, last dim not
 unit-stride). Each case runs the op forward and backward under NaN-poisoned ``torch.empty``
 and compares ``out, dq, dk, dv`` with
-:func:`kernels.reference.rerope_from_relative_positions` (float64, each score straight from its
+:func:`rerope.reference.rerope_from_relative_positions` (float64, each score straight from its
 relative position, never the five tensors) on the same rounded inputs, with the tolerance table
 of ``tests/conftest.py``.
 
-Both ops are judged by the same oracle on the raw ``q, k, v``: ``kernels.rerope`` directly,
-``kernels.rerope_attention`` after the caller's own five-tensor preprocessing
-(:func:`kernels.rope.rerope_inputs`, here in float64 and rounded once to the input dtype, so
+Both ops are judged by the same oracle on the raw ``q, k, v``: ``rerope.rerope`` directly,
+``rerope.rerope_attention`` after the caller's own five-tensor preprocessing
+(:func:`rerope.rope.rerope_inputs`, here in float64 and rounded once to the input dtype, so
 its backward adds no roundings of its own), its inputs laid out like ``q, k, v``.
 
-Gradients: for ``kernels.rerope``, those of the tensors the op was given, element by element
+Gradients: for ``rerope.rerope``, those of the tensors the op was given, element by element
 (for a stride-0 input, the gradient of each repeat, before autograd adds them up in the input
 dtype: summing fp16 terms that cancel is autograd's rounding, not the kernel's); for
-``kernels.rerope_attention``, those of ``q, k, v`` through the preprocessing.
+``rerope.rerope_attention``, those of ``q, k, v`` through the preprocessing.
 
-Profiles (``KERNELS_FUZZ_PROFILE``): ``ci`` (default) draws a fixed set of examples
+Profiles (``REROPE_FUZZ_PROFILE``): ``ci`` (default) draws a fixed set of examples
 (``derandomize=True``, no example database), sized so that this file runs in well under two
 minutes on two cores under the interpreter; ``long`` draws many more, randomly, for a local
-hunt (``KERNELS_FUZZ_PROFILE=long pytest tests/test_fuzz.py``; ``KERNELS_FUZZ_EXAMPLES`` sets
+hunt (``REROPE_FUZZ_PROFILE=long pytest tests/test_fuzz.py``; ``REROPE_FUZZ_EXAMPLES`` sets
 how many, default 300 per test). Hypothesis prints the failing case and shrinks it.
 """
 
@@ -34,9 +34,9 @@ import torch
 from hypothesis import HealthCheck, given, note, settings
 from hypothesis import strategies as st
 
-import kernels
-from kernels import reference
-from kernels.rope import rerope_inputs
+import rerope
+from rerope import reference
+from rerope.rope import rerope_inputs
 from rerope_testing import kernel_device, poisoned_empty, results_problems, tolerance
 
 settings.register_profile(
@@ -44,10 +44,10 @@ settings.register_profile(
     database=None, deadline=None, print_blob=True,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 settings.register_profile(
-    "long", max_examples=int(os.environ.get("KERNELS_FUZZ_EXAMPLES", 300)), deadline=None,
+    "long", max_examples=int(os.environ.get("REROPE_FUZZ_EXAMPLES", 300)), deadline=None,
     database=None, print_blob=True,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-PROFILE = settings.get_profile(os.environ.get("KERNELS_FUZZ_PROFILE", "ci"))
+PROFILE = settings.get_profile(os.environ.get("REROPE_FUZZ_PROFILE", "ci"))
 
 LAYOUTS = ("contiguous", "transposed", "sliced", "broadcast", "lastdim")
 # bf16 runs in fp32 under the interpreter (only its input/output rounding shows); it is drawn
@@ -155,7 +155,7 @@ def run_case(case):
     values = [torch.randn(*shape, generator=gen, dtype=torch.float64).to(dtype).to(device)
               for shape in shapes]
     allow_seq = case["op"] == "rerope"
-    # stride 0 along the sequence: for q, k and dout (kernels.rerope only: the five tensors
+    # stride 0 along the sequence: for q, k and dout (rerope.rerope only: the five tensors
     # differ per position), never for v: one value for every key makes every output row that
     # value, dq = dk = 0 exactly, and the test would judge rounding noise against zero
     seq_ok = [allow_seq, allow_seq, False, allow_seq]
@@ -167,7 +167,7 @@ def run_case(case):
     laid = [lay_out(v, layout, ok)
             for v, layout, ok in zip(values[:3], case["layouts"][:3], seq_ok)]
     leaves, given_qkv = [leaf for leaf, _ in laid], [g for _, g in laid]
-    if allow_seq:        # kernels.rerope: judge the gradients of the given tensors themselves
+    if allow_seq:        # rerope.rerope: judge the gradients of the given tensors themselves
         for g in given_qkv:
             if not g.is_leaf:
                 g.retain_grad()
@@ -179,14 +179,14 @@ def run_case(case):
 
     with poisoned_empty():
         if case["op"] == "rerope":
-            out = kernels.rerope(*given_qkv, window, **attention_args, **rope_args)
+            out = rerope.rerope(*given_qkv, window, **attention_args, **rope_args)
         else:
             q, k, v = given_qkv
             five = [t.to(dtype) for t in rerope_inputs(q.double(), k.double(), window, **rope_args)]
             lq, lk = case["layouts"][:2]
             five = [relay(five[0], lq), relay(five[1], lq), relay(five[2], lk),
                     relay(five[3], lk), v]
-            out = kernels.rerope_attention(*five, window, **attention_args)
+            out = rerope.rerope_attention(*five, window, **attention_args)
         out.backward(dout)
     assert out.dtype == dtype and out.shape == (b, hq, nq, d)
     judged = given_qkv if allow_seq else leaves
@@ -214,14 +214,14 @@ def check(case):
 @settings(PROFILE)
 @given(case=cases("rerope"))
 def test_fuzz_rerope(case):
-    """``kernels.rerope(q, k, v, ...)``: every argument, forward and ``dq, dk, dv``."""
+    """``rerope.rerope(q, k, v, ...)``: every argument, forward and ``dq, dk, dv``."""
     check(case)
 
 
 @settings(PROFILE)
 @given(case=cases("rerope_attention"))
 def test_fuzz_rerope_attention(case):
-    """``kernels.rerope_attention`` on the caller's five tensors, judged on ``q, k, v``."""
+    """``rerope.rerope_attention`` on the caller's five tensors, judged on ``q, k, v``."""
     check(case)
 
 

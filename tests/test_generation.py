@@ -21,10 +21,10 @@ import copy
 import pytest
 import torch
 
-import kernels
-from kernels import attention, decode
-from kernels.launch import PlanCache
-from kernels.reference import rerope_from_relative_positions
+import rerope
+from rerope import attention, decode
+from rerope.launch import PlanCache
+from rerope.reference import rerope_from_relative_positions
 
 from conftest import kernel_device, randn, results_problems, tolerance
 
@@ -46,19 +46,19 @@ def test_plan_cache_hits_and_misses(gen):
     """A repeated call reuses its plan; a changed stride, dtype or setting builds a new one."""
     attention._OP_PLANS.clear()
     q, k, v = _qkv(gen)
-    first = kernels.rerope(q, k, v, 5, causal=False)
+    first = rerope.rerope(q, k, v, 5, causal=False)
     assert len(attention._OP_PLANS) == 1
-    again = kernels.rerope(q.clone(), k.clone(), v.clone(), 5, causal=False)
+    again = rerope.rerope(q.clone(), k.clone(), v.clone(), 5, causal=False)
     assert len(attention._OP_PLANS) == 1, "the same signature built a second plan"
     assert torch.equal(first, again)
-    kernels.rerope(q.transpose(2, 3).contiguous().transpose(2, 3), k, v, 5, causal=False)
+    rerope.rerope(q.transpose(2, 3).contiguous().transpose(2, 3), k, v, 5, causal=False)
     assert len(attention._OP_PLANS) == 2, "a changed stride did not build a new plan"
-    kernels.rerope(q.double().float(), k, v, 6, causal=False)
+    rerope.rerope(q.double().float(), k, v, 6, causal=False)
     assert len(attention._OP_PLANS) == 3, "a changed window did not build a new plan"
     with pytest.raises(TypeError, match="window must be an int"):
-        kernels.rerope(q, k, v, 5.0, causal=False)      # 5.0 == 5 hashes alike: still checked
+        rerope.rerope(q, k, v, 5.0, causal=False)      # 5.0 == 5 hashes alike: still checked
     with pytest.raises(TypeError, match="causal must be a bool"):
-        kernels.rerope(q, k, v, 5, causal=0)            # 0 == False: still checked
+        rerope.rerope(q, k, v, 5, causal=0)            # 0 == False: still checked
 
 
 def test_plan_cache_dtype_and_grad_mode(gen):
@@ -66,11 +66,11 @@ def test_plan_cache_dtype_and_grad_mode(gen):
     attention._OP_PLANS.clear()
     q, k, v = _qkv(gen, n=8, n_queries=2)
     with torch.no_grad():
-        kernels.rerope(q, k, v, 3)
+        rerope.rerope(q, k, v, 3)
     plans = list(attention._OP_PLANS._plans.values())
     assert plans[0].decode
     q.requires_grad_()
-    out = kernels.rerope(q, k, v, 3)
+    out = rerope.rerope(q, k, v, 3)
     assert out.requires_grad, "a call needing a gradient took the forward-only decode route"
     assert len(attention._OP_PLANS) == 2
 
@@ -88,7 +88,7 @@ def test_repeated_call_runs_the_kept_call(preturn, rotated, gen, monkeypatch):
     results = []
     for data in (first, first, second):
         q, k, v = (t.clone().requires_grad_() for t in data)
-        out = kernels.rerope(q, k, v, 7, rotated=rotated)
+        out = rerope.rerope(q, k, v, 7, rotated=rotated)
         results.append((out, *torch.autograd.grad(out, (q, k, v), torch.ones_like(out) / 3)))
     (plan,) = attention._OP_PLANS._plans.values()
     calls = [key[0] for key in plan.launchers if isinstance(key[0], str)]
@@ -113,10 +113,10 @@ def test_decode_plan_key_has_strides(gen):
     both give the contiguous call's result."""
     decode._PLANS.clear()
     q, k, v = _qkv(gen, b=2, hq=4, hkv=2, n=40, n_queries=1)
-    want = kernels.rerope_decode(q, k, v, 7)
+    want = rerope.rerope_decode(q, k, v, 7)
     k_t = k.transpose(1, 2).contiguous().transpose(1, 2)
     v_t = v.transpose(1, 2).contiguous().transpose(1, 2)
-    got = kernels.rerope_decode(q, k_t, v_t, 7)
+    got = rerope.rerope_decode(q, k_t, v_t, 7)
     assert len(decode._PLANS) == 2
     assert torch.equal(got, want)
 
@@ -140,11 +140,11 @@ def test_opcheck_fused_ops(layout, gen):
     (output strides equal the real ones), autograd registration, AOT dispatch."""
     q, k, v = (t.detach() for t in _layouts(gen)[layout])
     settings = (5, True, 0.25, 10000.0, None, None, False)
-    torch.library.opcheck(torch.ops.kernels.rerope_fwd.default,
+    torch.library.opcheck(torch.ops.rerope.rerope_fwd.default,
                           (q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), *settings))
-    out, lse = torch.ops.kernels.rerope_fwd(q.detach(), k.detach(), v.detach(), *settings)
+    out, lse = torch.ops.rerope.rerope_fwd(q.detach(), k.detach(), v.detach(), *settings)
     dout = torch.randn_like(out).transpose(1, 2).contiguous().transpose(1, 2)  # strided too
-    torch.library.opcheck(torch.ops.kernels.rerope_bwd.default,
+    torch.library.opcheck(torch.ops.rerope.rerope_bwd.default,
                           (dout, q.detach(), k.detach(), v.detach(), out, lse, *settings))
 
 
@@ -155,7 +155,7 @@ def test_opcheck_decode_op(gen):
     k_cache, v_cache = (c.transpose(1, 2)[:, :, :40] for c in cache)  # a slice of the buffer
     q = randn(gen, 2, 4, 1, 16, dtype=F32, device=device)
     lengths = torch.tensor([40, 23], dtype=torch.int32, device=device)
-    torch.library.opcheck(torch.ops.kernels.rerope_decode.default,
+    torch.library.opcheck(torch.ops.rerope.rerope_decode.default,
                           (q, k_cache, v_cache, lengths, 9, None, 10000.0, None, None, True,
                            None))
 
@@ -176,7 +176,7 @@ class Block(torch.nn.Module):
     def forward(self, x):
         b, n, dim = x.shape
         q, k, v = self.qkv(x).view(b, n, 3, self.heads, dim // self.heads).permute(2, 0, 3, 1, 4)
-        out = kernels.rerope(q, k, v, self.window, leaky=8.0)
+        out = rerope.rerope(q, k, v, self.window, leaky=8.0)
         return self.proj(out.transpose(1, 2).reshape(b, n, dim))
 
 
@@ -224,7 +224,7 @@ def test_compile_block_matches_oracle(gen):
     b, n, dim = x.shape
     q, k, v = block.qkv(x).view(b, n, 3, 2, 16).permute(2, 0, 3, 1, 4)
     torch._dynamo.reset()
-    fn = torch.compile(lambda q, k, v: kernels.rerope(q, k, v, 5, leaky=8.0), fullgraph=True,
+    fn = torch.compile(lambda q, k, v: rerope.rerope(q, k, v, 5, leaky=8.0), fullgraph=True,
                        backend="aot_eager")
     got = fn(q, k, v).detach()
     torch._dynamo.reset()
@@ -241,9 +241,9 @@ def test_compile_decode_fullgraph(gen):
 
     q, k, v = _qkv(gen, b=2, hq=4, hkv=2, n=33, n_queries=1)
     lengths = torch.tensor([33, 20], dtype=torch.int32, device=q.device)
-    want = kernels.rerope_decode(q, k, v, 6, cache_seqlens=lengths)
+    want = rerope.rerope_decode(q, k, v, 6, cache_seqlens=lengths)
     torch._dynamo.reset()
-    fn = torch.compile(lambda q, k, v, n: kernels.rerope_decode(q, k, v, 6, cache_seqlens=n),
+    fn = torch.compile(lambda q, k, v, n: rerope.rerope_decode(q, k, v, 6, cache_seqlens=n),
                        fullgraph=True, backend="aot_eager")
     got = fn(q, k, v, lengths)
     torch._dynamo.reset()
@@ -255,7 +255,7 @@ def test_compile_decode_fullgraph(gen):
 
 def _tiny_model(window):
     pytest.importorskip("transformers")
-    import kernels.hf as hf
+    import rerope.hf as hf
     from test_hf import build, tiny_config
 
     model = build(tiny_config())
@@ -348,13 +348,13 @@ def test_gpu_launchers_are_bound(gen):
     """On a GPU a repeated call launches through the bound compiled kernels (no Triton Python
     launch path), with bit-identical results."""
     q, k, v = _qkv(gen, b=1, hq=4, hkv=2, n=300, d=64, dtype=torch.float16)
-    first = kernels.rerope(q, k, v, 37)
-    second = kernels.rerope(q, k, v, 37)
+    first = rerope.rerope(q, k, v, 37)
+    second = rerope.rerope(q, k, v, 37)
     assert torch.equal(first, second)
     assert all(launcher.bound for launcher in attention._LAUNCHERS._plans.values())
     with torch.no_grad():
-        a = kernels.rerope_decode(q[:, :, -1:], k, v, 37)
-        b = kernels.rerope_decode(q[:, :, -1:], k, v, 37)
+        a = rerope.rerope_decode(q[:, :, -1:], k, v, 37)
+        b = rerope.rerope_decode(q[:, :, -1:], k, v, 37)
     assert torch.equal(a, b)
     plan = next(iter(decode._PLANS._plans.values()))
     assert plan.split.bound
@@ -374,7 +374,7 @@ def test_gpu_static_generate_reduce_overhead(dtype):
     must be a near tie."""
     import torch._dynamo
     transformers = pytest.importorskip("transformers")
-    import kernels.hf as hf
+    import rerope.hf as hf
     from test_hf import build, tiny_config
 
     model = build(tiny_config(head_dim=64, hidden_size=256, heads=4)).to("cuda", dtype)

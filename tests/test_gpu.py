@@ -11,12 +11,12 @@
   kernel, on sequences long enough that the big tiles make several tiles per row (fp16, bf16
   and fp32; D 64, 128, 256).
 * ``test_backward_is_deterministic``: two backward passes, bit-identical gradients (no atomics);
-  ``test_rerope_raw_inputs_on_gpu``: Leaky ReRoPE and log-n through ``kernels.rerope``.
+  ``test_rerope_raw_inputs_on_gpu``: Leaky ReRoPE and log-n through ``rerope.rerope``.
 
 Cost is compilation: every distinct specialization (dtype, D, causal, and Triton's integer
 specialization: values equal to 1, multiples of 16) compiles each kernel once per configuration,
 a few seconds each on the H200 host (Triton caches them on disk for later calls). With
-``KERNELS_AUTOTUNE=0`` (one configuration per kernel), roughly: ``-k "large or deterministic or
+``REROPE_AUTOTUNE=0`` (one configuration per kernel), roughly: ``-k "large or deterministic or
 raw"`` 3 minutes (27 compilations), ``-k small_grid`` 5-6 minutes (27 specializations × 3
 kernels), ``-k every_config`` 4-5 minutes (about 30 compilations, plus 7 slow fp32 ones: 3xTF32
 dots take ~20 s each; ``-k "every_config and not float32"`` skips them). Without it, the
@@ -32,7 +32,7 @@ from dataclasses import asdict
 import pytest
 import torch
 
-import kernels
+import rerope
 from rerope_testing import (CASES, F16, GRAD_NAMES, Case, all_launch_configs, describe,
                             error_stats, kernel_results, make_inputs, randn, raw_inputs,
                             reference_results, results_problems, tolerance)
@@ -116,7 +116,7 @@ def forced_configs(index):
     """Launch every kernel with its ``index``-th configuration (wrapping around) instead of
     autotuning. Patches ``configs.launch_configs``; the launcher's per-GPU cache is cleared
     before and after."""
-    from kernels import attention, configs
+    from rerope import attention, configs
 
     original = configs.launch_configs
 
@@ -186,11 +186,11 @@ def test_backward_is_deterministic(gen):
 
 
 def test_rerope_raw_inputs_on_gpu(gen):
-    """``kernels.rerope`` with Leaky ReRoPE and log-n on the GPU against the float64 reference."""
-    from kernels import reference
+    """``rerope.rerope`` with Leaky ReRoPE and log-n on the GPU against the float64 reference."""
+    from rerope import reference
 
     raw = raw_inputs(gen, 1, 4, 2, 500, 64, F16, device="cuda")
-    out = kernels.rerope(*raw, 64, leaky=16.0, logn_len=128)
+    out = rerope.rerope(*raw, 64, leaky=16.0, logn_len=128)
     dout = randn(gen, *out.shape, device="cuda")
     out.backward(dout.to(F16))
     ref_raw = [t.detach().double().requires_grad_() for t in raw]
@@ -206,12 +206,12 @@ def test_more_heads_than_the_grid_second_axis(gen):
     """B · H past CUDA's 65535 programs on a grid's second axis (2 × 32769 heads of 24 rows):
     the forward, the δ pass and both backward kernels launch (heads on the first axis), and a
     few heads, the last ones included, match the float64 reference computed on them alone."""
-    from kernels import attention, reference
+    from rerope import attention, reference
 
     batch, heads, n, d, window = 2, 32769, 24, 16, 7
     assert batch * heads > attention.GRID_Y_MAX
     raw = raw_inputs(gen, batch, heads, heads, n, d, F16, device="cuda")
-    out = kernels.rerope(*raw, window)
+    out = rerope.rerope(*raw, window)
     dout = randn(gen, *out.shape, device="cuda").to(F16)
     out.backward(dout)
     picks = [0, 1, heads - 1]
@@ -225,13 +225,13 @@ def test_more_heads_than_the_grid_second_axis(gen):
     assert not problems, "\n".join(problems)
 
 
-# --- the fused-rotation op (kernels.rerope) ------------------------------------------------------
+# --- the fused-rotation op (rerope.rerope) ------------------------------------------------------
 
 
 def _fused_check(case, gen, report, name, large=False):
-    """``kernels.rerope`` against the float64 relative-position oracle, or (``large``) against
+    """``rerope.rerope`` against the float64 relative-position oracle, or (``large``) against
     ``reference.rerope`` in float32 on the GPU (the oracle's per-frequency graph would not fit)."""
-    from kernels import reference
+    from rerope import reference
     from test_fused import fused_inputs, fused_results, oracle_results, settings
 
     leaves, dout = fused_inputs(gen, case, device="cuda")

@@ -1,4 +1,4 @@
-"""``kernels.hf``: ReRoPE in Hugging Face transformers models through the attention registry.
+"""``rerope.hf``: ReRoPE in Hugging Face transformers models through the attention registry.
 
 CPU, no downloads: tiny models (2 layers, hidden 64, 4 heads) built from configs with random
 weights, fp32, the kernels in Triton's interpreter. What is checked:
@@ -6,11 +6,11 @@ weights, fp32, the kernels in Triton's interpreter. What is checked:
 * window >= sequence length: the stock model's logits (sdpa), for Llama with GQA and MHA,
   Mistral, Qwen2 and Qwen3 (those the installed transformers has);
 * window < length: the logits of a model whose attention (our own registered function)
-  un-rotates the model's rotated q, k in float64 and runs ``kernels.reference.rerope`` on every
+  un-rotates the model's rotated q, k in float64 and runs ``rerope.reference.rerope`` on every
   layer; ReRoPE, Leaky ReRoPE and log-n, GQA and MHA, a non-default RoPE base;
 * ``generate`` with the cache (greedy, window smaller than the final length) gives exactly the
   tokens of recomputing every step from scratch without a cache (the prefill path), and the
-  steps really ran ``kernels.rerope_decode``;
+  steps really ran ``rerope.rerope_decode``;
 * padded batches: left-padded ``generate`` equals each prompt generated alone; a right-padded
   forward equals each row alone; right-padded ``generate`` (padding between tokens) raises;
 * RoPE types ``linear``, ``llama3`` and ``yarn`` (the model's own frequencies, YaRN's attention
@@ -19,8 +19,8 @@ weights, fp32, the kernels in Triton's interpreter. What is checked:
   a default-RoPE model whose frequencies were rounded by ``model.to(bfloat16)`` uses those;
   ``dynamic`` and ``longrope`` are refused;
 * ``disable_rerope`` restores stock behaviour; bad input raises a clear error;
-* importing transformers with this repository first on ``sys.path``: transformers probes for
-  the Hugging Face package also named ``kernels`` and must not take ours for it.
+* beside Hugging Face's package ``kernels`` (which transformers >= 5.25 requires): ``import
+  kernels`` never finds this repository, and a model runs with ``rerope.hf`` imported.
 """
 
 import copy
@@ -32,11 +32,11 @@ import torch
 
 transformers = pytest.importorskip(
     "transformers", reason="Hugging Face transformers is not installed (pip install "
-    "'transformers>=5,<6'); kernels.hf needs it")
+    "'transformers>=5,<6'); rerope.hf needs it")
 
-import kernels  # noqa: E402
-import kernels.hf as hf  # noqa: E402
-from kernels import reference  # noqa: E402
+import rerope  # noqa: E402
+import rerope.hf as hf  # noqa: E402
+from rerope import reference  # noqa: E402
 
 from transformers import AttentionInterface, LlamaConfig  # noqa: E402
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask  # noqa: E402
@@ -81,7 +81,7 @@ def max_error(actual, expected):
     return (actual - expected).abs().max().item()
 
 
-# --- the reference model: float64 kernels.reference.rerope on un-rotated q, k, every layer ------
+# --- the reference model: float64 rerope.reference.rerope on un-rotated q, k, every layer ------
 
 
 def unrotate(x, positions, base, inv_freq=None):
@@ -98,7 +98,7 @@ def unrotate(x, positions, base, inv_freq=None):
 
 
 def register_reference(window, base, leaky=None, logn_len=None, inv_freq=None):
-    """Register an attention implementation that runs ``kernels.reference.rerope`` in float64
+    """Register an attention implementation that runs ``rerope.reference.rerope`` in float64
     on the un-rotated inputs; returns its name. Positions come from ``position_ids`` (keys at
     the queries' positions when there is no cache, else at 0 … Nk-1); log-n is applied here at
     those positions, so that shifted position ids are judged too. ``inv_freq``: the model's
@@ -129,83 +129,25 @@ def register_reference(window, base, leaky=None, logn_len=None, inv_freq=None):
     return name
 
 
-# --- the name clash ---------------------------------------------------------------------------
+# --- beside Hugging Face's `kernels` --------------------------------------------------------------
 
 
-def test_transformers_does_not_take_this_repo_for_hub_kernels():
-    """transformers asks whether the Hugging Face ``kernels`` package is installed
-    (``is_kernels_available``); with this repository first on ``sys.path`` it finds our
-    ``kernels``, which has no ``__version__`` in its range, so the answer must stay False and
-    the hub-kernel integration must import without touching our package's names."""
-    import sys
-
-    from transformers.utils import import_utils
-
-    assert sys.modules["kernels"] is kernels and kernels.__file__.endswith("kernels/__init__.py")
-    assert import_utils.is_kernels_available() is False
-    import transformers.integrations.hub_kernels as hub_kernels
-
-    assert not hasattr(hub_kernels, "get_kernel_hub")   # bound only when it found HF kernels
-    model = build(tiny_config())                     # a model forward with both imported
-    assert logits_of(model, torch.arange(5)[None]).shape == (1, 5, VOCAB)
-
-
-def test_hub_kernels_distribution_is_named(tmp_path):
-    """Hugging Face's ``kernels`` distribution installed beside this repository (transformers
-    >= 5.25 depends on it) makes transformers import our package as its own and fail: ``import
-    kernels.hf`` refuses first, naming the package, its version and the fix; a distribution
-    that is this package, or none, is no clash."""
-    import importlib.metadata
+def test_package_lives_beside_hugging_faces_kernels():
+    """The import name is ``rerope``; ``kernels/`` is a source folder with no ``__init__.py``,
+    so ``import kernels`` never finds this repository: where Hugging Face's package of that
+    name is installed (transformers >= 5.25 requires it), transformers' hub-kernel integration
+    gets it, and a model runs with ``rerope.hf`` imported."""
     import importlib.util
     import os
-    import subprocess
-    import sys
 
-    from kernels._compat import hub_kernels_clash
-
-    ours = kernels.__file__
+    source_root = os.path.dirname(os.path.dirname(os.path.abspath(rerope.__file__)))
+    assert not os.path.exists(os.path.join(source_root, "__init__.py"))
     found = importlib.util.find_spec("kernels")
-    assert found is not None and os.path.realpath(found.origin) == os.path.realpath(ours)
-
-    class Dist:
-        def __init__(self, folder, version="0.19.1"):
-            self.folder, self.version = folder, version
-
-        def locate_file(self, path):
-            return os.path.join(self.folder, path)
-
-    def clash_with(dist):
-        real = importlib.metadata.distribution
-
-        def fake(name):
-            if name != "kernels":
-                return real(name)
-            if dist is None:
-                raise importlib.metadata.PackageNotFoundError(name)
-            return dist
-        importlib.metadata.distribution = fake
-        try:
-            return hub_kernels_clash(ours)
-        finally:
-            importlib.metadata.distribution = real
-
-    message = clash_with(Dist(str(tmp_path)))
-    assert message and "0.19.1" in message and "pip uninstall -y kernels" in message
-    assert "transformers<5.25" in message
-    assert clash_with(Dist(os.path.dirname(os.path.dirname(ours)))) is None     # this package
-    assert clash_with(None) is None
-
-    # a real (if empty) distribution named kernels on sys.path, behind this repository
-    site = tmp_path / "site"
-    info = site / "kernels-0.19.1.dist-info"
-    info.mkdir(parents=True)
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: kernels\nVersion: 0.19.1\n")
-    root = os.path.dirname(os.path.dirname(ours))
-    code = ("import sys; sys.path[:0] = [sys.argv[1], sys.argv[2]]\n"
-            "try:\n    import kernels.hf\nexcept ImportError as e:\n    print('REFUSED', e)\n")
-    done = subprocess.run([sys.executable, "-c", code, root, str(site)], capture_output=True,
-                          text=True, timeout=300, env=dict(os.environ, TRITON_INTERPRET="1"))
-    assert "REFUSED Hugging Face's package `kernels` 0.19.1" in done.stdout, done.stderr[-2000:]
+    if found is not None and found.origin not in (None, "namespace"):   # a regular package
+        assert not os.path.realpath(found.origin).startswith(
+            os.path.realpath(source_root) + os.sep), found.origin
+    model = hf.enable_rerope(build(tiny_config()), window=3)
+    assert logits_of(model, torch.arange(5)[None]).shape == (1, 5, VOCAB)
 
 
 # --- prefill: stock logits, reference logits ----------------------------------------------------
@@ -260,7 +202,7 @@ def test_short_window_matches_the_reference_model(case):
 
 def test_shifted_positions_with_logn_match_the_reference_model():
     """position_ids starting at 40 (not 0): ReRoPE's scores do not change, log-n's scale does;
-    kernels.hf then scales the queries itself from position_ids."""
+    rerope.hf then scales the queries itself from position_ids."""
     config = tiny_config(kv_heads=2)
     window, n, logn_len = 5, 19, 8
     ids = torch.randint(0, VOCAB, (1, n), generator=torch.Generator().manual_seed(11))
@@ -297,7 +239,7 @@ def test_generate_with_the_cache_equals_recomputation(monkeypatch):
 
     def counted_decode(*args, **kwargs):
         decode_calls.append(args[0].shape)
-        return kernels.rerope_decode(*args, **kwargs)
+        return rerope.rerope_decode(*args, **kwargs)
 
     monkeypatch.setattr(hf, "rerope_decode", counted_decode)
     with torch.no_grad():
@@ -423,7 +365,7 @@ def test_rope_type_of_the_rotary_module_is_checked():
     with pytest.raises(ValueError, match="LlamaRotaryEmbedding.rope_type.*'dynamic'"):
         hf.enable_rerope(model, 4)
     model.model.rotary_emb.rope_type = "mystery"
-    with pytest.raises(ValueError, match="rope_type 'mystery'.*kernels.hf does not support"):
+    with pytest.raises(ValueError, match="rope_type 'mystery'.*rerope.hf does not support"):
         hf.enable_rerope(model, 4)
     assert model.config._attn_implementation == "sdpa"
 
@@ -445,7 +387,7 @@ ROPE_TYPES = {
 
 def config_frequencies(config):
     """The frequencies transformers computes for ``config`` (its ROPE_INIT_FUNCTIONS, not the
-    module kernels.hf reads), float64, and the attention factor."""
+    module rerope.hf reads), float64, and the attention factor."""
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     inv_freq, factor = ROPE_INIT_FUNCTIONS[config.rope_parameters["rope_type"]](
@@ -500,13 +442,13 @@ def test_scaled_rope_generate_with_the_cache_equals_recomputation(kind, monkeypa
 
     def counted_decode(*args, **kwargs):
         decode_calls.append(kwargs["inv_freq"])
-        return kernels.rerope_decode(*args, **kwargs)
+        return rerope.rerope_decode(*args, **kwargs)
 
     monkeypatch.setattr(hf, "rerope_decode", counted_decode)
     with torch.no_grad():
         cached = model.generate(prompt, max_new_tokens=8, do_sample=False)
     assert len(decode_calls) == 2 * 7
-    assert all(type(f) is kernels.rope.Frequencies for f in decode_calls)
+    assert all(type(f) is rerope.rope.Frequencies for f in decode_calls)
     assert torch.equal(cached, greedy_by_recomputation(model, prompt, 8))
 
 
@@ -620,7 +562,7 @@ def test_positions_exercise_checker():
     import triton
     import triton.language as tl
 
-    from kernels import exercises
+    from rerope import exercises
 
     @triton.jit
     def positions(Mask, Positions, n, BLOCK: tl.constexpr, PAD_AT_ZERO: tl.constexpr):

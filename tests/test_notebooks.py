@@ -4,7 +4,7 @@
 nbval does not: every chapter of _toc.yml exists, starts with the shared setup cell
 (book/_bootstrap.py, verbatim), stores the outputs of a clean run (figures, no errors, no stderr)
 together with where it ran (metadata ``rerope_run``, written by tools/execute_notebooks.py), ends
-with exercises, and shows the package's real code (``kernels.source(...)``) rather than a copy.
+with exercises, and shows the package's real code (``rerope.source(...)``) rather than a copy.
 """
 
 import json
@@ -171,18 +171,18 @@ def test_exercise_solutions_are_hidden_and_checked(page):
 
 @pytest.mark.parametrize("page", [p for p in CHAPTERS if int(Path(p).name[:2]) >= 3])
 def test_has_a_triton_exercise(page):
-    """From chapter 3 on, an exercise asks for Triton code and a kernels.exercises checker runs it."""
+    """From chapter 3 on, an exercise asks for Triton code and a rerope.exercises checker runs it."""
     nb = load(page)
     sources = [text(cell["source"]) for _, cell in code_cells(nb)]
     assert any("@triton.jit" in s and "exercises.check_" in s for s in sources), (
-        f"{page}: no Triton exercise (a @triton.jit answer passed to a kernels.exercises checker)")
+        f"{page}: no Triton exercise (a @triton.jit answer passed to a rerope.exercises checker)")
 
 
 @pytest.mark.parametrize("number, page", [p for p in NUMBERED if p.values[0] in SOURCE_CHAPTERS])
 def test_shows_package_source(number, page):
     nb = load(page)
-    assert any("kernels.source(" in text(cell["source"]) for _, cell in code_cells(nb)), (
-        f"{page} (chapter {number}) never shows the package's code with kernels.source(...)")
+    assert any("rerope.source(" in text(cell["source"]) for _, cell in code_cells(nb)), (
+        f"{page} (chapter {number}) never shows the package's code with rerope.source(...)")
 
 
 # --- numbers in the prose, against the data files they describe ---------------------------------
@@ -285,7 +285,7 @@ def test_prose_numbers_match_data(page, template, value):
 def test_every_checker_has_wrong_answers(page):
     """Each checker a chapter defines (``def check_exercise_N``) is tested on plausible wrong
     answers in the same notebook (a cell calling ``exercises.assert_rejected``, run by nbval and
-    removed from the site); the checkers of kernels.exercises have theirs in
+    removed from the site); the checkers of rerope.exercises have theirs in
     tests/test_exercises.py."""
     sources = [text(cell["source"]) for _, cell in code_cells(load(page))]
     for name in sorted({m for s in sources for m in re.findall(r"^def (check_exercise_\d+)\(", s,

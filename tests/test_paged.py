@@ -1,4 +1,4 @@
-"""``kernels.rerope_decode`` on a paged KV cache (``block_table``, FlashAttention's layout).
+"""``rerope.rerope_decode`` on a paged KV cache (``block_table``, FlashAttention's layout).
 
 The same data as a contiguous cache, scattered into random, non-monotone pages of a pool
 ``(num_blocks, block_size, Hkv, D)``: the paged call must give the contiguous call's output
@@ -18,8 +18,8 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-import kernels
-from kernels import decode, exercises, reference
+import rerope
+from rerope import decode, exercises, reference
 from rerope_testing import close_problems, kernel_device, poisoned_empty, randn, tolerance
 
 F16, F32, BF16 = torch.float16, torch.float32, torch.bfloat16
@@ -104,9 +104,9 @@ def build(gen, case, device):
 
 def decode_call(q, k, v, lengths, case, **kwargs):
     with poisoned_empty(), torch.no_grad():
-        return kernels.rerope_decode(q, k, v, case.window, cache_seqlens=lengths,
-                                     rotated=case.rotated, leaky=case.leaky,
-                                     num_splits=case.num_splits, group=case.group, **kwargs)
+        return rerope.rerope_decode(q, k, v, case.window, cache_seqlens=lengths,
+                                    rotated=case.rotated, leaky=case.leaky,
+                                    num_splits=case.num_splits, group=case.group, **kwargs)
 
 
 def oracle(q, k, v, lengths, case):
@@ -257,7 +257,7 @@ def test_bad_paged_arguments(index, gen):
     what, change, error, message = _bad_calls(gen)[index]
     args = {**dict(k=kp, v=vp, cache_seqlens=lengths), **change}
     with pytest.raises(error, match=message):
-        kernels.rerope_decode(q, args.pop("k"), args.pop("v"), 20, **args)
+        rerope.rerope_decode(q, args.pop("k"), args.pop("v"), 20, **args)
 
 
 def test_block_table_on_another_device(gen):
@@ -265,7 +265,7 @@ def test_block_table_on_another_device(gen):
         pytest.skip("needs a second device")
     q, kp, vp, table, lengths = _valid(gen)
     with pytest.raises(ValueError, match="block_table must be on q's device"):
-        kernels.rerope_decode(q, kp, vp, 20, cache_seqlens=lengths, block_table=table.cpu())
+        rerope.rerope_decode(q, kp, vp, 20, cache_seqlens=lengths, block_table=table.cpu())
 
 
 def test_opcheck_paged_decode_op(gen):
@@ -273,7 +273,7 @@ def test_opcheck_paged_decode_op(gen):
     case = PagedCase(16, (40, 23), n_queries=2)
     q, _, _, kp, vp, table, lengths = build(gen, case, kernel_device())
     kp, vp = (torch.nan_to_num(p) for p in (kp, vp))        # opcheck compares outputs too
-    torch.library.opcheck(torch.ops.kernels.rerope_decode.default,
+    torch.library.opcheck(torch.ops.rerope.rerope_decode.default,
                           (q, kp, vp, lengths, 20, None, 10000.0, None, None, True, None, None,
                            table))
 
@@ -285,10 +285,10 @@ def test_compile_paged_decode_fullgraph(gen):
 
     case = PagedCase(16, (40, 23), n_queries=2)
     q, _, _, kp, vp, table, lengths = build(gen, case, kernel_device())
-    want = kernels.rerope_decode(q, kp, vp, 20, cache_seqlens=lengths, block_table=table)
+    want = rerope.rerope_decode(q, kp, vp, 20, cache_seqlens=lengths, block_table=table)
     torch._dynamo.reset()
-    fn = torch.compile(lambda q, k, v, n, t: kernels.rerope_decode(q, k, v, 20, cache_seqlens=n,
-                                                                   block_table=t),
+    fn = torch.compile(lambda q, k, v, n, t: rerope.rerope_decode(q, k, v, 20, cache_seqlens=n,
+                                                                  block_table=t),
                        fullgraph=True, backend="aot_eager")
     got = fn(q, kp, vp, lengths, table)
     torch._dynamo.reset()
@@ -337,7 +337,7 @@ def test_page_address_checker():
 
 
 def test_bench_targets_keep_layouts_head_dims_and_queries_apart():
-    from kernels import bench_decode
+    from benchmarks import decode as bench_decode
 
     def row(impl, us, **kw):
         return bench_decode.make_row(impl, 8, 2048, 32768, us, None, 100.0, **kw)
@@ -370,21 +370,21 @@ def test_gpu_paged_equals_contiguous_at_32k(d):
     """Benchmark-sized caches (B=3, 32k keys, bf16) in random pages of 16, 64 and 256 keys:
     bit-identical to the contiguous call (the same tiles in the same order), rows of different
     lengths; pages past a length are NaN."""
-    from kernels import bench_decode
+    from benchmarks import decode as bench_decode
 
     torch.manual_seed(0)
     k, v = torch.randn(2, 3, 8, 32768, d, device="cuda", dtype=BF16).unbind(0)
     q = torch.randn(3, 32, 1, d, device="cuda", dtype=BF16)
     lengths = torch.tensor([32768, 20000, 4099], dtype=torch.int32, device="cuda")
-    want = kernels.rerope_decode(q, k, v, 2048, cache_seqlens=lengths)
+    want = rerope.rerope_decode(q, k, v, 2048, cache_seqlens=lengths)
     for page in (16, 64, 256):
         k_pages, v_pages, table = bench_decode.paged_copy(k, v, page)
         for b, n in enumerate(lengths.tolist()):        # the pages past each length: NaN
             unused = table[b, -(-n // page):].long()
             k_pages[unused] = v_pages[unused] = float("nan")
         with poisoned_empty():
-            got = kernels.rerope_decode(q, k_pages, v_pages, 2048, cache_seqlens=lengths,
-                                        block_table=table)
+            got = rerope.rerope_decode(q, k_pages, v_pages, 2048, cache_seqlens=lengths,
+                                       block_table=table)
         assert torch.equal(got, want), f"page {page}: differs from the contiguous call"
 
 
@@ -397,10 +397,10 @@ def test_gpu_paged_graph_replay_and_bad_entries(gen):
                      num_splits=3, max_blocks=6)
     q, k, v, k_pages, v_pages, table, lengths = build(gen, case, "cuda")
     settings = dict(cache_seqlens=lengths, num_splits=3, block_table=table)
-    eager = kernels.rerope_decode(q, k_pages, v_pages, case.window, **settings)
+    eager = rerope.rerope_decode(q, k_pages, v_pages, case.window, **settings)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        captured = kernels.rerope_decode(q, k_pages, v_pages, case.window, **settings)
+        captured = rerope.rerope_decode(q, k_pages, v_pages, case.window, **settings)
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(captured, eager)

@@ -2,7 +2,7 @@
 
 CPU, through Triton's interpreter, small shapes:
 
-* ``torch.ops.kernels.rerope_fwd`` / ``rerope_bwd`` (what a compiled graph calls) and the
+* ``torch.ops.rerope.rerope_fwd`` / ``rerope_bwd`` (what a compiled graph calls) and the
   five-tensor ops keep a plan per call signature: the second call is a lookup plus the kept
   calls, bit-identical to the first, and new data gives new results;
 * a graph compiled with ``torch.compile(fullgraph=True)`` runs through those plans: its second
@@ -19,10 +19,10 @@ import copy
 import pytest
 import torch
 
-import kernels
-from kernels import attention
-from kernels.launch import Launcher
-from kernels.reference import rerope_from_relative_positions
+import rerope
+from rerope import attention
+from rerope.launch import Launcher
+from rerope.reference import rerope_from_relative_positions
 
 from conftest import kernel_device, randn, results_problems, tolerance
 
@@ -32,7 +32,7 @@ SETTINGS = (5, True, 0.25, 10000.0, None, None, False)     # window, causal, sca
 
 
 def _fused_qkv(gen, b=1, h=2, n=20, d=16, dtype=F32):
-    # 20 queries: more than a decode step (kernels.rerope would send 16 or fewer to decoding)
+    # 20 queries: more than a decode step (rerope.rerope would send 16 or fewer to decoding)
     """q, k, v as strided views of one fused ``Linear`` output (what a model hands the op)."""
     return tuple(randn(gen, b, n, 3, h, d, dtype=dtype, device=kernel_device())
                  .permute(2, 0, 3, 1, 4))
@@ -81,8 +81,8 @@ def test_fused_ops_reuse_their_plan(leaky, gen):
     dout = randn(gen, *first[0].shape, dtype=F32, device=kernel_device())
     results = []
     for q, k, v in (first, first, second):
-        out, lse = torch.ops.kernels.rerope_fwd(q, k, v, *settings)
-        grads = torch.ops.kernels.rerope_bwd(dout, q, k, v, out, lse, *settings)
+        out, lse = torch.ops.rerope.rerope_fwd(q, k, v, *settings)
+        grads = torch.ops.rerope.rerope_bwd(dout, q, k, v, out, lse, *settings)
         results.append((out, lse, *grads))
     (plan,) = _op_plans()
     names = _call_keys(plan.launchers)
@@ -92,7 +92,7 @@ def test_fused_ops_reuse_their_plan(leaky, gen):
     assert not torch.equal(results[0][0], results[2][0]), "the kept call ignored its inputs"
     # the eager op computes the same (its own plan, the same kernels)
     q, k, v = first
-    assert torch.equal(kernels.rerope(q, k, v, 5, sm_scale=0.25, leaky=leaky), results[0][0])
+    assert torch.equal(rerope.rerope(q, k, v, 5, sm_scale=0.25, leaky=leaky), results[0][0])
 
 
 def test_fused_op_backward_keyed_by_out_layout(gen):
@@ -101,10 +101,10 @@ def test_fused_op_backward_keyed_by_out_layout(gen):
     attention._OP_PLANS.clear()
     q, k, v = _fused_qkv(gen)
     dout = randn(gen, *q.shape, dtype=F32, device=kernel_device())
-    out, lse = torch.ops.kernels.rerope_fwd(q, k, v, *SETTINGS)
-    want = torch.ops.kernels.rerope_bwd(dout, q, k, v, out, lse, *SETTINGS)
+    out, lse = torch.ops.rerope.rerope_fwd(q, k, v, *SETTINGS)
+    want = torch.ops.rerope.rerope_bwd(dout, q, k, v, out, lse, *SETTINGS)
     strided = out.transpose(1, 2).contiguous().transpose(1, 2)
-    got = torch.ops.kernels.rerope_bwd(dout, q, k, v, strided, lse, *SETTINGS)
+    got = torch.ops.rerope.rerope_bwd(dout, q, k, v, strided, lse, *SETTINGS)
     (plan,) = _op_plans()
     assert sum(isinstance(key, tuple) and key[0] == "op backward" for key in plan.launchers) == 2
     for a, b in zip(got, want):
@@ -118,13 +118,13 @@ def test_five_tensor_ops_reuse_their_plan(gen):
     dout = randn(gen, 1, 2, 20, 16, dtype=F32, device=device)
     results = []
     for _ in range(2):
-        out, lse = torch.ops.kernels.rerope_attention_fwd(*tensors, 4, True, 0.25)
-        grads = torch.ops.kernels.rerope_attention_bwd(dout, *tensors, out, lse, 4, True, 0.25)
+        out, lse = torch.ops.rerope.rerope_attention_fwd(*tensors, 4, True, 0.25)
+        grads = torch.ops.rerope.rerope_attention_bwd(dout, *tensors, out, lse, 4, True, 0.25)
         results.append((out, lse, *grads))
     assert len(_op_plans()) == 1
     for a, b in zip(*results):
         assert torch.equal(a, b)
-    assert torch.equal(kernels.rerope_attention(*tensors, 4, sm_scale=0.25), results[0][0])
+    assert torch.equal(rerope.rerope_attention(*tensors, 4, sm_scale=0.25), results[0][0])
 
 
 def test_compiled_block_runs_through_op_plans(gen):
@@ -164,10 +164,10 @@ def test_no_grad_call_skips_autograd(rotated, gen):
     attention._OP_PLANS.clear()
     q, k, v = _fused_qkv(gen)
     with torch.no_grad():
-        plain = kernels.rerope(q, k, v, 6, rotated=rotated)
+        plain = rerope.rerope(q, k, v, 6, rotated=rotated)
     assert plain.grad_fn is None
     q_, k_, v_ = (t.detach().clone().requires_grad_() for t in (q, k, v))
-    tracked = kernels.rerope(q_, k_, v_, 6, rotated=rotated)
+    tracked = rerope.rerope(q_, k_, v_, 6, rotated=rotated)
     assert tracked.grad_fn is not None, "a call that needs a gradient lost its autograd node"
     assert torch.equal(plain, tracked.detach())
     plans = list(attention._OP_PLANS._plans.values())
@@ -183,8 +183,8 @@ def test_no_grad_five_tensor_call_skips_autograd(gen):
     device = kernel_device()
     tensors = [randn(gen, 1, 2, 9, 16, dtype=F32, device=device) for _ in range(5)]
     with torch.no_grad():
-        plain = kernels.rerope_attention(*tensors, 3)
-    tracked = kernels.rerope_attention(*(t.clone().requires_grad_() for t in tensors), 3)
+        plain = rerope.rerope_attention(*tensors, 3)
+    tracked = rerope.rerope_attention(*(t.clone().requires_grad_() for t in tensors), 3)
     assert plain.grad_fn is None and tracked.grad_fn is not None
     assert torch.equal(plain, tracked.detach())
 
@@ -196,7 +196,7 @@ def test_wrong_device_still_raises_every_call(gen):
     wrong = "meta"
     for _ in range(2):
         with pytest.raises(ValueError, match="inputs are on"):
-            kernels.rerope(q.to(wrong), k.to(wrong), v.to(wrong), 5)
+            rerope.rerope(q.to(wrong), k.to(wrong), v.to(wrong), 5)
 
 
 # --- on the GPU -----------------------------------------------------------------------------------
@@ -209,7 +209,7 @@ def test_gpu_plan_launchers_are_bound(preturn, gen, monkeypatch):
     """Eagerly and through the ops, every launcher a plan keeps is bound to its compiled kernel
     after the first call, and the second call (bound launches, tables passed as addresses)
     gives the first's results bit for bit; ``preturned``: with the forward's key turn and the
-    backward's operand turns (kept turns, :func:`kernels.rotary.kept_turn`)."""
+    backward's operand turns (kept turns, :func:`rerope.rotary.kept_turn`)."""
     for name in ("PRETURN_MIN_KEYS", "PRETURN_BWD_MIN_KEYS"):
         monkeypatch.setattr(attention, name, 0 if preturn else 1 << 62)
     attention._OP_PLANS.clear()
@@ -217,12 +217,12 @@ def test_gpu_plan_launchers_are_bound(preturn, gen, monkeypatch):
     dout = torch.randn_like(q)
     runs = []
     for _ in range(2):
-        out = kernels.rerope(q, k, v, 37, leaky=8.0)
+        out = rerope.rerope(q, k, v, 37, leaky=8.0)
         runs.append((out, *torch.autograd.grad(out, (q, k, v), dout)))
-        o, lse = torch.ops.kernels.rerope_fwd(q, k, v, 37, True, 0.125, 10000.0, 8.0, None,
-                                              False)
-        runs[-1] += (o, *torch.ops.kernels.rerope_bwd(dout, q, k, v, o, lse, 37, True, 0.125,
-                                                      10000.0, 8.0, None, False))
+        o, lse = torch.ops.rerope.rerope_fwd(q, k, v, 37, True, 0.125, 10000.0, 8.0, None,
+                                             False)
+        runs[-1] += (o, *torch.ops.rerope.rerope_bwd(dout, q, k, v, o, lse, 37, True, 0.125,
+                                                     10000.0, 8.0, None, False))
     for a, b in zip(*runs):
         assert torch.equal(a, b)
     launchers = [l for plan in attention._OP_PLANS._plans.values()

@@ -1,7 +1,7 @@
 """README.md's "Use the kernels" examples run as they stand, and say what they compute.
 
 Each ```python block of that section is run in a fresh interpreter from the repository root (as a
-user would paste it: ``import kernels`` must pick the CPU interpreter by itself on a machine with
+user would paste it: ``import rerope`` must pick the CPU interpreter by itself on a machine with
 no GPU). The first block's ``# ≈ ...`` comments are claims (``out_rot ≈ out``): they are checked
 after it ran.
 """

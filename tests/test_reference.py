@@ -1,7 +1,7 @@
 """The two references agree, and the kernel agrees with the independent one.
 
-:func:`kernels.reference.rerope` builds the five tensors and runs the naive two-matrix method;
-:func:`kernels.reference.rerope_from_relative_positions` never builds them: each score comes
+:func:`rerope.reference.rerope` builds the five tensors and runs the naive two-matrix method;
+:func:`rerope.reference.rerope_from_relative_positions` never builds them: each score comes
 straight from ReRoPE's relative position. Equal in float64 means the five-tensor form (and so
 everything the kernel is fed) is right; the kernel is then checked against the second oracle too.
 """
@@ -10,9 +10,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import kernels
+import rerope
 from rerope_testing import describe, kernel_device, randn, results_problems, tolerance
-from kernels import reference, rope
+from rerope import reference, rope
 
 F64 = torch.float64
 
@@ -122,12 +122,12 @@ def test_reference_keeps_dtype_and_softmax_precision(dtype, gen):
     (False, 2, 2, 3, 2.0, 4),
 ], ids=ids)
 def test_kernel_matches_relative_position_oracle(setting, gen):
-    """``kernels.rerope`` (fp32, the fused kernel) against the float64 relative-position oracle:
+    """``rerope.rerope`` (fp32, the fused kernel) against the float64 relative-position oracle:
     output and the gradients of raw ``q, k, v``."""
     causal, hq, hkv, window, leaky, logn_len = setting
     q, k, v = raw_inputs(gen, 1, hq, hkv, 45, 32, dtype=torch.float32, device=kernel_device())
     kwargs = dict(causal=causal, leaky=leaky, logn_len=logn_len)
-    out = kernels.rerope(q, k, v, window, **kwargs)
+    out = rerope.rerope(q, k, v, window, **kwargs)
     dout = randn(gen, *out.shape, device=out.device)
     out.backward(dout.float())
     oracle_inputs = [t.detach().double().requires_grad_() for t in (q, k, v)]

@@ -1,4 +1,4 @@
-"""Which tiles the kernels visit, and with which product: :mod:`kernels.regions` by brute force.
+"""Which tiles the kernels visit, and with which product: :mod:`rerope.regions` by brute force.
 
 The contract, per tile of ``OTHER_BLOCK`` along the axis a program walks (its own rows are the
 ``SELF_BLOCK`` queries of the forward/dQ programs, or keys of the dK/dV programs):
@@ -10,21 +10,21 @@ The contract, per tile of ``OTHER_BLOCK`` along the axis a program walks (its ow
 * every walk starts on the tile grid (the kernels promise ``tl.multiple_of``);
 * tiles without any valid pair are skipped (not a correctness matter: wasted work).
 
-Two ways in: :func:`kernels.regions.tile_map` (the book's drawing, run through the kernels' own
+Two ways in: :func:`rerope.regions.tile_map` (the book's drawing, run through the kernels' own
 ``_schedule``) for a few cases — slow under the interpreter, about a second per map — and a
 vectorized probe of ``_schedule`` itself for thousands of ``(N, window, block)`` cases in one
 launch per block shape, which also counts visits exactly (``tile_map`` sums bit flags, so a
 tile visited twice by one pass would alias another flag).
 
-The block shapes are those of every launch configuration in :mod:`kernels.configs` (the CPU
+The block shapes are those of every launch configuration in :mod:`rerope.configs` (the CPU
 kernel tests only ever run 16 × 16 tiles).
 """
 
 import pytest
 import torch
 
-from kernels import configs, regions   # first: decides Triton's mode before triton is imported
-from kernels.regions import _schedule
+from rerope import configs, regions   # first: decides Triton's mode before triton is imported
+from rerope.regions import _schedule
 from rerope_testing import kernel_device
 
 import triton  # noqa: E402  (isort: skip)

@@ -1,7 +1,7 @@
 """One regression test (or a few) per item of project issue 9, "no silent wrong answer, no crash
 on valid input": each item's reproducer, now refused with a clear error or computed right.
 
-Every result is judged against the float64 references (``kernels.reference``) with the
+Every result is judged against the float64 references (``rerope.reference``) with the
 tolerance table of ``tests/conftest.py``. Shapes are tiny: the kernels run through Triton's
 interpreter on CPU.
 """
@@ -17,10 +17,10 @@ import warnings
 import pytest
 import torch
 
-import kernels
-from kernels import configs, reference
-from kernels._validate import SM_SCALE_MAX, SM_SCALE_MIN, check_logn_overflow
-from kernels.rope import relative_positions, rerope_inputs
+import rerope
+from rerope import configs, reference
+from rerope._validate import SM_SCALE_MAX, SM_SCALE_MIN, check_logn_overflow
+from rerope.rope import relative_positions, rerope_inputs
 from rerope_testing import (close_problems, error_stats, kernel_device, randn, results_problems,
                             tolerance)
 
@@ -36,7 +36,7 @@ def raw_leaves(gen, b, hq, hkv, n, d, dtype, n_queries=None):
 
 
 def five_from(raw, window, **rope_args):
-    """The caller's five tensors (leaves) for ``kernels.rerope_attention``, from ``q, k, v``."""
+    """The caller's five tensors (leaves) for ``rerope.rerope_attention``, from ``q, k, v``."""
     q, k, v = (t.detach() for t in raw)
     return [t.detach().clone().requires_grad_()
             for t in (*rerope_inputs(q, k, window, **rope_args), v)]
@@ -54,10 +54,10 @@ def oracle(raw, window, dout=None, **kwargs):
 
 
 def rerope_results(raw, window, dout, **kwargs):
-    """``kernels.rerope`` forward and backward: ``out, dq, dk, dv``."""
+    """``rerope.rerope`` forward and backward: ``out, dq, dk, dv``."""
     for t in raw:
         t.grad = None
-    out = kernels.rerope(*raw, window, **kwargs)
+    out = rerope.rerope(*raw, window, **kwargs)
     out.backward(dout)
     return {"out": out.detach(), **{n: t.grad for n, t in zip(("dq", "dk", "dv"), raw)}}
 
@@ -66,7 +66,7 @@ def rerope_results(raw, window, dout, **kwargs):
 
 # What torch says when a backward is differentiated again but cannot be: ``once_differentiable``
 # ("trying to differentiate twice a function that was marked with @once_differentiable"), or a
-# custom op with no double-backward formula ("Trying to backward through kernels.rerope_bwd…
+# custom op with no double-backward formula ("Trying to backward through rerope.rerope_bwd…
 # but no autograd formula was registered"). NOT "does not require grad": that is the silent
 # failure (first-order gradients detached from the graph, second order taken as zero).
 CLEAR_DOUBLE_BACKWARD_ERROR = re.compile(
@@ -101,7 +101,7 @@ def test_double_backward_raises_clearly_or_is_right(op_name, gen):
         leaves = raw
 
         def op(q, k, v):
-            return kernels.rerope(q, k, v, window, causal=causal, leaky=4.0)
+            return rerope.rerope(q, k, v, window, causal=causal, leaky=4.0)
 
         def ref_op(q, k, v):
             return reference.rerope_from_relative_positions(q, k, v, window, causal=causal,
@@ -110,7 +110,7 @@ def test_double_backward_raises_clearly_or_is_right(op_name, gen):
         leaves = five_from(raw, window)
 
         def op(*five):
-            return kernels.rerope_attention(*five, window, causal=causal)
+            return rerope.rerope_attention(*five, window, causal=causal)
 
         def ref_op(*five):
             return reference.rerope_attention(*five, window, causal=causal)
@@ -149,11 +149,11 @@ def test_row_with_very_negative_scores_is_finite(op_name, gen):
         raw[1][0, 0, 0] = -1e15
     dout = randn(gen, 1, 1, n, d, dtype=F32, device=raw[0].device)
     if op_name == "rerope":
-        out = kernels.rerope(*raw, window)
+        out = rerope.rerope(*raw, window)
         grads = torch.autograd.grad(out, raw, dout)
     else:
         five = five_from(raw, window)
-        out = kernels.rerope_attention(*five, window)
+        out = rerope.rerope_attention(*five, window)
         grads = torch.autograd.grad(out, five, dout)
     want = oracle(raw, window)["out"]
     assert torch.isfinite(want).all()
@@ -174,9 +174,9 @@ def test_sm_scale_outside_the_fp32_range_is_refused(sm_scale):
     q, k, v = (torch.zeros(1, 1, 4, 16, device=device) for _ in range(3))
     message = r"sm_scale must be between 1\.175e-38 and 2\.359e\+38"
     with pytest.raises(ValueError, match=message):
-        kernels.rerope(q, k, v, 2, sm_scale=sm_scale)
+        rerope.rerope(q, k, v, 2, sm_scale=sm_scale)
     with pytest.raises(ValueError, match=message):
-        kernels.rerope_attention(q, q, k, k, v, 2, sm_scale=sm_scale)
+        rerope.rerope_attention(q, q, k, k, v, 2, sm_scale=sm_scale)
 
 
 def test_sm_scale_at_the_bounds_is_computed(gen):
@@ -184,7 +184,7 @@ def test_sm_scale_at_the_bounds_is_computed(gen):
     assert SM_SCALE_MIN * math.log2(math.e) >= torch.finfo(F32).tiny
     assert SM_SCALE_MAX * math.log2(math.e) <= torch.finfo(F32).max
     raw = raw_leaves(gen, 1, 1, 1, 10, 16, F32)
-    out = kernels.rerope(*raw, 3, sm_scale=SM_SCALE_MIN)
+    out = rerope.rerope(*raw, 3, sm_scale=SM_SCALE_MIN)
     want = oracle(raw, 3, sm_scale=SM_SCALE_MIN)["out"]
     assert not close_problems("out", out, want, tolerance(F32))
 
@@ -209,8 +209,8 @@ def test_references_compute_tiny_sm_scale(sm_scale, gen):
 _BIG_OFFSETS_SCRIPT = textwrap.dedent("""
     import sys
     import torch
-    import kernels
-    from kernels import reference
+    import rerope
+    from rerope import reference
     sys.path.insert(0, "tests")
     from conftest import kernel_device, results_problems, tolerance
 
@@ -237,11 +237,11 @@ _BIG_OFFSETS_SCRIPT = textwrap.dedent("""
         # the views themselves are the leaves: the kernels get the huge strides
         if op_name == "rerope":
             inputs = [q, k, v]
-            call = lambda *t: kernels.rerope(*t, 2, causal=False)
+            call = lambda *t: rerope.rerope(*t, 2, causal=False)
             ref_call = lambda *t: reference.rerope_from_relative_positions(*t, 2, causal=False)
         else:   # q1 = q2 = q, k1 = k2 = k: five strided views
             inputs = [q, q, k, k, v]
-            call = lambda *t: kernels.rerope_attention(*t, 2, causal=False)
+            call = lambda *t: rerope.rerope_attention(*t, 2, causal=False)
             ref_call = lambda *t: reference.rerope_attention(*t, 2, causal=False)
         leaves = [t.detach().requires_grad_() for t in inputs]
         assert max(t.stride(0) * (t.shape[0] - 1) + t.stride(2) * (t.shape[2] - 1)
@@ -279,7 +279,7 @@ def test_row_offsets_past_2_31_elements(op_name):
 @pytest.mark.parametrize("shape", [(1, 1, 16, 1), (2, 2, 16, 1)], ids=["B1H1", "B2H2"])
 def test_tma_with_one_row_and_an_unaligned_row_stride(shape, monkeypatch, gen):
     """Item 5. ``randn(1, 1, 16, 1).permute(0, 1, 3, 2)`` is ``(1, 1, 1, 16)`` with row stride 1
-    (2 bytes) and reports ``is_contiguous()``. Under ``KERNELS_TMA=1`` the kernels must still
+    (2 bytes) and reports ``is_contiguous()``. Under ``REROPE_TMA=1`` the kernels must still
     read it right (plain loads, or a descriptor that does not use the size-1 dim's stride)."""
     monkeypatch.setattr(configs, "TMA", "1")
     device = kernel_device()
@@ -295,10 +295,10 @@ def test_tma_with_one_row_and_an_unaligned_row_stride(shape, monkeypatch, gen):
     want = oracle(raw, 4, dout)
     got = rerope_results(raw, 4, dout)
     problems = results_problems(got, want, tolerance(F16))
-    assert not problems, "kernels.rerope:\n" + "\n".join(problems)
+    assert not problems, "rerope.rerope:\n" + "\n".join(problems)
     q, k, v = raw
     five = [q, q, k, k, v]          # N = 1: R(0) is the identity, and the one pair is inside
-    out = kernels.rerope_attention(*five, 4)
+    out = rerope.rerope_attention(*five, 4)
     assert not close_problems("out", out, want["out"], tolerance(F16)), "rerope_attention"
 
 
@@ -321,8 +321,8 @@ def test_huge_window_is_plain_rope(leaky, gen):
         for out in (reference.rerope_from_relative_positions(q, k, v, huge, causal=causal,
                                                              leaky=leaky),
                     reference.rerope(q, k, v, huge, causal=causal, leaky=leaky),
-                    kernels.rerope(q, k, v, huge, causal=causal, leaky=leaky),
-                    kernels.rerope_attention(*small, v, huge, causal=causal)):
+                    rerope.rerope(q, k, v, huge, causal=causal, leaky=leaky),
+                    rerope.rerope_attention(*small, v, huge, causal=causal)):
             assert not close_problems("out", out, want, tolerance(F32))
 
 
@@ -330,7 +330,7 @@ def test_huge_window_with_fewer_queries(gen):
     """Item 6, ``Nq < Nk``: the huge window is clamped at ``Nk`` (not ``Nq``)."""
     raw = raw_leaves(gen, 1, 1, 1, 12, 16, F32, n_queries=5)
     want = oracle(raw, 12, causal=False)["out"]
-    out = kernels.rerope(*raw, 10 ** 400, causal=False)
+    out = rerope.rerope(*raw, 10 ** 400, causal=False)
     assert not close_problems("out", out, want, tolerance(F32))
 
 
@@ -342,8 +342,8 @@ def test_huge_window_with_fewer_queries(gen):
 def test_torch_compile_fullgraph(op_name, backend, gen):
     """Item 7. ``torch.compile(fullgraph=True)`` of a function calling the op (no graph break
     allowed), forward and backward: the same results and gradients as eager, and as the oracle.
-    Inductor for ``kernels.rerope`` (what users get); ``aot_eager`` (tracing and fake tensors,
-    no code generation: cheaper) for ``kernels.rerope_attention``."""
+    Inductor for ``rerope.rerope`` (what users get); ``aot_eager`` (tracing and fake tensors,
+    no code generation: cheaper) for ``rerope.rerope_attention``."""
     import torch._dynamo
 
     window = 5
@@ -353,12 +353,12 @@ def test_torch_compile_fullgraph(op_name, backend, gen):
         leaves = raw
 
         def fn(q, k, v):
-            return kernels.rerope(q, k, v, window, leaky=8.0)
+            return rerope.rerope(q, k, v, window, leaky=8.0)
     else:
         leaves = five_from(raw, window)
 
         def fn(*five):
-            return kernels.rerope_attention(*five, window)
+            return rerope.rerope_attention(*five, window)
 
     torch._dynamo.reset()
     compiled = torch.compile(fn, fullgraph=True, backend=backend)
@@ -381,9 +381,9 @@ def test_torch_compile_fullgraph(op_name, backend, gen):
 
 # --- 8. clear messages: the caller's argument names, TypeError for types ---------------------
 
-# kernels.rerope validates q, k, v itself; reference.rerope validates the same way (so these
+# rerope.rerope validates q, k, v itself; reference.rerope validates the same way (so these
 # messages are checked on the float64 oracle's path too).
-RAW_OPS = [pytest.param(kernels.rerope, id="kernel"),
+RAW_OPS = [pytest.param(rerope.rerope, id="kernel"),
            pytest.param(reference.rerope, id="reference")]
 INTERNAL_NAME = re.compile(r"\b[qk][12]\b")
 
@@ -404,7 +404,7 @@ def _message(op, *args, error, **kwargs):
 def test_messages_name_the_callers_tensors(op):
     """Item 8. Errors about ``q, k, v`` name ``q``, ``k`` or ``v``, never ``q1 … k2``."""
     q, k, v = _zeros(1, 2, 8, 16), _zeros(1, 1, 8, 16), _zeros(1, 1, 8, 16)
-    if op is kernels.rerope:   # float64 is the references' dtype, not the kernels'
+    if op is rerope.rerope:   # float64 is the references' dtype, not the kernels'
         message = _message(op, q.double(), k.double(), v.double(), 4, error=TypeError)
         assert re.search(r"\bq has unsupported dtype torch.float64", message), message
     message = _message(op, q, k, v.half(), 4, error=TypeError)
@@ -463,7 +463,7 @@ def test_logn_len_near_one_is_fine_in_wide_dtypes(dtype, gen):
     raw = raw_leaves(gen, 1, 1, 1, 16, 16, dtype)
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)
-        out = kernels.rerope(*raw, 4, logn_len=1.0002)
+        out = rerope.rerope(*raw, 4, logn_len=1.0002)
     assert torch.isfinite(out).all()
     if dtype == F32:
         want = oracle(raw, 4, logn_len=1.0002)["out"]
@@ -506,7 +506,7 @@ def test_future_keys_positions(leaky, gen):
     else:
         assert rel[i, i + int(window * (leaky - 1))].item() == pytest.approx(0.0)
     raw = raw_leaves(gen, 1, 1, 1, n, 16, F32)
-    out = kernels.rerope(*raw, window, causal=False, leaky=leaky)
+    out = rerope.rerope(*raw, window, causal=False, leaky=leaky)
     assert not close_problems("out", out, oracle(raw, window, causal=False, leaky=leaky)["out"],
                               tolerance(F32))
 
@@ -522,7 +522,7 @@ def test_future_keys_positions(leaky, gen):
 #   path                               dtype  default scale  sm_scale 1  sm_scale 2  sm_scale 4
 #   five tensors (rerope_inputs +      bf16   4.8e-3         2.0e-2      9.7e-2      1.25e-1
 #     rerope_attention)                fp16   7.0e-4         4.5e-3      1.2e-2      6.9e-3
-#   kernels.rerope, fused rotation     bf16   3.1e-3         2.9e-3      3.5e-3      2.8e-3
+#   rerope.rerope, fused rotation     bf16   3.1e-3         2.9e-3      3.5e-3      2.8e-3
 #                                      fp16   4.4e-4         4.3e-3      1.2e-2      6.9e-3
 #
 # (N=64 window 16 for the default scale and 2, 4; N=32 window 8 for 1.) The kernel alone on the
@@ -537,7 +537,7 @@ def test_future_keys_positions(leaky, gen):
 
 @pytest.mark.parametrize("dtype", [F16, BF16], ids=str)
 def test_rounding_of_rotated_operands_under_sharp_softmax(dtype, gen):
-    """D=256. Default scale: ``kernels.rerope`` within the tolerance table. ``sm_scale=4`` (a
+    """D=256. Default scale: ``rerope.rerope`` within the tolerance table. ``sm_scale=4`` (a
     very sharp softmax): its worst gradient error at most 1.5x that of the five-tensor path
     (rounded ``q1 … k2``), both measured against the float64 oracle (numbers above)."""
     n, d, window = 32, 256, 8
@@ -552,14 +552,14 @@ def test_rounding_of_rotated_operands_under_sharp_softmax(dtype, gen):
     got = rerope_results(raw, window, dout, sm_scale=sm_scale)
     fused = max(error_stats(got[name], want[name])["scaled"] for name in names)
     five = five_from(raw, window)
-    grads = torch.autograd.grad(kernels.rerope_attention(*five, window, sm_scale=sm_scale),
+    grads = torch.autograd.grad(rerope.rerope_attention(*five, window, sm_scale=sm_scale),
                                 five, dout)
     # chain the five gradients back to q, k, v through the (float64) preprocessing
     leaves = [t.detach().double().cpu().requires_grad_() for t in raw]
     rebuilt = (*rerope_inputs(leaves[0], leaves[1], window), leaves[2])
     chained = torch.autograd.grad(rebuilt, leaves, [g.double().cpu() for g in grads])
     five_path = max(error_stats(g, want[name])["scaled"] for g, name in zip(chained, names))
-    print(f"ROUNDING {dtype} sm_scale={sm_scale}: kernels.rerope {fused:.3g}, "
+    print(f"ROUNDING {dtype} sm_scale={sm_scale}: rerope.rerope {fused:.3g}, "
           f"five-tensor path {five_path:.3g}")
     assert fused <= 1.5 * five_path, (
         f"fused rotation worse than rounding the five tensors: {fused:.3g} > 1.5 · "
@@ -572,22 +572,22 @@ def test_rounding_of_rotated_operands_under_sharp_softmax(dtype, gen):
 @pytest.mark.parametrize("batch, heads", [(0, 2), (2, 0)], ids=["B0", "Hq0"])
 def test_empty_batch_gives_an_empty_output(batch, heads, gen):
     """``B = 0`` (or no query head) used to raise ZeroDivisionError in ``rerope_decode`` and in
-    ``kernels.rerope``'s short no-grad calls (the splits rule divided by the program count).
+    ``rerope.rerope``'s short no-grad calls (the splits rule divided by the program count).
     Every op returns an empty output; the training ops empty gradients."""
     device = kernel_device()
     q = randn(gen, batch, heads, 5, 16, dtype=F32, device=device)
     k, v = (randn(gen, batch, 1, 5, 16, dtype=F32, device=device) for _ in range(2))
     with torch.no_grad():
         for rotated in (False, True):
-            outs = [kernels.rerope_decode(q[:, :, -1:], k, v, 3, rotated=rotated),
-                    kernels.rerope_decode(q[:, :, -2:], k, v, 3, rotated=rotated, num_splits=4,
-                                          cache_seqlens=torch.full((batch,), 5, dtype=torch.int32)),
-                    kernels.rerope(q, k, v, 3, rotated=rotated)]
+            outs = [rerope.rerope_decode(q[:, :, -1:], k, v, 3, rotated=rotated),
+                    rerope.rerope_decode(q[:, :, -2:], k, v, 3, rotated=rotated, num_splits=4,
+                                         cache_seqlens=torch.full((batch,), 5, dtype=torch.int32)),
+                    rerope.rerope(q, k, v, 3, rotated=rotated)]
             for out, n in zip(outs, (1, 2, 5)):
                 assert out.shape == (batch, heads, n, 16) and out.dtype == q.dtype
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-    for op in (lambda q, k, v: kernels.rerope(q, k, v, 3, rotated=True),
-               lambda q, k, v: kernels.rerope_attention(q, q, k, k, v, 3)):
+    for op in (lambda q, k, v: rerope.rerope(q, k, v, 3, rotated=True),
+               lambda q, k, v: rerope.rerope_attention(q, q, k, k, v, 3)):
         out = op(*leaves)
         assert out.shape == q.shape
         grads = torch.autograd.grad(out.sum(), leaves)
@@ -605,15 +605,15 @@ def test_decode_refuses_inputs_that_want_gradients(name, gen):
                "v_cache": randn(gen, 1, 1, 9, 16, dtype=F32, device=device)}
     tensors[name].requires_grad_()
     with pytest.raises(ValueError, match=f"{name} requires grad, but rerope_decode is "
-                                         "forward-only.*use kernels.rerope for gradients"):
-        kernels.rerope_decode(tensors["q"], tensors["k_cache"], tensors["v_cache"], 4)
+                                         "forward-only.*use rerope.rerope for gradients"):
+        rerope.rerope_decode(tensors["q"], tensors["k_cache"], tensors["v_cache"], 4)
     with torch.no_grad():
-        out = kernels.rerope_decode(tensors["q"], tensors["k_cache"], tensors["v_cache"], 4)
+        out = rerope.rerope_decode(tensors["q"], tensors["k_cache"], tensors["v_cache"], 4)
     want = reference.rerope_from_relative_positions(
         *(t.detach().double() for t in tensors.values()), 4, rotated=True)
     assert not results_problems({"out": out}, {"out": want}, tolerance(F32))
-    # kernels.rerope with grad mode on takes the differentiable path and gives gradients
-    out = kernels.rerope(tensors["q"], tensors["k_cache"], tensors["v_cache"], 4, rotated=True)
+    # rerope.rerope with grad mode on takes the differentiable path and gives gradients
+    out = rerope.rerope(tensors["q"], tensors["k_cache"], tensors["v_cache"], 4, rotated=True)
     assert out.requires_grad
     out.sum().backward()
     assert tensors[name].grad is not None

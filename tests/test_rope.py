@@ -1,11 +1,11 @@
-"""RoPE, ReRoPE and Leaky ReRoPE helpers of :mod:`kernels.rope` (pure torch, float64)."""
+"""RoPE, ReRoPE and Leaky ReRoPE helpers of :mod:`rerope.rope` (pure torch, float64)."""
 
 import math
 
 import pytest
 import torch
 
-from kernels import rope
+from rerope import rope
 
 F64 = torch.float64
 

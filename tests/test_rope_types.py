@@ -4,12 +4,12 @@ A model's scaled RoPE (``linear``, Llama 3's ``llama3``, YaRN) changes only the 
 frequencies ``θ_t``; the ops take them as ``inv_freq`` next to ``base``. Checked here, on the
 CPU interpreter at small sizes:
 
-* ``kernels.rerope`` (forward and backward) and ``kernels.rerope_decode`` with a random vector
+* ``rerope.rerope`` (forward and backward) and ``rerope.rerope_decode`` with a random vector
   of frequencies equal ``reference.rerope_from_relative_positions`` with the same vector
   (float64), raw and rotated inputs, ReRoPE and Leaky, GQA, ``Nq < Nk``;
 * the two references agree with each other, ``apply_rope`` is the complex rotation by the
   given frequencies, and the default frequencies passed as a vector give the ``base`` result;
-* a tensor, a list and :class:`kernels.rope.Frequencies` give the same result; a tensor is read
+* a tensor, a list and :class:`rerope.rope.Frequencies` give the same result; a tensor is read
   once and re-read when modified in place; other frequencies on the same shapes are not served
   from a stale cache;
 * bad ``inv_freq`` raises a ``TypeError`` / ``ValueError`` naming it, in every op.
@@ -20,9 +20,9 @@ import math
 import pytest
 import torch
 
-import kernels
-from kernels import reference, rope
-from kernels._validate import as_frequencies
+import rerope
+from rerope import reference, rope
+from rerope._validate import as_frequencies
 from rerope_testing import kernel_device, randn, results_problems, tolerance
 
 F32, F64 = torch.float32, torch.float64
@@ -64,7 +64,7 @@ def test_rerope_with_inv_freq_matches_the_oracle(case, gen):
     freqs = scaled_frequencies(gen, d)
     q, k, v = leaves(gen, b, hq, hkv, n_q, n_k, d)
     dout = randn(gen, b, hq, n_q, d, dtype=F32, device=q.device)
-    out = kernels.rerope(q, k, v, window, leaky=leaky, rotated=rotated, inv_freq=freqs)
+    out = rerope.rerope(q, k, v, window, leaky=leaky, rotated=rotated, inv_freq=freqs)
     out.backward(dout)
     got = {"out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
     want = oracle((q, k, v, dout), window, leaky=leaky, rotated=rotated, inv_freq=freqs)
@@ -84,11 +84,11 @@ def test_decode_with_inv_freq_matches_the_oracle(n_q, n_k, window, leaky, rotate
     want = reference.rerope_from_relative_positions(q.double(), k.double(), v.double(), window,
                                                     leaky=leaky, rotated=rotated, inv_freq=freqs)
     for num_splits in (None, 3):
-        out = kernels.rerope_decode(q, k, v, window, leaky=leaky, rotated=rotated,
-                                    inv_freq=freqs, num_splits=num_splits)
+        out = rerope.rerope_decode(q, k, v, window, leaky=leaky, rotated=rotated,
+                                   inv_freq=freqs, num_splits=num_splits)
         assert not results_problems({"out": out}, {"out": want}, tolerance(F32))
-    with torch.no_grad():          # kernels.rerope routes short no-grad calls to decoding
-        routed = kernels.rerope(q, k, v, window, leaky=leaky, rotated=rotated, inv_freq=freqs)
+    with torch.no_grad():          # rerope.rerope routes short no-grad calls to decoding
+        routed = rerope.rerope(q, k, v, window, leaky=leaky, rotated=rotated, inv_freq=freqs)
     assert not results_problems({"out": routed}, {"out": want}, tolerance(F32))
 
 
@@ -124,14 +124,14 @@ def test_default_frequencies_as_a_vector_give_the_base_result(gen):
     q, k, v = (t.detach() for t in leaves(gen, 1, 2, 1, 15, 15, d))
     theta = rope.rope_frequencies(d, 500.0)
     for rotated in (False, True):
-        by_base = kernels.rerope(q, k, v, window, base=500.0, rotated=rotated)
-        by_vector = kernels.rerope(q, k, v, window, inv_freq=theta, rotated=rotated)
+        by_base = rerope.rerope(q, k, v, window, base=500.0, rotated=rotated)
+        by_vector = rerope.rerope(q, k, v, window, inv_freq=theta, rotated=rotated)
         assert torch.equal(by_base, by_vector)
         with torch.no_grad():
-            assert torch.equal(kernels.rerope_decode(q[:, :, -1:], k, v, window, base=500.0,
-                                                     rotated=rotated),
-                               kernels.rerope_decode(q[:, :, -1:], k, v, window,
-                                                     inv_freq=theta.tolist(), rotated=rotated))
+            assert torch.equal(rerope.rerope_decode(q[:, :, -1:], k, v, window, base=500.0,
+                                                    rotated=rotated),
+                               rerope.rerope_decode(q[:, :, -1:], k, v, window,
+                                                    inv_freq=theta.tolist(), rotated=rotated))
 
 
 def test_tensor_list_and_frequencies_agree_and_caches_follow_the_values(gen):
@@ -139,7 +139,7 @@ def test_tensor_list_and_frequencies_agree_and_caches_follow_the_values(gen):
     q, k, v = (t.detach() for t in leaves(gen, 1, 2, 1, 12, 12, d))
     freqs = scaled_frequencies(gen, d).to(F32)
     forms = [freqs, freqs.tolist(), tuple(freqs.tolist()), rope.Frequencies.of(freqs)]
-    outs = [kernels.rerope(q, k, v, window, rotated=True, inv_freq=f) for f in forms]
+    outs = [rerope.rerope(q, k, v, window, rotated=True, inv_freq=f) for f in forms]
     assert all(torch.equal(outs[0], o) for o in outs[1:])
     # a tensor is read once, and again after an in-place change
     first = as_frequencies(freqs)
@@ -151,10 +151,10 @@ def test_tensor_list_and_frequencies_agree_and_caches_follow_the_values(gen):
     for f in (first, halved):
         want = reference.rerope_from_relative_positions(q.double(), k.double(), v.double(),
                                                         window, rotated=True, inv_freq=f)
-        got = kernels.rerope(q, k, v, window, rotated=True, inv_freq=f)
+        got = rerope.rerope(q, k, v, window, rotated=True, inv_freq=f)
         assert not results_problems({"out": got}, {"out": want}, tolerance(F32))
         with torch.no_grad():
-            step = kernels.rerope_decode(q[:, :, -1:], k, v, window, inv_freq=f)
+            step = rerope.rerope_decode(q[:, :, -1:], k, v, window, inv_freq=f)
         assert not results_problems({"out": step}, {"out": want[:, :, -1:]}, tolerance(F32))
 
 
@@ -167,9 +167,9 @@ def _call(op, inv_freq, base=10000.0):
     device = kernel_device()
     q, k, v = (torch.zeros(1, 2, 4, D, device=device) for _ in range(3))
     if op == "rerope":
-        return kernels.rerope(q, k, v, 2, base=base, inv_freq=inv_freq)
+        return rerope.rerope(q, k, v, 2, base=base, inv_freq=inv_freq)
     if op == "rerope_decode":
-        return kernels.rerope_decode(q[:, :, -1:], k, v, 2, base=base, inv_freq=inv_freq)
+        return rerope.rerope_decode(q[:, :, -1:], k, v, 2, base=base, inv_freq=inv_freq)
     if op == "reference.rerope":
         return reference.rerope(q, k, v, 2, base=base, inv_freq=inv_freq)
     if op == "rerope_from_relative_positions":

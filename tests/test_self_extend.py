@@ -3,19 +3,19 @@
 Self-Extend (Jin et al. 2024, "LLM Maybe LongLM"): a causal pair at distance ``d = i - j`` keeps
 ``d`` while ``d < w`` and gets ``⌊i/G⌋ - ⌊j/G⌋ + w - w/G`` beyond. What is checked:
 
-* the float64 oracles (``kernels.rope.relative_positions``, ``reference.rerope`` and
+* the float64 oracles (``rerope.rope.relative_positions``, ``reference.rerope`` and
   ``reference.rerope_from_relative_positions`` with ``group``) against constructions written
   here from the paper's definition: a pair-by-pair loop for the positions, and the authors'
   two-attention form (neighbour scores at ``i, j``, grouped scores at ``⌊i/G⌋ + w - w/G``,
   ``⌊j/G⌋``, merged by the window mask);
-* ``kernels.rerope(..., group=G)`` forward and ``dq, dk, dv`` against the oracle, outputs
+* ``rerope.rerope(..., group=G)`` forward and ``dq, dk, dv`` against the oracle, outputs
   poisoned, raw and rotated inputs, ``Nq < Nk``, odd ``N``, GQA, batch > 1, log-n, the window
   edge ``d = w - 1, w`` crossing the 16-wide tiles, ``G = 1`` and ``w >= N`` (plain RoPE);
-* ``kernels.rerope_decode(..., group=G)`` on a rotated (and a raw) cache against
-  ``kernels.rerope(..., group=G)`` on the same data, per-row ``cache_seqlens``, GQA, ``G``
+* ``rerope.rerope_decode(..., group=G)`` on a rotated (and a raw) cache against
+  ``rerope.rerope(..., group=G)`` on the same data, per-row ``cache_seqlens``, GQA, ``G``
   dividing the 16-key tile and not (one table row per key then);
 * the ``torch.library`` op and its fake; the plan cache keeps settings apart;
-* ``kernels.hf.enable_rerope(model, window, group=G)`` on the tiny models of
+* ``rerope.hf.enable_rerope(model, window, group=G)`` on the tiny models of
   ``tests/test_hf.py``: logits against a float64 reference model, ``generate`` with the cache
   equal to recomputation;
 * bad ``group`` values raise ``TypeError`` / ``ValueError`` naming ``group``.
@@ -28,8 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
-import kernels
-from kernels import reference, rope
+import rerope
+from rerope import reference, rope
 from test_fused import fused_results, oracle_results   # the kernels and the oracle, forward + backward
 from rerope_testing import (F16, F32, close_problems, describe, kernel_device, poisoned_empty,
                             randn, results_problems, tolerance)
@@ -201,15 +201,15 @@ def test_kernels_match_the_oracle(case, gen):
 def test_group_one_in_the_kernels_is_plain_rope(gen):
     q, k, v = (randn(gen, 1, 2, 33, 32, dtype=F32, device=kernel_device()) for _ in range(3))
     with torch.no_grad():
-        plain = kernels.rerope(q, k, v, 33, rotated=True)
-        grouped = kernels.rerope(q, k, v, 6, rotated=True, group=1)
+        plain = rerope.rerope(q, k, v, 33, rotated=True)
+        grouped = rerope.rerope(q, k, v, 6, rotated=True, group=1)
     assert (grouped - plain).abs().max() < 1e-5
 
 
 def test_rotated_self_extend_runs_reropes_kernel_variant():
     """Rotated inputs (a model's): the same compile-time switches as ReRoPE, only the table's
     rows differ; raw inputs turn their keys outside the window, like Leaky ReRoPE."""
-    from kernels import attention
+    from rerope import attention
     for rotated in (False, True):
         se = attention._rotations(64, 32, 10000.0, 8, None, None, rotated, "cpu", None, 4)
         leaky = attention._rotations(64, 32, 10000.0, 8, 4.0, None, rotated, "cpu")
@@ -226,8 +226,8 @@ def test_rotated_self_extend_runs_reropes_kernel_variant():
 def test_plan_cache_keeps_groups_apart(gen):
     q, k, v = (randn(gen, 1, 1, 40, 32, dtype=F32, device=kernel_device()) for _ in range(3))
     with torch.no_grad():
-        outs = {g: kernels.rerope(q, k, v, 8, rotated=True, group=g) for g in (None, 2, 4, 2)}
-        again = kernels.rerope(q, k, v, 8, rotated=True, group=4)
+        outs = {g: rerope.rerope(q, k, v, 8, rotated=True, group=g) for g in (None, 2, 4, 2)}
+        again = rerope.rerope(q, k, v, 8, rotated=True, group=4)
     assert torch.equal(again, outs[4])
     assert (outs[2] - outs[4]).abs().max() > 1e-4 and (outs[None] - outs[2]).abs().max() > 1e-4
     ref = reference.rerope_from_relative_positions(q.double(), k.double(), v.double(), 8,
@@ -238,17 +238,17 @@ def test_plan_cache_keeps_groups_apart(gen):
 def test_library_op_and_fake_take_group(gen):
     from torch._subclasses.fake_tensor import FakeTensorMode
     q, k, v = (randn(gen, 1, 2, 24, 32, dtype=F32, device=kernel_device()) for _ in range(3))
-    out, lse = torch.ops.kernels.rerope_fwd(q, k, v, 8, True, 32 ** -0.5, 10000.0, None, None,
-                                            True, None, 4)
+    out, lse = torch.ops.rerope.rerope_fwd(q, k, v, 8, True, 32 ** -0.5, 10000.0, None, None,
+                                           True, None, 4)
     want = reference.rerope_from_relative_positions(q.double(), k.double(), v.double(), 8,
                                                     rotated=True, group=4)
     assert (out.double() - want).abs().max() < 1e-5 and lse.shape == (2, 24)
     with FakeTensorMode() as mode:
         fq, fk, fv = (mode.from_tensor(t) for t in (q, k, v))
-        fout, flse = torch.ops.kernels.rerope_fwd(fq, fk, fv, 8, True, 32 ** -0.5, 10000.0,
-                                                  None, None, True, None, 4)
-        grads = torch.ops.kernels.rerope_bwd(fout, fq, fk, fv, fout, flse, 8, True, 32 ** -0.5,
-                                             10000.0, None, None, True, None, 4)
+        fout, flse = torch.ops.rerope.rerope_fwd(fq, fk, fv, 8, True, 32 ** -0.5, 10000.0,
+                                                 None, None, True, None, 4)
+        grads = torch.ops.rerope.rerope_bwd(fout, fq, fk, fv, fout, flse, 8, True, 32 ** -0.5,
+                                            10000.0, None, None, True, None, 4)
     assert fout.shape == q.shape and [g.shape for g in grads] == [q.shape, k.shape, v.shape]
 
 
@@ -259,19 +259,19 @@ def test_compiled_forward_backward_and_decode_take_group(gen):
     device = kernel_device()
     q, k, v = (randn(gen, 1, 2, 24, 32, dtype=F32, device=device).requires_grad_()
                for _ in range(3))
-    out = kernels.rerope(q, k, v, 8, rotated=True, group=4)
+    out = rerope.rerope(q, k, v, 8, rotated=True, group=4)
     want = [out.detach(), *torch.autograd.grad(out.sum(), (q, k, v))]
     torch._dynamo.reset()
-    fn = torch.compile(lambda q, k, v: kernels.rerope(q, k, v, 8, rotated=True, group=4),
+    fn = torch.compile(lambda q, k, v: rerope.rerope(q, k, v, 8, rotated=True, group=4),
                        fullgraph=True, backend="aot_eager")
     out = fn(q, k, v)
     got = [out.detach(), *torch.autograd.grad(out.sum(), (q, k, v))]
-    step = torch.compile(lambda q, k, v: kernels.rerope_decode(q, k, v, 8, group=4),
+    step = torch.compile(lambda q, k, v: rerope.rerope_decode(q, k, v, 8, group=4),
                          fullgraph=True, backend="aot_eager")
     with torch.no_grad():
         got_step = step(q[:, :, -1:].detach(), k.detach(), v.detach())
-        want_step = kernels.rerope_decode(q[:, :, -1:].detach(), k.detach(), v.detach(), 8,
-                                          group=4)
+        want_step = rerope.rerope_decode(q[:, :, -1:].detach(), k.detach(), v.detach(), 8,
+                                         group=4)
     torch._dynamo.reset()
     for a, b in zip(got, want):
         assert torch.allclose(a, b, atol=1e-6, rtol=1e-6)
@@ -298,13 +298,13 @@ def test_decode_matches_the_prefill_op(n_max, lengths, n_q, window, group, hq, h
         v_cache[b, :, length:] = float("nan")
     seqlens = torch.tensor(lengths, dtype=torch.int32, device=device)
     with poisoned_empty():
-        got = kernels.rerope_decode(q, k_cache, v_cache, window, cache_seqlens=seqlens,
-                                    rotated=rotated, group=group)
+        got = rerope.rerope_decode(q, k_cache, v_cache, window, cache_seqlens=seqlens,
+                                   rotated=rotated, group=group)
     for b, length in enumerate(lengths):
         rows = [t[b:b + 1] for t in (q, k_cache[:, :, :length], v_cache[:, :, :length])]
-        # inputs that require grad: kernels.rerope runs its prefill kernels, not the decode one
-        want = kernels.rerope(*(t.clone().requires_grad_() for t in rows), window,
-                              rotated=rotated, group=group).detach()
+        # inputs that require grad: rerope.rerope runs its prefill kernels, not the decode one
+        want = rerope.rerope(*(t.clone().requires_grad_() for t in rows), window,
+                             rotated=rotated, group=group).detach()
         oracle = reference.rerope_from_relative_positions(
             *(t.double() for t in rows), window, rotated=rotated, group=group)
         problems = (close_problems(f"row {b} vs prefill", got[b:b + 1], want, tolerance(F32))
@@ -314,11 +314,11 @@ def test_decode_matches_the_prefill_op(n_max, lengths, n_q, window, group, hq, h
 
 
 def test_decode_route_of_rerope_passes_group(gen):
-    """A short no-grad call of kernels.rerope goes to the decode kernel, with the group."""
+    """A short no-grad call of rerope.rerope goes to the decode kernel, with the group."""
     q = randn(gen, 1, 2, 2, 32, dtype=F32, device=kernel_device())
     k, v = (randn(gen, 1, 1, 50, 32, dtype=F32, device=kernel_device()) for _ in range(2))
     with torch.no_grad():
-        got = kernels.rerope(q, k, v, 8, rotated=True, group=4)
+        got = rerope.rerope(q, k, v, 8, rotated=True, group=4)
     want = reference.rerope_from_relative_positions(q.double(), k.double(), v.double(), 8,
                                                     rotated=True, group=4)
     assert (got.double() - want).abs().max() < 1e-5
@@ -338,13 +338,13 @@ def test_bad_group_raises(group, kw, error, match):
     device = kernel_device()
     q, k, v = (torch.zeros(1, 1, 20, 32, device=device) for _ in range(3))
     with pytest.raises(error, match=match):
-        kernels.rerope(q, k, v, 8, group=group, **kw)
+        rerope.rerope(q, k, v, 8, group=group, **kw)
     with pytest.raises(error, match=match):
         reference.rerope_from_relative_positions(q.double(), k.double(), v.double(), 8,
                                                  group=group, **kw)
     if "causal" not in kw:
         with pytest.raises(error, match=match):
-            kernels.rerope_decode(q[:, :, :1], k, v, 8, group=group, **kw)
+            rerope.rerope_decode(q[:, :, :1], k, v, 8, group=group, **kw)
 
 
 # --- Hugging Face ---------------------------------------------------------------------------------
@@ -380,7 +380,7 @@ def _register_self_extend_reference(window, group, base=10000.0):
 
 
 def test_hf_self_extend_matches_the_reference_model():
-    import kernels.hf as hf
+    import rerope.hf as hf
     _, test_hf = _hf()
     config = test_hf.tiny_config(kv_heads=2)
     ids = torch.randint(1, test_hf.VOCAB, (2, 29), generator=torch.Generator().manual_seed(3))
@@ -397,8 +397,8 @@ def test_hf_self_extend_matches_the_reference_model():
 
 
 def test_hf_generate_with_the_cache_equals_recomputation(monkeypatch):
-    import kernels.hf as hf
-    from kernels import decode
+    import rerope.hf as hf
+    from rerope import decode
     _, test_hf = _hf()
     model = hf.enable_rerope(test_hf.build(test_hf.tiny_config()), 8, group=4)
     ids = torch.randint(1, test_hf.VOCAB, (1, 14), generator=torch.Generator().manual_seed(5))
@@ -417,7 +417,7 @@ def test_hf_generate_with_the_cache_equals_recomputation(monkeypatch):
 
 
 def test_hf_bad_group_and_shifted_positions_raise():
-    import kernels.hf as hf
+    import rerope.hf as hf
     _, test_hf = _hf()
     model = test_hf.build(test_hf.tiny_config())
     with pytest.raises(ValueError, match="group must divide window"):
@@ -473,7 +473,7 @@ def _angles_raises(Table, start, BLOCK: tl.constexpr, HALF: tl.constexpr):
 
 
 def test_tile_angles_checker_accepts_the_split_and_rejects_slips():
-    from kernels import exercises
+    from rerope import exercises
 
     assert exercises.check_tile_angles(_angles_split) == "correct"
     verdict = exercises.check_tile_angles(_angles_row_per_key)
@@ -509,7 +509,7 @@ def test_gpu_full_size(dtype, d, rotated):
     q, k, v, dout = (torch.randn(1, 32, n, d, device="cuda", dtype=dtype, generator=gen)
                      for _ in range(4))
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-    out = kernels.rerope(*leaves, w, rotated=rotated, group=g)
+    out = rerope.rerope(*leaves, w, rotated=rotated, group=g)
     got = dict(zip(NAMES, (out, *torch.autograd.grad(out, leaves, dout))))
     ref_leaves = [t[:, :2].float().requires_grad_() for t in (q, k, v)]
     ref = _float32_reference(ref_leaves, w, rotated=rotated, group=g)
@@ -521,7 +521,7 @@ def test_gpu_full_size(dtype, d, rotated):
         kc, vc = (torch.randn(1, 8, 32768, d, device="cuda", dtype=dtype, generator=gen)
                   for _ in range(2))
         with torch.no_grad():
-            step = kernels.rerope_decode(qd, kc, vc, w, group=g)
+            step = rerope.rerope_decode(qd, kc, vc, w, group=g)
         ref = _float32_reference([t.float() for t in (qd, kc, vc)], w, rotated=True, group=g)
         problems += close_problems("decode", step, ref, tol)
     assert not problems, "\n".join(problems)

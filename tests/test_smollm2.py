@@ -7,7 +7,7 @@ tokens. The model is loaded once for the module (float32).
 import pytest
 import torch
 
-import kernels.hf
+import rerope.hf
 from realmodel import evaluate, smollm2
 
 TEXT = ("import os\n\n\ndef read_lines(path):\n    \"\"\"Return the lines of a text file.\"\"\"\n"
@@ -77,10 +77,10 @@ def two_layer_logits(loaded, ids):
     with smollm2.first_layers(model, 2):
         for key, method in settings.items():
             smollm2.set_method(model, method, 16)
-            enabled[key] = kernels.hf.is_rerope_enabled(model)
+            enabled[key] = rerope.hf.is_rerope_enabled(model)
             out[key] = logits(model, ids)
         smollm2.set_method(model, settings["stock"], 16)
-        enabled["back"] = kernels.hf.is_rerope_enabled(model)
+        enabled["back"] = rerope.hf.is_rerope_enabled(model)
         out["back"] = logits(model, ids)
     assert enabled == {"stock": False, "rerope16": True, "rerope4": True, "selfextend4g1": True,
                        "selfextend4g2": True, "back": False}

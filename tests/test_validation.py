@@ -1,6 +1,6 @@
 """Bad inputs: each raises the right exception type, with a message that names the argument.
 
-Checked for the public ops ``kernels.rerope_attention`` (five tensors) and ``kernels.rerope``
+Checked for the public ops ``rerope.rerope_attention`` (five tensors) and ``rerope.rerope``
 (raw ``q, k, v``), and for the references where they share the checks. No kernel runs here
 except in the few "accepted" cases (tiny shapes).
 """
@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-import kernels
-from kernels import reference
-from kernels.runtime import INTERPRET
+import rerope
+from rerope import reference
+from rerope.runtime import INTERPRET
 
 DEVICE = "cpu" if INTERPRET else "cuda"
 
@@ -60,7 +60,7 @@ TENSOR_CASES = [
 ]
 
 
-@pytest.mark.parametrize("op", [kernels.rerope_attention, reference.rerope_attention],
+@pytest.mark.parametrize("op", [rerope.rerope_attention, reference.rerope_attention],
                          ids=["kernel", "reference"])
 @pytest.mark.parametrize("override, error, message", [c[1:] for c in TENSOR_CASES],
                          ids=[c[0] for c in TENSOR_CASES])
@@ -71,25 +71,25 @@ def test_bad_tensors(op, override, error, message):
 
 @pytest.mark.parametrize("hq, hkv", [(3, 2), (4, 3), (1, 2)])
 def test_heads_not_a_multiple(hq, hkv):
-    for op in (kernels.rerope_attention, reference.rerope_attention):
+    for op in (rerope.rerope_attention, reference.rerope_attention):
         with pytest.raises(ValueError, match=rf"query heads \({hq}\).*key/value heads \({hkv}\)"):
             op(*five(hq=hq, hkv=hkv), 4)
     with pytest.raises(ValueError, match=r"heads"):
-        kernels.rerope(*raw(hq=hq, hkv=hkv), 4)
+        rerope.rerope(*raw(hq=hq, hkv=hkv), 4)
 
 
 def test_empty_sequence():
     with pytest.raises(ValueError, match=r"q1 must have sequence length"):
-        kernels.rerope_attention(*five(n=0), 4)
+        rerope.rerope_attention(*five(n=0), 4)
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.int32, torch.int64, torch.bool,
                                    torch.complex64], ids=str)
 def test_unsupported_dtype(dtype):
     with pytest.raises(TypeError, match=rf"q1 has unsupported dtype {dtype}"):
-        kernels.rerope_attention(*five(dtype=dtype), 4)
+        rerope.rerope_attention(*five(dtype=dtype), 4)
     with pytest.raises(TypeError, match=r"unsupported dtype"):
-        kernels.rerope(*raw(dtype=dtype), 4)
+        rerope.rerope(*raw(dtype=dtype), 4)
 
 
 def test_reference_accepts_float64_but_not_ints():
@@ -101,14 +101,14 @@ def test_reference_accepts_float64_but_not_ints():
 @pytest.mark.parametrize("d", [8, 48, 96, 512])
 def test_unsupported_head_dim(d):
     with pytest.raises(ValueError, match=rf"head dim D={d} is not supported"):
-        kernels.rerope_attention(*five(d=d), 4)
+        rerope.rerope_attention(*five(d=d), 4)
     with pytest.raises(ValueError, match=rf"head dim D={d}"):
-        kernels.rerope(*raw(d=d), 4)
+        rerope.rerope(*raw(d=d), 4)
 
 
 def test_odd_head_dim_for_rope():
     with pytest.raises(ValueError, match=r"head dim"):       # the kernels' head-dim check first
-        kernels.rerope(*raw(d=15), 4)
+        rerope.rerope(*raw(d=15), 4)
     with pytest.raises(ValueError, match=r"q must have an even head dim"):
         reference.rerope(*raw(d=15, device="cpu"), 4)
 
@@ -117,7 +117,7 @@ def test_inputs_on_the_wrong_device_for_the_mode():
     """All inputs on one device, but not the one the kernels run on."""
     wrong = "meta" if INTERPRET else "cpu"
     with pytest.raises(ValueError, match=rf"inputs are on {wrong}"):
-        kernels.rerope_attention(*five(device=wrong), 4)
+        rerope.rerope_attention(*five(device=wrong), 4)
 
 
 @pytest.mark.parametrize("window, error, message", [
@@ -132,9 +132,9 @@ def test_inputs_on_the_wrong_device_for_the_mode():
     (torch.tensor(4), TypeError, r"window must be an int"),
 ])
 def test_bad_window(window, error, message):
-    for call in (lambda: kernels.rerope_attention(*five(), window),
+    for call in (lambda: rerope.rerope_attention(*five(), window),
                  lambda: reference.rerope_attention(*five(device="cpu"), window),
-                 lambda: kernels.rerope(*raw(), window)):
+                 lambda: rerope.rerope(*raw(), window)):
         with pytest.raises(error, match=message):
             call()
 
@@ -142,9 +142,9 @@ def test_bad_window(window, error, message):
 @pytest.mark.parametrize("causal", [1, 0, "yes", None, np.bool_(True)], ids=repr)
 def test_causal_must_be_bool(causal):
     with pytest.raises(TypeError, match=r"causal must be a bool"):
-        kernels.rerope_attention(*five(), 4, causal=causal)
+        rerope.rerope_attention(*five(), 4, causal=causal)
     with pytest.raises(TypeError, match=r"causal must be a bool"):
-        kernels.rerope(*raw(), 4, causal=causal)
+        rerope.rerope(*raw(), 4, causal=causal)
 
 
 @pytest.mark.parametrize("sm_scale, error", [
@@ -155,9 +155,9 @@ def test_causal_must_be_bool(causal):
 ], ids=repr)
 def test_bad_sm_scale(sm_scale, error):
     with pytest.raises(error, match=r"sm_scale must be"):
-        kernels.rerope_attention(*five(), 4, sm_scale=sm_scale)
+        rerope.rerope_attention(*five(), 4, sm_scale=sm_scale)
     with pytest.raises(error, match=r"sm_scale must be"):
-        kernels.rerope(*raw(), 4, sm_scale=sm_scale)
+        rerope.rerope(*raw(), 4, sm_scale=sm_scale)
 
 
 @pytest.mark.parametrize("leaky, error", [
@@ -166,7 +166,7 @@ def test_bad_sm_scale(sm_scale, error):
 ], ids=repr)
 def test_bad_leaky(leaky, error):
     with pytest.raises(error, match=r"leaky must be"):
-        kernels.rerope(*raw(), 4, leaky=leaky)
+        rerope.rerope(*raw(), 4, leaky=leaky)
     with pytest.raises(error, match=r"leaky must be"):
         reference.rerope(*raw(device="cpu"), 4, leaky=leaky)
 
@@ -177,7 +177,7 @@ def test_bad_leaky(leaky, error):
 ], ids=repr)
 def test_bad_logn_len(logn_len, error):
     with pytest.raises(error, match=r"logn_len must be"):
-        kernels.rerope(*raw(), 4, logn_len=logn_len)
+        rerope.rerope(*raw(), 4, logn_len=logn_len)
 
 
 @pytest.mark.parametrize("base, error", [
@@ -186,27 +186,27 @@ def test_bad_logn_len(logn_len, error):
 ], ids=repr)
 def test_bad_base(base, error):
     with pytest.raises(error, match=r"base must be"):
-        kernels.rerope(*raw(), 4, base=base)
+        rerope.rerope(*raw(), 4, base=base)
     with pytest.raises(error, match=r"base must be"):
         reference.rerope(*raw(device="cpu"), 4, base=base)
 
 
 def test_raw_op_names_its_arguments():
     with pytest.raises(TypeError, match=r"v must be a torch.Tensor"):
-        kernels.rerope(*raw(v="not a tensor"), 4)
+        rerope.rerope(*raw(v="not a tensor"), 4)
     with pytest.raises(ValueError, match=r"k must have rank 4"):
-        kernels.rerope(*raw(k=zeros(1, 8, 16)), 4)
+        rerope.rerope(*raw(k=zeros(1, 8, 16)), 4)
     with pytest.raises(TypeError, match=r"k has dtype torch.float16"):
-        kernels.rerope(*raw(k=zeros(1, 1, 8, 16, dtype=torch.float16)), 4)
+        rerope.rerope(*raw(k=zeros(1, 1, 8, 16, dtype=torch.float16)), 4)
 
 
 @pytest.mark.parametrize("window", [np.int64(3), 3, 10 ** 9, 10 ** 400])
 def test_accepted_edge_values(window):
     """Integer-like windows (numpy ints too), windows far beyond N (beyond any float too),
     sm_scale as an int."""
-    out = kernels.rerope_attention(*five(n=5), window, sm_scale=1)
+    out = rerope.rerope_attention(*five(n=5), window, sm_scale=1)
     assert out.shape == (1, 2, 5, 16) and torch.isfinite(out).all()
-    out = kernels.rerope(*raw(n=5), window, sm_scale=1)
+    out = rerope.rerope(*raw(n=5), window, sm_scale=1)
     assert out.shape == (1, 2, 5, 16) and torch.isfinite(out).all()
 
 

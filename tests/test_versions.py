@@ -1,7 +1,7 @@
 """Supported versions: the stated floor is the checked floor is the tested floor.
 
-* :mod:`kernels._compat` refuses too old a Triton (and, under the interpreter, Triton < 3.7 with
-  numpy >= 2.4) at ``import kernels``, with a message naming what was found and what is needed;
+* :mod:`rerope._compat` refuses too old a Triton (and, under the interpreter, Triton < 3.7 with
+  numpy >= 2.4) at ``import rerope``, with a message naming what was found and what is needed;
 * ``requirements.txt``, the README and the Makefile's ``test-floor`` job name the same floor;
 * a few kernel runs, forward and backward, on whatever Triton is installed: ``make test-floor``
   runs this file and ``tests/test_compile.py`` with the floor Triton (``FLOOR_TRITON`` in the
@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels import _compat
+from rerope import _compat
 from rerope_testing import (F16, F32, Case, check_kernel_against_reference, describe,
                             make_inputs)
 
@@ -85,8 +85,8 @@ def test_odd_version_string_is_let_through():
 
 
 def test_installed_versions_pass():
-    """This environment imported ``kernels``, so the check passed here; it agrees directly."""
-    from kernels.runtime import INTERPRET
+    """This environment imported ``rerope``, so the check passed here; it agrees directly."""
+    from rerope.runtime import INTERPRET
 
     triton_version, numpy_version, torch_version = _compat.installed_versions()
     assert _compat.problems(triton_version, numpy_version, INTERPRET, torch_version) == []
@@ -94,18 +94,18 @@ def test_installed_versions_pass():
 
 
 def test_import_fails_clearly_with_an_old_triton(tmp_path):
-    """End to end: ``import kernels`` with Triton 3.3.1 installed (a stand-in package that
+    """End to end: ``import rerope`` with Triton 3.3.1 installed (a stand-in package that
     only has a version) raises the check's ImportError, not an error from inside Triton."""
     fake = tmp_path / "triton"
     fake.mkdir()
     (fake / "__init__.py").write_text('__version__ = "3.3.1"\n')
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)])}
-    code = ("import kernels\n")
+    code = ("import rerope\n")
     run = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env,
                          capture_output=True, text=True, timeout=300)
     assert run.returncode != 0, run.stdout + run.stderr
     last = run.stderr.strip().splitlines()[-1]
-    assert last.startswith("kernels._compat.UnsupportedVersionError: kernels needs Triton >= "
+    assert last.startswith("rerope._compat.UnsupportedVersionError: kernels needs Triton >= "
                            f"{FLOOR}, found Triton 3.3.1"), run.stderr[-3000:]
     assert issubclass(_compat.UnsupportedVersionError, ImportError)
 
@@ -163,9 +163,9 @@ def test_kernels_match_reference(case, gen):
 
 
 def test_descriptor_path_matches_reference(gen, monkeypatch):
-    """The TMA tensor-descriptor path (``KERNELS_TMA=1``) through this Triton's interpreter:
+    """The TMA tensor-descriptor path (``REROPE_TMA=1``) through this Triton's interpreter:
     its descriptor API is the part that changed most across Triton releases."""
-    from kernels import attention, configs
+    from rerope import attention, configs
 
     monkeypatch.setattr(configs, "TMA", "1")
     case = Case(77, 30, causal=False, dtype=F16)

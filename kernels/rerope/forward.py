@@ -1,7 +1,7 @@
 """The ReRoPE forward kernel: tiled online softmax, one loop per region. Chapters 4 and 7.
 
 One program per (query block, batch · query head). It keeps a query block on chip and walks
-the key axis in ``BLOCK_N`` tiles, in six passes laid out by :func:`kernels.regions._schedule`
+the key axis in ``BLOCK_N`` tiles, in six passes laid out by :func:`rerope.regions._schedule`
 (all outside-the-window passes first, then all inside passes, so one query block is live):
 
 * the outside product over the tiles fully outside the window, and the inside product over
@@ -20,7 +20,7 @@ The kernel reads its operands in one of two forms (the compile-time flag ``SPLIT
   tensors the caller built;
 * **q and k as the model holds them** (chapter 7): raw, or already rotated by RoPE at their
   positions. Each product rotates what it reads, in registers — the query block once per
-  program, each key tile as it arrives — by the angles of :mod:`kernels.rotary`, loading the
+  program, each key tile as it arrives — by the angles of :mod:`rerope.rotary`, loading the
   two halves of the head dim separately, so a score is two ``D/2``-wide products into one
   accumulator. Nothing rotated is ever written to memory.
 
@@ -106,7 +106,7 @@ def _keep(q_pos, k_pos, valid, window, PRODUCT: tl.constexpr, CAUSAL: tl.constex
 def _program(HEADS_FIRST: tl.constexpr):
     """``(batch · head, block, blocks)`` of this program. The grid is ``(B · H, blocks)`` with
     ``HEADS_FIRST``, else ``(blocks, B · H)``; the GPU starts programs in grid order, first axis
-    fastest (the launcher's choice: :func:`kernels.attention.heads_first`)."""
+    fastest (the launcher's choice: :func:`rerope.attention.heads_first`)."""
     if HEADS_FIRST:
         return tl.program_id(0), tl.program_id(1), tl.num_programs(1)
     else:
@@ -162,7 +162,7 @@ def _operand(Xa, Xb, start, sx_n, sx_d, n_rows, positions, Table, Offset, logn_f
     """Rows ``start .. start + BLOCK`` of ``q`` or ``k`` (at ``positions``), ready for a product.
 
     Five-tensor form: the tile as stored. ``SPLIT``: the two halves, scaled by log-n (``LOGN``,
-    queries only) and rotated in fp32 by :func:`kernels.rotary._angles` (``TURN``: by
+    queries only) and rotated in fp32 by :func:`rerope.rotary._angles` (``TURN``: by
     ``speed · p``, ``SHIFT``: by ``± offset``), rounded once to the input dtype.
     """
     if SPLIT:
@@ -273,11 +273,11 @@ def _rerope_fwd_kernel(
     Five-tensor form (``SPLIT`` off): ``Q1, Q2, K1, K2`` as given; the tables are not read.
     ``SPLIT``: ``Q1``/``K1`` are the model's ``q``/``k`` (``Q2`` is not read); the
     inside product rotates by ``TabIn``/``OffIn``, the outside one by ``TabOut``/``OffOut``
-    (:mod:`kernels.rotary`: ``TURN_*`` where the product's speed is not 0, ``SHIFT_*`` where its
+    (:mod:`rerope.rotary`: ``TURN_*`` where the product's speed is not 0, ``SHIFT_*`` where its
     offset is not 0); ``LOGN`` scales the queries by log-n (``logn_factor``). ``TURN_K_IN`` /
     ``TURN_K_OUT``: the product turns its key tiles here; where it is off although ``TURN_*``
     is on, the launcher passed that product's keys already turned (``K1`` / ``K2``, see
-    :func:`kernels.rotary.turn_keys`), otherwise ``K1`` is ``k`` for both products.
+    :func:`rerope.rotary.turn_keys`), otherwise ``K1`` is ``k`` for both products.
     """
     bh, block, n_blocks = _program(HEADS_FIRST)
     if CAUSAL:   # the last query blocks have the most keys: start them first

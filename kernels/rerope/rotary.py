@@ -59,7 +59,7 @@ _OFFSETS = {}
 
 def _frequency_key(base, inv_freq):
     """What the tables are keyed by: ``base`` (its default frequencies) or the frequencies
-    themselves (a :class:`kernels.rope.Frequencies`, hashable)."""
+    themselves (a :class:`rerope.rope.Frequencies`, hashable)."""
     return float(base) if inv_freq is None else inv_freq
 
 
@@ -70,7 +70,7 @@ def rope_table(n, head_dim, base, speed, device, inv_freq=None, group=None):
     ``capacity >= n + 256`` is a multiple of 4096, so a kernel may read whole tiles of rows
     past ``n`` without masks. The table grows as longer sequences come and is shared by every
     call with the same ``(head_dim, base or inv_freq, speed, group, device)``; ``θ`` is
-    :func:`kernels.rope.frequencies` (``inv_freq``: :class:`kernels.rope.Frequencies` or
+    :func:`rerope.rope.frequencies` (``inv_freq``: :class:`rerope.rope.Frequencies` or
     ``None``). Computed in float64, stored in float32.
     """
     key = (head_dim, _frequency_key(base, inv_freq), float(speed), group, str(device))
@@ -155,7 +155,7 @@ def rotation_tables(n_keys, head_dim, window, leaky, rotated, device, base=10000
     """The :class:`RotationTables` of (Leaky) ReRoPE or Self-Extend (``group``) with ``window``
     over ``n_keys`` keys, for raw or ``rotated`` inputs (speeds and offsets of
     :func:`rotation_plan`), with the frequencies of ``base`` or ``inv_freq``
-    (:class:`kernels.rope.Frequencies` or ``None``). The tensors are the shared cached tables:
+    (:class:`rerope.rope.Frequencies` or ``None``). The tensors are the shared cached tables:
     building this costs a few dictionary look-ups."""
     inside, outside = rotation_plan(window, leaky, rotated, group)
     tables = []
@@ -250,7 +250,7 @@ def turn_keys(k, table):
     contiguous, in ``k``'s dtype — exactly the tiles a kernel would turn in registers.
 
     The forward launcher turns keys this way for long sequences (see
-    :func:`kernels.attention.preturn_keys`): one pass over ``k``, instead of turning every key
+    :func:`rerope.attention.preturn_keys`): one pass over ``k``, instead of turning every key
     tile again for every query block that reads it. It runs :func:`turn_operands`, which gives
     the same keys and writes both products' from one read where both turn them (Leaky ReRoPE,
     Self-Extend from raw inputs).
@@ -276,7 +276,7 @@ def _turn_operand(a, b, positions, Table, Offset, logn_factor, TURN: tl.constexp
                   SHIFT: tl.constexpr, LOGN: tl.constexpr, HALF: tl.constexpr):
     """One product's operand from the halves ``a, b`` (input dtype): scaled by log-n, turned by
     ``R(speed · p + offset)``, in fp32, rounded once — the arithmetic of
-    :func:`kernels.forward._operand` (``SHIFT_SIGN`` 1), so the result is the tile a kernel
+    :func:`rerope.forward._operand` (``SHIFT_SIGN`` 1), so the result is the tile a kernel
     turns in registers, bit for bit."""
     a32, b32 = a.to(tl.float32), b.to(tl.float32)
     if LOGN:
@@ -332,12 +332,12 @@ def turn_operands(x, inside, outside, first_position=0, logn_factor=0.0, launche
     launched when neither does). Queries: ``first_position = Nk - Nq`` and both switches;
     keys: ``shift`` off, ``logn_factor`` 0 (then a product's result equals :func:`turn_keys`).
 
-    The backward launcher uses it (:func:`kernels.attention.preturn_backward`): the two
+    The backward launcher uses it (:func:`rerope.attention.preturn_backward`): the two
     backward kernels then read each product's operands as stored instead of turning every tile
     of the other axis again in every program that reads it.
 
     ``launchers``: a plan's dict (whose call signature fixes ``x``'s shape, strides and
-    alignment): the launch is kept there, bound (:class:`kernels.launch.Launcher`), so a repeated
+    alignment): the launch is kept there, bound (:class:`rerope.launch.Launcher`), so a repeated
     call skips Triton's Python launch path; ``None``: launched through ``kernel[grid]``.
     """
     return kept_turn(x, inside, outside, first_position, logn_factor, launchers)(x)
@@ -348,7 +348,7 @@ def kept_turn(x, inside, outside, first_position=0, logn_factor=0.0, launchers=N
     ``turn(x) -> (x1, x2)`` for later tensors of that signature, with all but the outputs'
     allocation and the launch done once. Where ``launchers`` holds this launch bound (the
     plan's first call ran it), the launch takes the bound path with the tables, strides and
-    scalars fixed (:meth:`kernels.launch.Launcher.fixed`). ``x`` itself is not kept."""
+    scalars fixed (:meth:`rerope.launch.Launcher.fixed`). ``x`` itself is not kept."""
     writes, launch = _turn_launch(x, inside, outside, first_position, logn_factor, launchers)
     shape, dtype, device = x.shape, x.dtype, x.device
 
@@ -365,7 +365,7 @@ def kept_turn(x, inside, outside, first_position=0, logn_factor=0.0, launchers=N
 def _turn_launch(x, inside, outside, first_position, logn_factor, launchers):
     """``(writes, launch)`` of :func:`turn_operands`: which of the two outputs it writes, and
     ``launch(x, out1, out2)`` (``None`` when it writes neither; an output not written is passed
-    as ``x``, unread), its other arguments bound once (:meth:`kernels.launch.Launcher.fixed`
+    as ``x``, unread), its other arguments bound once (:meth:`rerope.launch.Launcher.fixed`
     where ``launchers`` keeps the launch)."""
     batch, heads, n_rows, head_dim = x.shape
     logn = logn_factor != 0.0

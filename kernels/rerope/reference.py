@@ -65,7 +65,7 @@ def rerope(q, k, v, window, causal=True, sm_scale=None, base=10000.0, leaky=None
     """(Leaky) ReRoPE or Self-Extend attention from ``q, k, v``: build the five tensors, then the
     naive op.
 
-    Arguments as :func:`kernels.rerope` (``q`` ``(B, Hq, Nq, D)``, ``k, v`` ``(B, Hkv, Nk, D)``,
+    Arguments as :func:`rerope.rerope` (``q`` ``(B, Hq, Nq, D)``, ``k, v`` ``(B, Hkv, Nk, D)``,
     ``Nq <= Nk``; ``rotated=True``: ``q, k`` already carry RoPE at their positions;
     ``inv_freq``: the ``D/2`` frequencies instead of ``base``'s; ``group``: Self-Extend's group
     size, dividing ``window``, causal only).
@@ -91,12 +91,12 @@ def rerope_from_relative_positions(q, k, v, window, causal=True, sm_scale=None, 
 
     With halves ``q = [a, b]``, ``k = [c, d]`` and frequencies ``θ_t``, RoPE's score at relative
     position ``r`` is ``Σ_t (a_t c_t + b_t d_t) cos(r θ_t) + (a_t d_t - b_t c_t) sin(r θ_t)``.
-    ``r`` comes from :func:`kernels.rope.relative_positions`. ``q`` ``(B, Hq, Nq, D)``, ``k, v``
+    ``r`` comes from :func:`rerope.rope.relative_positions`. ``q`` ``(B, Hq, Nq, D)``, ``k, v``
     ``(B, Hkv, Nk, D)``, ``Nq <= Nk``, queries at the last ``Nq`` positions; with ``rotated``,
     ``q, k`` carry RoPE at their positions and are rotated back first (in float64). Computes in
     float64; returns the input dtype. Memory ``O(B·H·Nq·Nk)``: for small test sizes.
     ``inv_freq``: the ``D/2`` frequencies ``θ_t`` instead of ``base``'s
-    (:func:`kernels.rope.frequencies`).
+    (:func:`rerope.rope.frequencies`).
     """
     _, hq, hkv, n_queries, n_keys, d = check_qkv({"q": q}, {"k": k, "v": v},
                                                  dtypes=REFERENCE_DTYPES, fewer_queries=True)

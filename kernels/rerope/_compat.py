@@ -16,8 +16,8 @@ and the interpreter tests; ``make test-floor`` is the CI job that keeps the floo
   kernels on a GPU do not care about numpy. A requirement line cannot say "numpy < 2.4 when
   triton < 3.7", hence the check here.
 
-:func:`check` runs from :mod:`kernels.runtime` when ``kernels`` is imported, so an unsupported
-setup fails at ``import kernels`` with one message naming what was found, what is needed and
+:func:`check` runs from :mod:`rerope.runtime` when ``rerope`` is imported, so an unsupported
+setup fails at ``import rerope`` with one message naming what was found, what is needed and
 what to do, instead of an error from deep inside Triton at the first kernel call.
 """
 
@@ -30,9 +30,6 @@ NUMPY_BREAKS_OLD_INTERPRETER = (2, 4)
 
 COLAB_HINT = ("On Colab: choose the latest runtime version (Runtime > Change runtime type), or "
               "run `%pip install -U torch` in a cell and then Runtime > Restart session.")
-
-
-HUB_KERNELS_FROM = "5.25"           # transformers from which it depends on Hugging Face's kernels
 
 
 class UnsupportedVersionError(ImportError):
@@ -58,13 +55,13 @@ def problems(triton_version, numpy_version, interpret, torch_version="unknown"):
     """
     need = _dotted(TRITON_MIN)
     if triton_version is None:
-        return [f"kernels needs Triton >= {need}, and no Triton is installed (torch "
+        return [f"rerope needs Triton >= {need}, and no Triton is installed (torch "
                 f"{torch_version}). Install it: pip install 'triton>={need}'"]
     found = parse_version(triton_version)
     if found is None:       # a build with an odd version string: let it try
         return []
     if found < TRITON_MIN:
-        return [f"kernels needs Triton >= {need}, found Triton {triton_version} (with torch "
+        return [f"rerope needs Triton >= {need}, found Triton {triton_version} (with torch "
                 f"{torch_version}); older Triton cannot compile or run its kernels. Upgrade: pip "
                 f"install -U 'torch>={TORCH_FOR_TRITON_MIN}' (it brings a matching Triton; on a "
                 f"CPU-only machine: pip install -U 'triton>={need}'). {COLAB_HINT}"]
@@ -72,7 +69,7 @@ def problems(triton_version, numpy_version, interpret, torch_version="unknown"):
     if (interpret and found < INTERPRETER_NUMPY_FIXED and numpy_found is not None
             and numpy_found >= NUMPY_BREAKS_OLD_INTERPRETER):
         fixed, breaks = _dotted(INTERPRETER_NUMPY_FIXED), _dotted(NUMPY_BREAKS_OLD_INTERPRETER)
-        return [f"kernels under Triton's CPU interpreter (TRITON_INTERPRET=1, the mode used "
+        return [f"rerope under Triton's CPU interpreter (TRITON_INTERPRET=1, the mode used "
                 f"when there is no CUDA device) needs Triton >= {fixed} with numpy >= {breaks}; found Triton "
                 f"{triton_version} with numpy {numpy_version}, where every kernel fails "
                 f"('only 0-dimensional arrays can be converted to Python scalars'). Fix one: "
@@ -83,7 +80,7 @@ def problems(triton_version, numpy_version, interpret, torch_version="unknown"):
 def installed_versions():
     """``(triton, numpy, torch)`` version strings; triton is ``None`` when not installed.
 
-    Imports Triton: call it only after ``TRITON_INTERPRET`` is settled (``kernels.runtime``)."""
+    Imports Triton: call it only after ``TRITON_INTERPRET`` is settled (``rerope.runtime``)."""
     import importlib.util
 
     import numpy
@@ -103,34 +100,3 @@ def check(interpret):
     found = problems(triton_version, numpy_version, interpret, torch_version)
     if found:
         raise UnsupportedVersionError(" ".join(found))
-
-
-def hub_kernels_clash(package_file):
-    """Why transformers cannot be used beside this package, or ``None`` when it can.
-
-    Hugging Face publishes a package that also imports as ``kernels`` (hub kernels), and
-    transformers depends on it from 5.25 on. When its distribution is installed, transformers
-    reads that distribution's version, decides hub kernels are available and imports them by
-    name — from this repository's ``kernels``, first on ``sys.path`` — and fails (``cannot
-    import name 'CUDAProperties' from 'kernels'``). Without that distribution transformers finds
-    no version and leaves hub kernels off: it needs nothing from it to run a model.
-    ``package_file``: this package's ``__init__.py`` (a distribution that is this package is no
-    clash).
-    """
-    import importlib.metadata
-    import os
-
-    try:
-        dist = importlib.metadata.distribution("kernels")
-    except importlib.metadata.PackageNotFoundError:
-        return None
-    theirs = os.path.realpath(str(dist.locate_file(os.path.join("kernels", "__init__.py"))))
-    if theirs == os.path.realpath(package_file):
-        return None
-    return (f"Hugging Face's package `kernels` {dist.version} is installed (transformers >= "
-            f"{HUB_KERNELS_FROM} depends on it), and its import name is this repository's "
-            f"package's: transformers would import this package in its place and fail "
-            f"(\"cannot import name 'CUDAProperties' from 'kernels'\"). transformers runs "
-            f"without it; remove it: pip uninstall -y kernels (requirements.txt pins "
-            f"transformers<{HUB_KERNELS_FROM}, which does not pull it in). On Colab: run "
-            f"`%pip uninstall -y kernels` in a cell, then Runtime > Restart session.")

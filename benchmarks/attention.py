@@ -2,27 +2,27 @@
 
 Run it on a CUDA GPU from the repository root::
 
-    python -m kernels.bench                      # the full grid (meant to take < 8 min on an H200)
-    python -m kernels.bench --quick              # a small subset, for smoke tests
-    python -m kernels.bench --n 8192 --d 64 --dtype float16 --causal true \\
+    python -m benchmarks.attention                      # the full grid (meant to take < 8 min on an H200)
+    python -m benchmarks.attention --quick              # a small subset, for smoke tests
+    python -m benchmarks.attention --n 8192 --d 64 --dtype float16 --causal true \\
         --impl rerope,sdpa_cudnn --mode fwd      # one corner of the grid
 
 Each case is one implementation (``impl``), one mode (``fwd`` or ``fwd+bwd``) and one shape
 ``(B, H, N, D, window, dtype, causal)``. The implementations:
 
-- ``rerope``: ours, ``kernels.rerope_attention`` on the five tensors ``q1, q2, k1, k2, v``.
+- ``rerope``: ours, ``rerope.rerope_attention`` on the five tensors ``q1, q2, k1, k2, v``.
 - ``rerope_raw`` and ``rerope_rotated``: ours from ``q, k, v`` as a model holds them,
-  ``kernels.rerope`` (rotation inside the kernels), raw or already RoPE-rotated.
+  ``rerope.rerope`` (rotation inside the kernels), raw or already RoPE-rotated.
 - ``rope_sdpa_cudnn``: what *plain* RoPE attention costs a user: rotate ``q, k`` in torch the way
   Hugging Face models do (``q·cos + rotate_half(q)·sin`` with cos/sin tables built once, in the
   input dtype), then SDPA's cuDNN backend. The bar ``rerope_raw`` has to clear.
-- ``naive``: ``kernels.reference.rerope_attention``, two full ``N × N`` score matrices.
+- ``naive``: ``rerope.reference.rerope_attention``, two full ``N × N`` score matrices.
 - ``flex_two_pass``: ReRoPE as two FlexAttention passes merged by log-sum-exp (defined below):
   the strongest alternative a user can write without a custom kernel.
 - ``sdpa_flash`` and ``sdpa_cudnn``: PyTorch's fused *plain* attention on ``q1, k1, v``
   (FlashAttention-2 and cuDNN backends). Not ReRoPE: the speed of light ReRoPE can approach.
 - ``rope_inputs``: the time to build ``q1, q2, k1, k2`` from raw ``q, k`` with
-  ``kernels.rope.rerope_inputs``, the price of the five-tensor interface.
+  ``rerope.rope.rerope_inputs``, the price of the five-tensor interface.
 
 For every case we report the median time over repetitions measured with CUDA events (after a
 warm-up that absorbs Triton autotuning and ``torch.compile``), the throughput counted as plain
@@ -230,7 +230,7 @@ def _compiled_two_flex_passes():
 def flex_two_pass_rerope(q1, q2, k1, k2, v, window, causal=True, sm_scale=None, *, compiled=True):
     """ReRoPE attention as two FlexAttention passes merged by log-sum-exp.
 
-    Same signature and meaning as ``kernels.rerope_attention``. ``compiled=False`` runs
+    Same signature and meaning as ``rerope.rerope_attention``. ``compiled=False`` runs
     FlexAttention unfused (slow, forward only on CPU): for tests.
     """
     block_masks = rerope_block_masks(q1.shape[-2], window, causal, str(q1.device))
@@ -257,11 +257,11 @@ class Shape:
 def _rerope_attention_impl(impl):
     """The function ``(q1, q2, k1, k2, v, window, causal=...)`` behind a ReRoPE ``impl``."""
     if impl == "rerope":
-        import kernels
-        return kernels.rerope_attention
+        import rerope
+        return rerope.rerope_attention
     if impl == "naive":
-        import kernels.reference
-        return kernels.reference.rerope_attention
+        import rerope.reference
+        return rerope.reference.rerope_attention
     if impl == "flex_two_pass":
         return flex_two_pass_rerope
     raise ValueError(f"not a ReRoPE attention implementation: {impl!r}")
@@ -281,21 +281,21 @@ def build_case(impl, shape, device="cuda"):
                            requires_grad=True)
 
     if impl == "rope_inputs":
-        from kernels.rope import rerope_inputs
+        from rerope.rope import rerope_inputs
         q_raw, k_raw = randn_heads(), randn_heads()
         return (lambda: rerope_inputs(q_raw, k_raw, shape.window)), [q_raw, k_raw]
 
     if impl in FROM_QKV:
-        import kernels
+        import rerope
         q, k, v = randn_heads(), randn_heads(), randn_heads()
         rotated = impl == "rerope_rotated"
 
         def rerope_from_qkv():
-            return kernels.rerope(q, k, v, shape.window, causal=shape.causal, rotated=rotated)
+            return rerope.rerope(q, k, v, shape.window, causal=shape.causal, rotated=rotated)
         return rerope_from_qkv, [q, k, v]
 
     if impl == "rope_sdpa_cudnn":
-        from kernels.rope import rotate_half, rope_frequencies
+        from rerope.rope import rotate_half, rope_frequencies
         q, k, v = randn_heads(), randn_heads(), randn_heads()
         angles = (torch.arange(shape.N, device=device, dtype=torch.float64)[:, None]
                   * rope_frequencies(shape.D, device=device)[None, :])
@@ -404,14 +404,14 @@ def naive_skip_reason(shape):
 # Is the competitor right? A check against the naive reference
 # ------------------------------------------------------------
 # A fast wrong answer proves nothing, so before timing we compare the ReRoPE implementations
-# (ours and the Flex two-pass) with ``kernels.reference`` on a small shape, forward and gradients.
+# (ours and the Flex two-pass) with ``rerope.reference`` on a small shape, forward and gradients.
 
 CHECK_TOLERANCE = {"float16": 2e-2, "bfloat16": 5e-2}   # max |error| / max |reference|
 
 
 def check_against_reference(impls, dtype, D, causal):
     """Compare each ReRoPE impl in ``impls`` with the naive reference. Returns one line per impl."""
-    import kernels.reference
+    import rerope.reference
     shape = Shape(D=D, dtype=dtype, causal=causal, **CHECK_SHAPE)
     lines = []
     for impl in impls:
@@ -422,10 +422,10 @@ def check_against_reference(impls, dtype, D, causal):
         grads = torch.autograd.grad(out, leaves, upstream)
         leaves64 = [t.detach().double().requires_grad_() for t in leaves]
         if impl in FROM_QKV:
-            expected = kernels.reference.rerope(*leaves64, shape.window, causal=causal,
-                                                rotated=impl == "rerope_rotated")
+            expected = rerope.reference.rerope(*leaves64, shape.window, causal=causal,
+                                               rotated=impl == "rerope_rotated")
         else:
-            expected = kernels.reference.rerope_attention(*leaves64, shape.window, causal=causal)
+            expected = rerope.reference.rerope_attention(*leaves64, shape.window, causal=causal)
         expected_grads = torch.autograd.grad(expected, leaves64, upstream.double())
         error = max((got.double() - want).abs().max().item() / want.abs().max().item()
                     for got, want in zip((out, *grads), (expected, *expected_grads)))
@@ -459,7 +459,7 @@ def make_row(impl, mode, shape, ms=None, peak_bytes=None, skipped=None):
 
 def write_results(path, rows, meta, **extra):
     """Write ``{"meta": meta, "rows": rows, **extra}`` to ``path``, atomically (never half a
-    file). ``kernels.bench_decode`` adds its launch-configuration ``sweep`` this way."""
+    file). ``benchmarks.decode`` adds its launch-configuration ``sweep`` this way."""
     temporary = f"{path}.tmp"
     with open(temporary, "w") as file:
         json.dump({"meta": meta, "rows": rows, **extra}, file, indent=1)
@@ -587,7 +587,7 @@ def _parse_bool(text):
 
 def parse_args(argv=None):
     """Parse the command line; ``--quick`` fills in the small grid where a flag is not given."""
-    parser = argparse.ArgumentParser(prog="python -m kernels.bench",
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.attention",
                                      description=__doc__.split("\n")[0])
     parser.add_argument("--n", type=_comma_list(int), help="sequence lengths, e.g. 4096,8192")
     parser.add_argument("--d", type=_comma_list(int), help="head dims, e.g. 64,128")
@@ -668,7 +668,7 @@ def run_benchmark(args):
     """Run every case of the grid in ``args``; print progress and write the JSON as it goes."""
     started = time.perf_counter()
     meta = benchmark_meta(args)
-    print(f"kernels.bench on {meta['gpu']}: torch {meta['torch']}, triton {meta['triton']}",
+    print(f"benchmarks.attention on {meta['gpu']}: torch {meta['torch']}, triton {meta['triton']}",
           flush=True)
 
     checked = [impl for impl in ("rerope", *FROM_QKV, "flex_two_pass") if impl in args.impl]
@@ -706,7 +706,7 @@ def run_benchmark(args):
 def main(argv=None):
     args = parse_args(argv)
     if not torch.cuda.is_available():
-        print("kernels.bench needs a CUDA GPU and torch finds none "
+        print("benchmarks.attention needs a CUDA GPU and torch finds none "
               "(torch.cuda.is_available() is False).", file=sys.stderr)
         return 1
     run_benchmark(args)

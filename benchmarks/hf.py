@@ -2,7 +2,7 @@
 
 Run on a CUDA GPU from the repository root (about 2-3 minutes on an H200)::
 
-    KERNELS_AUTOTUNE=0 python3 perf/bench_hf.py --out book/data/hf_h200.json
+    REROPE_AUTOTUNE=0 python -m benchmarks.hf --out book/data/hf_h200.json
 
 The model: a random-weight ``LlamaForCausalLM`` shaped like Llama 3.2 1B (16 layers, hidden
 2048, 32 heads, 8 KV heads, head dim 64, MLP 8192, vocab 128256, tied embeddings; default RoPE,
@@ -10,7 +10,7 @@ base 500000), bf16. Two phases, each for ``stock_sdpa`` (the model as built,
 ``attn_implementation="sdpa"``, torch choosing the SDPA backend: cuDNN on the H200),
 ``stock_sdpa_flash`` (the same with cuDNN excluded, so FlashAttention-2: cuDNN rebuilds its
 attention plan on the host for every new key length, about 2.7 ms per call at decode on the
-H200 host, perf/runs/profile_hf_decode.txt) and ``rerope`` (``kernels.hf.enable_rerope(model,
+H200 host, perf/runs/profile_hf_decode.txt) and ``rerope`` (``rerope.hf.enable_rerope(model,
 window)``):
 
 * ``prefill``: one forward over ``context`` tokens, batch 1, building the dynamic cache, logits
@@ -20,8 +20,8 @@ window)``):
   cache growing from ``context``: mean ``ms`` per token, ``tokens_per_s`` and the slowest step
   (``max_step_ms``).
 
-The attention's share: the same attention op alone at the same shapes (``kernels.rerope`` /
-``kernels.rerope_decode`` on rotated inputs, ``F.scaled_dot_product_attention`` with
+The attention's share: the same attention op alone at the same shapes (``rerope.rerope`` /
+``rerope.rerope_decode`` on rotated inputs, ``F.scaled_dot_product_attention`` with
 ``enable_gqa``), timed with CUDA events, times 16 layers: ``attention_ms``; ``rest_ms`` =
 ``ms - attention_ms``. A correctness check first: with a window covering the sequence,
 ReRoPE's logits equal the stock model's (bf16); and on a small bf16 model, ``generate`` with
@@ -47,8 +47,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import kernels  # noqa: E402  (this repository's package, first on sys.path)
-import kernels.hf  # noqa: E402
+import rerope  # noqa: E402  (this repository's package, first on sys.path)
+import rerope.hf  # noqa: E402
 
 LAYERS, HIDDEN, HEADS, KV_HEADS, HEAD_DIM, MLP, VOCAB, BASE = 16, 2048, 32, 8, 64, 8192, 128256, 5e5
 DEVICE = "cuda"
@@ -242,10 +242,10 @@ def attention_alone_ms(impl, phase, context, window, dtype):
                                                       enable_gqa=True)
     elif phase == "prefill":
         def run():
-            return kernels.rerope(q, k, v, window, base=BASE, rotated=True)
+            return rerope.rerope(q, k, v, window, base=BASE, rotated=True)
     else:
         def run():
-            return kernels.rerope_decode(q, k, v, window, base=BASE, rotated=True)
+            return rerope.rerope_decode(q, k, v, window, base=BASE, rotated=True)
     return LAYERS * event_ms(run)
 
 
@@ -255,9 +255,9 @@ def check(model, window_note, n=1024):
                         generator=torch.Generator(DEVICE).manual_seed(1))
     with torch.no_grad():
         stock = model(ids, logits_to_keep=64).logits.float()
-        kernels.hf.enable_rerope(model, window=n)
+        rerope.hf.enable_rerope(model, window=n)
         ours = model(ids, logits_to_keep=64).logits.float()
-        kernels.hf.disable_rerope(model)
+        rerope.hf.disable_rerope(model)
     return {"tokens": n, "max_abs_logit_diff": (ours - stock).abs().max().item(),
             "max_abs_logit": stock.abs().max().item(), "note": window_note}
 
@@ -276,7 +276,7 @@ def generate_check(window=16, prompt_len=24, new_tokens=40):
     torch.manual_seed(0)
     with torch.device(DEVICE):
         model = LlamaForCausalLM(config).to(torch.bfloat16).eval()
-    kernels.hf.enable_rerope(model, window=window)
+    rerope.hf.enable_rerope(model, window=window)
     gen = torch.Generator(DEVICE).manual_seed(3)
     prompt = torch.randint(1, 97, (1, prompt_len), device=DEVICE, generator=gen)
     with torch.no_grad():
@@ -329,7 +329,7 @@ def main():
             "torch": torch.__version__,
             "triton": triton.__version__, "transformers": transformers.__version__,
             "python": platform.python_version(), "date": datetime.date.today().isoformat(),
-            "autotune": os.environ.get("KERNELS_AUTOTUNE", "1") != "0",
+            "autotune": os.environ.get("REROPE_AUTOTUNE", "1") != "0",
             "model": dict(layers=LAYERS, hidden=HIDDEN, heads=HEADS, kv_heads=KV_HEADS,
                           head_dim=HEAD_DIM, mlp=MLP, vocab=VOCAB, rope_theta=BASE,
                           rope=args.rope,
@@ -380,9 +380,9 @@ def main():
     for impl in impls:
         try:
             if impl.startswith("rerope"):
-                kernels.hf.enable_rerope(model, window=args.window)
-            elif kernels.hf.is_rerope_enabled(model):
-                kernels.hf.disable_rerope(model)
+                rerope.hf.enable_rerope(model, window=args.window)
+            elif rerope.hf.is_rerope_enabled(model):
+                rerope.hf.disable_rerope(model)
             extra, slowest_step_ms = {}, None
             if impl.endswith("static_compiled"):
                 prefill_ms, step_ms, compile_s = static_compiled_ms(model, ids, args.steps,

@@ -2,16 +2,16 @@
 
 Triton decides at ``@triton.jit`` time (module import) whether a kernel is compiled or
 interpreted, from the environment variable ``TRITON_INTERPRET``. This module is imported first by
-``kernels/__init__.py`` and, when the variable is unset and torch sees no CUDA device, sets
+``kernels/rerope/__init__.py`` and, when the variable is unset and torch sees no CUDA device, sets
 ``TRITON_INTERPRET=1``: on a laptop or a CI box the very same kernels then run on CPU tensors
 through the interpreter (slowly, with one fixed launch configuration). Set ``TRITON_INTERPRET=0``
-or ``1`` yourself before importing ``kernels`` to force either mode.
+or ``1`` yourself before importing ``rerope`` to force either mode.
 
 Two interpreter facts shape the launchers: bf16 arithmetic is wrong under the interpreter (numpy
 has no bf16), so bf16 inputs are computed in fp32 there and cast back; and the interpreter runs
 on CPU tensors, the compiled kernels on CUDA tensors.
 
-It also checks the installed versions (:func:`kernels._compat.check`): Triton >= 3.4, and under
+It also checks the installed versions (:func:`rerope._compat.check`): Triton >= 3.4, and under
 the interpreter Triton >= 3.7 or numpy < 2.4; anything older fails here with an ``ImportError``
 that names what was found and what is needed.
 """
@@ -28,7 +28,7 @@ if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 
 # Too old a Triton (or, under the interpreter, Triton < 3.7 with numpy >= 2.4) fails here, at
-# `import kernels`, with a message that names the versions (see kernels._compat).
+# `import rerope`, with a message that names the versions (see rerope._compat).
 _compat.check(INTERPRET)
 
 

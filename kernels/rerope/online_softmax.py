@@ -89,7 +89,7 @@ def _plain_attention_fwd_kernel(
     """Plain attention, one program per (query block, batch·head); contiguous ``(BH, N, D)``.
 
     The simplest correct tiling: one loop over all key blocks, masks on every tile. The ReRoPE
-    forward (``kernels/forward.py``) keeps this loop body but splits the loop by region.
+    forward (``kernels/rerope/forward.py``) keeps this loop body but splits the loop by region.
     """
     start_m = tl.program_id(0) * BLOCK_M
     base = tl.program_id(1).to(tl.int64) * stride_bh

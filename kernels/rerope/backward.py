@@ -19,7 +19,7 @@ Three kernels, as in Triton's fused-attention tutorial, none with atomics (deter
    ``dO`` on chip and walks the key tiles, accumulating ``dQ``.
 
 ``P`` is recomputed from the saved log-sum-exp. Both walks use the forward's schedule
-(:func:`kernels.regions._schedule`) and its operands and mask (:mod:`kernels.forward`): inside
+(:func:`rerope.regions._schedule`) and its operands and mask (:mod:`rerope.forward`): inside
 passes touch only the inside product's operands, outside passes only the outside ones — the
 band's ``dS`` is split by the same window mask that split its scores.
 
@@ -30,8 +30,8 @@ back, ``dq = Rᵀ dq1``, and the two products' parts are summed in registers bef
 
 That form turns, in every program, every tile of the axis it walks: the dK/dV kernel each query
 tile once per key block, the dQ kernel each key tile once per query block. For long sequences
-the launcher pre-turns instead (``TURN_BACK``, :func:`kernels.attention.preturn_backward`): one
-pass writes each product's operands (:func:`kernels.rotary.turn_operands`), the kernels read
+the launcher pre-turns instead (``TURN_BACK``, :func:`rerope.attention.preturn_backward`): one
+pass writes each product's operands (:func:`rerope.rotary.turn_operands`), the kernels read
 them as they read the five tensors, and only the gradients are turned back — once per program,
 in the store that sums the two products' parts, as in the ``SPLIT`` form.
 """
@@ -244,12 +244,12 @@ def _bwd_dkdv_kernel(
     SHIFT_OUT: tl.constexpr, TURN_BACK: tl.constexpr = False, HEADS_FIRST: tl.constexpr = False,
 ):
     """Grid ``(cdiv(Nk, BLOCK_N), B * Hkv)``, or ``(B * Hkv, cdiv(Nk, BLOCK_N))`` with
-    ``HEADS_FIRST`` (:func:`kernels.forward._program`; causal, the first key blocks have the most
+    ``HEADS_FIRST`` (:func:`rerope.forward._program`; causal, the first key blocks have the most
     queries and come first either way). Gradients are contiguous ``(B, Hkv, Nk, D)``:
     ``DK1, DK2, DV`` in the five-tensor form; ``DK1`` (= dk) and ``DV`` with ``SPLIT``.
 
     ``TURN_BACK`` (with ``SPLIT`` off): the five tensors are the products' operands pre-turned
-    from one ``q`` and one ``k`` (:func:`kernels.rotary.turn_operands`: keys by
+    from one ``q`` and one ``k`` (:func:`rerope.rotary.turn_operands`: keys by
     ``R(speed·j)``, queries by log-n and ``R(speed·i + offset)``); each product's ``dK`` is
     turned back by its key angle (``TURN_*``, tables as in the ``SPLIT`` form) and the two are
     summed into ``DK1`` (= dk), as in the ``SPLIT`` form."""
@@ -386,7 +386,7 @@ def _bwd_dq_kernel(
     SHIFT_OUT: tl.constexpr, TURN_BACK: tl.constexpr = False, HEADS_FIRST: tl.constexpr = False,
 ):
     """Grid ``(cdiv(Nq, BLOCK_M), B * Hq)``, or ``(B * Hq, cdiv(Nq, BLOCK_M))`` with
-    ``HEADS_FIRST`` (:func:`kernels.forward._program`). Gradients are contiguous ``(B, Hq, Nq, D)``:
+    ``HEADS_FIRST`` (:func:`rerope.forward._program`). Gradients are contiguous ``(B, Hq, Nq, D)``:
     ``DQ1, DQ2`` in the five-tensor form; ``DQ1`` (= dq) with ``SPLIT`` or ``TURN_BACK``
     (pre-turned operands, see :func:`_bwd_dkdv_kernel`: each product's ``dQ`` is turned back by
     its query angle, scaled by log-n, and the two are summed)."""

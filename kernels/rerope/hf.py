@@ -2,10 +2,10 @@
 
 Chapter 9 of the book. One call switches every attention layer of a Llama-style model::
 
-    import kernels.hf
-    model = kernels.hf.enable_rerope(model, window=512)     # leaky=, logn_len=, group= as kernels.rerope
+    import rerope.hf
+    model = rerope.hf.enable_rerope(model, window=512)     # leaky=, logn_len=, group= as rerope.rerope
     model.generate(input_ids, max_new_tokens=100)                # prefill and decode run ReRoPE
-    kernels.hf.disable_rerope(model)                             # back to what it ran before
+    rerope.hf.disable_rerope(model)                             # back to what it ran before
 
 No model class or method is replaced. transformers looks attention up by name
 (``config._attn_implementation``) in two registries: ``AttentionInterface`` (the function that
@@ -19,9 +19,9 @@ token's position, ``key, value`` the whole dynamic KV cache (rotated keys, one s
 order, the new tokens last); ``attention_mask`` is what our mask function returned; ``scaling``
 the score scale; ``position_ids`` ``(B or 1, Nq)`` in ``kwargs``. It returns
 ``(out (B, Nq, Hq, D), None)``. Rotated inputs are all ReRoPE needs (see
-:mod:`kernels.rotary`): inside the window ``q_rot · k_rot`` is RoPE's score as is; outside it
+:mod:`rerope.rotary`): inside the window ``q_rot · k_rot`` is RoPE's score as is; outside it
 the kernels turn the pair to the clamped position in registers. So prefill runs
-``kernels.rerope(..., rotated=True)``, a generation step ``kernels.rerope_decode`` on the
+``rerope.rerope(..., rotated=True)``, a generation step ``rerope.rerope_decode`` on the
 model's own cache: no second cache, no re-rotation of the cache.
 
 Positions. The kernels take key slot ``j`` as position ``j`` and the queries as the last ``Nq``
@@ -54,7 +54,7 @@ multiplies cos and sin, so it is inside the rotated ``q`` and ``k`` the layers h
 ``s²``, as in the stock model; nothing is applied twice. ``dynamic`` (frequencies that change
 with the sequence length) and ``longrope`` (two sets switched by length) are refused.
 
-transformers is imported inside the functions, so ``import kernels`` stays light.
+transformers is imported inside the functions, so ``import rerope`` stays light.
 """
 
 import copy
@@ -69,16 +69,10 @@ from typing import Optional
 
 import torch
 
-from ._compat import hub_kernels_clash
 from ._validate import DEFAULT_BASE, HEAD_DIMS, Frequencies, as_frequencies, check_rope_settings
 from .attention import rerope
 from .decode import MAX_QUERIES, rerope_decode
 from .rope import rope_frequencies
-
-_CLASH = hub_kernels_clash(os.path.join(os.path.dirname(os.path.abspath(__file__)),
-                                        "__init__.py"))
-if _CLASH:      # before any transformers import fails with a message that says nothing of this
-    raise ImportError(_CLASH)
 
 # Model types whose attention layers are verified to match what this module expects
 # (``rotate_half`` RoPE applied before the registry call, the dynamic cache updated with the
@@ -95,9 +89,9 @@ _PREVIOUS = weakref.WeakKeyDictionary()   # model -> attention implementation be
 
 @dataclass(frozen=True)
 class Settings:
-    """One registered ReRoPE implementation: its window and options (as :func:`kernels.rerope`)
+    """One registered ReRoPE implementation: its window and options (as :func:`rerope.rerope`)
     and the model's RoPE frequencies, resolved once by :func:`enable_rerope`: ``base`` (the
-    frequencies ``base ** (-2t / D)``) or ``inv_freq`` (:class:`kernels.rope.Frequencies`, the
+    frequencies ``base ** (-2t / D)``) or ``inv_freq`` (:class:`rerope.rope.Frequencies`, the
     model's own; ``base`` then stays at its default), and the RoPE type they came from."""
 
     window: int
@@ -149,7 +143,7 @@ def enable_rerope(model, window, leaky=None, logn_len=None, group=None):
             ``max(1, log(i + 1) / log(logn_len))`` at their position ``i``.
         group: ``None``, or Self-Extend's group size ``G`` (an int ``>= 1`` dividing
             ``window``; not with ``leaky``): relative positions ``d >= w`` become
-            ``⌊i/G⌋ - ⌊j/G⌋ + w - w/G`` (:func:`kernels.rerope`). Grouping depends on absolute
+            ``⌊i/G⌋ - ⌊j/G⌋ + w - w/G`` (:func:`rerope.rerope`). Grouping depends on absolute
             positions: a row whose ``position_ids`` are not its cache slots counted from its
             first real token (``generate``'s own, with left padding too) raises ``ValueError``.
 
@@ -160,8 +154,8 @@ def enable_rerope(model, window, leaky=None, logn_len=None, group=None):
     model (``model.to(dtype)`` casts that buffer too). YaRN's attention factor is already in
     the rotated ``q, k`` (module docstring). The switch is made on ``model.config``: models
     built from the same config object switch together. Undo with :func:`disable_rerope`.
-    Prefill (and training: the op is differentiable) runs :func:`kernels.rerope`, generation
-    steps of up to 16 new tokens :func:`kernels.rerope_decode`, both with ``rotated=True`` on
+    Prefill (and training: the op is differentiable) runs :func:`rerope.rerope`, generation
+    steps of up to 16 new tokens :func:`rerope.rerope_decode`, both with ``rotated=True`` on
     the model's own cache.
     """
     config = _check_model(model)
@@ -186,7 +180,7 @@ def disable_rerope(model):
     current = getattr(config, "_attn_implementation", None)
     if not _is_rerope(current):
         raise ValueError(f"ReRoPE is not enabled on this model (its attention implementation "
-                         f"is {current!r}); call kernels.hf.enable_rerope(model, window) first")
+                         f"is {current!r}); call rerope.hf.enable_rerope(model, window) first")
     _set_implementation(model, _PREVIOUS.pop(model, None) or "sdpa")
     return model
 
@@ -217,7 +211,7 @@ def _check_model(model):
     try:
         from transformers import PreTrainedModel
     except ImportError as error:
-        raise ImportError("kernels.hf needs Hugging Face transformers (pip install "
+        raise ImportError("rerope.hf needs Hugging Face transformers (pip install "
                           "'transformers>=5.17,<6'); never the PyPI package named 'kernels'"
                           ) from error
     if not isinstance(model, PreTrainedModel):
@@ -230,7 +224,7 @@ def _check_model(model):
             f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)}): ReRoPE here needs rotate_half RoPE "
             "applied before transformers' attention registry and a dynamic KV cache of rotated "
             "keys. Another architecture with that layout can be added to "
-            "kernels.hf.SUPPORTED_MODEL_TYPES after checking it against tests/test_hf.py")
+            "rerope.hf.SUPPORTED_MODEL_TYPES after checking it against tests/test_hf.py")
     layer_types = getattr(config, "layer_types", None)
     if layer_types is not None and any(t != "full_attention" for t in layer_types):
         raise ValueError(f"config.layer_types has {sorted(set(layer_types))}: sliding-window or "
@@ -263,7 +257,7 @@ def _rope_type(params, where="config.rope_parameters"):
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ValueError(
             f"the model's RoPE has rope_type {rope_type!r} ({where} = {params!r}), which "
-            "kernels.hf does not support; supported rope types: "
+            "rerope.hf does not support; supported rope types: "
             + ", ".join(SUPPORTED_ROPE_TYPES))
     return rope_type
 
@@ -315,7 +309,7 @@ def _rotary_embedding(model):
         if (other.inv_freq.shape != found[0].inv_freq.shape
                 or not torch.equal(other.inv_freq.cpu(), found[0].inv_freq.cpu())):
             raise ValueError(f"the model has {len(found)} rotary embeddings with different "
-                             "frequencies (per-layer RoPE), which kernels.hf does not support")
+                             "frequencies (per-layer RoPE), which rerope.hf does not support")
     return found[0] if found else None
 
 
@@ -468,7 +462,7 @@ def _static_rows(batch_size, q_length, kv_length, q_offset, attention_mask):
                              f"{tuple(attention_mask.shape)}; custom 4D masks are not supported")
         if compiling:
             torch._assert_async(attention_mask.bool().all(),
-                                "kernels.hf: padding is not supported with a static cache")
+                                "rerope.hf: padding is not supported with a static cache")
         elif not bool(attention_mask.bool().all()):
             raise ValueError(
                 "attention_mask has padding, and the model uses a static cache: ReRoPE supports "
@@ -541,7 +535,7 @@ def _check_call(module, attention_mask, dropout, is_causal, kwargs):
             and not is_static_lengths(attention_mask)):
         raise ValueError(
             f"the ReRoPE attention got an attention_mask of type {type(attention_mask).__name__}, "
-            "not one made by kernels.hf.rerope_mask: custom (4D) masks are not supported; pass "
+            "not one made by rerope.hf.rerope_mask: custom (4D) masks are not supported; pass "
             "a 2D padding mask (batch, tokens) to the model instead")
     if dropout:
         raise ValueError(f"attention dropout {dropout} is not supported by the ReRoPE kernels "
@@ -559,7 +553,7 @@ def _attend_static(settings, query, key, value, seqlens, scaling, kwargs):
     ``seqlens`` ``(B,)`` int32 the filled slots per row (:func:`is_static_lengths`). A generation
     step runs the decode kernel on the whole cache with ``cache_seqlens=seqlens`` (no slicing, no
     host sync: what a compiled forward captures in a CUDA graph); a prefill runs
-    :func:`kernels.rerope` on the filled slots. Positions are the slots (rows are unpadded);
+    :func:`rerope.rerope` on the filled slots. Positions are the slots (rows are unpadded);
     log-n's positions are checked eagerly, not inside a compiled forward (that needs a sync)."""
     n_q = query.shape[2]
     compiling = torch.compiler.is_compiling()
@@ -570,7 +564,7 @@ def _attend_static(settings, query, key, value, seqlens, scaling, kwargs):
     n_keys = None
     if compiling:
         if not decode:      # compiled: a long chunk must be the prefill of an empty cache
-            torch._assert_async(seqlens[0] == n_q, "kernels.hf: in a compiled forward a static "
+            torch._assert_async(seqlens[0] == n_q, "rerope.hf: in a compiled forward a static "
                                 "cache takes more than 16 new tokens only as its first chunk")
             n_keys = n_q
     elif not decode or logn_len is not None:
@@ -593,8 +587,8 @@ def _attend_static(settings, query, key, value, seqlens, scaling, kwargs):
 
 
 def _attend(q, k, v, settings, scaling, logn_len):
-    """One kernel call: ``kernels.rerope_decode`` for a generation step (few new queries against
-    a longer cache, no gradient needed), else ``kernels.rerope``; both on rotated inputs, with
+    """One kernel call: ``rerope.rerope_decode`` for a generation step (few new queries against
+    a longer cache, no gradient needed), else ``rerope.rerope``; both on rotated inputs, with
     the model's RoPE frequencies (``settings.base`` or ``settings.inv_freq``)."""
     n_q, n_k = q.shape[2], k.shape[2]
     needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)

@@ -1,15 +1,15 @@
 """The public ops: launchers, autograd, ``rerope_attention`` and ``rerope``.
 
-``rerope_attention`` takes the five tensors (see :mod:`kernels.rope`); ``rerope`` takes ``q, k,
+``rerope_attention`` takes the five tensors (see :mod:`rerope.rope`); ``rerope`` takes ``q, k,
 v`` as a model holds them, raw or already rotated, and rotates inside the kernels
-(:mod:`kernels.rotary`). Both run the same three kernels (forward, dK/dV, dQ) and are
-differentiable. On a GPU every kernel is autotuned over :func:`kernels.configs.launch_configs`;
-under the CPU interpreter one fixed configuration runs (:mod:`kernels.runtime`).
+(:mod:`rerope.rotary`). Both run the same three kernels (forward, dK/dV, dQ) and are
+differentiable. On a GPU every kernel is autotuned over :func:`rerope.configs.launch_configs`;
+under the CPU interpreter one fixed configuration runs (:mod:`rerope.runtime`).
 
 Each op has two doors to the same launchers. Eagerly, a ``torch.autograd.Function`` where a
 gradient is needed and the kernels themselves where none is: the lightest paths from Python to
 the kernels (short sequences are bound by host time). Under ``torch.compile``, ops registered
-with ``torch.library`` (``torch.ops.kernels.*``, with fake implementations and autograd
+with ``torch.library`` (``torch.ops.rerope.*``, with fake implementations and autograd
 formulas), which the compiler treats as opaque instead of tracing into Triton; in eager mode
 they would cost 90 µs more per forward call (measured on the H200 host,
 perf/runs/host_fused_v1.json). Both doors keep a plan per call signature (:func:`_cached_plan`,
@@ -37,7 +37,7 @@ from .rotary import kept_turn, logn_factor, rotation_tables, turn_operands
 from .runtime import INTERPRET, dot_precision, prepare_for_device
 
 _KERNELS = {"fwd": _rerope_fwd_kernel, "dkdv": _bwd_dkdv_kernel, "dq": _bwd_dq_kernel}
-DECODE_MAX_QUERIES = 16      # kernels.rerope sends shorter causal inference calls to decoding
+DECODE_MAX_QUERIES = 16      # rerope.rerope sends shorter causal inference calls to decoding
 
 
 @functools.lru_cache(maxsize=None)
@@ -89,7 +89,7 @@ def _launch(kernel, blocks_of, rows, programs, args, launchers=None, **constexpr
     cdiv(rows, meta[blocks_of]))`` with the constexpr ``HEADS_FIRST`` (:func:`heads_first`).
 
     On a GPU the kernel is autotuned (:func:`_autotuned`) on its first call per key, and the
-    compiled winner is then bound to a :class:`kernels.launch.Launcher`, kept per exact
+    compiled winner is then bound to a :class:`rerope.launch.Launcher`, kept per exact
     argument list (:func:`_bound`), so a repeated call skips Triton's ~70 µs Python launch path.
     """
     def grid(blocks):
@@ -116,7 +116,7 @@ _LAUNCHERS = PlanCache(limit=256)
 
 
 def _bound(where, args, constexprs, make, launchers=None):
-    """The :class:`kernels.launch.Launcher` of a launch; ``make()`` builds a new one.
+    """The :class:`rerope.launch.Launcher` of a launch; ``make()`` builds a new one.
 
     ``launchers``: a plan's own dict (see :func:`_cached_plan`), whose call signature already
     fixes every argument of the launch (shapes, strides, alignment; outputs and scratch are fresh
@@ -170,7 +170,7 @@ def _use_tma(*tensors):
 
 def _tma_of(launchers, where, *tensors):
     """:func:`_use_tma`, decided once per plan (``launchers``, see :func:`_bound`: the plan's
-    call signature fixes every layout and alignment it looks at) and ``KERNELS_TMA`` mode."""
+    call signature fixes every layout and alignment it looks at) and ``REROPE_TMA`` mode."""
     if launchers is None:
         return _use_tma(*tensors)
     key = ("tma", where, configs.TMA)
@@ -189,7 +189,7 @@ class Operands:
 
     ``split=False``: the five-tensor form (``q1, q2, k1, k2`` given). ``split=True``: ``q, k``
     as a model holds them; ``tables`` are ``(inside table, inside offset, outside table,
-    outside offset)`` from :mod:`kernels.rotary` and ``flags`` the compile-time switches.
+    outside offset)`` from :mod:`rerope.rotary` and ``flags`` the compile-time switches.
     """
 
     split: bool
@@ -216,8 +216,8 @@ def _rotations(n_k, head_dim, base, window, leaky, logn_len, rotated, device, in
                group=None):
     """The :class:`Operands` of the fused form, cached per setting (the tables themselves are
     shared by every setting with the same speed and frequencies:
-    :func:`kernels.rotary.rotation_tables`). ``inv_freq``: ``None`` (``base``'s frequencies) or
-    :class:`kernels.rope.Frequencies`; ``group``: Self-Extend's group size or ``None``."""
+    :func:`rerope.rotary.rotation_tables`). ``inv_freq``: ``None`` (``base``'s frequencies) or
+    :class:`rerope.rope.Frequencies`; ``group``: Self-Extend's group size or ``None``."""
     key = (n_k, head_dim, base, window, leaky, logn_len, rotated, device, inv_freq, group)
     operands = _OPERANDS.get(key)
     if operands is None:
@@ -239,7 +239,7 @@ PRETURN_BLOCK_M = 128        # the forward's largest query block (configs.py)
 
 def preturn_keys(n_k, n_q=PRETURN_BLOCK_M + 1, group=1):
     """Whether the fused forward turns a product's keys once, before the kernel, rather than
-    every key tile in every query block that reads it (:func:`kernels.rotary.turn_keys`), for
+    every key tile in every query block that reads it (:func:`rerope.rotary.turn_keys`), for
     ``n_k`` keys, ``n_q`` queries and ``group`` query heads per key head.
 
     Pre-turning costs one more launch and one pass over ``k`` (``Hkv`` heads: small under
@@ -254,8 +254,8 @@ def preturn_keys(n_k, n_q=PRETURN_BLOCK_M + 1, group=1):
     (raw inputs, D=128, 32k keys: 2 % slower), up to 1.35x for rotated inputs; in GPU time
     from 1024 keys on (raw inputs at 2048 keys: 1.10x at D=64, 1.17x at D=128). A plan keeps
     its turn for later calls with every argument but ``k`` bound
-    (:func:`kernels.rotary.kept_turn`), and with that the host's share no longer decides at
-    2048 keys: through ``kernels.rerope`` at B=1 H=32 N=2048 from raw ``q, k``, two rounds
+    (:func:`rerope.rotary.kept_turn`), and with that the host's share no longer decides at
+    2048 keys: through ``rerope.rerope`` at B=1 H=32 N=2048 from raw ``q, k``, two rounds
     alternating 4096 and 2048, the forward took 0.091-0.095 against 0.099 ms at D=64 (fp16
     and bf16) and 0.152 against 0.179 ms at D=128; forward + backward 0.787-0.800 against
     0.815-0.826 ms at D=128, and at D=64 (host-bound, noisy) 0.47-0.59 against 0.48-0.53 ms
@@ -267,9 +267,9 @@ def preturn_keys(n_k, n_q=PRETURN_BLOCK_M + 1, group=1):
 PRETURN_BWD_MIN_KEYS = 4096  # from this many keys on, the backward pre-turns its operands ...
 # ... unless that needs more extra memory than this many bytes: ``None`` means a sixteenth of the
 # GPU's memory (2 GiB under the interpreter); the environment variable
-# KERNELS_PRETURN_BWD_MAX_BYTES sets it
-PRETURN_BWD_MAX_BYTES = (int(os.environ["KERNELS_PRETURN_BWD_MAX_BYTES"])
-                         if os.environ.get("KERNELS_PRETURN_BWD_MAX_BYTES") else None)
+# REROPE_PRETURN_BWD_MAX_BYTES sets it
+PRETURN_BWD_MAX_BYTES = (int(os.environ["REROPE_PRETURN_BWD_MAX_BYTES"])
+                         if os.environ.get("REROPE_PRETURN_BWD_MAX_BYTES") else None)
 
 
 def _preturned_shapes(q, k, operands, outside=True):
@@ -300,7 +300,7 @@ def preturn_memory_limit(device):
 
 
 def preturn_backward(n_k, extra_bytes, device):
-    """Whether the fused backward runs on pre-turned operands (:func:`kernels.rotary.
+    """Whether the fused backward runs on pre-turned operands (:func:`rerope.rotary.
     turn_operands`: one pass over ``q`` and one over ``k`` write each product's operands that
     differ from the inputs) rather than turning tiles in registers inside its two kernels.
 
@@ -374,7 +374,7 @@ def _has_outside(n_k, window):
 
 
 def _key_products(table_in, table_out):
-    """The two products' key turns for :func:`kernels.rotary.turn_operands`: a product's
+    """The two products' key turns for :func:`rerope.rotary.turn_operands`: a product's
     ``(table, offset, turn, shift)`` where its table is given, ``None`` where its keys stay as
     they are (keys have no offset: the table stands in for it, unread)."""
     return tuple(None if table is None else (table, table, True, False)
@@ -385,7 +385,7 @@ def _turned_keys(k1, k2, table_in, table_out, launchers=None):
     """``k1, k2`` (the fused form's one ``k``) with each product's keys turned once where its
     table is given (``None``: that product's keys as they are): one read of ``k`` for both
     products (Self-Extend and Leaky ReRoPE turn the keys of both), each turned key equal to
-    :func:`kernels.rotary.turn_keys`'. ``launchers``: the plan's (a bound launch)."""
+    :func:`rerope.rotary.turn_keys`'. ``launchers``: the plan's (a bound launch)."""
     if table_in is None and table_out is None:
         return k1, k2
     return turn_operands(k1, *_key_products(table_in, table_out), launchers=launchers)
@@ -397,7 +397,7 @@ def _forward_call(launcher, out, lse, keys, turn_tables, tail, launchers):
     pre-turned, the outputs' shapes, dtype and device: those of the first call's ``out`` and
     ``lse``) is kept, and a call allocates its outputs and launches. The key turn, where there
     is one, is kept for the layout of ``keys`` (the first call's ``k``, not kept alive;
-    :func:`kernels.rotary.kept_turn`), its launch bound in the plan's ``launchers``."""
+    :func:`rerope.rotary.kept_turn`), its launch bound in the plan's ``launchers``."""
     launch = launcher.fixed(*tail)
     turn = (None if turn_tables == (None, None) else
             kept_turn(keys, *_key_products(*turn_tables), launchers=launchers))
@@ -486,10 +486,10 @@ def rerope_backward(dout, q1, q2, k1, k2, v, out, lse, window, causal, sm_scale,
 
 def _operand_turns(operands, first_query, outside=True, launchers=None, like=None):
     """``turn(q, k) -> (q1, q2, k1, k2)``: each product's operands turned once (extra tensors,
-    :func:`kernels.rotary.turn_operands`) for the pre-turned backward; the outside product's
+    :func:`rerope.rotary.turn_operands`) for the pre-turned backward; the outside product's
     only where it has a tile (``outside``, :func:`_has_outside`: else ``q``, ``k``, unread).
     ``launchers``: the plan's (bound launches). ``like``: ``(q, k)`` of the plan's call
-    signature, for a turn kept for that layout (:func:`kernels.rotary.kept_turn`: build it
+    signature, for a turn kept for that layout (:func:`rerope.rotary.kept_turn`: build it
     after the plan's first turn, whose launches it then takes bound)."""
     tab_in, off_in, tab_out, off_out = operands.tables
     f = operands.flags
@@ -556,8 +556,8 @@ def _make_fused_op_plan(n_k, head_dim, device, window, causal, sm_scale, base, l
 
 def _op_plan(make, tensors, settings):
     """The :class:`_OpPlan` of a custom op's real call: a compiled graph (or anything else that
-    calls ``torch.ops.kernels.*``) runs the ops' implementations, and from its second call with
-    a signature (:func:`kernels.launch.signature` of ``tensors``, and the op's settings) each is
+    calls ``torch.ops.rerope.*``) runs the ops' implementations, and from its second call with
+    a signature (:func:`rerope.launch.signature` of ``tensors``, and the op's settings) each is
     a lookup plus the plan's kept, bound launches, as in eager mode. The ops' arguments come
     checked from the public functions, so no check runs here. ``make(*settings)`` for the
     five-tensor form, ``make(Nk, D, device, *settings)`` for the fused one."""
@@ -584,7 +584,7 @@ def _op_backward_launchers(plan, out, lse):
         return None
 
 
-@torch.library.custom_op("kernels::rerope_attention_fwd", mutates_args=())
+@torch.library.custom_op("rerope::rerope_attention_fwd", mutates_args=())
 def _five_fwd(q1: torch.Tensor, q2: torch.Tensor, k1: torch.Tensor, k2: torch.Tensor,
               v: torch.Tensor, window: int, causal: bool,
               sm_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -592,7 +592,7 @@ def _five_fwd(q1: torch.Tensor, q2: torch.Tensor, k1: torch.Tensor, k2: torch.Te
     return rerope_forward(q1, q2, k1, k2, v, window, causal, sm_scale, launchers=plan.launchers)
 
 
-@torch.library.custom_op("kernels::rerope_attention_bwd", mutates_args=())
+@torch.library.custom_op("rerope::rerope_attention_bwd", mutates_args=())
 def _five_bwd(dout: torch.Tensor, q1: torch.Tensor, q2: torch.Tensor, k1: torch.Tensor,
               k2: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
               window: int, causal: bool, sm_scale: float) -> list[torch.Tensor]:
@@ -612,7 +612,7 @@ def _fused_op_settings(window, causal, sm_scale, base, leaky, logn_len, rotated,
             None if inv_freq is None else tuple(inv_freq), group)   # a list cannot be a key
 
 
-@torch.library.custom_op("kernels::rerope_fwd", mutates_args=())
+@torch.library.custom_op("rerope::rerope_fwd", mutates_args=())
 def _fused_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int, causal: bool,
                sm_scale: float, base: float, leaky: Optional[float], logn_len: Optional[float],
                rotated: bool, inv_freq: Optional[list[float]] = None, group: Optional[int] = None
@@ -623,7 +623,7 @@ def _fused_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int, c
                           launchers=plan.launchers)
 
 
-@torch.library.custom_op("kernels::rerope_bwd", mutates_args=())
+@torch.library.custom_op("rerope::rerope_bwd", mutates_args=())
 def _fused_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                out: torch.Tensor, lse: torch.Tensor, window: int, causal: bool, sm_scale: float,
                base: float, leaky: Optional[float], logn_len: Optional[float],
@@ -698,7 +698,7 @@ def _first_order_only(backward):
             grads = backward(ctx, *grad_outputs)
         error = torch._C._functions.DelayedError(
             b"kernels: the ReRoPE backward is not differentiable (no double backward, e.g. "
-            b"for gradient penalties); use kernels.reference for higher-order gradients",
+            b"for gradient penalties); use rerope.reference for higher-order gradients",
             len(grads))
         tensors = [g.detach().requires_grad_() if g is not None else None for g in grads]
         return error(*tensors)
@@ -813,14 +813,14 @@ def _cached_plan(make, tensors, settings, compiling=False):
 
 @dataclass(frozen=True)
 class _FivePlan:
-    """A ``kernels.rerope_attention`` call's checked settings and its bound launches
+    """A ``rerope.rerope_attention`` call's checked settings and its bound launches
     (:func:`_bound`), filled by its first call."""
 
     window: int
     causal: bool
     scale: float
     grad: bool          # whether the call needs a gradient (part of the plan's key)
-    lift: bool          # bf16 under the interpreter: computed in fp32 (kernels.runtime)
+    lift: bool          # bf16 under the interpreter: computed in fp32 (rerope.runtime)
     launchers: dict = field(default_factory=dict)
 
 
@@ -874,7 +874,7 @@ def rerope_attention(q1, q2, k1, k2, v, window, causal=True, sm_scale=None):
 
 @dataclass(frozen=True)
 class _FusedPlan:
-    """A ``kernels.rerope`` call's checked settings, its rotation operands, its route
+    """A ``rerope.rerope`` call's checked settings, its rotation operands, its route
     (``decode`` for a decode step, see :func:`rerope`) and its bound launches (:func:`_bound`),
     filled by its first call."""
 
@@ -883,7 +883,7 @@ class _FusedPlan:
     operands: Operands
     decode: bool
     grad: bool          # whether the call needs a gradient (part of the plan's key)
-    lift: bool          # bf16 under the interpreter: computed in fp32 (kernels.runtime)
+    lift: bool          # bf16 under the interpreter: computed in fp32 (rerope.runtime)
     launchers: dict = field(default_factory=dict)
 
 
@@ -913,7 +913,7 @@ def _plan_fused(q, k, v, window, causal, sm_scale, base, leaky, logn_len, rotate
 
 def _lifted(q):
     """Whether a call runs on fp32 copies (bf16 under the interpreter, see
-    :func:`kernels.runtime.prepare_for_device`); raises ``ValueError`` for tensors on a device
+    :func:`rerope.runtime.prepare_for_device`); raises ``ValueError`` for tensors on a device
     the kernels cannot run on here. Decided once per plan: its signature fixes dtype and
     device."""
     prepare_for_device(q[..., :0])
@@ -946,7 +946,7 @@ def rerope(q, k, v, window, causal=True, sm_scale=None, base=10000.0, leaky=None
             (Llama 3's ``llama3``, ``linear`` or YaRN scaling change only these). ``base`` must
             then stay at its default (``ValueError`` otherwise). A tensor is read once and
             remembered while the same tensor is passed unmodified; a
-            :class:`kernels.rope.Frequencies` skips every conversion. An attention factor
+            :class:`rerope.rope.Frequencies` skips every conversion. An attention factor
             (YaRN's ``attention_scaling``) is not applied here: it is in rotated inputs already.
         group: ``None``, or Self-Extend's group size ``G``, an int ``>= 1`` that divides
             ``window`` (``ValueError`` otherwise: the grouped query position
@@ -954,15 +954,15 @@ def rerope(q, k, v, window, causal=True, sm_scale=None, base=10000.0, leaky=None
             decode); ``causal`` only; not with ``leaky``. ``G = 1`` is plain RoPE. Positions
             are absolute (``⌊i/G⌋`` depends on ``i`` itself, not only on ``i - j``): key ``j``
             of ``k`` sits at position ``j``. Same kernels and speed as ReRoPE: the grouped
-            angles are rows of the rotation table (:mod:`kernels.rotary`).
+            angles are rows of the rotation table (:mod:`rerope.rotary`).
 
     Returns ``(B, Hq, Nq, D)`` in the input dtype; differentiable in ``q, k, v``. fp16, bf16 or
     fp32; ``D`` in 16, 32, 64, 128, 256; any strides. No rotated copy of ``q`` or ``k`` is ever
-    written: each kernel rotates tiles in registers (:mod:`kernels.rotary`).
+    written: each kernel rotates tiles in registers (:mod:`rerope.rotary`).
 
     A decode step — ``causal``, at most ``DECODE_MAX_QUERIES`` (16) queries, no gradient needed
     (grad mode off, or no input requires grad) — goes to the split-KV kernel of
-    :func:`kernels.rerope_decode`, which spreads the keys over the whole GPU; the prefill kernels
+    :func:`rerope.rerope_decode`, which spreads the keys over the whole GPU; the prefill kernels
     would give each query head a single program.
     """
     inv_freq = as_frequencies(inv_freq)   # checked and cached: cheap per call

@@ -28,7 +28,7 @@ import math
 
 import torch
 
-from ._validate import Frequencies  # noqa: F401  (kernels.rope.Frequencies: inv_freq, checked)
+from ._validate import Frequencies  # noqa: F401  (rerope.rope.Frequencies: inv_freq, checked)
 from ._validate import check_inv_freq, check_logn_overflow, check_rope_args
 
 

@@ -1,10 +1,10 @@
-"""How fast is a ReRoPE decode step? ``kernels.rerope_decode`` against what a user could run.
+"""How fast is a ReRoPE decode step? ``rerope.rerope_decode`` against what a user could run.
 
 Run it on a CUDA GPU from the repository root::
 
-    python -m kernels.bench_decode                  # the whole grid below (~3 min on an H200)
-    python -m kernels.bench_decode --quick          # D=128, bf16, B=1, 4k and 128k only
-    python -m kernels.bench_decode --no-extras      # the main grid only
+    python -m benchmarks.decode                  # the whole grid below (~3 min on an H200)
+    python -m benchmarks.decode --quick          # D=128, bf16, B=1, 4k and 128k only
+    python -m benchmarks.decode --no-extras      # the main grid only
 
 The main grid: ``Nq = 1`` new query per row against a full cache of ``context`` keys,
 ``D ∈ {64, 128}``, ``B ∈ {1, 8, 32}``, ``context ∈ {4k, 32k, 128k}``, ``Hq = 32``,
@@ -36,8 +36,8 @@ what a Python decode loop sees). ``hbm_fraction = hbm_bound / us``. Every kernel
 compiled first in parallel worker processes (:func:`precompile`); with ``WAIT_PID`` set (a
 process sharing the GPU, e.g. a test run) the timing waits for that process to end. A
 ``rerope_decode`` row's ``tma`` says whether it read K and V through TMA descriptors
-(:func:`kernels.decode.use_tma`). JSON like
-:mod:`kernels.bench`::
+(:func:`rerope.decode.use_tma`). JSON like
+:mod:`benchmarks.attention`::
 
     {"meta": {"gpu", "torch", "triton", "cuda", "date", "read_tb_s", "copy_tb_s", ...},
      "rows": [{"impl", "B", "Hq", "Hkv", "D", "dtype", "window", "context", "Nq",
@@ -227,7 +227,7 @@ def eager_us(step):
 
 def rope_cos_sin(n, d, base, device, dtype):
     """Hugging Face style ``(n, d)`` cos/sin caches (halves repeated), in the model dtype."""
-    from .rope import rope_frequencies
+    from rerope.rope import rope_frequencies
 
     angles = torch.arange(n, dtype=torch.float64, device=device)[:, None] * \
         rope_frequencies(d, base, device=device)[None, :]
@@ -277,10 +277,10 @@ def _sdpa_backend(name):
 
 def build_step(impl, q, k_cache, v_cache, window, cos_sin):
     """A no-argument callable doing one decode step with ``impl``, or raise if unsupported."""
-    import kernels
+    import rerope
 
     if impl == "rerope_decode":
-        return lambda: kernels.rerope_decode(q, k_cache, v_cache, window)
+        return lambda: rerope.rerope_decode(q, k_cache, v_cache, window)
     if impl == "rerotate_torch":
         cos, sin = cos_sin
         return lambda: rerotate_step(q, k_cache, v_cache, window, cos, sin)
@@ -347,12 +347,12 @@ def measure(impl, step, batch, window, context, bound_us, eager=True, **extra):
 
 def check_accuracy(q, k_cache, v_cache, window):
     """rerope_decode against a float32 reference on the benchmark's inputs (first 16k keys)."""
-    import kernels
-    from kernels import reference
+    import rerope
+    from rerope import reference
 
     n = min(k_cache.shape[2], 16384)
     k, v = k_cache[:1, :, :n], v_cache[:1, :, :n]
-    got = kernels.rerope_decode(q[:1], k, v, window).float()
+    got = rerope.rerope_decode(q[:1], k, v, window).float()
     want = reference.rerope(q[:1].float(), k.float(), v.float(), window, rotated=True)
     err = (got - want).abs().max().item()
     return {"context": n, "window": window, "D": q.shape[-1], "dtype": str(q.dtype)[6:],
@@ -434,20 +434,20 @@ def grid(args):
 
 def _rerope_call(q, k, v, window, extra):
     """A no-argument ``rerope_decode`` step for a case (paged: scatter the caches first)."""
-    import kernels
+    import rerope
 
     kwargs = {"num_splits": extra.get("num_splits"), "rotated": extra.get("rotated", True)}
     if extra.get("page_size"):
         k_pages, v_pages, table = paged_copy(k, v, extra["page_size"])
         lengths = torch.full((k.shape[0],), k.shape[2], dtype=torch.int32, device=k.device)
-        return lambda: kernels.rerope_decode(q, k_pages, v_pages, window, cache_seqlens=lengths,
-                                             block_table=table, **kwargs)
-    return lambda: kernels.rerope_decode(q, k, v, window, **kwargs)
+        return lambda: rerope.rerope_decode(q, k_pages, v_pages, window, cache_seqlens=lengths,
+                                            block_table=table, **kwargs)
+    return lambda: rerope.rerope_decode(q, k, v, window, **kwargs)
 
 
 def warm_spec(d, batch, context, dtype, window, extra):
     """What decides the split kernel's compiled variant for a case (see :func:`warm`)."""
-    from kernels import decode
+    from rerope import decode
 
     nq = extra.get("Nq", 1)
     splits = extra.get("num_splits") or decode.default_num_splits(batch, HKV, HQ // HKV, nq,
@@ -464,14 +464,14 @@ class _launch_config:
         self.d, self.items = d, items
 
     def __enter__(self):
-        from kernels import decode
+        from rerope import decode
 
         self.saved = dict(decode.HEAD_DIM_CONFIGS)
         if self.items is not None:
             decode.HEAD_DIM_CONFIGS[self.d] = dict(self.items)
 
     def __exit__(self, *exc):
-        from kernels import decode
+        from rerope import decode
 
         decode.HEAD_DIM_CONFIGS.clear()
         decode.HEAD_DIM_CONFIGS.update(self.saved)
@@ -505,7 +505,7 @@ def precompile(groups, workers=15):
     specs = sorted({warm_spec(d, batch, context, dtype, window, extra)
                     for (d, batch, context, dtype), cases in groups.items()
                     for impl, window, extra in cases if impl == "rerope_decode"}, key=str)
-    from kernels import bench_decode     # by its import name (also when run with -m)
+    from benchmarks import decode as bench_decode     # by its import name (also when run with -m)
 
     with concurrent.futures.ProcessPoolExecutor(
             max_workers=workers, mp_context=multiprocessing.get_context("spawn")) as pool:
@@ -522,8 +522,8 @@ def wait_for_gpu_sharer():
 
 
 def run(args):
-    import kernels
-    from kernels import decode
+    import rerope
+    from rerope import decode
 
     global TIME_BUDGET_S
     TIME_BUDGET_S = args.time_budget
@@ -535,7 +535,7 @@ def run(args):
             "config": dict(decode.GPU_CONFIG), "programs_per_sm": decode.PROGRAMS_PER_SM,
             "head_dim_configs": {str(d): dict(decode.launch_config(d)) for d in args.head_dim},
             "args": vars(args)}
-    from kernels import configs
+    from rerope import configs
 
     meta["tma"] = {"mode": configs.TMA, "head_dims": list(decode.TMA_HEAD_DIMS),
                    "min_keys_per_split": decode.TMA_MIN_KEYS}
@@ -601,8 +601,8 @@ def run(args):
                                                  -(-context // info["num_splits"]))
                     step = _rerope_call(q, k_cache, v_cache, window, {**extra, **info})
                     if extra.get("page_size"):     # the paged call must give the same output
-                        want = kernels.rerope_decode(q, k_cache, v_cache, window,
-                                                     num_splits=info["num_splits"])
+                        want = rerope.rerope_decode(q, k_cache, v_cache, window,
+                                                    num_splits=info["num_splits"])
                         info["max_abs_diff_vs_contiguous"] = (
                             step().float() - want.float()).abs().max().item()
                 else:
@@ -648,8 +648,8 @@ def tune(bandwidth, window=2048):
     """Time every candidate configuration on TUNE_SHAPES (rotated cache, graph replay); set
     the fastest (least total time) as ``decode.GPU_CONFIG`` / ``PROGRAMS_PER_SM``. Returns the
     rows."""
-    import kernels
-    from kernels import decode
+    import rerope
+    from rerope import decode
 
     dtype = getattr(torch, DTYPE)
     caches = {}
@@ -666,7 +666,7 @@ def tune(bandwidth, window=2048):
             total, row_times = 0.0, []
             for (batch, context), (q, k, v) in caches.items():
                 try:
-                    us = graph_us(lambda: kernels.rerope_decode(q, k, v, window))
+                    us = graph_us(lambda: rerope.rerope_decode(q, k, v, window))
                 except Exception as error:
                     print(f"  tune {(n, a, w, s)} failed: {_describe_error(error)}", flush=True)
                     us = float("inf")
@@ -693,14 +693,14 @@ def tune(bandwidth, window=2048):
 
 def write_results(path, rows, meta, sweep=()):
     """Write ``{"meta", "rows", "sweep"}`` to ``path`` atomically (via ``bench.write_results``)."""
-    from .bench import write_results as write
+    from .attention import write_results as write
 
     write(path, rows, meta, sweep=list(sweep))
 
 
 def load_results(path):
     """``(meta, rows)`` of a results file written by this module."""
-    from .bench import read_results
+    from .attention import read_results
 
     results = read_results(path, what="decode benchmark")
     return results["meta"], results["rows"]
@@ -815,7 +815,7 @@ def parse_args(argv=None):
 def main(argv=None):
     args = parse_args(argv)
     if not torch.cuda.is_available():
-        print("kernels.bench_decode needs a CUDA GPU", file=sys.stderr)
+        print("benchmarks.decode needs a CUDA GPU", file=sys.stderr)
         return 1
     with torch.no_grad():
         run(args)

@@ -10,9 +10,9 @@ reader's kernel touches lies inside guard regions (:func:`_guarded`), so a missi
 verdict, never a crash.
 
 The harness kernels below are small on purpose: they are the book's own code, shown with
-:func:`kernels.source`, and they use only the stable building blocks of the package
-(:func:`kernels.online_softmax._softmax_step`, :func:`kernels.regions._schedule`, the references),
-never the internals of :mod:`kernels.forward` or :mod:`kernels.backward`.
+:func:`rerope.source`, and they use only the stable building blocks of the package
+(:func:`rerope.online_softmax._softmax_step`, :func:`rerope.regions._schedule`, the references),
+never the internals of :mod:`rerope.forward` or :mod:`rerope.backward`.
 
 Inputs are fp16 on both machines (the interpreter computes fp16 ``tl.dot`` correctly; bf16 it
 does not), so a checker's verdict reads the same on a CPU and on a GPU.
@@ -441,7 +441,7 @@ def _reference_masked_pass(acc, l_i, m_i, q, K, V, rows, lo, hi, n_ctx, window, 
                            PRODUCT: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr,
                            HEAD_DIM: tl.constexpr):
     """What :func:`check_masked_pass` compares with, to tell band tiles from edge tiles: the
-    package's own mask (:func:`kernels.forward._keep`)."""
+    package's own mask (:func:`rerope.forward._keep`)."""
     dims = tl.arange(0, HEAD_DIM)
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + tl.arange(0, BLOCK_N)
@@ -461,7 +461,7 @@ def _rerope_exercise_fwd_kernel(Q1, Q2, K1, K2, V, Out, n_ctx, window, qk_scale,
                                 CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr,
                                 BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr):
     """A teaching ReRoPE forward: one head, contiguous ``(N, D)`` tensors, the six passes of
-    :func:`kernels.regions._schedule`. The unmasked passes are :func:`_clean_pass`; the masked
+    :func:`rerope.regions._schedule`. The unmasked passes are :func:`_clean_pass`; the masked
     ones call ``BAND_PASS`` on the band walk and ``MASKED_PASS`` on the two edge walks, each
     once per tile range ``[lo, hi)`` of the walk."""
     start_m = tl.program_id(0) * BLOCK_M
@@ -519,7 +519,7 @@ def _exercise_forward(masked_pass, band_pass, five, window, causal, block_m, blo
 def _walk_map_kernel(Map, n_tiles, n_ctx, window, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      CAUSAL: tl.constexpr):
     """Per query block, the key tiles of its masked walks: +1 band, +2 diagonal/end (q1·k1),
-    +4 diagonal/end (q2·k2), from the kernels' own :func:`kernels.regions._schedule`."""
+    +4 diagonal/end (q2·k2), from the kernels' own :func:`rerope.regions._schedule`."""
     row = Map + tl.program_id(0) * n_tiles
     outside_clean, inside_clean, band, edge_inside, edge_outside = _schedule(
         tl.program_id(0) * BLOCK_M, BLOCK_M, BLOCK_N, n_ctx, window, CAUSAL, True)
@@ -555,7 +555,7 @@ def check_masked_pass(masked_pass):
     """Chapter 4: ``masked_pass`` as the masked passes of a ReRoPE forward.
 
     Runs :func:`_rerope_exercise_fwd_kernel` with the reader's pass on the band and edge walks,
-    compares with the float64 naive reference (:func:`kernels.reference.rerope_attention`) on the
+    compares with the float64 naive reference (:func:`rerope.reference.rerope_attention`) on the
     same fp16 inputs, and, if rows are wrong, runs again with the reader's pass on the band only
     and on the edges only, to say which kind of tile it gets wrong.
     """
@@ -612,10 +612,10 @@ def _rerope_fused_band_kernel(Q1, Q2, K1, K2, V, Out, n_ctx, window, qk_scale,
                               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                               HEAD_DIM: tl.constexpr):
     """A teaching ReRoPE forward (one head, contiguous ``(N, D)`` tensors, the walks of
-    :func:`kernels.regions._schedule`) with the band walked **once**: ``BAND_PASS`` gets both
+    :func:`rerope.regions._schedule`) with the band walked **once**: ``BAND_PASS`` gets both
     query blocks and both key tensors and must compute both products of each band tile. The
     unmasked walks are :func:`_clean_pass`; the diagonal/end walks, one product each, use the
-    package's mask (:func:`_reference_masked_pass`, built on ``kernels.forward._keep``)."""
+    package's mask (:func:`_reference_masked_pass`, built on ``rerope.forward._keep``)."""
     start_m = tl.program_id(0) * BLOCK_M
     rows = start_m + tl.arange(0, BLOCK_M)
     dims = tl.arange(0, HEAD_DIM)
@@ -706,7 +706,7 @@ def check_window_bounds(window_bounds):
     inside iff ``-after < i - j < before``. Each tile of keys ``[t, t + other_block)`` against
     the query rows ``[start, start + self_block)`` is classified by the bounds and by looking at
     all its pairs; the first disagreement is reported. With ``before == after == w`` this is
-    :func:`kernels.regions._window_bounds`.
+    :func:`rerope.regions._window_bounds`.
     """
     for before, after, self_block, other_block in ((13, 13, 16, 16), (17, 5, 32, 16),
                                                    (5, 17, 16, 32), (1, 1, 16, 16),
@@ -945,7 +945,7 @@ _BAND_CASES = ((256, 64, 32, 16, True), (256, 32, 32, 16, False), (512, 96, 32, 
 
 
 def schedule_band_tiles(n_ctx, window, block_m, block_n, causal):
-    """How many tiles the kernels' own schedule (:func:`kernels.regions.tile_map`) visits with
+    """How many tiles the kernels' own schedule (:func:`rerope.regions.tile_map`) visits with
     both products."""
     flags = tile_map(n_ctx, window, block_m, block_n, causal=causal)
     both = (((flags & (INSIDE_CLEAN | INSIDE_MASKED)) != 0)
@@ -994,7 +994,7 @@ def check_rope_kernel(rope_kernel):
 
     ``X`` and ``Out`` are contiguous ``(B·H, N, D)``, ``Cos``/``Sin`` are :func:`rope_tables`;
     the grid is ``(cdiv(N, BLOCK_N), B·H)``. ``Out`` starts as NaN. Compared with
-    :func:`kernels.rope.apply_rope`; reports the head, the positions and the half of the vector.
+    :func:`rerope.rope.apply_rope`; reports the head, the positions and the half of the vector.
     """
     gen = torch.Generator().manual_seed(8)
     for bh, n, d, block_n, dtype in ((2, 40, 32, 16, torch.float16), (3, 70, 64, 32, torch.float32),
@@ -1030,10 +1030,10 @@ def _turn_tile_kernel(X, Out, Table, Offset, n_rows, offset_sign, TURN: tl.const
                       BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr):
     """Rows of a contiguous ``(N, D)`` tensor passed through the reader's ``TURN``, half by half.
 
-    Row ``p`` of ``Table`` (:func:`kernels.rotary.rope_table`) is ``[cos | sin]`` of
-    ``speed · p · θ``, ``Offset`` (:func:`kernels.rotary.rotation_offset`) is ``[cos | sin]`` of
+    Row ``p`` of ``Table`` (:func:`rerope.rotary.rope_table`) is ``[cos | sin]`` of
+    ``speed · p · θ``, ``Offset`` (:func:`rerope.rotary.rotation_offset`) is ``[cos | sin]`` of
     ``offset · θ`` and its sines are multiplied by ``offset_sign`` (±1), as in
-    :func:`kernels.rotary._angles`. ``TURN(x_a, x_b, cos_p, sin_p, cos_o, sin_o)`` gets the fp32
+    :func:`rerope.rotary._angles`. ``TURN(x_a, x_b, cos_p, sin_p, cos_o, sin_o)`` gets the fp32
     halves ``(BLOCK, D/2)`` of the rows, the table entries of their positions ``(BLOCK, D/2)``
     and the offset's ``(1, D/2)``, and returns the two halves it turned; they are stored in fp32.
     """
@@ -1101,8 +1101,8 @@ def check_turn_tile(turn):
     θ_t``) and ``cos_o, sin_o`` those of the offset ``β = ± offset · θ_t``.
 
     Runs :func:`_turn_tile_kernel` with it on fp16 rows, for the turns the kernels make (the
-    products of :func:`kernels.rotary.rotation_plan`, and the dK/dV kernel's keys with the offset
-    subtracted), and compares with :func:`kernels.rope.apply_rope` in float64 at the angles
+    products of :func:`rerope.rotary.rotation_plan`, and the dK/dV kernel's keys with the offset
+    subtracted), and compares with :func:`rerope.rope.apply_rope` in float64 at the angles
     ``speed · p ± offset``; reports the case, the positions and the frequencies that are wrong.
     """
     return _check_turn(turn, back=False)
@@ -1147,7 +1147,7 @@ def check_tile_angles(tile_angles):
     ``a(start + r) = a(start) + a(r)``, true for a speed and for Self-Extend's ``⌊p/G⌋`` when
     ``G`` divides ``start``).
 
-    Runs :func:`_tile_angles_kernel` on tables of :func:`kernels.rotary.rope_table` (speeds and
+    Runs :func:`_tile_angles_kernel` on tables of :func:`rerope.rotary.rope_table` (speeds and
     groups of the decode kernel's key turns) whose other rows are NaN, so an answer that reads a
     row per key, or a wrong one, shows; compares with the table's own rows in float64. Reports
     the case, the tiles, keys and frequencies that are wrong.
@@ -1202,7 +1202,7 @@ def check_logn_kernel(logn_kernel):
     program per ``BLOCK`` rows of a contiguous ``(n_q, HEAD_DIM)`` slice, where row ``r`` is the
     query at position ``i = n_k - n_q + r`` and ``logn_factor = 1 / log2(train_len)``.
 
-    Compared with :func:`kernels.rope.logn_scale` (float64) for a whole sequence, a chunk at the
+    Compared with :func:`rerope.rope.logn_scale` (float64) for a whole sequence, a chunk at the
     end of a longer one, and a ragged last block; reports the case and the wrong rows.
     """
     from .rope import logn_scale
@@ -1467,7 +1467,7 @@ def check_page_slots(page_slots):
 
 def check_split_free_batch(split_free_batch):
     """Chapter 8: ``split_free_batch(kv_heads, n_keys, sms)``: the smallest batch for which
-    :func:`kernels.decode.default_num_splits` (group 4, one query per row) cuts no row's keys,
+    :func:`rerope.decode.default_num_splits` (group 4, one query per row) cuts no row's keys,
     i.e. picks 1 split. Compared with a search over the rule itself, for many shapes."""
     from . import decode
 

@@ -11,12 +11,12 @@ import os
 
 import triton
 
-AUTOTUNE = os.environ.get("KERNELS_AUTOTUNE", "1") != "0"
+AUTOTUNE = os.environ.get("REROPE_AUTOTUNE", "1") != "0"
 
 # Tensor-memory-accelerator (TMA) loads: "auto" uses them where they are known to work and pay
 # (a Hopper-or-newer GPU, fp16/bf16, D <= 128, a layout TMA accepts); "0" never; "1" wherever
 # the layout allows, also under the interpreter (the tests use it to run both load paths on CPU).
-TMA = os.environ.get("KERNELS_TMA", "auto")
+TMA = os.environ.get("REROPE_TMA", "auto")
 
 
 def tma_pays(capability, elem_bytes, head_dim):
@@ -29,14 +29,14 @@ SHARED_MEMORY = {75: 65536, 80: 166912, 86: 101376, 89: 101376, 90: 232448}
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages). BLOCK_M is the query tile, BLOCK_N the key tile.
 # First: the configuration that won most often on the H200 (perf/NOTES.md, v4 with TMA loads);
-# used alone when KERNELS_AUTOTUNE=0.
+# used alone when REROPE_AUTOTUNE=0.
 _CANDIDATES = {
     "fwd": {
         64: [(128, 64, 4, 3), (128, 64, 4, 4), (128, 64, 8, 3), (64, 64, 4, 4)],
         128: [(128, 64, 8, 3), (128, 128, 8, 2), (128, 64, 4, 3), (64, 64, 4, 3)],
         256: [(64, 64, 8, 2), (64, 32, 4, 2)],
     },
-    # The pre-turned backward of kernels.rerope (SPLIT off, TURN_BACK) uses these lists too; at
+    # The pre-turned backward of rerope.rerope (SPLIT off, TURN_BACK) uses these lists too; at
     # D=128 its first candidates beat 9 other dK/dV and 8 other dQ configurations, fp16 and bf16
     # (perf/runs/sweep_bwd128_h200.json: dK/dV 2.09 ms, next 32x64/4/3 2.28; dQ 1.50-1.51, next
     # 64x32/4/3 1.61-1.64).
@@ -51,7 +51,7 @@ _CANDIDATES = {
         256: [(64, 32, 8, 2), (32, 16, 4, 2)],
     },
 }
-# The fused-rotation form (``kernels.rerope``, ``split``) where its best differs: it holds the
+# The fused-rotation form (``rerope.rerope``, ``split``) where its best differs: it holds the
 # rotation's operands in registers too, so at D=128 the backward prefers thinner tiles
 # (H200 sweep, perf/runs/sweep_fused.json: dK/dV 32x64 -21 %, dQ 64x32 -12 % of fwd+bwd).
 _FUSED_CANDIDATES = {
@@ -108,7 +108,7 @@ def launch_configs(kernel, head_dim, capability, elem_bytes=2, split=False):
 
     Candidates whose estimated shared memory exceeds the GPU's are pruned; if none is left, the
     first fallback that fits is used (the compile test proves the choice fits every GPU). With
-    the environment variable ``KERNELS_AUTOTUNE=0`` only the first fitting candidate is
+    the environment variable ``REROPE_AUTOTUNE=0`` only the first fitting candidate is
     returned: no autotuning, one compilation per kernel (quicker first calls).
     """
     major, minor = capability

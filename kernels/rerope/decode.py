@@ -16,7 +16,7 @@ things keep it there:
 * **One cache, rotated on the fly.** The kernel reads the cache the model already keeps — keys
   RoPE-rotated at their positions (``rotated=True``, the Llama convention) or raw
   (``rotated=False``) — and applies each product's rotation in registers, with the speeds and
-  offsets of :func:`kernels.rotary.rotation_plan` (no re-rotated copy, no second cache). With a
+  offsets of :func:`rerope.rotary.rotation_plan` (no re-rotated copy, no second cache). With a
   rotated cache the product inside the window needs no rotation at all (``q_rot · k_rot`` is
   RoPE's score), and outside it the key is turned back by ``R(-j)``: ``R(w - i) q_rot ·
   R(-j) k_rot = R(w) q · k``, ReRoPE's clamped score.
@@ -38,7 +38,7 @@ edge falls (both products, each masked to its side); then the last ``w`` keys, i
 query, with a mask only on the tiles that hold the window edge or the causal diagonal of the
 ``Nq`` queries.
 
-Key angles come from :func:`kernels.rotary.rope_table`, without reading a table row per key
+Key angles come from :func:`rerope.rotary.rope_table`, without reading a table row per key
 (that would add as many bytes as the keys themselves): a tile starting at key ``j0`` needs
 ``R(σ (j0 + r))`` for ``r < BLOCK_N``, and ``R(σ j0) R(σ r) k`` splits it in two. The kernel
 holds the table's first ``BLOCK_N`` rows in registers and turns each key by ``R(σ r)``, and turns
@@ -72,9 +72,9 @@ MAX_QUERIES = 16          # Nq per row: one token, or a few speculative ones
 # The interpreter uses 16-key tiles so that short test caches still cross several tiles.
 # ANGLES: how a key tile gets its rotation angles (see _decode_pass). PROGRAMS_PER_SM: how many
 # programs of GPU_CONFIG are resident per SM (its ~255 registers per thread allow two), for the
-# splits rule (:func:`default_num_splits`). KERNELS_DECODE_CONFIG="BLOCK_N,ANGLES,num_warps,
+# splits rule (:func:`default_num_splits`). REROPE_DECODE_CONFIG="BLOCK_N,ANGLES,num_warps,
 # num_stages,programs per SM" overrides both. Chosen on the H200 by
-# ``python -m kernels.bench_decode --tune`` (2026-12-01: meta.tuning of book/data/decode_h200.json
+# ``python -m benchmarks.decode --tune`` (2026-12-01: meta.tuning of book/data/decode_h200.json
 # as of commit 10b3661): 4 warps beat 8 by 1.45x at 128k keys; ANGLES 3, 1 and 0 are within 2 %
 # of each other, 32-key tiles 25 % slower.
 GPU_CONFIG = dict(BLOCK_N=64, ANGLES=3, num_warps=4, num_stages=3)
@@ -92,9 +92,9 @@ GPU_CONFIG = dict(BLOCK_N=64, ANGLES=3, num_warps=4, num_stages=3)
 # the splits rule: it spills, D=128 1.10-1.60x slower, D=64 2-13 %. None adopted.
 HEAD_DIM_CONFIGS = {64: dict(BLOCK_N=128, ANGLES=3, num_warps=4, num_stages=3)}
 PROGRAMS_PER_SM = 2
-if os.environ.get("KERNELS_DECODE_CONFIG"):
+if os.environ.get("REROPE_DECODE_CONFIG"):
     _n, _a, _w, _s, PROGRAMS_PER_SM = (int(x) for x in
-                                       os.environ["KERNELS_DECODE_CONFIG"].split(","))
+                                       os.environ["REROPE_DECODE_CONFIG"].split(","))
     GPU_CONFIG = dict(BLOCK_N=_n, ANGLES=_a, num_warps=_w, num_stages=_s)
     HEAD_DIM_CONFIGS = {}
 INTERPRETER_CONFIG = dict(BLOCK_N=16, ANGLES=GPU_CONFIG["ANGLES"])
@@ -109,10 +109,10 @@ PAGE_SIZES = (16, 32, 64, 128, 256)
 MAX_SCALAR_PAGES = 4
 PAGE_LOADS_RULE = None
 MIN_BLOCK_M, MAX_BLOCK_M = 16, 64
-# K and V tiles through TMA tensor descriptors (:func:`use_tma`): under ``KERNELS_TMA=auto``
-# (kernels.configs.TMA, the default) for contiguous fp16/bf16 caches on Hopper or newer at
+# K and V tiles through TMA tensor descriptors (:func:`use_tma`): under ``REROPE_TMA=auto``
+# (rerope.configs.TMA, the default) for contiguous fp16/bf16 caches on Hopper or newer at
 # these head dims, where each split reads at least TMA_MIN_KEYS keys of the cache;
-# ``KERNELS_TMA=1`` forces it wherever the layout allows (the interpreter too), ``0`` never.
+# ``REROPE_TMA=1`` forces it wherever the layout allows (the interpreter too), ``0`` never.
 # H200, bf16, window 2048 (perf/runs/decode_h19s7_call1_h200.json, mean of two rounds, µs,
 # pointer loads -> TMA): long chunks gain, D=128 B=32 at 32k / 128k 1050.5 -> 971.7 /
 # 4165.9 -> 3832.2, B=8 at 32k / 128k 274.9 -> 263.2 / 1094.4 -> 986.2, B=1 at 128k (4032
@@ -139,18 +139,18 @@ FUSED_MERGE_ROWS = 4
 
 
 def _fused_merge_setting(value):
-    """``KERNELS_FUSED_MERGE``: ``0`` (the default: two launches), ``rule`` (fused where the
+    """``REROPE_FUSED_MERGE``: ``0`` (the default: two launches), ``rule`` (fused where the
     measured rule of :func:`fused_merge` says) or ``1`` (fused wherever there is a merge)."""
     settings = {"0": False, "rule": None, "1": True}
     if value not in settings:
-        raise ValueError(f"KERNELS_FUSED_MERGE must be one of {sorted(settings)}, not {value!r}")
+        raise ValueError(f"REROPE_FUSED_MERGE must be one of {sorted(settings)}, not {value!r}")
     return settings[value]
 
 
 # The merge in the split kernel (see :func:`fused_merge`): one launch per step instead of two.
 # Opt-in (False: two launches; None: the rule; True: always): its counters are per stream, so
 # CUDA graphs captured on one stream must not replay at once on several streams.
-FUSED_MERGE = _fused_merge_setting(os.environ.get("KERNELS_FUSED_MERGE", "0"))
+FUSED_MERGE = _fused_merge_setting(os.environ.get("REROPE_FUSED_MERGE", "0"))
 # The merge counters (see :func:`merge_counters`): at least this many per buffer.
 MIN_COUNTERS = 4096
 
@@ -649,14 +649,14 @@ def use_tma(k_cache, v_cache, paged, keys_per_split):
     """Whether the split kernel reads K and V tiles through TMA tensor descriptors (``TMA``;
     ``k_cache, v_cache`` as the kernel sees them, ``keys_per_split`` the cache slots of one
     split, ``cdiv(Nmax, num_splits)``: shapes only). Never for a paged cache (a tile's keys
-    are not one box of memory). ``kernels.configs.TMA``: ``"0"`` never; ``"1"`` wherever the
+    are not one box of memory). ``rerope.configs.TMA``: ``"0"`` never; ``"1"`` wherever the
     layout allows (under the interpreter too: the tests run this path on CPU); ``"auto"``, on a
-    GPU where :func:`kernels.configs.tma_pays` (Hopper or newer, 16-bit, ``D <= 128``), for
+    GPU where :func:`rerope.configs.tma_pays` (Hopper or newer, 16-bit, ``D <= 128``), for
     head dims in ``TMA_HEAD_DIMS`` and splits of at least ``TMA_MIN_KEYS`` keys (each program
     builds two descriptors once it has read its row's length: on short chunks that latency
     costs more than the loads gain; the figures are at ``TMA_MIN_KEYS``). The layout: 16-byte
     aligned starts, unit stride along ``D``, 16-byte aligned key, head and batch strides
-    (:func:`kernels.attention._tma_layout_ok`)."""
+    (:func:`rerope.attention._tma_layout_ok`)."""
     from . import configs
     from .attention import _capability, _tma_layout_ok
 
@@ -697,7 +697,7 @@ def fused_merge(num_splits, rows, head_dim):
     program of ``rows`` (head, query) rows: never by default (``FUSED_MERGE`` False); with
     ``FUSED_MERGE`` True wherever there is something to merge; with ``None`` (the rule) where
     the merge is one step, ``rows <= FUSED_MERGE_ROWS`` and every split in one load
-    (:func:`merge_blocks`). The environment variable ``KERNELS_FUSED_MERGE`` sets it (``0``,
+    (:func:`merge_blocks`). The environment variable ``REROPE_FUSED_MERGE`` sets it (``0``,
     ``rule``, ``1``).
 
     Why opt-in: the counters that say which program is last live per (device, stream)
@@ -893,7 +893,7 @@ def _check_decode_args(q, k_cache, v_cache, window, cache_seqlens, sm_scale, bas
     check_sm_scale(sm_scale)
     if n_queries > MAX_QUERIES:
         raise ValueError(f"q has {n_queries} queries per row; rerope_decode takes 1 to "
-                         f"{MAX_QUERIES} (use kernels.rerope for a prefill)")
+                         f"{MAX_QUERIES} (use rerope.rerope for a prefill)")
     if num_splits is not None:
         if isinstance(num_splits, bool) or not isinstance(num_splits, int):
             raise TypeError(f"num_splits must be an int >= 1 or None, got "
@@ -960,9 +960,9 @@ def rerope_decode(q, k_cache, v_cache, window, cache_seqlens=None, sm_scale=None
         inv_freq: ``None`` (the frequencies ``base ** (-2t / D)``), or RoPE's ``headdim / 2``
             angular frequencies, a 1-D tensor or a sequence of positive finite floats (a model's
             own, e.g. ``model.model.rotary_emb.inv_freq`` for ``llama3``, ``linear`` or YaRN
-            RoPE); ``base`` must then stay at its default. As in :func:`kernels.rerope`: a
+            RoPE); ``base`` must then stay at its default. As in :func:`rerope.rerope`: a
             tensor not seen before is read on the host (a sync, so do it in the call before
-            capturing a CUDA graph), a :class:`kernels.rope.Frequencies` never is.
+            capturing a CUDA graph), a :class:`rerope.rope.Frequencies` never is.
         block_table: ``None`` (the contiguous layout above), or a paged cache as
             FlashAttention's ``flash_attn_with_kvcache`` keeps it: an int32 tensor
             ``(batch_size, max_blocks_per_seq)`` on ``q``'s device, and then ``k_cache`` and
@@ -976,7 +976,7 @@ def rerope_decode(q, k_cache, v_cache, window, cache_seqlens=None, sm_scale=None
             ``ValueError`` for CPU tensors; on a GPU (no host sync) its keys are not read and
             the row comes back as NaN.
         group: ``None``, or Self-Extend's group size ``G`` (an int ``>= 1`` dividing ``window``;
-            not with ``leaky``), as in :func:`kernels.rerope`: beyond the window the relative
+            not with ``leaky``), as in :func:`rerope.rerope`: beyond the window the relative
             position is ``⌊i/G⌋ - ⌊j/G⌋ + window - window/G``, on the model's own cache (the
             keys are turned from ``j`` to ``⌊j/G⌋`` in registers). Tiles split their angles as
             for ReRoPE when ``G`` divides ``BLOCK_N``; otherwise one table row per key
@@ -986,14 +986,14 @@ def rerope_decode(q, k_cache, v_cache, window, cache_seqlens=None, sm_scale=None
     ``(batch_size, nheads, seqlen_q, headdim)`` in ``q``'s dtype (empty for an empty batch).
     Allocates the output and, when ``num_splits > 1``, the fp32 partials ``(num_splits,
     batch_size, nheads, seqlen_q, headdim)`` and their log-sum-exps; the merge of the partials
-    is a second launch, or, opted in (``KERNELS_FUSED_MERGE``, :func:`fused_merge`), runs in
+    is a second launch, or, opted in (``REROPE_FUSED_MERGE``, :func:`fused_merge`), runs in
     the same launch, counted by int32 counters kept per device and stream
     (:func:`merge_counters`: CUDA graphs captured on one stream share that stream's, so replay
     those one at a time). Where K and V are read through TMA descriptors (:func:`use_tma`),
     Triton also asks for a small scratch buffer per launch (the descriptors, 128 bytes each,
     two per program), from torch's allocator unless the caller installed one
     (``triton.set_allocator``). Forward only: with grad mode on,
-    inputs that require grad raise ``ValueError`` (use :func:`kernels.rerope`).
+    inputs that require grad raise ``ValueError`` (use :func:`rerope.rerope`).
     """
     if torch.compiler.is_compiling():          # an opaque op for the compiler (see _decode_op)
         inv_freq = as_frequencies(inv_freq)
@@ -1014,7 +1014,7 @@ def _check_forward_only(q, k_cache, v_cache):
             if getattr(t, "requires_grad", False):
                 raise ValueError(
                     f"{name} requires grad, but rerope_decode is forward-only (no backward): "
-                    "use kernels.rerope for gradients, or call rerope_decode under "
+                    "use rerope.rerope for gradients, or call rerope_decode under "
                     "torch.no_grad() / torch.inference_mode()")
 
 
@@ -1062,7 +1062,7 @@ def _run(plan, q, k_cache, v_cache, cache_seqlens, block_table=None):
 # Under torch.compile the op is opaque: the compiler calls it as it is (its launches are
 # captured whole by mode="reduce-overhead"'s CUDA graphs) instead of tracing into Triton's
 # launcher. The output is a fresh contiguous tensor of q's shape, in q's dtype.
-@torch.library.custom_op("kernels::rerope_decode", mutates_args=())
+@torch.library.custom_op("rerope::rerope_decode", mutates_args=())
 def _decode_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                cache_seqlens: Optional[torch.Tensor], window: int, sm_scale: Optional[float],
                base: float, leaky: Optional[float], logn_len: Optional[float], rotated: bool,
@@ -1085,7 +1085,7 @@ def _(q, *args):
 class _Plan:
     """Everything a call derives from its arguments' shapes and settings (not their data);
     ``launches``: the split and merge launches with the plan's arguments bound
-    (:meth:`kernels.launch.Launcher.fixed`), kept by the first call whose launch bound.
+    (:meth:`rerope.launch.Launcher.fixed`), kept by the first call whose launch bound.
     ``fused``: the split kernel merges (:func:`fused_merge`), with ``n_counters`` counters."""
 
     n_queries: int
@@ -1096,7 +1096,7 @@ class _Plan:
     page_size: Optional[int]  # keys per page of a paged cache, None for a contiguous one
     full_lengths: Optional[torch.Tensor]    # the lengths of a call that gives none
     part_shape: tuple
-    split: Launcher           # the split kernel, bound (kernels.launch)
+    split: Launcher           # the split kernel, bound (rerope.launch)
     split_args: tuple         # its arguments after the six tensors: tables, strides, scalars
     merge: Launcher
     merge_args: tuple

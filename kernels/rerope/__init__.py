@@ -1,0 +1,46 @@
+"""ReRoPE attention in Triton: fused forward and backward kernels, references and helpers.
+
+Read in the order the book teaches:
+
+1. :mod:`rerope.rope`            RoPE, ReRoPE, Leaky ReRoPE; the five tensors (chapter 1)
+2. :mod:`rerope.reference`       the naive two-matrix method, the tests' oracle (chapter 2)
+3. :mod:`rerope.online_softmax`  the online-softmax recurrence, plain attention in Triton (3)
+4. :mod:`rerope.regions`         outside / band / inside tiles, shared by every kernel (4)
+5. :mod:`rerope.rotary`          RoPE turned in registers: speeds, offsets, the cos/sin table (7)
+6. :mod:`rerope.forward`         the ReRoPE forward kernel, five tensors or q, k (4, 7)
+7. :mod:`rerope.backward`        the three backward kernels (5, 7)
+8. :mod:`rerope.configs`         launch configurations, pruned by shared memory (6)
+   :mod:`rerope.launch`          plans per call signature, launches bound to compiled kernels (9)
+9. :mod:`rerope.attention`       launchers, autograd, the public ops (each planned once per call
+                                 signature)
+10. :mod:`rerope.decode`         split-KV decoding against a KV cache (8)
+11. :mod:`rerope.exercises`      the checkers of the book's Triton exercises
+
+The benchmarks are not part of the package: ``python -m benchmarks.attention`` and
+``python -m benchmarks.decode`` from a checkout (chapters 6 and 8).
+
+:mod:`rerope.hf` (``import rerope.hf``, not loaded by ``import rerope``): ReRoPE in a Hugging
+Face transformers model, ``rerope.hf.enable_rerope(model, window)`` (chapter 9).
+
+With no CUDA device, importing ``rerope`` switches Triton to its CPU interpreter
+(``TRITON_INTERPRET=1``, see :mod:`rerope.runtime`), so the same code runs on CPU tensors.
+"""
+
+from . import runtime  # noqa: F401  (first: decides compiled vs interpreted before any @triton.jit)
+from . import reference, rope  # noqa: E402
+from .attention import rerope, rerope_attention  # noqa: E402
+from .decode import rerope_decode  # noqa: E402
+
+__version__ = "0.1.0"
+
+__all__ = ["rerope", "rerope_attention", "rerope_decode", "reference", "rope", "source"]
+
+
+def source(obj):
+    """The source code of a function, class or ``@triton.jit`` kernel of this package.
+
+    The book prints the package's real code with it, so a page can never drift from what runs.
+    """
+    import inspect
+
+    return inspect.getsource(getattr(obj, "fn", obj))
