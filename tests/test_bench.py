@@ -176,7 +176,7 @@ def test_parse_args_rejects_bad_values(argv, capsys):
 
 
 def test_without_a_gpu_the_module_exits_1_with_one_clear_line(tmp_path):
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONPATH=str(ROOT))
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONPATH=os.pathsep.join([str(ROOT / "kernels"), str(ROOT)]))
     out = tmp_path / "never.json"
     done = subprocess.run([sys.executable, "-m", "benchmarks.attention", "--out", str(out)], cwd=ROOT,
                           env=env, capture_output=True, text=True, timeout=300)

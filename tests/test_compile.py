@@ -238,7 +238,8 @@ def start_background_work(items=None):
     if _children or not JOBS or importlib.util.find_spec("triton.backends.nvidia") is None:
         return
     env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_DEFAULT_FP_FUSION": "1",
-           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+           "PYTHONPATH": os.pathsep.join([str(ROOT / "kernels"), str(ROOT),
+                                             os.environ.get("PYTHONPATH", "")])}
     for share in _shares(JOBS):
         out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
         proc = subprocess.Popen([sys.executable, __file__], stdin=subprocess.PIPE, stdout=out,
@@ -318,5 +319,5 @@ def test_matrix_covers_every_kernel_and_capability():
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(ROOT))
+    sys.path[:0] = [str(ROOT / "kernels"), str(ROOT)]
     main()

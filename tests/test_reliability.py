@@ -265,7 +265,8 @@ def test_row_offsets_past_2_31_elements(op_name):
     stride`` must be computed in 64 bits, else the kernels read elsewhere (or crash)."""
     run = subprocess.run([sys.executable, "-c", _BIG_OFFSETS_SCRIPT, op_name], cwd=ROOT,
                          capture_output=True, text=True, timeout=600,
-                         env={**os.environ, "PYTHONPATH": ROOT})
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                             [os.path.join(ROOT, "kernels"), ROOT])})
     assert run.returncode == 0, (
         f"exit status {run.returncode}"
         f"{' (SIGSEGV: 32-bit offsets?)' if run.returncode == -11 else ''}"

@@ -99,13 +99,13 @@ def test_import_fails_clearly_with_an_old_triton(tmp_path):
     fake = tmp_path / "triton"
     fake.mkdir()
     (fake / "__init__.py").write_text('__version__ = "3.3.1"\n')
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)])}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT / "kernels")])}
     code = ("import rerope\n")
     run = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env,
                          capture_output=True, text=True, timeout=300)
     assert run.returncode != 0, run.stdout + run.stderr
     last = run.stderr.strip().splitlines()[-1]
-    assert last.startswith("rerope._compat.UnsupportedVersionError: kernels needs Triton >= "
+    assert last.startswith("rerope._compat.UnsupportedVersionError: rerope needs Triton >= "
                            f"{FLOOR}, found Triton 3.3.1"), run.stderr[-3000:]
     assert issubclass(_compat.UnsupportedVersionError, ImportError)
 
@@ -186,7 +186,8 @@ def test_descriptor_path_compiles_for_hopper():
                and j["capability"] == [9, 0] and j["dtype"] == "fp16" and j["head_dim"] == 64)
     assert test_compile.uses_tma(job), f"{test_compile.job_id(job)} would not use TMA"
     env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_DEFAULT_FP_FUSION": "1",
-           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+           "PYTHONPATH": os.pathsep.join([str(ROOT / "kernels"), str(ROOT),
+                                             os.environ.get("PYTHONPATH", "")])}
     run = subprocess.run([sys.executable, str(ROOT / "tests" / "test_compile.py")],
                          input=json.dumps([job]), capture_output=True, text=True, env=env,
                          cwd=ROOT, timeout=600)
