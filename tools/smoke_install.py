@@ -17,7 +17,7 @@ from rerope import reference
 
 where = os.path.realpath(rerope.__file__)
 print(f"rerope {rerope.__version__} from {os.path.dirname(where)}")
-assert "site-packages" in where or "dist-packages" in where, "not the installed package"
+assert not where.startswith(os.path.realpath(os.getcwd()) + os.sep), "a copy in this folder"
 hub = importlib.util.find_spec("kernels")
 print("Hugging Face's kernels:", hub.origin if hub else "not installed")
 import transformers  # noqa: E402
