@@ -23,11 +23,13 @@ SOURCE_CHAPTERS = {1, 2, 3, 4, 5, 7, 8, 9}
 
 
 def toc_chapters():
-    """The chapter pages of _toc.yml in book order (the root page left out), e.g. 'book/01_rope'."""
-    return toc_pages()[1:]
+    """The chapter pages of _toc.yml in book order, e.g. 'book/01_rope': every page but the root
+    and the appendix's markdown pages (a chapter whose notebook is missing stays listed)."""
+    return [page for page in toc_pages()[1:] if not (ROOT / f"{page}.md").is_file()]
 
 
 CHAPTERS = toc_chapters()
+APPENDIX = [page for page in toc_pages()[1:] if (ROOT / f"{page}.md").is_file()]
 NUMBERED = [pytest.param(number, page, id=page) for number, page in enumerate(CHAPTERS, 1)]
 
 
@@ -56,6 +58,11 @@ def test_toc_lists_the_chapters():
     numbers = [int(Path(page).name[:2]) for page in CHAPTERS]
     assert len(CHAPTERS) >= 6 and numbers == list(range(1, len(CHAPTERS) + 1)), (
         f"_toc.yml lists {CHAPTERS}")
+
+
+def test_appendix_follows_the_chapters():
+    """Markdown pages (the appendix, e.g. book/measurements) come after the last chapter."""
+    assert toc_pages()[1:] == CHAPTERS + APPENDIX, f"_toc.yml lists {toc_pages()}"
 
 
 @pytest.mark.parametrize("page", CHAPTERS)

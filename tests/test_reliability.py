@@ -489,7 +489,7 @@ def test_check_logn_overflow_semantics():
         check_logn_overflow(1.0 + 1e-15, 2 ** 40, F32)                     # 2.5e16: fits fp32
 
 
-# --- 9. future keys in the non-causal case (documented in README and chapter 1) --------------
+# --- 9. future keys in the non-causal case (documented in rerope.rerope and chapter 1) -------
 
 
 @pytest.mark.parametrize("leaky", [None, 3.0])
