@@ -1,6 +1,7 @@
 """How fast is fused ReRoPE attention? A benchmark against what a user could run instead.
 
-Run it on a CUDA GPU from the repository root::
+Run it on a CUDA GPU from the repository root, with ``rerope`` importable (``pip install -e .``,
+or ``PYTHONPATH=kernels:.`` in a checkout)::
 
     python -m benchmarks.attention                      # the full grid (meant to take < 8 min on an H200)
     python -m benchmarks.attention --quick              # a small subset, for smoke tests
@@ -34,18 +35,17 @@ attention (:func:`attention_flops`), and the peak memory. Results go to a JSON f
                "ms", "tflops", "peak_gb", ("skipped")}]}
 
 A row that could not be measured (out of memory, or an error) has ``ms = null`` and a
-``skipped`` reason. :func:`load_results`, :func:`summary` and :func:`plot_tflops` read such a
-file back; they are pure functions and need no GPU.
+``skipped`` reason. :func:`load_results`, :func:`select_rows`, :func:`summary` and
+:func:`plot_tflops` read such a file back; they are pure functions and need no GPU. The timing,
+the metadata and the file's writing and reading are :mod:`benchmarks.harness`'s, shared with
+the other benchmarks here.
 """
 
 import argparse
 import dataclasses
-import datetime
 import functools
 import gc
 import itertools
-import json
-import os
 import statistics
 import sys
 import time
@@ -60,6 +60,9 @@ try:  # torch >= 2.9: the LSE is requested with `return_aux`; `return_lse` is de
     from torch.nn.attention.flex_attention import AuxRequest
 except ImportError:  # older torch: only `return_lse=True`
     AuxRequest = None
+
+from .harness import (describe_error, environment, event_times_ms, l2_flush_buffer, read_results,
+                      repetitions, select_rows, write_results)
 
 
 # %%
@@ -92,7 +95,6 @@ QUICK_REPS = 5
 WARMUP_CALLS = 2
 MIN_REPS = 3
 TIME_BUDGET_S = 0.5
-L2_FLUSH_BYTES = 256 * 1024 * 1024   # larger than any L2 cache (H200: 50 MB)
 
 # Before timing, ours and the Flex two-pass are checked against the naive reference here.
 CHECK_SHAPE = dict(B=1, H=2, N=512, window=160)
@@ -335,24 +337,10 @@ def time_cuda(step, reps=DEFAULT_REPS, budget_s=TIME_BUDGET_S):
     The L2 cache is flushed before every run (not timed), so no run profits from the previous
     one's data. Slow steps get fewer runs (at least ``MIN_REPS``) to stay near ``budget_s``.
     """
-    flush = torch.empty(L2_FLUSH_BYTES // 4, dtype=torch.int32, device="cuda")
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    flush.zero_()
-    start.record()
-    step()
-    end.record()
-    torch.cuda.synchronize()
-    estimate_ms = max(start.elapsed_time(end), 1e-3)
-    count = min(reps, max(MIN_REPS, int(budget_s * 1e3 / estimate_ms)))
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(count)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(count)]
-    for run_start, run_end in zip(starts, ends):
-        flush.zero_()
-        run_start.record()
-        step()
-        run_end.record()
-    torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
+    flush = l2_flush_buffer()
+    (estimate_ms,) = event_times_ms(step, 1, flush=flush)
+    count = repetitions(max(estimate_ms, 1e-3) * 1e-3, budget_s, MIN_REPS, reps)
+    return statistics.median(event_times_ms(step, count, flush=flush))
 
 
 def measure_case(impl, mode, shape, reps=DEFAULT_REPS):
@@ -457,35 +445,9 @@ def make_row(impl, mode, shape, ms=None, peak_bytes=None, skipped=None):
     return row
 
 
-def write_results(path, rows, meta, **extra):
-    """Write ``{"meta": meta, "rows": rows, **extra}`` to ``path``, atomically (never half a
-    file). ``benchmarks.decode`` adds its launch-configuration ``sweep`` this way."""
-    temporary = f"{path}.tmp"
-    with open(temporary, "w") as file:
-        json.dump({"meta": meta, "rows": rows, **extra}, file, indent=1)
-        file.write("\n")
-    os.replace(temporary, path)
-
-
-def read_results(path, what="benchmark results"):
-    """The whole results file (a dict with a ``rows`` list); ``ValueError`` naming ``what`` if
-    ``path`` holds something else."""
-    with open(path) as file:
-        results = json.load(file)
-    if not isinstance(results, dict) or not isinstance(results.get("rows"), list):
-        raise ValueError(f"{path}: not a {what} file (no 'rows' list)")
-    return results
-
-
 def load_results(path):
     """The rows of a results file written by this module (a list of dicts)."""
     return read_results(path)["rows"]
-
-
-def select_rows(rows, **where):
-    """The rows whose fields equal every ``key=value`` of ``where`` (``None`` matches all)."""
-    return [row for row in rows
-            if all(value is None or row.get(key) == value for key, value in where.items())]
 
 
 def summary(rows, baselines=("sdpa_cudnn", "flex_two_pass"), **where):
@@ -622,20 +584,7 @@ def parse_args(argv=None):
 
 def benchmark_meta(args):
     """The ``meta`` block of the results file."""
-    try:
-        import triton
-        triton_version = triton.__version__
-    except ImportError:
-        triton_version = None
-    return {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-            "triton": triton_version,
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "cuda": torch.version.cuda, "args": vars(args)}
-
-
-def _describe_error(error):
-    lines = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {lines[0] if lines else ''}"[:200]
+    return {**environment(), "args": vars(args)}
 
 
 def run_case(impl, mode, shape, reps, reported_errors):
@@ -655,7 +604,7 @@ def run_case(impl, mode, shape, reps, reported_errors):
         except torch.OutOfMemoryError:
             skipped = "out of memory"
         except Exception as error:
-            skipped = f"error: {_describe_error(error)}"
+            skipped = f"error: {describe_error(error)}"
             if (impl, type(error)) not in reported_errors:
                 reported_errors.add((impl, type(error)))
                 traceback.print_exc()
@@ -678,7 +627,7 @@ def run_benchmark(args):
             try:
                 lines = check_against_reference(checked, args.dtype[0], args.d[0], causal)
             except Exception as error:     # report, then time anyway: the rows show what fails
-                lines = [f"check (causal={causal}) failed: {_describe_error(error)}"]
+                lines = [f"check (causal={causal}) failed: {describe_error(error)}"]
             print("\n".join(lines), flush=True)
             meta["checks"] += lines
 

@@ -1,6 +1,7 @@
 """How fast is a ReRoPE decode step? ``rerope.rerope_decode`` against what a user could run.
 
-Run it on a CUDA GPU from the repository root::
+Run it on a CUDA GPU from the repository root, with ``rerope`` importable (``pip install -e .``,
+or ``PYTHONPATH=kernels:.`` in a checkout)::
 
     python -m benchmarks.decode                  # the whole grid below (~3 min on an H200)
     python -m benchmarks.decode --quick          # D=128, bf16, B=1, 4k and 128k only
@@ -34,7 +35,8 @@ cache flushed before each replay (in a model the other layers' caches evict it),
 events; and ``us_eager``: the wall-clock time per step of back-to-back eager calls (host included:
 what a Python decode loop sees). ``hbm_fraction = hbm_bound / us``. Every kernel variant is
 compiled first in parallel worker processes (:func:`precompile`); with ``WAIT_PID`` set (a
-process sharing the GPU, e.g. a test run) the timing waits for that process to end. A
+process sharing the GPU, e.g. a test run) the timing waits for that process to end
+(:func:`benchmarks.harness.wait_for_gpu_sharer`). A
 ``rerope_decode`` row's ``tma`` says whether it read K and V through TMA descriptors
 (:func:`rerope.decode.use_tma`). JSON like
 :mod:`benchmarks.attention`::
@@ -46,13 +48,11 @@ process sharing the GPU, e.g. a test run) the timing waits for that process to e
      "sweep": [...]}      # num_splits variants
 
 :func:`load_results`, :func:`select_rows` and :func:`plot_latency` read the file back; they need
-no GPU.
+no GPU. Timing, metadata and the file go through :mod:`benchmarks.harness`.
 """
 
 import argparse
-import datetime
 import gc
-import os
 import statistics
 import sys
 import time
@@ -60,6 +60,10 @@ import traceback
 
 import torch
 import torch.nn.functional as F
+
+from .harness import (back_to_back_us, describe_error, environment, event_times_ms,
+                      l2_flush_buffer, read_results, repetitions, select_rows, wait_for_gpu_sharer)
+from .harness import write_results as write_results_file
 
 IMPLS = ("rerope_decode", "rerotate_torch", "sdpa_flash", "sdpa_cudnn", "flash_attn_kvcache")
 # impls whose time does not depend on ReRoPE's window: measured once per shape (window 2048)
@@ -75,7 +79,6 @@ HQ, HKV, D, DTYPE = 32, 8, 128, "bfloat16"
 D_DEFAULT = D        # the head dim of rows written before D was a grid axis
 BASE = 10000.0
 
-L2_FLUSH_BYTES = 256 * 1024 * 1024   # more than any L2 (H200: 50 MB)
 TIME_BUDGET_S = 0.25                 # per case and timing mode
 MIN_REPS, MAX_REPS = 5, 200
 COPY_BYTES = 2 * 1024 ** 3
@@ -90,16 +93,9 @@ def copy_bandwidth(nbytes=COPY_BYTES, reps=10):
     dst = torch.empty_like(src)
     dst.copy_(src)
     torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        dst.copy_(src)
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1e-3)
+    times_ms = event_times_ms(lambda: dst.copy_(src), reps, sync_each=True)
     del src, dst
-    return 2 * nbytes / statistics.median(times)
+    return 2 * nbytes / (statistics.median(times_ms) * 1e-3)
 
 
 def read_bandwidth(nbytes=COPY_BYTES, reps=10):
@@ -108,16 +104,9 @@ def read_bandwidth(nbytes=COPY_BYTES, reps=10):
     src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda").normal_()
     src.amax()
     torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        src.amax()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1e-3)
+    times_ms = event_times_ms(src.amax, reps, sync_each=True)
     del src
-    return nbytes / statistics.median(times)
+    return nbytes / (statistics.median(times_ms) * 1e-3)
 
 
 def _read_kernel_factory():
@@ -157,22 +146,11 @@ def triton_read_bandwidth(nbytes=COPY_BYTES, reps=10, configs=READ_CONFIGS):
         torch.cuda.synchronize()
         if abs(out.sum(dtype=torch.float64).item() - want) > 1e-4 * scale:   # it read it all
             raise RuntimeError(f"read kernel {block, iters, warps}: wrong sum")
-        times = []
-        for _ in range(reps):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            run()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end) * 1e-3)
+        times_ms = event_times_ms(run, reps, sync_each=True)
         found[f"BLOCK={block},ITERS={iters},warps={warps}"] = (
-            programs * block * iters * 2 / statistics.median(times))
+            programs * block * iters * 2 / (statistics.median(times_ms) * 1e-3))
     del src
     return max(found.values()), found
-
-
-def _reps(estimate_s):
-    return int(min(MAX_REPS, max(MIN_REPS, TIME_BUDGET_S / max(estimate_s, 1e-6))))
 
 
 def graph_us(step):
@@ -186,25 +164,14 @@ def graph_us(step):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         step()
-    flush = torch.empty(L2_FLUSH_BYTES // 4, dtype=torch.int32, device="cuda")
+    flush = l2_flush_buffer()
     graph.replay()
     torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    count = _reps(start.elapsed_time(end) * 1e-3)
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(count)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(count)]
-    for run_start, run_end in zip(starts, ends):
-        flush.zero_()
-        run_start.record()
-        graph.replay()
-        run_end.record()
-    torch.cuda.synchronize()
+    (estimate_ms,) = event_times_ms(graph.replay, 1)
+    count = repetitions(estimate_ms * 1e-3, TIME_BUDGET_S, MIN_REPS, MAX_REPS)
+    times_ms = event_times_ms(graph.replay, count, flush=flush)
     del graph, flush
-    return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends)) * 1e3
+    return statistics.median(times_ms) * 1e3
 
 
 def eager_us(step):
@@ -214,12 +181,8 @@ def eager_us(step):
     start = time.perf_counter()
     step()
     torch.cuda.synchronize()
-    count = _reps(time.perf_counter() - start)
-    start = time.perf_counter()
-    for _ in range(count):
-        step()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) / count * 1e6
+    count = repetitions(time.perf_counter() - start, TIME_BUDGET_S, MIN_REPS, MAX_REPS)
+    return back_to_back_us(step, count, warmup=0)
 
 
 # --- the implementations ------------------------------------------------------------------------
@@ -325,11 +288,6 @@ def make_row(impl, batch, window, context, us=None, us_eager=None, bound_us=None
     return row
 
 
-def _describe_error(error):
-    lines = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {lines[0] if lines else ''}"[:200]
-
-
 def measure(impl, step, batch, window, context, bound_us, eager=True, **extra):
     try:
         us_eager = eager_us(step) if eager else None
@@ -339,7 +297,7 @@ def measure(impl, step, batch, window, context, bound_us, eager=True, **extra):
         skipped = "out of memory"
     except Exception as error:   # report and go on: the row says what failed
         traceback.print_exc()
-        skipped = f"error: {_describe_error(error)}"
+        skipped = f"error: {describe_error(error)}"
     gc.collect()
     torch.cuda.empty_cache()
     return make_row(impl, batch, window, context, skipped=skipped, **extra)
@@ -513,14 +471,6 @@ def precompile(groups, workers=15):
     return len(specs)
 
 
-def wait_for_gpu_sharer():
-    """Return once the process named by the environment variable ``WAIT_PID`` (one sharing the
-    GPU, e.g. a test run started beside the warm-up) has ended; at once when it is unset."""
-    wait = os.environ.get("WAIT_PID")
-    while wait and os.path.exists(f"/proc/{wait}"):
-        time.sleep(0.5)
-
-
 def run(args):
     import rerope
     from rerope import decode
@@ -528,9 +478,7 @@ def run(args):
     global TIME_BUDGET_S
     TIME_BUDGET_S = args.time_budget
     started = time.perf_counter()
-    meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-            "triton": __import__("triton").__version__, "cuda": torch.version.cuda,
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    meta = {**environment(),
             "sms": torch.cuda.get_device_properties(0).multi_processor_count,
             "config": dict(decode.GPU_CONFIG), "programs_per_sm": decode.PROGRAMS_PER_SM,
             "head_dim_configs": {str(d): dict(decode.launch_config(d)) for d in args.head_dim},
@@ -614,7 +562,7 @@ def run(args):
                                   eager=not is_sweep, **info)
             except Exception as error:
                 row = make_row(impl, batch, window, context,
-                               skipped=f"error: {_describe_error(error)}", **info)
+                               skipped=f"error: {describe_error(error)}", **info)
             (sweep if is_sweep else rows).append(row)
             us = "-" if row["us"] is None else f"{row['us']:9.1f} us"
             frac = "" if row["hbm_fraction"] is None else f" {row['hbm_fraction']:.2f} bound"
@@ -668,7 +616,7 @@ def tune(bandwidth, window=2048):
                 try:
                     us = graph_us(lambda: rerope.rerope_decode(q, k, v, window))
                 except Exception as error:
-                    print(f"  tune {(n, a, w, s)} failed: {_describe_error(error)}", flush=True)
+                    print(f"  tune {(n, a, w, s)} failed: {describe_error(error)}", flush=True)
                     us = float("inf")
                 total += us
                 row_times.append({"B": batch, "context": context, "us": us,
@@ -692,24 +640,14 @@ def tune(bandwidth, window=2048):
 
 
 def write_results(path, rows, meta, sweep=()):
-    """Write ``{"meta", "rows", "sweep"}`` to ``path`` atomically (via ``bench.write_results``)."""
-    from .attention import write_results as write
-
-    write(path, rows, meta, sweep=list(sweep))
+    """Write ``{"meta", "rows", "sweep"}`` to ``path`` atomically."""
+    write_results_file(path, rows, meta, sweep=list(sweep))
 
 
 def load_results(path):
     """``(meta, rows)`` of a results file written by this module."""
-    from .attention import read_results
-
     results = read_results(path, what="decode benchmark")
     return results["meta"], results["rows"]
-
-
-def select_rows(rows, **where):
-    """Rows whose fields equal every ``key=value`` of ``where`` (``None`` matches all)."""
-    return [row for row in rows
-            if all(value is None or row.get(key) == value for key, value in where.items())]
 
 
 def is_plain(row):
@@ -783,7 +721,8 @@ def plot_latency(rows, ax=None, *, B=1, window=2048, impls=None, key="us", D=D,
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.decode",
+                                     description=__doc__.split("\n")[0])
     parser.add_argument("--head-dim", type=int, nargs="+", default=list(HEAD_DIMS))
     parser.add_argument("--dtype", nargs="+", default=["bfloat16", "float16"],
                         choices=["bfloat16", "float16"])

@@ -1,8 +1,10 @@
 """A 1B-sized Llama in transformers: prefill and per-token generation, ReRoPE against stock SDPA.
 
-Run on a CUDA GPU from the repository root (about 2-3 minutes on an H200)::
+Run on a CUDA GPU from the repository root (about 2-3 minutes on an H200), with ``rerope`` and
+transformers importable (``pip install -e .[hf]``, or ``PYTHONPATH=kernels:.`` in a checkout)::
 
     REROPE_AUTOTUNE=0 python -m benchmarks.hf --out book/data/hf_h200.json
+    python -m benchmarks.hf --tiny --out /tmp/hf.json    # a 2-layer model on the CPU interpreter
 
 The model: a random-weight ``LlamaForCausalLM`` shaped like Llama 3.2 1B (16 layers, hidden
 2048, 32 heads, 8 KV heads, head dim 64, MLP 8192, vocab 128256, tied embeddings; default RoPE,
@@ -10,7 +12,7 @@ base 500000), bf16. Two phases, each for ``stock_sdpa`` (the model as built,
 ``attn_implementation="sdpa"``, torch choosing the SDPA backend: cuDNN on the H200),
 ``stock_sdpa_flash`` (the same with cuDNN excluded, so FlashAttention-2: cuDNN rebuilds its
 attention plan on the host for every new key length, about 2.7 ms per call at decode on the
-H200 host, perf/runs/profile_hf_decode.txt) and ``rerope`` (``rerope.hf.enable_rerope(model,
+H200 host: perf/runs/profile_hf_decode.txt, perf/NOTES.md v6) and ``rerope`` (``rerope.hf.enable_rerope(model,
 window)``):
 
 * ``prefill``: one forward over ``context`` tokens, batch 1, building the dynamic cache, logits
@@ -22,7 +24,7 @@ window)``):
 
 The attention's share: the same attention op alone at the same shapes (``rerope.rerope`` /
 ``rerope.rerope_decode`` on rotated inputs, ``F.scaled_dot_product_attention`` with
-``enable_gqa``), timed with CUDA events, times 16 layers: ``attention_ms``; ``rest_ms`` =
+``enable_gqa``), timed with CUDA events (:func:`benchmarks.harness.event_times_ms`), times 16 layers: ``attention_ms``; ``rest_ms`` =
 ``ms - attention_ms``. A correctness check first: with a window covering the sequence,
 ReRoPE's logits equal the stock model's (bf16); and on a small bf16 model, ``generate`` with
 the cache against recomputation without it, and a left-padded batch against each prompt alone
@@ -34,21 +36,20 @@ the cache against recomputation without it, and a left-padded batch against each
 
 import argparse
 import contextlib
-import datetime
 import json
 import os
 import platform
-import sys
+import statistics
 import time
 import traceback
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import rerope
+import rerope.hf
 
-import rerope  # noqa: E402  (this repository's package, first on sys.path)
-import rerope.hf  # noqa: E402
+from .harness import environment, event_times_ms, read_results, wall_ms, write_results
 
 LAYERS, HIDDEN, HEADS, KV_HEADS, HEAD_DIM, MLP, VOCAB, BASE = 16, 2048, 32, 8, 64, 8192, 128256, 5e5
 DEVICE = "cuda"
@@ -95,32 +96,13 @@ def build_model(dtype, rope="default"):
     return model
 
 
-def wall_ms(fn, reps):
-    """Median wall-clock ms of ``fn()`` (synchronised before and after each run)."""
-    times = []
-    for _ in range(reps):
-        sync()
-        start = time.perf_counter()
-        fn()
-        sync()
-        times.append((time.perf_counter() - start) * 1e3)
-    return sorted(times)[len(times) // 2]
-
-
 def event_ms(fn, reps=20):
-    """Median GPU ms of ``fn()`` by CUDA events (after two warm-up calls)."""
+    """Median GPU ms of ``fn()`` by CUDA events, each run synchronised (after two warm-up
+    calls); on the CPU the wall-clock time of two runs."""
     fn(), fn()
     if DEVICE != "cuda":
-        return wall_ms(fn, 2)
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
+        return wall_ms(fn, 2, DEVICE)
+    return statistics.median(event_times_ms(fn, reps, sync_each=True))
 
 
 def prefill(model, ids):
@@ -207,8 +189,8 @@ def static_compiled_ms(model, ids, steps, reps):
         start = time.time()
         generate(4), generate(4)
         compile_s = time.time() - start
-        short = wall_ms(lambda: generate(1), reps)
-        long = wall_ms(lambda: generate(steps + 1), reps)
+        short = wall_ms(lambda: generate(1), reps, DEVICE)
+        long = wall_ms(lambda: generate(steps + 1), reps, DEVICE)
     finally:
         torch._dynamo.reset()
         for name in ("_compiled_call", "_last_compile_config"):
@@ -301,7 +283,8 @@ def generate_check(window=16, prompt_len=24, new_tokens=40):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.hf",
+                                     description=__doc__.split("\n")[0])
     parser.add_argument("--context", type=int, default=32768)
     parser.add_argument("--window", type=int, default=2048)
     parser.add_argument("--steps", type=int, default=32)
@@ -322,14 +305,12 @@ def main():
         use_tiny_model()
 
     import transformers
-    import triton
 
     dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
-    meta = {"gpu": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu (interpreter)",
-            "torch": torch.__version__,
-            "triton": triton.__version__, "transformers": transformers.__version__,
-            "python": platform.python_version(), "date": datetime.date.today().isoformat(),
-            "autotune": os.environ.get("REROPE_AUTOTUNE", "1") != "0",
+    env = environment(DEVICE, day=True)
+    meta = {"gpu": env["gpu"], "torch": env["torch"], "triton": env["triton"],
+            "transformers": transformers.__version__, "python": platform.python_version(),
+            "date": env["date"], "autotune": rerope.configs.AUTOTUNE,
             "model": dict(layers=LAYERS, hidden=HIDDEN, heads=HEADS, kv_heads=KV_HEADS,
                           head_dim=HEAD_DIM, mlp=MLP, vocab=VOCAB, rope_theta=BASE,
                           rope=args.rope,
@@ -337,43 +318,30 @@ def main():
             "window": args.window, "decode_steps": args.steps, "errors": []}
     rows = []
     if args.append and os.path.exists(args.out):
-        with open(args.out) as f:
-            previous = json.load(f)
+        previous = read_results(args.out, what="Hugging Face benchmark")
         meta = {**previous["meta"], **{k: v for k, v in meta.items() if k != "errors"},
                 "errors": previous["meta"].get("errors", [])}
         rows = previous["rows"]
 
     def save():
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump({"meta": meta, "rows": rows}, f, indent=1)
+        write_results(args.out, rows, meta)
 
     t0 = time.time()
     model = build_model(dtype, args.rope)
     print(f"model built in {time.time() - t0:.0f} s; transformers {transformers.__version__}",
           flush=True)
     impls = args.impls.split(",")
-    try:
-        if args.skip_checks:
-            raise StopIteration
-        meta["generate_check"] = generate_check()
-        print("generate check", meta["generate_check"], flush=True)
-    except StopIteration:
-        pass
-    except Exception:
-        meta["errors"].append(traceback.format_exc())
-        print(meta["errors"][-1], flush=True)
-    try:
-        if args.skip_checks:
-            raise StopIteration
-        meta["check"] = check(model, "window = tokens: ReRoPE must equal RoPE",
-                              args.check_tokens)
-        print("check", meta["check"], flush=True)
-    except StopIteration:
-        pass
-    except Exception:
-        meta["errors"].append(traceback.format_exc())
-        print(meta["errors"][-1], flush=True)
+    checks = () if args.skip_checks else (
+        ("generate_check", generate_check),
+        ("check", lambda: check(model, "window = tokens: ReRoPE must equal RoPE",
+                                args.check_tokens)))
+    for key, run_check in checks:      # a failed check is recorded, and the timing goes on
+        try:
+            meta[key] = run_check()
+            print(key.replace("_", " "), meta[key], flush=True)
+        except Exception:
+            meta["errors"].append(traceback.format_exc())
+            print(meta["errors"][-1], flush=True)
     ids = torch.randint(0, VOCAB, (1, args.context), device=DEVICE,
                         generator=torch.Generator(DEVICE).manual_seed(2))
     model_name = "llama3.2-1b-shape" + ("" if args.rope == "default" else "-llama3-rope")
@@ -392,7 +360,7 @@ def main():
             else:
                 with sdpa_backends(impl):
                     prefill(model, ids)                            # warm-up (and compile)
-                    prefill_ms = wall_ms(lambda: prefill(model, ids), args.reps)
+                    prefill_ms = wall_ms(lambda: prefill(model, ids), args.reps, DEVICE)
                     step_ms, slowest_step_ms = decode_ms(model, ids, args.steps)
                 phases = (("prefill", prefill_ms), ("decode", step_ms))
             for phase, ms in phases:

@@ -187,6 +187,67 @@ def test_without_a_gpu_the_module_exits_1_with_one_clear_line(tmp_path):
 
 
 
+@pytest.mark.parametrize("module", ["benchmarks.attention", "benchmarks.decode", "benchmarks.hf",
+                                    "benchmarks.host", "benchmarks.preturn",
+                                    "benchmarks.preturn_bwd", "benchmarks.short_n",
+                                    "benchmarks.self_extend", "benchmarks.sweep_bwd128",
+                                    "benchmarks.merge", "extrapolation.self_extend"])
+def test_every_benchmark_runs_from_the_root_with_the_source_root_on_the_path(module):
+    """``python -m MODULE --help`` with ``PYTHONPATH=kernels:.``, as the docstrings say: no
+    sys.path edits in the scripts, every import resolves."""
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="",
+               PYTHONPATH=os.pathsep.join([str(ROOT / "kernels"), str(ROOT)]))
+    done = subprocess.run([sys.executable, "-m", module, "--help"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "usage" in done.stdout.lower() or module in done.stdout
+
+
+# --- the shared harness and the merge (no GPU) --------------------------------------------
+
+def test_harness_repetitions_fill_the_budget_within_bounds():
+    from benchmarks import harness
+    assert harness.repetitions(0.01, 0.5, 3, 20) == 20       # 50 fit, capped at 20
+    assert harness.repetitions(0.1, 0.5, 3, 20) == 5
+    assert harness.repetitions(10.0, 0.5, 3, 20) == 3        # a slow step still runs 3 times
+    assert harness.repetitions(0.0, 0.5, 3, 20) == 20        # no division by zero
+
+
+def test_harness_environment_names_the_versions_and_the_date():
+    from benchmarks import harness
+    env = harness.environment("cpu")
+    assert env["gpu"] == "cpu (interpreter)" and env["torch"] == torch.__version__
+    assert set(env) == {"gpu", "torch", "triton", "cuda", "date"}
+    assert len(harness.environment("cpu", day=True)["date"]) == len("2026-12-04")
+
+
+def test_harness_write_makes_the_folder_and_keeps_extra_keys(tmp_path):
+    from benchmarks import harness
+    path = tmp_path / "new" / "run.json"
+    harness.write_results(path, [{"impl": "a"}], {"gpu": "test"}, sweep=[{"impl": "b"}])
+    assert harness.read_results(path) == {"meta": {"gpu": "test"}, "rows": [{"impl": "a"}],
+                                          "sweep": [{"impl": "b"}]}
+    assert harness.select_rows([{"impl": "a", "N": 1}, {"impl": "b", "N": 1}], impl="a",
+                               N=None) == [{"impl": "a", "N": 1}]
+
+
+def test_merge_keeps_every_run_and_lets_a_later_row_replace_an_earlier_one(tmp_path):
+    from benchmarks import merge
+    old, new, out = tmp_path / "old.json", tmp_path / "new.json", tmp_path / "out.json"
+    meta = {"gpu": "H200", "torch": "2.11", "triton": "3.6"}
+    bench.write_results(old, [_row("rerope", 2.0), _row("sdpa_cudnn", 1.0)],
+                        {**meta, "date": "1", "args": {"n": [8192]}, "elapsed_s": 5})
+    bench.write_results(new, [_row("rerope", 1.5)],
+                        {**meta, "date": "2", "args": {"n": [8192]}, "elapsed_s": 3})
+    assert merge.merge(out, old, new) == 2
+    merged = bench.read_results(out)
+    assert [r["ms"] for r in bench.select_rows(merged["rows"], impl="rerope")] == [1.5]
+    assert [run["date"] for run in merged["meta"]["runs"]] == ["1", "2"]
+    assert merged["meta"]["date"] == "2"
+    assert merge.merge(out, out, new) == 2                  # a merge merges again
+    assert len(bench.read_results(out)["meta"]["runs"]) == 3
+
+
 def test_run_benchmark_records_every_case_and_skips_failures(tmp_path, monkeypatch, capsys):
     """The driver loop with the GPU parts replaced: rows, skips, progress, table and JSON."""
     def fake_measure(impl, mode, shape, reps):

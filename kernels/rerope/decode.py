@@ -79,7 +79,7 @@ MAX_QUERIES = 16          # Nq per row: one token, or a few speculative ones
 # of each other, 32-key tiles 25 % slower.
 GPU_CONFIG = dict(BLOCK_N=64, ANGLES=3, num_warps=4, num_stages=3)
 # Per head dim where the H200 measured a better one (GPU_CONFIG for the others; issue 19,
-# perf/tune_decode.py, perf/runs/tune_decode_h200.json): at D=64, 128-key tiles take B=8 at
+# perf/runs/tune_decode_h200.json, perf/NOTES.md): at D=64, 128-key tiles take B=8 at
 # 128k keys from 669 to 529 µs (8 warps, 256-key tiles or 2 stages lose). At D=128, 4 stages
 # and 3 are within 1.5 %; 128-key tiles lose (1.3x at 4 warps). 3 or 4 programs per SM in the
 # splits rule are no faster than 2 (3 is up to 1.3x slower: a second partial wave). An earlier

@@ -1,6 +1,10 @@
 """Chapter 10's small model read past its training length with Self-Extend, beside ReRoPE.
 
-    python perf/self_extend_extrapolation.py      # on a GPU: well under a minute after compiling
+    python -m extrapolation.self_extend      # on a GPU: well under a minute after compiling
+    python -m extrapolation.self_extend --reference --device cpu --out /tmp/se.json   # CPU dry run
+
+(from the repository root, ``rerope`` importable: ``pip install -e .`` or
+``PYTHONPATH=kernels:.``)
 
 Writes ``book/data/extrapolation_self_extend.json``: the same held-out documents, lengths and
 summaries as ``python -m extrapolation.evaluate`` (its ``summarise``, ``binned`` and passkey
@@ -25,13 +29,12 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+import rerope
 
-import rerope  # noqa: E402
-from extrapolation import data, evaluate  # noqa: E402
-from extrapolation import model as lm  # noqa: E402
-from extrapolation.train import environment  # noqa: E402
+from . import data, evaluate
+from . import model as lm
+from .train import ROOT, environment
+
 
 
 class SelfExtend:
@@ -68,7 +71,8 @@ recommended_group = rerope.rope.self_extend_group
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser()
+    p = argparse.ArgumentParser(prog="python -m extrapolation.self_extend",
+                                description=__doc__.split("\n")[0])
     p.add_argument("--out", type=Path, default=ROOT / "book" / "data" /
                    "extrapolation_self_extend.json")
     p.add_argument("--docs", type=int, default=128)
@@ -151,7 +155,7 @@ def main(argv=None):
           f"{check['max_abs_difference']:.2e}", flush=True)
 
     out = {"environment": environment(),
-           "command": "python perf/self_extend_extrapolation.py " + " ".join(argv or sys.argv[1:]),
+           "command": "python -m extrapolation.self_extend " + " ".join(argv or sys.argv[1:]),
            "model": {"train_len": train_len, "steps": meta.get("steps"), "seed": meta.get("seed")},
            "documents": len(docs), "lengths": lengths, "bin": evaluate.BIN, "dtype": "float32",
            "passkey": {"depth": evaluate.PASSKEY_DEPTH, "count": args.passkey_count,

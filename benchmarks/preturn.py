@@ -1,7 +1,10 @@
 """GPU probe: the fused forward with each product's keys turned in registers (per key tile, per
 query block) against turned once before the kernel (``rerope.rotary.turn_keys``).
 
-    REROPE_AUTOTUNE=0 python perf/probe_preturn.py --out book/data/preturn_h200.json
+    REROPE_AUTOTUNE=0 python -m benchmarks.preturn --out book/data/preturn_h200.json
+
+(on a CUDA GPU, from the repository root, ``rerope`` importable: ``pip install -e .`` or
+``PYTHONPATH=kernels:.``)
 
 Times ``rerope.attention.rerope_forward`` (causal, W = 2048) both ways with
 ``triton.testing.do_bench`` (L2 cleared between runs; the pre-turned time includes the key
@@ -14,20 +17,17 @@ is recorded in ``meta`` (the auto rule is not used here: both ways are forced).
 """
 
 import argparse
-import datetime
 import json
-import os
-import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import rerope  # noqa: F401  (before triton: the interpreter is chosen at import)
+from rerope import attention, configs
 
-import rerope  # noqa: E402,F401  (before triton: the interpreter is chosen at import)
-from rerope import attention  # noqa: E402
+import triton  # noqa: I100
+import triton.testing
 
-import triton  # noqa: E402
-import triton.testing  # noqa: E402
+from .harness import environment, write_results
 
 WINDOW = 2048
 
@@ -57,7 +57,8 @@ def case(n, d, rotated, dtype=torch.float16, hq=32, hkv=32):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.preturn",
+                                     description=__doc__.split("\n")[0])
     parser.add_argument("--out", default="book/data/preturn_h200.json")
     parser.add_argument("--d", type=int, nargs="+", default=[64, 128],
                         help="head dims (a subset: to compile in parallel processes first)")
@@ -71,12 +72,11 @@ def main():
     for n in (8192, 32768) if 64 in args.d else ():  # the Hugging Face benchmark's shape
         rows.append(case(n, 64, True, torch.bfloat16, 32, 8))
         print(json.dumps(rows[-1]), flush=True)
-    meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-            "triton": triton.__version__, "date": datetime.date.today().isoformat(),
-            "autotune": os.environ.get("REROPE_AUTOTUNE", "1") != "0",
+    env = environment(day=True)
+    meta = {"gpu": env["gpu"], "torch": env["torch"], "triton": env["triton"],
+            "date": env["date"], "autotune": configs.AUTOTUNE,
             "PRETURN_MIN_KEYS": attention.PRETURN_MIN_KEYS}
-    with open(args.out, "w") as f:
-        json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    write_results(args.out, rows, meta)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,11 @@
 """Where the short-sequence forward's time goes (issue 18's N=2048 target), on a GPU.
 
-    python perf/probe_short_n.py warm --index I      # compile variant I (run several at once)
-    python perf/probe_short_n.py time --out F.json   # time everything (one process)
+    python -m benchmarks.short_n warm --index I      # compile variant I (run several at once)
+    python -m benchmarks.short_n time --out F.json   # time everything (one process)
+
+(from the repository root, ``rerope`` importable: ``pip install -e .`` or
+``PYTHONPATH=kernels:.``). ``book/data/short_n_h200.json`` holds two such runs' rows, ``before``
+and ``after`` the heads-first grid (perf/NOTES.md v10).
 
 At B=1 H=32 N=2048 D=64 fp16 causal (the issue's shape; window 2048 as in the benchmark grid,
 and 512) it times, for ``rerope.rerope`` from raw and rotated ``q, k`` and for SDPA cuDNN/flash:
@@ -17,9 +21,7 @@ TMA loads on or off, and keys pre-turned before the kernel or turned in register
 
 import argparse
 import json
-import os
-import sys
-import time
+import statistics
 from contextlib import contextmanager
 
 import torch
@@ -27,10 +29,11 @@ import torch.nn.functional as F
 import triton
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import rerope
+from rerope import attention, configs
 
-import rerope  # noqa: E402
-from rerope import attention, bench, configs  # noqa: E402
+from . import attention as bench
+from .harness import back_to_back_us, environment, event_times_ms, write_results
 
 B, H, N, D = 1, 32, 2048, 64
 DEFAULT = (128, 64, 4, 3)
@@ -101,27 +104,13 @@ def graph_us(fn, args, calls=20, replays=10):
         with torch.cuda.graph(graph):
             for _ in range(calls):
                 fn(*args)
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / calls)
-    return sorted(times)[len(times) // 2]
+    times_ms = event_times_ms(graph.replay, replays, sync_each=True)
+    return statistics.median(times_ms) * 1e3 / calls
 
 
 def stream_us(fn, args, calls=200):
-    """Wall µs per call of back-to-back calls (one sync at the end), inputs requiring grad."""
-    for _ in range(5):
-        fn(*args)
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn(*args)
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) * 1e6 / calls
+    """Wall µs per call of back-to-back calls (one sync at the end)."""
+    return back_to_back_us(lambda: fn(*args), calls)
 
 
 def kernel_table(fn, args, steps=5):
@@ -158,7 +147,8 @@ def measure(impl, window, cfg=None, tma="auto", preturn=False, profile=False):
 
 
 def main():
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.short_n",
+                                     description=__doc__.split("\n")[0])
     parser.add_argument("what", choices=("warm", "time"))
     parser.add_argument("--index", type=int)
     parser.add_argument("--out")
@@ -178,12 +168,12 @@ def main():
         return
     rows = []
 
+    env = environment()
+    meta = {"gpu": env["gpu"], "torch": env["torch"], "triton": env["triton"],
+            "shape": f"B={B} H={H} N={N} D={D} fp16 causal", "doc": __doc__.split("\n")[0]}
+
     def save():
-        with open(args.out, "w") as f:
-            json.dump({"meta": {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-                                "triton": triton.__version__, "shape": f"B={B} H={H} N={N} D={D} "
-                                "fp16 causal", "doc": __doc__.split("\n")[0]},
-                       "rows": rows}, f, indent=1)
+        write_results(args.out, rows, meta)
 
     for impl in ("sdpa_cudnn", "sdpa_flash"):
         rows.append(measure(impl, 2048, profile=True))

@@ -1,8 +1,11 @@
-"""GPU probe of Self-Extend (``group=G``) beside ReRoPE in the same ops (book/data/self_extend_h200.json).
+"""Self-Extend (``group=G``) beside ReRoPE in the same ops, on a GPU (book/data/self_extend_h200.json).
 
-    python perf/probe_self_extend.py check --dtype float16 --d 64 --out check.json
-    python perf/probe_self_extend.py time --out time.json
-    python perf/probe_self_extend.py merge --out self_extend_h200.json check_*.json time.json
+    python -m benchmarks.self_extend check --dtype float16 --d 64 --out check.json
+    python -m benchmarks.self_extend time --out time.json
+    python -m benchmarks.self_extend merge --out self_extend_h200.json check_*.json time.json
+
+(from the repository root, ``rerope`` importable: ``pip install -e .`` or
+``PYTHONPATH=kernels:.``).
 
 ``check``: ``rerope.rerope`` forward and ``dq, dk, dv`` at B=1 H=32 N=8192 W=2048, Self-Extend
 G=8 and ReRoPE, rotated inputs (and raw ones with ``--raw``), against a float32 reference
@@ -19,20 +22,18 @@ checks of an earlier merged file given among its inputs (``meta.checks_date``).
 """
 
 import argparse
-import datetime
 import json
 import os
 import statistics
-import sys
 import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import rerope
+from rerope import reference
+from rerope.rope import apply_rope
 
-import rerope  # noqa: E402
-from rerope import reference  # noqa: E402
-from rerope.rope import apply_rope  # noqa: E402
+from .harness import environment, write_results
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -134,8 +135,7 @@ def run_check(args):
               f"({row['seconds']} s)", flush=True)
         if DEVICE == "cuda":
             torch.cuda.empty_cache()
-        with open(args.out, "w") as f:
-            json.dump({"rows": rows}, f, indent=1)
+        write_results(args.out, rows, environment(DEVICE))
 
 
 def _time(step):
@@ -143,14 +143,14 @@ def _time(step):
         start = time.perf_counter()
         step()
         return (time.perf_counter() - start) * 1e3
-    from benchmarks import attention as bench
+    from . import attention as bench
     return bench.time_cuda(step, reps=20)
 
 
 def _graph_us(step):
     if DEVICE == "cpu":
         return _time(step) * 1e3
-    from benchmarks import decode as bench_decode
+    from . import decode as bench_decode
     return bench_decode.graph_us(step)
 
 
@@ -214,19 +214,16 @@ def run_time(args):
             return step
         pair("decode", decode, _graph_us, D=d, Nk=s["cache"], Nq=1, B=1, Hq=s["heads"],
              Hkv=s["kv_heads"], dtype="float16", rotated=True, unit="us")
-    with open(args.out, "w") as f:
-        json.dump({"rows": rows}, f, indent=1)
+    write_results(args.out, rows, environment(DEVICE))
 
 
 def run_merge(args):
-    import triton
+    env = environment(DEVICE)
     data = {"meta": {
         "what": "Self-Extend (rerope.rerope / rerope_decode with group=G) beside ReRoPE in the "
                 "same ops: GPU correctness against a float32 reference and speed; written by "
-                "perf/probe_self_extend.py",
-        "device": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu",
-        "torch": torch.__version__, "triton": triton.__version__,
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                "python -m benchmarks.self_extend",
+        "device": env["gpu"], "torch": env["torch"], "triton": env["triton"], "date": env["date"],
         "autotune": os.environ.get("REROPE_AUTOTUNE", "1"),
         "error_metrics": "scaled = max|got - ref| / max|ref|; rel_norm = ||got - ref|| / ||ref||"},
         "checks": [], "timings": []}
@@ -245,7 +242,8 @@ def run_merge(args):
 
 
 def main():
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.self_extend",
+                                     description=__doc__.split("\n")[0])
     parser.add_argument("what", choices=("check", "time", "merge"))
     parser.add_argument("--dtype", default="float16")
     parser.add_argument("--d", type=int, default=64)

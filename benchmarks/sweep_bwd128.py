@@ -1,7 +1,11 @@
 """Launch-configuration sweep of the pre-turned backward at D = 128, and where its time goes
 (issue 20). One command on the GPU:
 
-    REROPE_AUTOTUNE=0 python perf/sweep_bwd128.py --out sweep_bwd128.json
+    REROPE_AUTOTUNE=0 python -m benchmarks.sweep_bwd128 --out sweep_bwd128.json
+
+(from the repository root, ``rerope`` importable: ``pip install -e .`` or
+``PYTHONPATH=kernels:.``). Only the ``breakdown`` rows reach a chapter (6, through
+``book/data/preturn_bwd_h200.json``); the other parts' answers are in perf/NOTES.md v9-v12.
 
 Shape: B = 1, H = 32, N = 8192, W = 2048, causal, D = 128. The pre-turned backward
 (``attention.rerope_backward(..., preturn=True)``) runs the five-tensor kernels on the turned
@@ -43,19 +47,18 @@ cache):
 ``--parts`` picks parts (default all but ``clocks`` and ``ws_variants``, e.g. ``--parts step``);
 ``--configs 'dq:64,128,4,2;...'`` runs part 1 on those configurations only, fp16. The
 breakdown, step and clocks rows of runs go to the book's data file, beside what
-``perf/probe_preturn_bwd.py`` writes there (no GPU needed; the file's other keys are kept):
+``python -m benchmarks.preturn_bwd`` writes there (no GPU needed; the file's other keys are kept):
 
-    python perf/sweep_bwd128.py --merge perf/runs/sweep_bwd128_h200.json \
+    python -m benchmarks.sweep_bwd128 --merge perf/runs/sweep_bwd128_h200.json \
         perf/runs/step_bwd128_h200.json perf/runs/bwd_probe1_h200.json \
         --book book/data/preturn_bwd_h200.json
 
 which sets its key ``breakdown`` to ``{"source", "runs": [{"meta", "rows"}, ...]}``.
 
-Rows go to ``--out`` after each one (``benchmarks.attention.write_results``: ``meta`` and ``rows``).
+Rows go to ``--out`` after each one (``benchmarks.harness.write_results``: ``meta`` and ``rows``).
 """
 
 import argparse
-import datetime
 import json
 import os
 import shutil
@@ -68,12 +71,13 @@ from contextlib import contextmanager
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import rerope  # noqa: F401  (before triton: the interpreter is chosen at import)
+from rerope import attention, configs
 
-import rerope  # noqa: E402,F401  (before triton: the interpreter is chosen at import)
-from rerope import attention, bench, configs  # noqa: E402
+import triton  # noqa: I100
 
-import triton  # noqa: E402
+from . import attention as bench
+from .harness import environment, l2_flush_buffer, read_results, write_results
 
 N, D, WINDOW, HEADS = 8192, 128, 2048, 32
 DTYPES = ("float16", "bfloat16")
@@ -157,7 +161,7 @@ def operands(n, rotated):
 
 def segments_ms(step, reps=20):
     """Median ms of the whole ``step()`` and of each named piece in it (summed per name)."""
-    flush = torch.empty(bench.L2_FLUSH_BYTES // 4, dtype=torch.int32, device="cuda")
+    flush = l2_flush_buffer()
     step()
     torch.cuda.synchronize()
     runs = []
@@ -231,8 +235,15 @@ def warm(job):
     torch.cuda.synchronize()
 
 
-def spawn(args, cwd=None, **popen):
-    return subprocess.Popen([sys.executable, *args], cwd=cwd, **popen)
+def spawn(args, root=None):
+    """``python -m benchmarks.sweep_bwd128 *args`` in a new process; with ``root`` (a folder
+    from :func:`warp_specialized_copy`), on that folder's copy of the package."""
+    env = None
+    if root is not None:
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+            [os.path.join(root, "kernels"), root, os.environ.get("PYTHONPATH", "")]))
+    return subprocess.Popen([sys.executable, "-m", "benchmarks.sweep_bwd128", *args], cwd=root,
+                            env=env)
 
 
 # which loops a warp-specialize probe patches: file -> WS_LOOP keys ("warp_specialize": both
@@ -243,15 +254,15 @@ WS_VARIANTS = {"both_bwd": {"backward.py": ("BLOCK_M", "BLOCK_N")},
 
 def warp_specialized_copy(variant="both_bwd"):
     """A temporary copy of the package whose loops named by ``WS_VARIANTS[variant]`` carry
-    ``warp_specialize=not MASKED``; returns its folder (holding ``kernels/`` and ``perf/``)."""
+    ``warp_specialize=not MASKED``; returns its folder (holding ``kernels/`` and
+    ``benchmarks/``)."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     folder = tempfile.mkdtemp(prefix=f"ws_probe_{variant}_")
-    shutil.copytree(os.path.join(root, "kernels"), os.path.join(folder, "kernels"),
-                    ignore=shutil.ignore_patterns("__pycache__"))
-    os.makedirs(os.path.join(folder, "perf"))
-    shutil.copy(os.path.abspath(__file__), os.path.join(folder, "perf"))
+    for tree in ("kernels", "benchmarks"):
+        shutil.copytree(os.path.join(root, tree), os.path.join(folder, tree),
+                        ignore=shutil.ignore_patterns("__pycache__"))
     for name, blocks in WS_VARIANTS[variant].items():
-        path = os.path.join(folder, "kernels", name)
+        path = os.path.join(folder, "kernels", "rerope", name)
         with open(path) as f:
             source = f.read()
         for block in blocks:
@@ -313,7 +324,7 @@ def ws_time(out, variant="both_bwd"):
 def step_rows(dtype="float16", reps=20):
     """Part 4: one row per impl (see the module docstring)."""
     shape = bench.Shape(B=1, H=HEADS, N=N, D=D, window=WINDOW, dtype=dtype, causal=True)
-    flush = torch.empty(bench.L2_FLUSH_BYTES // 4, dtype=torch.int32, device="cuda")
+    flush = l2_flush_buffer()
     rows = []
     for impl in ("rerope_raw", "rope_sdpa_cudnn"):
         row = {"part": "step", "impl": impl, "dtype": dtype, "D": D, "N": N,
@@ -458,12 +469,10 @@ BOOK_PARTS = ("breakdown", "step", "clocks")
 def merge(runs, book):
     """Put the ``BOOK_PARTS`` rows of the run files ``runs`` under ``book``'s key
     ``breakdown`` (see the module docstring)."""
-    with open(book) as f:
-        data = json.load(f)
+    data = read_results(book)
     merged = []
     for path in runs:
-        with open(path) as f:
-            run = json.load(f)
+        run = read_results(path)
         # (clocks rows of the atomic-dQ variant, measured and removed in this session, stay out)
         rows = [r for r in run["rows"] if r["part"] in BOOK_PARTS
                 and r.get("atomic_dq", "0") == "0"]
@@ -473,17 +482,18 @@ def merge(runs, book):
         if any(r["part"] == "clocks" for r in rows):
             meta["clocks"] = CLOCKS
         merged.append({"meta": meta, "rows": rows})
-    data["breakdown"] = {"source": "perf/sweep_bwd128.py (parts breakdown and step)",
+    data["breakdown"] = {"source": "python -m benchmarks.sweep_bwd128 (parts breakdown and step)",
                          "runs": merged}
     extra = {k: v for k, v in data.items() if k not in ("meta", "rows")}
-    bench.write_results(book, data["rows"], data["meta"], **extra)
+    write_results(book, data["rows"], data["meta"], **extra)
 
 
 # --- the run ---------------------------------------------------------------------------------
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.sweep_bwd128",
+                                     description=__doc__.split("\n")[0])
     parser.add_argument("--out", default="sweep_bwd128.json")
     parser.add_argument("--warm", help=argparse.SUPPRESS)
     parser.add_argument("--ws-time", help=argparse.SUPPRESS)
@@ -507,9 +517,8 @@ def main():
         ws_time(args.ws_time, args.ws_variant)
         return
 
-    meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-            "triton": triton.__version__,
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    env = environment()
+    meta = {"gpu": env["gpu"], "torch": env["torch"], "triton": env["triton"], "date": env["date"],
             "autotune": configs.AUTOTUNE, "tma": configs.TMA,
             "shape": dict(B=1, H=HEADS, N=N, D=D, window=WINDOW, causal=True),
             "first_candidates": {k: configs.candidate_configs(k, D)[0] for k in ("dkdv", "dq")},
@@ -519,7 +528,7 @@ def main():
     def save(row):
         rows.append(row)
         print(json.dumps(row), flush=True)
-        bench.write_results(args.out, rows, meta)
+        write_results(args.out, rows, meta)
 
     global CASES, SWEEP, DTYPES
     if args.configs:                      # part kernel on these configurations only, fp16
@@ -550,10 +559,9 @@ def main():
         ["dq", "fwd"] if "ws_variants" in parts else [])
     ws_folders = {variant: warp_specialized_copy(variant) for variant in variants}
     start = time.time()
-    procs = [spawn([os.path.abspath(__file__), "--warm", json.dumps(job)]) for job in jobs]
+    procs = [spawn(["--warm", json.dumps(job)]) for job in jobs]
     for variant, folder in ws_folders.items():
-        procs.append(spawn(["perf/sweep_bwd128.py", "--warm", json.dumps({"kind": "ws"})],
-                           cwd=folder))
+        procs.append(spawn(["--warm", json.dumps({"kind": "ws"})], root=folder))
         jobs.append({"kind": "ws", "variant": variant})
     codes = [p.wait() for p in procs]
     meta["warm"] = {"workers": len(procs), "seconds": round(time.time() - start),
@@ -606,8 +614,7 @@ def main():
     # part 3: the warp-specialize probes, each in its own process (kernels in the disk cache)
     for variant, folder in ws_folders.items():
         result = os.path.join(folder, "ws.json")
-        code = spawn(["perf/sweep_bwd128.py", "--ws-time", result, "--ws-variant", variant],
-                     cwd=folder).wait()
+        code = spawn(["--ws-time", result, "--ws-variant", variant], root=folder).wait()
         if os.path.exists(result):
             with open(result) as f:
                 save(json.load(f))

@@ -1,7 +1,10 @@
 """GPU probe: the fused backward on pre-turned operands against turning tiles in registers, and
 against plain RoPE + SDPA cuDNN (issue 20).
 
-    REROPE_AUTOTUNE=0 python perf/probe_preturn_bwd.py --out book/data/preturn_bwd_h200.json
+    REROPE_AUTOTUNE=0 python -m benchmarks.preturn_bwd --out book/data/preturn_bwd_h200.json
+
+(on a CUDA GPU, from the repository root, ``rerope`` importable: ``pip install -e .`` or
+``PYTHONPATH=kernels:.``)
 
 Three parts, one process (plus compile warm-up workers):
 
@@ -26,11 +29,11 @@ Rows: ``{"part": "check" | "time", "impl", "path", "dtype", "D", "N", ...}`` wit
 ``vs_rope_cudnn``: the cuDNN + RoPE time over ours, > 1 when ours is faster) for timings, and the
 differences for checks; ``meta`` has the device, versions and thresholds. The file is rewritten
 after every row, so a run cut short keeps what it measured. Its key ``breakdown`` (where the
-backward's time goes, with its own runs' metadata: ``perf/sweep_bwd128.py --merge``) is kept.
+backward's time goes, with its own runs' metadata: ``python -m benchmarks.sweep_bwd128 --merge``) is
+kept.
 """
 
 import argparse
-import datetime
 import json
 import os
 import subprocess
@@ -39,12 +42,11 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import rerope
+from rerope import attention, configs, reference
 
-import rerope  # noqa: E402  (before triton: the interpreter is chosen at import)
-from rerope import attention, bench, reference  # noqa: E402
-
-import triton  # noqa: E402
+from . import attention as bench
+from .harness import environment, read_results, write_results
 
 WINDOW = 2048
 HEADS = 32
@@ -75,7 +77,7 @@ def warm_all(short=True):
     jobs = [(dtype, d, rotated, path, short) for dtype in ("float16", "bfloat16")
             for d in (64, 128) for rotated in (False, True) for path in PATHS]
     start = time.time()
-    procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), "--warm",
+    procs = [subprocess.Popen([sys.executable, "-m", "benchmarks.preturn_bwd", "--warm",
                                json.dumps(job)]) for job in jobs]
     codes = [p.wait() for p in procs]
     print(f"warm-up: {len(jobs)} workers, {time.time() - start:.0f} s, exit codes {codes}",
@@ -147,7 +149,8 @@ def core_rows(dtype, d, n):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.preturn_bwd",
+                                     description=__doc__.split("\n")[0])
     parser.add_argument("--out", default="book/data/preturn_bwd_h200.json")
     parser.add_argument("--warm", help=argparse.SUPPRESS)
     parser.add_argument("--no-warm", action="store_true", help="skip the parallel warm-up")
@@ -161,10 +164,9 @@ def main():
         warm(json.loads(args.warm))
         return
     default_min_keys = attention.PRETURN_BWD_MIN_KEYS
-    meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-            "triton": triton.__version__,
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "autotune": os.environ.get("REROPE_AUTOTUNE", "1") != "0",
+    env = environment()
+    meta = {"gpu": env["gpu"], "torch": env["torch"], "triton": env["triton"],
+            "date": env["date"], "autotune": configs.AUTOTUNE,
             "PRETURN_MIN_KEYS": attention.PRETURN_MIN_KEYS,
             "PRETURN_BWD_MIN_KEYS": default_min_keys,
             "preturn_memory_limit": attention.preturn_memory_limit(torch.device("cuda")),
@@ -174,11 +176,10 @@ def main():
     if args.note:
         meta["changes"] = args.note
     rows = []
-    kept = {}                             # written by perf/sweep_bwd128.py --merge
+    kept = {}                             # written by python -m benchmarks.sweep_bwd128 --merge
     old_rows = []
     if os.path.exists(args.out):
-        with open(args.out) as f:
-            previous = json.load(f)
+        previous = read_results(args.out)
         kept = {k: v for k, v in previous.items() if k == "breakdown"}
         old_rows = [r for r in previous["rows"] if r["part"] == "time" and r["N"] not in lengths]
         if old_rows:
@@ -189,7 +190,7 @@ def main():
     def save(row):
         rows.append(row)
         print(json.dumps(row), flush=True)
-        bench.write_results(args.out, rows + old_rows, meta, **kept)
+        write_results(args.out, rows + old_rows, meta, **kept)
 
     attention.PRETURN_BWD_MAX_BYTES = 1 << 62       # the paths are forced, memory is plenty
     if not args.no_warm:

@@ -1,8 +1,9 @@
 """Python (host) time per call of the public ops with a cached plan, against SDPA's, at a short
 length where the GPU work is negligible: many calls back to back, one synchronisation
-(``probe_fused.host_time``). Run on a GPU from the repository root::
+(:func:`benchmarks.harness.back_to_back_us`). Run on a GPU from the repository root, with
+``rerope`` importable (``pip install -e .``, or ``PYTHONPATH=kernels:.`` in a checkout)::
 
-    REROPE_AUTOTUNE=0 python3 perf/host_h200.py --out book/data/host_h200.json
+    REROPE_AUTOTUNE=0 python -m benchmarks.host --out book/data/host_h200.json
 
 Shapes (fp16, causal, D=64): ``rerope_fwd`` / ``rerope_fwd_bwd`` B=1 H=32 N=128 from raw q, k;
 ``rerope_decode`` one query, Hq=32 Hkv=8, a cache of N keys (bf16 as in the Hugging Face
@@ -18,20 +19,16 @@ and ``rerope_bwd``, no autograd). JSON: ``{"meta": {...}, "rows": [{"impl", "N",
 """
 
 import argparse
-import datetime
-import json
 import os
-import sys
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import rerope
+from rerope import attention, configs, decode
 
-import rerope  # noqa: E402
-from rerope import attention, decode  # noqa: E402
-from probe_fused import host_time  # noqa: E402
+from .harness import back_to_back_us as host_time
+from .harness import environment, write_results
 
 
 CHECKS = {}
@@ -68,7 +65,7 @@ def rows_for(n, calls):
             fn().backward(dout)
         return run
 
-    def rerope():
+    def ours():
         return rerope.rerope(q, k, v, 32)
 
     def sdpa():
@@ -86,8 +83,8 @@ def rows_for(n, calls):
     kd, vd = (torch.randn(1, 8, n, 64, device=dev, dtype=bf16) for _ in range(2))
     timings = {}
     with torch.no_grad():      # a bound launch gives the first (Triton-launched) call's result
-        first, first_decode = rerope(), rerope.rerope_decode(qd, kd, vd, 32)
-        again, again_decode = rerope(), rerope.rerope_decode(qd, kd, vd, 32)
+        first, first_decode = ours(), rerope.rerope_decode(qd, kd, vd, 32)
+        again, again_decode = ours(), rerope.rerope_decode(qd, kd, vd, 32)
         first_op, again_op = op_fwd_bwd(), op_fwd_bwd()
         CHECKS[n] = dict(fwd_equal=bool(torch.equal(first, again)),
                          decode_equal=bool(torch.equal(first_decode, again_decode)),
@@ -96,7 +93,7 @@ def rows_for(n, calls):
                          decode_bound=all(p.split.bound
                                           for p in decode._PLANS._plans.values()))
     with torch.no_grad():
-        timings["rerope_fwd"] = host_time(rerope, calls)
+        timings["rerope_fwd"] = host_time(ours, calls)
         timings["sdpa_fwd"] = host_time(sdpa, calls)
         timings["rerope_decode"] = host_time(lambda: rerope.rerope_decode(qd, kd, vd, 32), calls)
         timings["sdpa_decode"] = host_time(
@@ -104,16 +101,16 @@ def rows_for(n, calls):
     with torch.no_grad():
         timings["op_rerope_fwd"] = host_time(op_fwd, calls)
         timings["op_rerope_fwd_bwd"] = host_time(op_fwd_bwd, calls)
-    timings["rerope_fwd_grad"] = host_time(rerope, calls)
+    timings["rerope_fwd_grad"] = host_time(ours, calls)
     timings["sdpa_fwd_grad"] = host_time(sdpa, calls)
-    timings["rerope_fwd_bwd"] = host_time(fwd_bwd(rerope), calls)
+    timings["rerope_fwd_bwd"] = host_time(fwd_bwd(ours), calls)
     timings["sdpa_fwd_bwd"] = host_time(fwd_bwd(sdpa), calls)
     if PROFILE:                      # where the host time of a call goes (cProfile, cumulative)
         import cProfile
         import io
         import pstats
-        for name, fn, grad in (("rerope_fwd_bwd", fwd_bwd(rerope), True),
-                               ("rerope_fwd", rerope, False),
+        for name, fn, grad in (("rerope_fwd_bwd", fwd_bwd(ours), True),
+                               ("rerope_fwd", ours, False),
                                ("rerope_decode", lambda: rerope.rerope_decode(qd, kd, vd, 32),
                                 False)):
             profiler = cProfile.Profile()
@@ -126,7 +123,7 @@ def rows_for(n, calls):
         # torch's profiler sees what cProfile does not: the autograd engine's C++ work, the
         # allocations and launches, each op's host time (ours and SDPA's side by side)
         from torch.profiler import ProfilerActivity, profile
-        for name, fn in (("rerope_fwd_bwd", fwd_bwd(rerope)), ("sdpa_fwd_bwd", fwd_bwd(sdpa))):
+        for name, fn in (("rerope_fwd_bwd", fwd_bwd(ours)), ("sdpa_fwd_bwd", fwd_bwd(sdpa))):
             fn(), torch.cuda.synchronize()
             with profile(activities=[ProfilerActivity.CPU]) as prof:
                 for _ in range(50):
@@ -139,27 +136,25 @@ def rows_for(n, calls):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.host",
+                                     description=__doc__.split("\n")[0])
     parser.add_argument("--n", type=int, nargs="+", default=[128])
     parser.add_argument("--calls", type=int, default=500)
     parser.add_argument("--out", default="book/data/host_h200.json")
     parser.add_argument("--label", default="", help="a name for the run, kept in meta")
     args = parser.parse_args()
-    import triton
-
     rows = [row for n in args.n for row in rows_for(n, args.calls)]
     for row in rows:
         print(row, flush=True)
-    meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-            "triton": triton.__version__, "date": datetime.date.today().isoformat(),
-            "autotune": os.environ.get("REROPE_AUTOTUNE", "1") != "0",
+    env = environment(day=True)
+    meta = {"gpu": env["gpu"], "torch": env["torch"], "triton": env["triton"],
+            "date": env["date"], "autotune": configs.AUTOTUNE,
             "shapes": "fwd, fwd_bwd: B=1 H=32 D=64 fp16 causal, raw q, k, window 32; decode: "
                       "B=1 Hq=32 Hkv=8 D=64 bf16, one query, window 32",
             "unit": f"microseconds of host time per call ({args.calls} calls, one sync)",
             "bound_launch_checks": CHECKS, "label": args.label}
     print(CHECKS, flush=True)
-    with open(args.out, "w") as f:
-        json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    write_results(args.out, rows, meta)
 
 
 if __name__ == "__main__":
