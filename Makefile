@@ -76,7 +76,7 @@ setup: $(STAMP)
 # extra and the newest transformers into a fresh venv (torch first, as above), check
 # `pip check`, then run the smoke test from a folder outside the checkout.
 test-install:
-	rm -rf $(INSTALL_VENV) dist
+	rm -rf $(INSTALL_VENV) dist build
 	$(call make-venv,$(INSTALL_VENV))
 	$(INSTALL_VENV)/bin/python -m pip --disable-pip-version-check install --progress-bar off \
 	    $(TORCH_FROM) "$(TORCH)"
