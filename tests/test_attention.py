@@ -55,7 +55,7 @@ def test_both_load_paths(case, mode, gen, monkeypatch):
 def test_descriptor_layout_rules():
     """TMA needs unit column stride, 16-byte aligned row/head strides and a 16-byte aligned start;
     anything else falls back to pointer loads (sizes-1 dimensions' strides do not matter)."""
-    from rerope.attention import _tma_layout_ok
+    from rerope.launch import _tma_layout_ok
 
     base = torch.zeros(2, 3, 40, 32, dtype=F16)
     assert _tma_layout_ok(base)

@@ -161,13 +161,14 @@ def test_chunked_prefill_is_the_tail_of_the_full_sequence(rotated, gen):
 def test_decode_steps_go_to_the_split_kv_kernel(rotated, gen, monkeypatch):
     """Few causal queries with no gradient wanted take the decode kernel; the result is the
     prefill kernels' (and with a gradient wanted, the prefill kernels run)."""
-    from rerope import decode
+    from rerope import attention
 
     q = randn(gen, 1, 4, 3, 32, dtype=F32)
     k, v = (randn(gen, 1, 2, 70, 32, dtype=F32) for _ in range(2))
     calls = []
-    real = decode.rerope_decode
-    monkeypatch.setattr(decode, "rerope_decode", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    real = attention.rerope_decode
+    monkeypatch.setattr(attention, "rerope_decode",
+                        lambda *a, **kw: calls.append(1) or real(*a, **kw))
     with torch.no_grad():
         routed = rerope.rerope(q, k, v, 12, rotated=rotated)
     assert calls, "a 3-query causal call under no_grad did not take rerope_decode"

@@ -40,6 +40,13 @@ def source(obj):
     """The source code of a function, class or ``@triton.jit`` kernel of this package.
 
     The book prints the package's real code with it, so a page can never drift from what runs.
+
+    Args:
+        obj: a function, method, class or module; or a ``@triton.jit`` kernel, whose Python
+            function ``obj.fn`` is read.
+
+    Returns:
+        str, the source text as :func:`inspect.getsource` gives it (indented as in its file).
     """
     import inspect
 

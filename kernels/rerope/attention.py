@@ -30,9 +30,11 @@ from ._validate import (Frequencies, as_frequencies, check_flag, check_head_dim,
                         check_logn_overflow, check_qkv, check_rope_settings, check_sm_scale,
                         check_window)
 from .backward import _bwd_delta_kernel, _bwd_dkdv_kernel, _bwd_dq_kernel
+from .decode import rerope_decode
 from .forward import _rerope_fwd_kernel
 from .online_softmax import LOG2E
-from .launch import Launcher, PlanCache, kept_launcher, signature
+from .launch import (Launcher, PlanCache, _capability, _ensure_scratch_allocator,
+                     _tma_layout_ok, kept_launcher, signature)
 from .rotary import kept_turn, logn_factor, rotation_tables, turn_operands
 from .runtime import INTERPRET, dot_precision, prepare_for_device
 
@@ -51,11 +53,6 @@ def _autotuned(kernel, head_dim, capability, elem_bytes, split):
         configs=configs.launch_configs(kernel, head_dim, capability, elem_bytes, split),
         key=["n_q", "n_k", "HEAD_DIM", "CAUSAL", "SPLIT", "LOGN"],
     )(_KERNELS[kernel])
-
-
-@functools.lru_cache(maxsize=None)
-def _capability(device):
-    return torch.cuda.get_device_capability(device)
 
 
 HEADS_FIRST_MAX_KEYS = 4096   # up to this many keys, the kernels' grids put heads first
@@ -134,27 +131,6 @@ def _bound(where, args, constexprs, make, launchers=None):
 
 def _strides(*tensors):
     return [s for t in tensors for s in t.stride()]
-
-
-def _tma_layout_ok(t):
-    """TMA needs a 16-byte aligned start, unit column stride and a 16-byte aligned row stride
-    (always: the descriptor uses it even for one row); batch and head strides matter only where
-    there is more than one batch or head."""
-    size = t.element_size()
-    return (t.data_ptr() % 16 == 0 and t.stride(-1) == 1 and t.stride(-2) * size % 16 == 0
-            and all(s * size % 16 == 0 for s, n in zip(t.stride()[:2], t.shape[:2]) if n > 1))
-
-
-def _torch_scratch(size, alignment, stream):
-    return torch.empty(size, dtype=torch.int8, device="cuda")
-
-
-def _ensure_scratch_allocator():
-    """Descriptors built inside a kernel live in a small global scratch buffer that Triton asks
-    an allocator for: give it torch's, unless the caller installed one."""
-    from triton.runtime import _allocation
-    if _allocation._allocator.get() is _allocation._NULL_ALLOCATOR:
-        triton.set_allocator(_torch_scratch)
 
 
 def _use_tma(*tensors):
@@ -838,22 +814,39 @@ def _plan_five(q1, q2, k1, k2, v, window, causal, sm_scale):
 
 
 def rerope_attention(q1, q2, k1, k2, v, window, causal=True, sm_scale=None):
-    """Fused ReRoPE attention from the five tensors; differentiable in all five.
+    """Fused ReRoPE attention from the five tensors of :func:`rerope.rope.rerope_inputs`;
+    differentiable in all five.
 
     Score ``(i, j)`` is ``sm_scale · q1_i · k1_j`` where ``|i − j| < window``, else
     ``sm_scale · q2_i · k2_j``; with ``causal`` keys ``j > i`` are masked; softmax over ``j``;
-    times ``v``.
+    times ``v``. Queries and keys share the positions ``0 … N - 1`` (one length ``N``; for
+    fewer queries than keys, use :func:`rerope`).
+
+    Grouped-query and multi-query attention: ``k1, k2, v`` may have fewer heads than ``q1,
+    q2`` (``Hq`` a multiple of ``Hkv``); query head ``h`` attends key/value head
+    ``h // (Hq / Hkv)``, by indexing: K/V are never repeated in memory.
 
     Args:
-        q1, q2: ``(B, Hq, N, D)`` queries (RoPE at ``i``; at ``w`` for ReRoPE).
-        k1, k2, v: ``(B, Hkv, N, D)`` with ``Hq % Hkv == 0`` (grouped-query attention is done by
-            indexing, K/V are never repeated in memory).
-        window: int ``>= 1``; ``window >= N`` gives plain RoPE attention.
-        causal: mask keys after the query.
-        sm_scale: score scale, ``1/sqrt(D)`` when ``None``.
+        q1: ``(B, Hq, N, D)``, the queries of the product inside the window (ReRoPE: RoPE at
+            their positions ``i``); fp16, bf16 or fp32, ``D`` in 16, 32, 64, 128, 256.
+        q2: ``(B, Hq, N, D)``, the queries of the product outside the window (ReRoPE: RoPE at
+            ``window``), ``q1``'s dtype and device.
+        k1: ``(B, Hkv, N, D)``, the keys inside the window (ReRoPE: RoPE at their positions
+            ``j``), ``q1``'s dtype and device.
+        k2: ``(B, Hkv, N, D)``, the keys outside the window (ReRoPE: not rotated), ``q1``'s
+            dtype and device.
+        v: ``(B, Hkv, N, D)``, the values, ``q1``'s dtype and device.
+        window: int ``>= 1``; ``window >= N`` gives plain RoPE attention (``q2, k2`` unread).
+        causal: bool, mask keys after the query (``j > i``).
+        sm_scale: float, the score scale; ``1/sqrt(D)`` when ``None``.
 
-    fp16, bf16 or fp32 (fp32 uses 3xTF32 dot products, near-fp32 accuracy); ``D`` in 16, 32,
-    64, 128, 256; any ``N >= 1``; any strides. Returns ``(B, Hq, N, D)`` in the input dtype.
+    Returns:
+        ``(B, Hq, N, D)``, the attention output, in the inputs' dtype and on their device;
+        differentiable in ``q1, q2, k1, k2, v``.
+
+    Any ``N >= 1``; any strides. fp32 runs its dot products as 3xTF32 (near-fp32 accuracy).
+    CUDA tensors, or CPU tensors under Triton's CPU interpreter (:mod:`rerope.runtime`).
+    Arguments out of range raise ``TypeError`` or ``ValueError`` naming the argument.
     """
     tensors, settings = (q1, q2, k1, k2, v), (window, causal, sm_scale)
     compiling = torch.compiler.is_compiling()
@@ -923,31 +916,52 @@ def _lifted(q):
 def rerope(q, k, v, window, causal=True, sm_scale=None, base=10000.0, leaky=None, logn_len=None,
            rotated=False, inv_freq=None, group=None):
     """(Leaky) ReRoPE or Self-Extend attention from ``q, k, v`` as a model holds them, rotation
-    in the kernels.
+    in the kernels; differentiable in ``q, k, v``.
+
+    Grouped-query and multi-query attention: ``k, v`` may have fewer heads than ``q`` (``Hq``
+    a multiple of ``Hkv``); query head ``h`` attends key/value head ``h // (Hq / Hkv)`` (e.g.
+    with 6 query heads and 2 key/value heads, heads 0, 1, 2 attend head 0). This is done by
+    indexing: K/V are never repeated in memory.
+
+    The queries are the last ``Nq`` of the ``Nk`` positions (``Nq <= Nk``: a whole sequence, or
+    the last chunk of one in chunked prefill): query ``n`` sits at position
+    ``i = Nk - Nq + n``, key ``j`` at ``j``, and every relative position ``i - j`` (and
+    log-n's and Self-Extend's absolute positions) follows from that. With ``causal`` the mask
+    is aligned to the bottom right corner of the score matrix: query ``n`` attends keys
+    ``j <= Nk - Nq + n``. For ``Nq = 2``, ``Nk = 5`` (1 = attended, 0 = masked)::
+
+        1 1 1 1 0
+        1 1 1 1 1
 
     Args:
-        q: ``(B, Hq, Nq, D)`` queries at positions ``Nk - Nq … Nk - 1`` (``Nq <= Nk``: a whole
-            sequence, or the last chunk of one in chunked prefill).
-        k, v: ``(B, Hkv, Nk, D)`` keys and values at positions ``0 … Nk - 1``, ``Hq % Hkv == 0``
-            (grouped-query attention by indexing: K/V are never repeated in memory).
+        q: ``(B, Hq, Nq, D)`` queries at positions ``Nk - Nq … Nk - 1``; fp16, bf16 or fp32,
+            ``D`` in 16, 32, 64, 128, 256. Raw, or RoPE-rotated at those positions
+            (``rotated``).
+        k: ``(B, Hkv, Nk, D)`` keys at positions ``0 … Nk - 1``, ``Nk >= Nq``, ``q``'s dtype
+            and device; raw or rotated like ``q``.
+        v: ``(B, Hkv, Nk, D)`` values, ``q``'s dtype and device.
         window: int ``>= 1``: pairs closer than ``window`` get ordinary RoPE, the rest relative
             position ``window`` (ReRoPE), ``window + (i - j - window) / leaky`` (Leaky) or
-            ``⌊i/group⌋ - ⌊j/group⌋ + window - window/group`` (Self-Extend).
-        causal: mask keys after the query (``j > i``). Without it, future keys beyond the window
-            get position ``+window``, like the far past.
-        sm_scale: score scale, ``1/sqrt(D)`` when ``None``.
-        base: RoPE base (Llama ``rotate_half`` convention: halves, not interleaved pairs).
-        leaky: ``None`` for ReRoPE, or the Leaky ReRoPE factor ``> 1``.
-        logn_len: if given, queries are scaled by ``max(1, log(i + 1) / log(logn_len))``.
-        rotated: ``False``: raw ``q, k``. ``True``: ``q, k`` already carry RoPE at their
+            ``⌊i/group⌋ - ⌊j/group⌋ + window - window/group`` (Self-Extend). ``window >= Nk``
+            gives plain RoPE attention.
+        causal: bool, mask keys after the query (``j > i``, aligned as above). Without it,
+            future keys beyond the window get position ``+window``, like the far past.
+        sm_scale: float, the score scale; ``1/sqrt(D)`` when ``None``.
+        base: float ``> 1``, the RoPE base (Llama ``rotate_half`` convention: halves, not
+            interleaved pairs).
+        leaky: ``None`` for ReRoPE, or the Leaky ReRoPE factor, a float ``> 1``.
+        logn_len: ``None``, or a training length ``> 1``: queries are scaled by
+            ``max(1, log(i + 1) / log(logn_len))`` at their position ``i``.
+        rotated: bool. ``False``: raw ``q, k``. ``True``: ``q, k`` already carry RoPE at their
             positions, as a Hugging Face model and its KV cache hold them.
         inv_freq: ``None`` (the frequencies ``base ** (-2t / D)``), or RoPE's ``D/2`` angular
-            frequencies as a 1-D tensor or a sequence of positive finite floats: a model's own
-            (Llama 3's ``llama3``, ``linear`` or YaRN scaling change only these). ``base`` must
-            then stay at its default (``ValueError`` otherwise). A tensor is read once and
-            remembered while the same tensor is passed unmodified; a
-            :class:`rerope.rope.Frequencies` skips every conversion. An attention factor
-            (YaRN's ``attention_scaling``) is not applied here: it is in rotated inputs already.
+            frequencies as a 1-D floating-point tensor ``(D/2,)`` (any device) or a sequence of
+            positive finite floats: a model's own (Llama 3's ``llama3``, ``linear`` or YaRN
+            scaling change only these). ``base`` must then stay at its default (``ValueError``
+            otherwise). A tensor is read once and remembered while the same tensor is passed
+            unmodified; a :class:`rerope.rope.Frequencies` skips every conversion. An attention
+            factor (YaRN's ``attention_scaling``) is not applied here: it is in rotated inputs
+            already.
         group: ``None``, or Self-Extend's group size ``G``, an int ``>= 1`` that divides
             ``window`` (``ValueError`` otherwise: the grouped query position
             ``⌊i/G⌋ + window − window/G`` of Jin et al. 2024 then is the same in prefill and
@@ -956,9 +970,14 @@ def rerope(q, k, v, window, causal=True, sm_scale=None, base=10000.0, leaky=None
             of ``k`` sits at position ``j``. Same kernels and speed as ReRoPE: the grouped
             angles are rows of the rotation table (:mod:`rerope.rotary`).
 
-    Returns ``(B, Hq, Nq, D)`` in the input dtype; differentiable in ``q, k, v``. fp16, bf16 or
-    fp32; ``D`` in 16, 32, 64, 128, 256; any strides. No rotated copy of ``q`` or ``k`` is ever
-    written: each kernel rotates tiles in registers (:mod:`rerope.rotary`).
+    Returns:
+        ``(B, Hq, Nq, D)``, the attention output, in ``q``'s dtype and on its device;
+        differentiable in ``q, k, v``.
+
+    Any strides. CUDA tensors, or CPU tensors under Triton's CPU interpreter
+    (:mod:`rerope.runtime`). No rotated copy of ``q`` or ``k`` is ever written: each kernel
+    rotates tiles in registers (:mod:`rerope.rotary`). Arguments out of range raise
+    ``TypeError`` or ``ValueError`` naming the argument.
 
     A decode step — ``causal``, at most ``DECODE_MAX_QUERIES`` (16) queries, no gradient needed
     (grad mode off, or no input requires grad) — goes to the split-KV kernel of
@@ -971,7 +990,6 @@ def rerope(q, k, v, window, causal=True, sm_scale=None, base=10000.0, leaky=None
     compiling = torch.compiler.is_compiling()
     plan = _cached_plan(_plan_fused, tensors, settings, compiling)
     if plan.decode:                   # a decode step: split-KV (chapter 8)
-        from .decode import rerope_decode
         return rerope_decode(q, k, v, window, sm_scale=sm_scale, base=base, leaky=leaky,
                              logn_len=logn_len, rotated=rotated, inv_freq=inv_freq, group=group)
     if compiling:

@@ -56,9 +56,11 @@ import torch
 import triton
 import triton.language as tl
 
+from . import configs
 from ._validate import (Frequencies, as_frequencies, check_alike, check_head_dim, check_logn_overflow, check_qkv,
                         check_rope_args, check_sm_scale)
-from .launch import Launcher, PlanCache, signature
+from .launch import (Launcher, PlanCache, _capability, _ensure_scratch_allocator, _tma_layout_ok,
+                     signature)
 from .online_softmax import LOG2E, _softmax_step
 from .regions import INSIDE, OUTSIDE, _nth_tile, _tile_count
 from .rotary import (_logn_scale, _rotate, _table_rows, _unrotate, logn_factor,
@@ -656,10 +658,7 @@ def use_tma(k_cache, v_cache, paged, keys_per_split):
     builds two descriptors once it has read its row's length: on short chunks that latency
     costs more than the loads gain; the figures are at ``TMA_MIN_KEYS``). The layout: 16-byte
     aligned starts, unit stride along ``D``, 16-byte aligned key, head and batch strides
-    (:func:`rerope.attention._tma_layout_ok`)."""
-    from . import configs
-    from .attention import _capability, _tma_layout_ok
-
+    (:func:`rerope.launch._tma_layout_ok`)."""
     if paged or configs.TMA == "0":
         return False
     d = k_cache.shape[-1]
@@ -929,52 +928,66 @@ def rerope_decode(q, k_cache, v_cache, window, cache_seqlens=None, sm_scale=None
     synchronisation and no allocation that depends on data: the call can be captured in a CUDA
     graph (call it once before capturing: the first call compiles and builds the RoPE table).
 
-    Arguments:
-        q: ``(batch_size, nheads, seqlen_q, headdim)``, the new queries; ``1 <= seqlen_q <= 16``
-            (one token, or a few speculative ones). Query ``n`` of row ``b`` sits at position
-            ``cache_seqlens[b] - seqlen_q + n``. RoPE-rotated at those positions if ``rotated``,
-            raw otherwise.
-        k_cache: ``(batch_size, nheads_k, seqlen_cache, headdim)``, the key cache; ``nheads`` a
-            multiple of ``nheads_k`` (grouped-query / multi-query attention; the cache is never
-            repeated in memory). Slot ``j`` holds the key of position ``j`` (RoPE-rotated at
-            ``j`` if ``rotated``). Any strides, e.g. a transposed view of a
-            ``(batch_size, seqlen_cache, nheads_k, headdim)`` buffer.
-        v_cache: ``(batch_size, nheads_k, seqlen_cache, headdim)``, the value cache.
+    Grouped-query and multi-query attention: the cache may have fewer heads than ``q`` (``Hq``
+    a multiple of ``Hkv``); query head ``h`` attends cache head ``h // (Hq / Hkv)``, by
+    indexing: the cache is never repeated in memory.
+
+    Row ``b`` holds ``L = cache_seqlens[b]`` keys (``L = Nmax`` without ``cache_seqlens``), at
+    positions ``0 … L - 1``; its queries are the last ``Nq`` of them: query ``n`` sits at
+    position ``i = L - Nq + n`` and attends keys ``j <= i``, the causal mask aligned to the
+    bottom right corner of the row's score matrix. For ``Nq = 2``, ``L = 5`` (1 = attended,
+    0 = masked)::
+
+        1 1 1 1 0
+        1 1 1 1 1
+
+    Args:
+        q: ``(B, Hq, Nq, D)``, the new queries, ``1 <= Nq <= 16`` (one token, or a few
+            speculative ones), at positions ``L - Nq … L - 1`` of their row; fp16, bf16 or
+            fp32, ``D`` in 16, 32, 64, 128, 256. RoPE-rotated at those positions if
+            ``rotated``, raw otherwise.
+        k_cache: ``(B, Hkv, Nmax, D)``, the key cache, ``q``'s dtype and device. Slot ``j``
+            holds the key of position ``j`` (RoPE-rotated at ``j`` if ``rotated``). Any strides,
+            e.g. a transposed view of a ``(B, Nmax, Hkv, D)`` buffer. Paged: see
+            ``block_table``.
+        v_cache: ``(B, Hkv, Nmax, D)``, the value cache, ``q``'s dtype and device (paged: as
+            ``k_cache``).
         window: int ``>= 1``, ReRoPE's window ``w``: relative positions ``i - j < w`` use plain
             RoPE, the others are clamped to ``w`` (or grow as ``w + (i - j - w) / leaky``).
-        cache_seqlens: ``None`` (every row uses the whole cache) or an int32 tensor
-            ``(batch_size,)`` on ``q``'s device: the number of valid slots per row, between
-            ``seqlen_q`` and ``seqlen_cache``. Slots at and beyond it are never read. Values
-            out of range raise ``ValueError`` for CPU tensors; on a GPU they are not checked
-            (that would need a host sync) and the rows concerned come back as NaN.
-        sm_scale: float, the score scale; ``1 / sqrt(headdim)`` when ``None``.
-        base: float, the RoPE base (10000.0 for Llama 2).
+        cache_seqlens: ``None`` (every row uses the whole cache) or an int32 tensor ``(B,)`` on
+            ``q``'s device: the number of valid slots ``L`` per row, between ``Nq`` and
+            ``Nmax``. Slots at and beyond it are never read. Values out of range raise
+            ``ValueError`` for CPU tensors; on a GPU they are not checked (that would need a
+            host sync) and the rows concerned come back as NaN.
+        sm_scale: float, the score scale; ``1 / sqrt(D)`` when ``None``.
+        base: float ``> 1``, the RoPE base (10000.0 for Llama 2).
         leaky: ``None`` for ReRoPE, or Leaky ReRoPE's factor ``κ > 1``.
-        logn_len: ``None``, or a training length: queries are scaled by
+        logn_len: ``None``, or a training length ``> 1``: queries are scaled by
             ``max(1, log(i + 1) / log(logn_len))`` at their position ``i``.
         rotated: bool; ``True`` (the default, the Llama/Hugging Face convention) if ``q`` and
             ``k_cache`` carry RoPE at their positions, ``False`` if they are raw.
         num_splits: ``None`` (chosen from the shapes, :func:`default_num_splits`) or an int
             ``>= 1``: chunks per row. More splits than key tiles is allowed (the spare ones
             are empty).
-        inv_freq: ``None`` (the frequencies ``base ** (-2t / D)``), or RoPE's ``headdim / 2``
-            angular frequencies, a 1-D tensor or a sequence of positive finite floats (a model's
-            own, e.g. ``model.model.rotary_emb.inv_freq`` for ``llama3``, ``linear`` or YaRN
-            RoPE); ``base`` must then stay at its default. As in :func:`rerope.rerope`: a
-            tensor not seen before is read on the host (a sync, so do it in the call before
-            capturing a CUDA graph), a :class:`rerope.rope.Frequencies` never is.
+        inv_freq: ``None`` (the frequencies ``base ** (-2t / D)``), or RoPE's ``D / 2`` angular
+            frequencies, a 1-D floating-point tensor ``(D / 2,)`` (any device) or a sequence of
+            positive finite floats (a model's own, e.g. ``model.model.rotary_emb.inv_freq`` for
+            ``llama3``, ``linear`` or YaRN RoPE); ``base`` must then stay at its default. As in
+            :func:`rerope.rerope`: a tensor not seen before is read on the host (a sync, so do
+            it in the call before capturing a CUDA graph), a :class:`rerope.rope.Frequencies`
+            never is.
         block_table: ``None`` (the contiguous layout above), or a paged cache as
             FlashAttention's ``flash_attn_with_kvcache`` keeps it: an int32 tensor
-            ``(batch_size, max_blocks_per_seq)`` on ``q``'s device, and then ``k_cache`` and
-            ``v_cache`` are page pools ``(num_blocks, block_size, nheads_k, headdim)``, any
-            strides, ``block_size`` one of 16, 32, 64, 128, 256. Logical slot ``j`` of row ``b``
-            (the key of position ``j``, rotated at ``j`` if ``rotated``) is slot
-            ``j % block_size`` of page ``block_table[b, j // block_size]``; the cache size is
-            ``seqlen_cache = max_blocks_per_seq * block_size``. ``cache_seqlens`` is then
-            required. Entries for pages past a row's length are never read (they may hold
-            anything). An entry the row does use that is not in ``[0, num_blocks)`` raises
-            ``ValueError`` for CPU tensors; on a GPU (no host sync) its keys are not read and
-            the row comes back as NaN.
+            ``(B, max_blocks_per_seq)`` on ``q``'s device, and then ``k_cache`` and ``v_cache``
+            are page pools ``(num_blocks, block_size, Hkv, D)``, any strides, ``block_size``
+            one of 16, 32, 64, 128, 256. Logical slot ``j`` of row ``b`` (the key of position
+            ``j``, rotated at ``j`` if ``rotated``) is slot ``j % block_size`` of page
+            ``block_table[b, j // block_size]``; the cache size is
+            ``Nmax = max_blocks_per_seq * block_size``. ``cache_seqlens`` is then required.
+            Entries for pages past a row's length are never read (they may hold anything). An
+            entry the row does use that is not in ``[0, num_blocks)`` raises ``ValueError`` for
+            CPU tensors; on a GPU (no host sync) its keys are not read and the row comes back
+            as NaN.
         group: ``None``, or Self-Extend's group size ``G`` (an int ``>= 1`` dividing ``window``;
             not with ``leaky``), as in :func:`rerope.rerope`: beyond the window the relative
             position is ``⌊i/G⌋ - ⌊j/G⌋ + window - window/G``, on the model's own cache (the
@@ -982,18 +995,21 @@ def rerope_decode(q, k_cache, v_cache, window, cache_seqlens=None, sm_scale=None
             for ReRoPE when ``G`` divides ``BLOCK_N``; otherwise one table row per key
             (``ANGLES = 2``).
 
-    fp16, bf16 or fp32; ``headdim`` in 16, 32, 64, 128, 256. Returns ``out``:
-    ``(batch_size, nheads, seqlen_q, headdim)`` in ``q``'s dtype (empty for an empty batch).
-    Allocates the output and, when ``num_splits > 1``, the fp32 partials ``(num_splits,
-    batch_size, nheads, seqlen_q, headdim)`` and their log-sum-exps; the merge of the partials
+    Returns:
+        ``(B, Hq, Nq, D)``, the attention output, in ``q``'s dtype and on its device (empty for
+        an empty batch).
+
+    Forward only: with grad mode on, inputs that require grad raise ``ValueError`` (use
+    :func:`rerope.rerope`). CUDA tensors, or CPU tensors under Triton's CPU interpreter
+    (:mod:`rerope.runtime`). Allocates the output and, when ``num_splits > 1``, the fp32
+    partials ``(num_splits, B, Hq, Nq, D)`` and their log-sum-exps; the merge of the partials
     is a second launch, or, opted in (``REROPE_FUSED_MERGE``, :func:`fused_merge`), runs in
     the same launch, counted by int32 counters kept per device and stream
     (:func:`merge_counters`: CUDA graphs captured on one stream share that stream's, so replay
     those one at a time). Where K and V are read through TMA descriptors (:func:`use_tma`),
     Triton also asks for a small scratch buffer per launch (the descriptors, 128 bytes each,
     two per program), from torch's allocator unless the caller installed one
-    (``triton.set_allocator``). Forward only: with grad mode on,
-    inputs that require grad raise ``ValueError`` (use :func:`rerope.rerope`).
+    (``triton.set_allocator``).
     """
     if torch.compiler.is_compiling():          # an opaque op for the compiler (see _decode_op)
         inv_freq = as_frequencies(inv_freq)
@@ -1166,7 +1182,6 @@ def _make_plan(q, k_cache, v_cache, window, cache_seqlens, sm_scale, base, leaky
         part_strides, lse_strides = (0, *_contiguous_strides(q.shape)), (0, 0, 0, 0)
     tma = use_tma(prepared[1], prepared[2], paged, triton.cdiv(n_max, num_splits))
     if tma and not INTERPRET:
-        from .attention import _ensure_scratch_allocator
         _ensure_scratch_allocator()         # the descriptors live in a global scratch buffer
     fused = fused_merge(num_splits, min(group * n_queries, rows_per_program), d)
     merge_rows = FUSED_MERGE_ROWS if fused else MERGE_ROWS
@@ -1203,8 +1218,6 @@ def _make_plan(q, k_cache, v_cache, window, cache_seqlens, sm_scale, base, leaky
 
 
 def _tma_setting():
-    from . import configs
-
     return configs.TMA, TMA_HEAD_DIMS, TMA_MIN_KEYS
 
 

@@ -126,8 +126,7 @@ class Settings:
 
 
 def enable_rerope(model, window, leaky=None, logn_len=None, group=None):
-    """Switch every attention layer of ``model`` to (Leaky) ReRoPE or Self-Extend; returns
-    ``model``.
+    """Switch every attention layer of ``model`` to (Leaky) ReRoPE or Self-Extend.
 
     Args:
         model: a transformers ``PreTrainedModel`` of a Llama-style architecture (``model_type``
@@ -138,14 +137,25 @@ def enable_rerope(model, window, leaky=None, logn_len=None, group=None):
             weights.
         window: int ``>= 1``, ReRoPE's window ``w``: relative positions below ``w`` keep RoPE,
             the rest are clamped to ``w`` (or grow as ``w + (d - w) / leaky``).
-        leaky: ``None`` (ReRoPE) or Leaky ReRoPE's factor ``> 1``.
-        logn_len: ``None`` or the training length: queries are scaled by
+        leaky: ``None`` (ReRoPE) or Leaky ReRoPE's factor, a float ``> 1``.
+        logn_len: ``None`` or the training length, a number ``> 1``: queries are scaled by
             ``max(1, log(i + 1) / log(logn_len))`` at their position ``i``.
         group: ``None``, or Self-Extend's group size ``G`` (an int ``>= 1`` dividing
             ``window``; not with ``leaky``): relative positions ``d >= w`` become
             ``⌊i/G⌋ - ⌊j/G⌋ + w - w/G`` (:func:`rerope.rerope`). Grouping depends on absolute
             positions: a row whose ``position_ids`` are not its cache slots counted from its
             first real token (``generate``'s own, with left padding too) raises ``ValueError``.
+
+    Returns:
+        ``model`` itself, switched (its ``config._attn_implementation`` is the registered
+        name, e.g. ``rerope_w512``).
+
+    Raises:
+        ImportError: transformers is not installed.
+        TypeError: ``model`` is not a ``PreTrainedModel``, or a setting has the wrong type.
+        ValueError: a model or a setting this module does not support (the message says which).
+        RuntimeError: transformers did not switch the model (its code does not dispatch
+            attention through transformers' registry).
 
     RoPE's frequencies are read here, once, from the model's rotary embedding (its
     ``inv_freq`` buffer: what really rotates ``q`` and ``k``, also after ``model.to(bfloat16)``
@@ -173,9 +183,18 @@ def enable_rerope(model, window, leaky=None, logn_len=None, group=None):
 
 
 def disable_rerope(model):
-    """Undo :func:`enable_rerope`: back to the attention implementation ``model`` had before
-    (``"sdpa"`` if that is unknown, e.g. for a model loaded with a ReRoPE name). Returns
-    ``model``; ``ValueError`` if ReRoPE is not enabled on it."""
+    """Undo :func:`enable_rerope`: back to the attention implementation ``model`` had before.
+
+    Args:
+        model: a transformers model on which :func:`enable_rerope` switched ReRoPE on.
+
+    Returns:
+        ``model`` itself, on its earlier attention implementation (``"sdpa"`` if that is
+        unknown, e.g. for a model loaded with a ReRoPE name).
+
+    Raises:
+        ValueError: ReRoPE is not enabled on ``model``.
+    """
     config = getattr(model, "config", None)
     current = getattr(config, "_attn_implementation", None)
     if not _is_rerope(current):
@@ -186,7 +205,15 @@ def disable_rerope(model):
 
 
 def is_rerope_enabled(model):
-    """Whether ``model`` currently runs a ReRoPE implementation of this module."""
+    """Whether ``model`` currently runs a ReRoPE implementation of this module.
+
+    Args:
+        model: any object; a transformers model is looked at through
+            ``model.config._attn_implementation``.
+
+    Returns:
+        bool.
+    """
     return _is_rerope(getattr(getattr(model, "config", None), "_attn_implementation", None))
 
 
@@ -380,14 +407,40 @@ def rerope_mask(batch_size, q_length=None, kv_length=None, q_offset=0, kv_offset
                 mask_function=None, attention_mask=None, cache_position=None, **kwargs):
     """The mask function registered with ``AttentionMaskInterface``, called once per forward.
 
-    transformers calls it with keywords, as it calls ``sdpa_mask``: ``q_length`` new tokens after
-    ``q_offset`` cached ones (earlier 5.x releases, 5.0 among them, passed ``cache_position``,
-    their positions, instead), ``kv_length`` key slots from ``kv_offset``, and
-    ``attention_mask`` the 2D padding mask ``(B, kv_length)`` or ``None``. Returns ``None`` when
-    no token is padding (the kernels' causal mask is all there is), else a :class:`PaddedRows`.
-    Raises ``ValueError`` for what the kernels cannot express: any mask pattern other than
-    causal (packed sequences, sliding windows, bidirectional or custom overlays), a cache other
-    than a dynamic one, padding between a row's tokens.
+    transformers calls it with keywords, as it calls ``sdpa_mask``. The ``q_length`` new tokens
+    are the last of the ``kv_length`` key slots (dynamic cache: ``q_offset + q_length ==
+    kv_length``), the causal mask aligned to the bottom right corner, as the kernels apply it;
+    this function builds no mask of its own, it only says which slots of each row are real.
+
+    Args:
+        batch_size: int ``B``.
+        q_length: int ``Nq``, the new tokens (earlier 5.x releases, 5.0 among them, passed
+            ``cache_position`` instead).
+        kv_length: int ``Nk``, the key slots the layers will get.
+        q_offset: the number of cached tokens before the new ones: an int, or a 0-dim integer
+            tensor (a static cache inside a compiled forward).
+        kv_offset: must be 0 (sliding-window caches are not supported).
+        mask_function: ``None`` or transformers' ``causal_mask_function``; any other pattern
+            raises ``ValueError``.
+        attention_mask: ``None`` or the 2D padding mask ``(B, >= Nk)`` (bool or integer, 1 for
+            a real token), on any device.
+        cache_position: ``(Nq,)`` integer tensor, the new tokens' positions; read only when
+            ``q_length`` is ``None``.
+        kwargs: transformers' other keywords, ignored.
+
+    Returns:
+        ``None`` when no token is padding (the kernels' causal mask is all there is); a
+        :class:`PaddedRows` when some are, with a dynamic cache; with a static cache (fewer
+        filled slots than ``kv_length``, or a tensor ``q_offset``) the filled length of every
+        row, ``q_offset + Nq``, as a ``(B, 1, 1, 1)`` int32 tensor on ``attention_mask``'s
+        device (:func:`is_static_lengths`).
+
+    Raises:
+        ValueError: for what the kernels cannot express: any mask pattern other than causal
+            (packed sequences, sliding windows, bidirectional or custom overlays), a cache
+            other than a dynamic or static one, a padding mask that is not 2D, padding
+            between a row's tokens, padding with a static cache (inside a compiled forward a
+            device-side assertion instead).
     """
     from transformers.masking_utils import causal_mask_function
 
@@ -446,7 +499,14 @@ def is_static_lengths(mask):
     A 4D tensor, because transformers hands a 4D mask made ahead of the forward (as
     ``generate`` does for static caches) to the layers unchanged; int32, which no attention mask
     of transformers is (they are bool or float). It is computed on the device, so a compiled
-    forward replays it in a CUDA graph, and the decode kernel reads it as ``cache_seqlens``."""
+    forward replays it in a CUDA graph, and the decode kernel reads it as ``cache_seqlens``.
+
+    Args:
+        mask: what the attention layers got as ``attention_mask`` (any object).
+
+    Returns:
+        bool.
+    """
     return (isinstance(mask, torch.Tensor) and mask.dtype == torch.int32 and mask.dim() == 4
             and tuple(mask.shape[1:]) == (1, 1, 1))
 
@@ -484,18 +544,30 @@ def rerope_attention_forward(settings, module, query, key, value, attention_mask
                              scaling=None, is_causal=None, **kwargs):
     """The attention function registered with ``AttentionInterface`` (bound to ``settings``).
 
+    The ``Nq`` queries are the new tokens, the last ``Nq`` of a row's ``L`` filled cache slots
+    (dynamic cache: ``L = Nk``; static cache: ``L`` from ``attention_mask``), the causal mask
+    aligned to the bottom right corner: query ``n`` attends slots ``j <= L - Nq + n`` (with
+    padding, only the row's real tokens).
+
     Args:
+        settings: the :class:`Settings` registered by :func:`enable_rerope`.
         module: the model's attention layer.
-        query: ``(B, Hq, Nq, D)``, RoPE-rotated at each token's position.
-        key, value: ``(B, Hkv, Nk, D)``, the whole KV cache (keys rotated), ``Nk >= Nq``, the
-            new tokens in the last ``Nq`` slots; ``Hq % Hkv == 0`` (never repeated here).
-        attention_mask: ``None`` or :class:`PaddedRows`, from :func:`rerope_mask`.
+        query: ``(B, Hq, Nq, D)``, RoPE-rotated at each token's position; fp16, bf16 or fp32.
+        key: ``(B, Hkv, Nk, D)``, the whole KV cache (keys rotated), ``Nk >= Nq``, the new
+            tokens the last ``Nq`` filled slots; ``Hq % Hkv == 0`` (never repeated here);
+            ``query``'s dtype and device.
+        value: ``(B, Hkv, Nk, D)``, ``query``'s dtype and device.
+        attention_mask: ``None``, a :class:`PaddedRows` or a ``(B, 1, 1, 1)`` int32 tensor of
+            row lengths (:func:`is_static_lengths`), from :func:`rerope_mask`.
         dropout: must be 0 (the kernels have no dropout).
-        scaling: the score scale (``1/sqrt(D)`` when ``None``).
+        scaling: float, the score scale (``1/sqrt(D)`` when ``None``).
+        is_causal: ``None`` or ``True`` (``False`` raises ``ValueError``).
         kwargs: ``position_ids`` ``(B or 1, Nq)``; ``sliding_window`` / ``softcap`` /
             ``s_aux`` must be absent or ``None``.
 
-    Returns ``(out (B, Nq, Hq, D), None)``; rows' padding queries get zeros.
+    Returns:
+        ``(out, None)``: ``out`` ``(B, Nq, Hq, D)`` in ``query``'s dtype, contiguous; rows'
+        padding queries get zeros.
     """
     _check_call(module, attention_mask, dropout, is_causal, kwargs)
     n_q, n_k = query.shape[2], key.shape[2]

@@ -22,11 +22,18 @@ own layer). The ops here pay that once per *call signature* instead:
 
 Under the CPU interpreter there is no compiled kernel: :class:`Launcher` calls ``kernel[grid]``
 every time (the plans still save the checks).
+
+What every op asks of the GPU before it launches lives here too, so that the ops import it from
+one place below them: the compute capability (:func:`_capability`), whether a tensor's layout
+suits TMA tensor descriptors (:func:`_tma_layout_ok`), and the scratch allocator that
+descriptors built inside a kernel need (:func:`_ensure_scratch_allocator`).
 """
 
+import functools
 import inspect
 
 import torch
+import triton
 
 from .runtime import INTERPRET
 
@@ -171,6 +178,37 @@ def kept_launcher(launchers, where, constexprs, make):
         launcher = launchers[key] = make()
     return launcher
 
+
+# --- what a launch asks of the GPU --------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(device):
+    return torch.cuda.get_device_capability(device)
+
+
+def _tma_layout_ok(t):
+    """TMA needs a 16-byte aligned start, unit column stride and a 16-byte aligned row stride
+    (always: the descriptor uses it even for one row); batch and head strides matter only where
+    there is more than one batch or head."""
+    size = t.element_size()
+    return (t.data_ptr() % 16 == 0 and t.stride(-1) == 1 and t.stride(-2) * size % 16 == 0
+            and all(s * size % 16 == 0 for s, n in zip(t.stride()[:2], t.shape[:2]) if n > 1))
+
+
+def _torch_scratch(size, alignment, stream):
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def _ensure_scratch_allocator():
+    """Descriptors built inside a kernel live in a small global scratch buffer that Triton asks
+    an allocator for: give it torch's, unless the caller installed one."""
+    from triton.runtime import _allocation
+    if _allocation._allocator.get() is _allocation._NULL_ALLOCATOR:
+        triton.set_allocator(_torch_scratch)
+
+
+# --- launch hooks --------------------------------------------------------------------------------
 
 try:
     from triton.knobs import runtime as _runtime_knobs
