@@ -6,6 +6,7 @@ tiny random Llama through ``rerope.hf``: prefill logits against a float64 refere
 ``generate`` with the cache against recomputation. Prints each check; exits non-zero on failure.
 """
 
+import importlib.metadata
 import importlib.util
 import os
 
@@ -18,6 +19,11 @@ from rerope import reference
 where = os.path.realpath(rerope.__file__)
 print(f"rerope {rerope.__version__} from {os.path.dirname(where)}")
 assert not where.startswith(os.path.realpath(os.getcwd()) + os.sep), "a copy in this folder"
+files = [str(f) for f in importlib.metadata.files("rerope-triton")]
+others = [f for f in files
+          if not f.startswith(("rerope/", "rerope_triton-", "__editable__.rerope_triton"))]
+print(f"the distribution holds {len(files)} files, the library's alone: {not others}")
+assert not others, others      # no tests, book, benchmarks or probes in the wheel
 hub = importlib.util.find_spec("kernels")
 print("Hugging Face's kernels:", hub.origin if hub else "not installed")
 import transformers  # noqa: E402
