@@ -16,6 +16,8 @@ sys.path.insert(0, ROOT)                     # the book's helpers: extrapolation
 if importlib.util.find_spec("rerope") is None:   # not installed: the checkout's copy
     sys.path.insert(0, os.path.join(ROOT, "kernels"))
 import torch
+if not torch.cuda.is_available():          # no GPU: the reader's own @triton.jit kernels run in
+    os.environ.setdefault("TRITON_INTERPRET", "1")   # the CPU interpreter too (the book's choice)
 try:
     import rerope
 except ImportError as error:                 # too old a torch/Triton (Colab): one line, what to do

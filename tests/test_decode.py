@@ -476,7 +476,7 @@ def test_fused_merge_rule_and_bad_lengths(monkeypatch, gen):
     rule, splits = decode.fused_merge, decode.default_num_splits
     assert decode._fused_merge_setting("0") is False and not rule(4, 4, 128)    # the default
     with pytest.raises(ValueError, match="REROPE_FUSED_MERGE"):
-        decode._fused_merge_setting("yes")
+        decode._fused_merge_setting("sometimes")
     monkeypatch.setattr(decode, "FUSED_MERGE", None)                          # the rule
     assert rule(splits(8, 8, 4, 1, 131072), 4, 128) and rule(splits(1, 8, 4, 1, 4096), 4, 128)
     assert not rule(splits(1, 8, 4, 1, 131072), 4, 128)             # 33 splits: two launches

@@ -22,14 +22,21 @@ The benchmarks are not part of the package: ``python -m benchmarks.attention`` a
 :mod:`rerope.hf` (``import rerope.hf``, not loaded by ``import rerope``): ReRoPE in a Hugging
 Face transformers model, ``rerope.hf.enable_rerope(model, window)`` (chapter 9).
 
-With no CUDA device, importing ``rerope`` switches Triton to its CPU interpreter
-(``TRITON_INTERPRET=1``, see :mod:`rerope.runtime`), so the same code runs on CPU tensors.
+With no CUDA device, ``rerope``'s kernels run in Triton's CPU interpreter, so the same code runs
+on CPU tensors: it is chosen for this package's kernels only, ``os.environ`` is left as it was
+(see :mod:`rerope.runtime`).
+
+Configuration: the environment variables ``REROPE_AUTOTUNE``, ``REROPE_TMA``,
+``REROPE_FUSED_MERGE``, ``REROPE_DECODE_CONFIG`` and ``REROPE_PRETURN_BWD_MAX_BYTES``, read once at
+import and checked (:class:`rerope.configs.Settings`).
 """
 
 from . import runtime  # noqa: F401  (first: decides compiled vs interpreted before any @triton.jit)
-from . import reference, rope  # noqa: E402
-from .attention import rerope, rerope_attention  # noqa: E402
-from .decode import rerope_decode  # noqa: E402
+
+with runtime.kernels_decorated():   # the kernels' @triton.jit run here (interpreted without CUDA)
+    from . import reference, rope
+    from .attention import rerope, rerope_attention
+    from .decode import rerope_decode
 
 __version__ = "0.1.0"
 

@@ -18,7 +18,6 @@ plan's kept, bound launches.
 """
 
 import functools
-import os
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -243,9 +242,8 @@ def preturn_keys(n_k, n_q=PRETURN_BLOCK_M + 1, group=1):
 PRETURN_BWD_MIN_KEYS = 4096  # from this many keys on, the backward pre-turns its operands ...
 # ... unless that needs more extra memory than this many bytes: ``None`` means a sixteenth of the
 # GPU's memory (2 GiB under the interpreter); the environment variable
-# REROPE_PRETURN_BWD_MAX_BYTES sets it
-PRETURN_BWD_MAX_BYTES = (int(os.environ["REROPE_PRETURN_BWD_MAX_BYTES"])
-                         if os.environ.get("REROPE_PRETURN_BWD_MAX_BYTES") else None)
+# REROPE_PRETURN_BWD_MAX_BYTES sets it (read by rerope.configs)
+PRETURN_BWD_MAX_BYTES = configs.SETTINGS.preturn_bwd_max_bytes
 
 
 def _preturned_shapes(q, k, operands, outside=True):
@@ -847,6 +845,15 @@ def rerope_attention(q1, q2, k1, k2, v, window, causal=True, sm_scale=None):
     Any ``N >= 1``; any strides. fp32 runs its dot products as 3xTF32 (near-fp32 accuracy).
     CUDA tensors, or CPU tensors under Triton's CPU interpreter (:mod:`rerope.runtime`).
     Arguments out of range raise ``TypeError`` or ``ValueError`` naming the argument.
+
+    Threads: the op may be called from several threads at once (its plans are shared safely,
+    :mod:`rerope.launch`); under the CPU interpreter, which is not thread-safe, the package's
+    launches run one at a time (``rerope.runtime.INTERPRETER_LOCK``); on a GPU nothing is
+    serialised (calls on one stream run in its order). Non-finite inputs: an ``inf`` or ``NaN``
+    in a row of ``v`` spreads within a tile: every query row of a tile that reads that key's
+    tile comes out NaN, also rows that give the key no weight (masked by ``causal``), where the
+    exact answer is finite (the kernels multiply whole tiles of probabilities by whole tiles of
+    ``v``, and ``0 * inf`` is NaN).
     """
     tensors, settings = (q1, q2, k1, k2, v), (window, causal, sm_scale)
     compiling = torch.compiler.is_compiling()
@@ -983,6 +990,15 @@ def rerope(q, k, v, window, causal=True, sm_scale=None, base=10000.0, leaky=None
     (grad mode off, or no input requires grad) — goes to the split-KV kernel of
     :func:`rerope.rerope_decode`, which spreads the keys over the whole GPU; the prefill kernels
     would give each query head a single program.
+
+    Threads: the op may be called from several threads at once (its plans are shared safely,
+    :mod:`rerope.launch`); under the CPU interpreter, which is not thread-safe, the package's
+    launches run one at a time (``rerope.runtime.INTERPRETER_LOCK``); on a GPU nothing is
+    serialised (calls on one stream run in its order). Non-finite inputs: an ``inf`` or ``NaN``
+    in a row of ``v`` spreads within a tile: every query row of a tile that reads that key's
+    tile comes out NaN, also rows that give the key no weight (masked by ``causal``), where the
+    exact answer is finite (the kernels multiply whole tiles of probabilities by whole tiles of
+    ``v``, and ``0 * inf`` is NaN).
     """
     inv_freq = as_frequencies(inv_freq)   # checked and cached: cheap per call
     tensors = (q, k, v)

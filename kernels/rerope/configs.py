@@ -5,18 +5,142 @@ On a GPU each kernel is autotuned over the candidates below that fit the GPU's s
 (``INTERPRETER_CONFIG``: small blocks, so that short test sequences still cross every region).
 ``tests/test_compile.py`` compiles every configuration for sm_75, sm_80, sm_89 and sm_90 and
 checks the shared memory the compiler reports against the estimate used for pruning.
+
+The package's environment variables are read here, once, at import (:class:`Settings`,
+:data:`SETTINGS`); a bad value fails ``import rerope`` with a ``ValueError`` that names the
+variable, the value found and the values accepted.
 """
 
+import difflib
 import os
+import warnings
+from dataclasses import dataclass
+from typing import Optional
 
 import triton
 
-AUTOTUNE = os.environ.get("REROPE_AUTOTUNE", "1") != "0"
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+_BOOLEANS = "0/1, true/false, yes/no, on/off"
+
+
+def _bad(name, value, accepted):
+    return ValueError(f"environment variable {name}={value!r} is not valid: accepted values "
+                      f"are {accepted}")
+
+
+def _switch(name, value, default, extra=()):
+    """A boolean (``_BOOLEANS``, any case) or one of the words ``extra``; unset or empty:
+    ``default``. Returns True, False or the word."""
+    word = (value or "").strip().lower()
+    if not word:
+        return default
+    if word in _TRUE:
+        return True
+    if word in _FALSE:
+        return False
+    if word in extra:
+        return word
+    raise _bad(name, value, " or ".join([_BOOLEANS, *extra]) + " (any case)")
+
+
+def _byte_count(name, value):
+    """A whole number of bytes >= 0, written ``2147483648``, ``2_000_000_000`` or ``2e9``;
+    unset or empty: ``None``."""
+    text = (value or "").strip()
+    if not text:
+        return None
+    try:
+        number = float(text.replace("_", ""))
+    except ValueError:
+        number = -1.0
+    if not (0 <= number < 2**63 and number == int(number)):
+        raise _bad(name, value, "a whole number of bytes >= 0 (e.g. 2147483648 or 2e9)")
+    return int(number)
+
+
+def _decode_config(name, value):
+    """Five positive integers ``BLOCK_N,ANGLES,num_warps,num_stages,programs per SM``
+    (``BLOCK_N`` >= 16 and ``num_warps`` powers of two, ``ANGLES`` 0 to 3); unset or empty:
+    ``None``."""
+    text = (value or "").strip()
+    if not text:
+        return None
+    accepted = ("five integers BLOCK_N,ANGLES,num_warps,num_stages,programs_per_SM, e.g. "
+                "64,3,4,3,2 (BLOCK_N >= 16 and num_warps powers of two, ANGLES 0-3, the others "
+                ">= 1)")
+    try:
+        fields = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise _bad(name, value, accepted) from None
+    if len(fields) != 5:
+        raise _bad(name, value, accepted)
+    block_n, angles, warps, stages, per_sm = fields
+    power_of_two = lambda n: n > 0 and n & (n - 1) == 0    # noqa: E731
+    if not (block_n >= 16 and power_of_two(block_n) and 0 <= angles <= 3 and power_of_two(warps)
+            and stages >= 1 and per_sm >= 1):
+        raise _bad(name, value, accepted)
+    return fields
+
+
+VARIABLES = ("REROPE_AUTOTUNE", "REROPE_TMA", "REROPE_FUSED_MERGE", "REROPE_DECODE_CONFIG",
+             "REROPE_PRETURN_BWD_MAX_BYTES")
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Every ``REROPE_*`` environment variable the package reads, parsed once.
+
+    ``autotune`` (``REROPE_AUTOTUNE``, a boolean, default on): autotune each kernel over its
+    candidates on a GPU; off, the first fitting candidate only (one compilation per kernel).
+    ``tma`` (``REROPE_TMA``: ``auto``, the default; a boolean): ``"auto"``, ``"1"`` or ``"0"``
+    (see ``TMA`` below). ``fused_merge`` (``REROPE_FUSED_MERGE``: a boolean, default off, or
+    ``rule``): False, True or None (the rule; see :func:`rerope.decode.fused_merge`).
+    ``decode_config`` (``REROPE_DECODE_CONFIG``, unset by default): ``(BLOCK_N, ANGLES,
+    num_warps, num_stages, programs_per_SM)`` for the decode kernel on a GPU, or None.
+    ``preturn_bwd_max_bytes`` (``REROPE_PRETURN_BWD_MAX_BYTES``, unset by default): the most
+    extra bytes the pre-turned backward may spend, or None (a sixteenth of the GPU's memory).
+
+    Booleans are ``0/1, true/false, yes/no, on/off`` in any case; an empty value counts as
+    unset. Changing the environment after ``import rerope`` changes nothing: the tests and
+    measurements set the module-level names (``configs.AUTOTUNE``, ``configs.TMA``,
+    ``decode.FUSED_MERGE``, ...) instead.
+    """
+    autotune: bool = True
+    tma: str = "auto"
+    fused_merge: Optional[bool] = False
+    decode_config: Optional[tuple] = None
+    preturn_bwd_max_bytes: Optional[int] = None
+
+    @classmethod
+    def from_environment(cls, environ=os.environ):
+        """Read and check the variables (``ValueError`` naming the first bad one)."""
+        def get(name):
+            return environ.get(name)
+        for name in environ:           # a misspelt name would otherwise be ignored silently
+            near = difflib.get_close_matches(name, VARIABLES, 1, 0.85)
+            if name.startswith("REROPE_") and name not in VARIABLES and near:
+                warnings.warn(f"environment variable {name} is not read by rerope: did you "
+                              f"mean {near[0]}? (it reads {', '.join(VARIABLES)})", stacklevel=2)
+        tma = _switch("REROPE_TMA", get("REROPE_TMA"), "auto", ("auto",))
+        fused = _switch("REROPE_FUSED_MERGE", get("REROPE_FUSED_MERGE"), False, ("rule",))
+        return cls(
+            autotune=_switch("REROPE_AUTOTUNE", get("REROPE_AUTOTUNE"), True),
+            tma={True: "1", False: "0"}.get(tma, tma),
+            fused_merge=None if fused == "rule" else fused,
+            decode_config=_decode_config("REROPE_DECODE_CONFIG", get("REROPE_DECODE_CONFIG")),
+            preturn_bwd_max_bytes=_byte_count("REROPE_PRETURN_BWD_MAX_BYTES",
+                                              get("REROPE_PRETURN_BWD_MAX_BYTES")))
+
+
+SETTINGS = Settings.from_environment()
+
+AUTOTUNE = SETTINGS.autotune
 
 # Tensor-memory-accelerator (TMA) loads: "auto" uses them where they are known to work and pay
 # (a Hopper-or-newer GPU, fp16/bf16, D <= 128, a layout TMA accepts); "0" never; "1" wherever
 # the layout allows, also under the interpreter (the tests use it to run both load paths on CPU).
-TMA = os.environ.get("REROPE_TMA", "auto")
+TMA = SETTINGS.tma
 
 
 def tma_pays(capability, elem_bytes, head_dim):

@@ -48,7 +48,6 @@ variants of :func:`_decode_pass` were measured too).
 """
 
 import functools
-import os
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -65,7 +64,8 @@ from .online_softmax import LOG2E, _softmax_step
 from .regions import INSIDE, OUTSIDE, _nth_tile, _tile_count
 from .rotary import (_logn_scale, _rotate, _table_rows, _unrotate, logn_factor,
                      rotation_tables)
-from .runtime import INTERPRET, dot_precision, prepare_for_device
+from .runtime import (INTERPRET, INTERPRETER_LOCK, dot_precision, launching,
+                      prepare_for_device)
 
 MAX_QUERIES = 16          # Nq per row: one token, or a few speculative ones
 
@@ -94,9 +94,8 @@ GPU_CONFIG = dict(BLOCK_N=64, ANGLES=3, num_warps=4, num_stages=3)
 # the splits rule: it spills, D=128 1.10-1.60x slower, D=64 2-13 %. None adopted.
 HEAD_DIM_CONFIGS = {64: dict(BLOCK_N=128, ANGLES=3, num_warps=4, num_stages=3)}
 PROGRAMS_PER_SM = 2
-if os.environ.get("REROPE_DECODE_CONFIG"):
-    _n, _a, _w, _s, PROGRAMS_PER_SM = (int(x) for x in
-                                       os.environ["REROPE_DECODE_CONFIG"].split(","))
+if configs.SETTINGS.decode_config:                 # REROPE_DECODE_CONFIG (rerope.configs)
+    _n, _a, _w, _s, PROGRAMS_PER_SM = configs.SETTINGS.decode_config
     GPU_CONFIG = dict(BLOCK_N=_n, ANGLES=_a, num_warps=_w, num_stages=_s)
     HEAD_DIM_CONFIGS = {}
 INTERPRETER_CONFIG = dict(BLOCK_N=16, ANGLES=GPU_CONFIG["ANGLES"])
@@ -141,18 +140,17 @@ FUSED_MERGE_ROWS = 4
 
 
 def _fused_merge_setting(value):
-    """``REROPE_FUSED_MERGE``: ``0`` (the default: two launches), ``rule`` (fused where the
-    measured rule of :func:`fused_merge` says) or ``1`` (fused wherever there is a merge)."""
-    settings = {"0": False, "rule": None, "1": True}
-    if value not in settings:
-        raise ValueError(f"REROPE_FUSED_MERGE must be one of {sorted(settings)}, not {value!r}")
-    return settings[value]
+    """``REROPE_FUSED_MERGE``: off (``0``, the default: two launches), ``rule`` (fused where the
+    measured rule of :func:`fused_merge` says) or on (``1``: fused wherever there is a merge);
+    booleans in any spelling :mod:`rerope.configs` accepts. Read once, in
+    ``configs.SETTINGS``."""
+    return configs.Settings.from_environment({"REROPE_FUSED_MERGE": value}).fused_merge
 
 
 # The merge in the split kernel (see :func:`fused_merge`): one launch per step instead of two.
 # Opt-in (False: two launches; None: the rule; True: always): its counters are per stream, so
 # CUDA graphs captured on one stream must not replay at once on several streams.
-FUSED_MERGE = _fused_merge_setting(os.environ.get("REROPE_FUSED_MERGE", "0"))
+FUSED_MERGE = configs.SETTINGS.fused_merge
 # The merge counters (see :func:`merge_counters`): at least this many per buffer.
 MIN_COUNTERS = 4096
 
@@ -395,8 +393,9 @@ def chunk_map(n_keys, n_queries, window, num_splits, block_n):
     kernel's own :func:`_chunk_walks` (see there for what the five cut points mean)."""
     device = "cpu" if INTERPRET else "cuda"
     out = torch.zeros(num_splits, 5, dtype=torch.int32, device=device)
-    _chunk_map_kernel[(num_splits,)](out, n_keys, n_queries, min(window, n_keys), num_splits,
-                                     BLOCK_N=block_n)
+    with launching():              # a direct launch: the interpreter's lock (rerope.runtime)
+        _chunk_map_kernel[(num_splits,)](out, n_keys, n_queries, min(window, n_keys), num_splits,
+                                         BLOCK_N=block_n)
     return out.cpu()
 
 
@@ -746,7 +745,12 @@ def merge_counters(device, size):
 
     The split kernel's last program of each row group sets its counter back to zero, so the
     buffer is zero again after every launch and needs no memset per step (nor in a CUDA
-    graph). Launches on one stream run one after another, so every call and every plan on a
+    graph). A launch that stops part-way would leave counts set and every later merge wrong:
+    on a GPU that cannot happen to a process that goes on (a kernel runs whole, or its fault
+    poisons the CUDA context: every later call fails), but the interpreter runs programs one
+    by one in Python, where an exception or ``KeyboardInterrupt`` stops it between programs;
+    under the interpreter :func:`_run` therefore zeroes the counters before each fused
+    launch. Launches on one stream run one after another, so every call and every plan on a
     stream share its buffer; two streams get two buffers (concurrent calls never share one).
     New counters are zeroed on a side stream (the allocation then stays out of a CUDA-graph
     memory pool that the current stream may be allocating into, e.g. a compiled forward's
@@ -1010,6 +1014,15 @@ def rerope_decode(q, k_cache, v_cache, window, cache_seqlens=None, sm_scale=None
     Triton also asks for a small scratch buffer per launch (the descriptors, 128 bytes each,
     two per program), from torch's allocator unless the caller installed one
     (``triton.set_allocator``).
+
+    Threads: the op may be called from several threads at once (its plans are shared safely,
+    :mod:`rerope.launch`); under the CPU interpreter, which is not thread-safe, the package's
+    launches run one at a time (``rerope.runtime.INTERPRETER_LOCK``); on a GPU nothing is
+    serialised (calls on one stream run in its order). Non-finite inputs: an ``inf`` or ``NaN``
+    in a row of ``v`` spreads within a tile: every query row of a tile that reads that key's
+    tile comes out NaN, also rows that give the key no weight (masked by ``causal``), where the
+    exact answer is finite (the kernels multiply whole tiles of probabilities by whole tiles of
+    ``v``, and ``0 * inf`` is NaN).
     """
     if torch.compiler.is_compiling():          # an opaque op for the compiler (see _decode_op)
         inv_freq = as_frequencies(inv_freq)
@@ -1059,6 +1072,17 @@ def _run(plan, q, k_cache, v_cache, cache_seqlens, block_table=None):
     table = cache_seqlens if block_table is None else block_table   # (never read if None)
     # the fused merge's counters (this stream's); otherwise never read
     counters = merge_counters(q.device, plan.n_counters) if plan.fused else out
+    if INTERPRET and plan.fused:     # an interrupted interpreted launch leaves counts behind:
+        with INTERPRETER_LOCK:       # zero them first, in one step with the launch (threads)
+            counters.zero_()
+            _launch(plan, q, k_cache, v_cache, cache_seqlens, table, part, lse, out, counters)
+    else:
+        _launch(plan, q, k_cache, v_cache, cache_seqlens, table, part, lse, out, counters)
+    return out.to(dtype) if plan.lift else out
+
+
+def _launch(plan, q, k_cache, v_cache, cache_seqlens, table, part, lse, out, counters):
+    """The launches of :func:`_run`: the plan's kept ones, or (first call) its launchers."""
     launches = plan.launches
     if launches:           # the kept launches: the plan's arguments bound (Launcher.fixed)
         launches[0](q, k_cache, v_cache, cache_seqlens, table, part, lse, out, counters)
@@ -1072,7 +1096,6 @@ def _run(plan, q, k_cache, v_cache, cache_seqlens, block_table=None):
         if plan.split.bound or INTERPRET:          # keep them once bound (not in a capture)
             launches += [plan.split.fixed(*plan.split_args),
                          plan.merge.fixed(*plan.merge_args)]
-    return out.to(dtype) if plan.lift else out
 
 
 # Under torch.compile the op is opaque: the compiler calls it as it is (its launches are

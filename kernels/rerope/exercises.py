@@ -57,7 +57,12 @@ from .online_softmax import LOG2E, _softmax_step, plain_attention
 from .regions import (INSIDE, INSIDE_CLEAN, INSIDE_MASKED, OUTSIDE, OUTSIDE_CLEAN,
                       OUTSIDE_MASKED, _mark, _schedule, tile_map)
 from .rope import apply_rope
-from .runtime import INTERPRET
+from .runtime import INTERPRET, kernels_decorated
+
+# This module's own kernels are decorated in the package's mode (interpreted where rerope chose
+# the interpreter, see rerope.runtime): the window opens here and closes at the end of the module.
+_DECORATING = kernels_decorated()
+_DECORATING.__enter__()
 
 # One palette for the tile classes, in every figure of chapters 4, 5 and 6.
 TILE_COLOURS = {
@@ -1507,3 +1512,6 @@ def check_ntk_base(ntk_base):
                     + ("" if pair == head_dim // 2 - 1 else f" (the slowest, pair "
                        f"{head_dim // 2 - 1}: {float(old[-1] / new[-1]):.4f} times)"))
     return CORRECT
+
+
+_DECORATING.__exit__(None, None, None)   # the window opened at the top (rerope.runtime)

@@ -21,7 +21,15 @@ own layer). The ops here pay that once per *call signature* instead:
   launcher as device addresses.
 
 Under the CPU interpreter there is no compiled kernel: :class:`Launcher` calls ``kernel[grid]``
-every time (the plans still save the checks).
+every time (the plans still save the checks), holding ``rerope.runtime.INTERPRETER_LOCK``: the
+interpreter is not thread-safe, and every launch of the package's ops passes through here (the
+one other launch, ``decode.chunk_map``, takes the lock itself; the book's exercise checkers
+launch readers' kernels without it).
+
+Threads: a :class:`PlanCache` is a ``dict`` whose single operations are atomic; two threads that
+miss at once both build the same plan and one wins, and a :class:`Launcher` bound twice binds the
+same compiled kernel; a plan is only filled in (its kept launches) on its first calls, where a
+race keeps the same launches twice. Threads may share the plans and the ops.
 
 What every op asks of the GPU before it launches lives here too, so that the ops import it from
 one place below them: the compute capability (:func:`_capability`), whether a tensor's layout
@@ -35,7 +43,7 @@ import inspect
 import torch
 import triton
 
-from .runtime import INTERPRET
+from .runtime import INTERPRET, INTERPRETER_LOCK
 
 
 def signature(*tensors):
@@ -95,9 +103,10 @@ class Launcher:
 
     def _slow_launch(self, args):
         """``kernel[grid](...)``; the first time on a GPU, also bind the compiled kernel."""
-        if INTERPRET:
+        if INTERPRET:              # the interpreter is not thread-safe: one launch at a time
             grid = self.grid(self.constexprs) if callable(self.grid) else self.grid
-            self.kernel[grid](*args, **self.constexprs)
+            with INTERPRETER_LOCK:
+                self.kernel[grid](*args, **self.constexprs)
             return
         compiled = self.kernel[self.grid](*args, **self.constexprs)
         if not self._tried and not torch.cuda.is_current_stream_capturing():
