@@ -6,7 +6,7 @@ would paste it, from anywhere (``import rerope`` must pick the CPU interpreter b
 machine with no GPU). Checked after each run:
 
 * every ``max |difference| ...: X`` line it prints has ``X`` below the bound the README states
-  ("Each printed max |difference| is below 1e-4"), and every block prints at least one;
+  ("each max |difference| is below 1e-4"), and every block prints at least one;
 * the first block's ``# ≈ ...`` comments are claims (``out_rot = ...  # ≈ out``), checked with
   ``torch.testing.assert_close`` after it ran;
 * the transformers block generated the new tokens it asked for.
@@ -100,3 +100,9 @@ def test_hf_example_runs(tmp_path):
                  "\nprint('generated', tokens.shape)\n", tmp_path)
     assert "generated" in stdout and "new tokens: [" in stdout
     check_differences(stdout)
+
+
+def test_readme_is_a_front_door():
+    """The README stays short (the measurements live in the book's appendix)."""
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert len(text) <= 8000, f"README.md has {len(text)} characters; keep it at 8,000 or fewer"
