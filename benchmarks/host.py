@@ -47,8 +47,8 @@ def _plan_launchers(launchers):
 
 def _all_bound():
     """Whether every launcher the op plans and the old per-argument cache keep is bound."""
-    launchers = list(attention._LAUNCHERS._plans.values())
-    for plan in attention._OP_PLANS._plans.values():
+    launchers = list(attention._LAUNCHERS.values())
+    for plan in attention._OP_PLANS.values():
         launchers += _plan_launchers(getattr(plan, "launchers", {}))
     return bool(launchers) and all(l.bound for l in launchers)
 PROFILE = os.environ.get("HOST_PROFILE")      # a path prefix: write cProfile tables there
@@ -91,7 +91,7 @@ def rows_for(n, calls):
                          op_equal=all(torch.equal(a, b) for a, b in zip(first_op, again_op)),
                          fwd_bound=_all_bound(),
                          decode_bound=all(p.split.bound
-                                          for p in decode._PLANS._plans.values()))
+                                          for p in decode._PLANS.values()))
     with torch.no_grad():
         timings["rerope_fwd"] = host_time(ours, calls)
         timings["sdpa_fwd"] = host_time(sdpa, calls)

@@ -2,9 +2,13 @@
 
 Hypothesis draws a case: tiny shapes, grouped-query ratios, ``Nq <= Nk`` (``rerope.rerope``),
 windows (1, ``w >= Nk``, ``Nk - 1``, around the interpreter's 16-wide tiles), causal or not,
-``sm_scale``, Leaky ReRoPE, log-n scaling, ``rotated`` inputs, dtypes, and a memory layout per
-tensor (contiguous, transposed, sliced out of a NaN buffer, stride-0 broadcast, last dim not
-unit-stride). Each case runs the op forward and backward under NaN-poisoned ``torch.empty``
+``sm_scale``, Leaky ReRoPE, log-n scaling, ``rotated`` inputs, dtypes, RoPE frequencies given
+as a tensor (``inv_freq``), and a memory layout per tensor (contiguous, transposed, sliced out
+of a NaN buffer, stride-0 broadcast, last dim not unit-stride). A ``changed`` case first calls
+``rerope.rerope`` on the same tensor objects, then changes ``q, k, v`` and ``inv_freq`` in
+place through ``.data`` (which bumps no version counter): no cache may answer for the old
+values. Explicit examples add the probes of project issue "Reliability III" (``inv_freq``
+tripled through ``.data``; ``sm_scale=1e38``, which must raise). Each case runs the op forward and backward under NaN-poisoned ``torch.empty``
 and compares ``out, dq, dk, dv`` with
 :func:`rerope.reference.rerope_from_relative_positions` (float64, each score straight from its
 relative position, never the five tensors) on the same rounded inputs, with the tolerance table
@@ -31,12 +35,13 @@ import os
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, note, settings
+from hypothesis import HealthCheck, example, given, note, settings
 from hypothesis import strategies as st
 
 import rerope
 from rerope import reference
-from rerope.rope import rerope_inputs
+from rerope._validate import SM_SCALE_MAX
+from rerope.rope import rerope_inputs, rope_frequencies
 from rerope_testing import kernel_device, poisoned_empty, results_problems, tolerance
 
 settings.register_profile(
@@ -82,6 +87,9 @@ def cases(draw, op):
         rotated=draw(st.booleans()),
         layouts=[draw(st.sampled_from(LAYOUTS)) for _ in range(4)],    # q, k, v, dout
         seed=draw(st.integers(0, 2 ** 32 - 1)),
+        # drawn last, so the earlier draws (and the ci profile's examples) stay as they were
+        inv_freq=draw(st.sampled_from([None, None, "scaled"])),
+        changed=draw(st.booleans()),
     )
 
 
@@ -172,10 +180,23 @@ def run_case(case):
             if not g.is_leaf:
                 g.retain_grad()
     dout = lay_out(values[3], case["layouts"][3], seq_ok[3])[1].detach()
-    rope_args = dict(base=case["base"], leaky=case["leaky"], logn_len=case["logn_len"],
-                     rotated=case["rotated"])
+    inv_freq = None
+    if case.get("inv_freq"):       # a model's scaled RoPE: each frequency times 0.25 … 1
+        scales = torch.rand(d // 2, generator=gen, dtype=torch.float64) * 0.75 + 0.25
+        inv_freq = (rope_frequencies(d) * scales).to(torch.float32).to(device)
+    rope_args = dict(base=case["base"] if inv_freq is None else 10000.0,   # not both
+                     leaky=case["leaky"], logn_len=case["logn_len"], rotated=case["rotated"],
+                     inv_freq=inv_freq)
     attention_args = dict(causal=case["causal"], sm_scale=case["sm_scale"])
     window = case["window"]
+    if case.get("changed"):        # the same objects held other values in an earlier call
+        with torch.no_grad():
+            rerope.rerope(*given_qkv, window, **attention_args, **rope_args)
+            for leaf in leaves:
+                leaf.data.mul_(-0.5)           # exact in every dtype
+            if inv_freq is not None:   # doubled: halved ones, with keys repeated along the
+                # sequence (stride 0), rotate the keys so alike that fp16's dq is all cancellation
+                inv_freq.data.mul_(case.get("freq_change", 2.0))
 
     with poisoned_empty():
         if case["op"] == "rerope":
@@ -192,6 +213,8 @@ def run_case(case):
     judged = given_qkv if allow_seq else leaves
     got = {"out": out.detach(), **{n: t.grad for n, t in zip(("dq", "dk", "dv"), judged)}}
 
+    if inv_freq is not None:
+        rope_args["inv_freq"] = inv_freq.to("cpu", torch.float64)
     ref_leaves = [t.detach().to("cpu", torch.float64).requires_grad_() for t in leaves]
     ref_given = [leaf.expand(shape) for leaf, shape in zip(ref_leaves, shapes)]
     for g in ref_given:
@@ -206,11 +229,28 @@ def run_case(case):
 
 def check(case):
     note(f"case: {case}")
+    if case["sm_scale"] is not None and case["sm_scale"] > SM_SCALE_MAX:
+        with pytest.raises(ValueError, match="sm_scale must be between"):
+            run_case(case)             # scaled fp32 scores could overflow: refused
+        return
     got, want = run_case(case)
     problems = results_problems(got, want, tolerance(case["dtype"]))
     assert not problems, f"case {case}\n" + "\n".join(problems)
 
 
+def probe(op, **changes):
+    """An explicit example: a small fp32 case of ``op`` with ``changes``."""
+    case = dict(op=op, batch=1, hq=2, hkv=1, n_queries=9, n_keys=9, d=16, dtype=torch.float32,
+                window=4, causal=True, sm_scale=None, base=10000.0, leaky=None, logn_len=None,
+                rotated=False, layouts=["contiguous"] * 4, seed=7, inv_freq=None, changed=False)
+    return example(case={**case, **changes})
+
+
+# The probes of "Reliability III": inv_freq tripled through .data after a call (answered from a
+# stale cache before, off by 1.7), and sm_scale = 1e38 (NaN rows before; now refused).
+@probe("rerope", inv_freq="scaled", changed=True, freq_change=3.0, leaky=4.0)
+@probe("rerope", inv_freq="scaled", changed=True, freq_change=3.0, rotated=True, n_queries=3)
+@probe("rerope", sm_scale=1e38)
 @settings(PROFILE)
 @given(case=cases("rerope"))
 def test_fuzz_rerope(case):
@@ -218,6 +258,8 @@ def test_fuzz_rerope(case):
     check(case)
 
 
+@probe("rerope_attention", inv_freq="scaled", changed=True, freq_change=3.0)
+@probe("rerope_attention", sm_scale=1e38)
 @settings(PROFILE)
 @given(case=cases("rerope_attention"))
 def test_fuzz_rerope_attention(case):

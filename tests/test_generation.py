@@ -23,7 +23,7 @@ import torch
 
 import rerope
 from rerope import attention, decode
-from rerope.launch import PlanCache
+from rerope.caches import LRUCache
 from rerope.reference import rerope_from_relative_positions
 
 from conftest import kernel_device, randn, results_problems, tolerance
@@ -67,7 +67,7 @@ def test_plan_cache_dtype_and_grad_mode(gen):
     q, k, v = _qkv(gen, n=8, n_queries=2)
     with torch.no_grad():
         rerope.rerope(q, k, v, 3)
-    plans = list(attention._OP_PLANS._plans.values())
+    plans = list(attention._OP_PLANS.values())
     assert plans[0].decode
     q.requires_grad_()
     out = rerope.rerope(q, k, v, 3)
@@ -90,7 +90,7 @@ def test_repeated_call_runs_the_kept_call(preturn, rotated, gen, monkeypatch):
         q, k, v = (t.clone().requires_grad_() for t in data)
         out = rerope.rerope(q, k, v, 7, rotated=rotated)
         results.append((out, *torch.autograd.grad(out, (q, k, v), torch.ones_like(out) / 3)))
-    (plan,) = attention._OP_PLANS._plans.values()
+    (plan,) = attention._OP_PLANS.values()
     calls = [key[0] for key in plan.launchers if isinstance(key[0], str)]
     backward = [key[0] for sub in plan.launchers.values() if isinstance(sub, dict) for key in sub
                 if isinstance(key[0], str)]
@@ -101,11 +101,12 @@ def test_repeated_call_runs_the_kept_call(preturn, rotated, gen, monkeypatch):
 
 
 def test_plan_cache_is_bounded():
-    cache = PlanCache(limit=3)
+    cache = LRUCache(size=3)
     for i in range(10):
         cache.put(i, object())
         assert len(cache) <= 3
-    assert cache.get(9) is not None and cache.get(0) is None
+        cache.get(0)                  # the most recently used entry stays
+    assert cache.get(9) is not None and cache.get(0) is not None and cache.get(1) is None
 
 
 def test_decode_plan_key_has_strides(gen):
@@ -351,12 +352,12 @@ def test_gpu_launchers_are_bound(gen):
     first = rerope.rerope(q, k, v, 37)
     second = rerope.rerope(q, k, v, 37)
     assert torch.equal(first, second)
-    assert all(launcher.bound for launcher in attention._LAUNCHERS._plans.values())
+    assert all(launcher.bound for launcher in attention._LAUNCHERS.values())
     with torch.no_grad():
         a = rerope.rerope_decode(q[:, :, -1:], k, v, 37)
         b = rerope.rerope_decode(q[:, :, -1:], k, v, 37)
     assert torch.equal(a, b)
-    plan = next(iter(decode._PLANS._plans.values()))
+    plan = next(iter(decode._PLANS.values()))
     assert plan.split.bound
 
 

@@ -39,7 +39,7 @@ def _fused_qkv(gen, b=1, h=2, n=20, d=16, dtype=F32):
 
 
 def _op_plans():
-    return [plan for plan in attention._OP_PLANS._plans.values()
+    return [plan for plan in attention._OP_PLANS.values()
             if isinstance(plan, attention._OpPlan)]
 
 
@@ -170,7 +170,7 @@ def test_no_grad_call_skips_autograd(rotated, gen):
     tracked = rerope.rerope(q_, k_, v_, 6, rotated=rotated)
     assert tracked.grad_fn is not None, "a call that needs a gradient lost its autograd node"
     assert torch.equal(plain, tracked.detach())
-    plans = list(attention._OP_PLANS._plans.values())
+    plans = list(attention._OP_PLANS.values())
     assert sorted(p.grad for p in plans) == [False, True]
     want = rerope_from_relative_positions(*(t.double().cpu() for t in (q, k, v)), 6,
                                           rotated=rotated)
@@ -225,9 +225,9 @@ def test_gpu_plan_launchers_are_bound(preturn, gen, monkeypatch):
                                                      10000.0, 8.0, None, False))
     for a, b in zip(*runs):
         assert torch.equal(a, b)
-    launchers = [l for plan in attention._OP_PLANS._plans.values()
+    launchers = [l for plan in attention._OP_PLANS.values()
                  for l in _launchers(plan.launchers)]
     assert len(launchers) >= 8 and all(l.bound for l in launchers)
-    turns = [key for plan in attention._OP_PLANS._plans.values()
+    turns = [key for plan in attention._OP_PLANS.values()
              for key, _ in _keyed_launchers(plan.launchers) if key[0][0] == "turn operands"]
     assert bool(turns) == preturn, turns

@@ -10,8 +10,8 @@ CPU interpreter at small sizes:
 * the two references agree with each other, ``apply_rope`` is the complex rotation by the
   given frequencies, and the default frequencies passed as a vector give the ``base`` result;
 * a tensor, a list and :class:`rerope.rope.Frequencies` give the same result; a tensor is read
-  once and re-read when modified in place; other frequencies on the same shapes are not served
-  from a stale cache;
+  on every call, so a change in place shows; other frequencies on the same shapes are not
+  served from a stale cache;
 * bad ``inv_freq`` raises a ``TypeError`` / ``ValueError`` naming it, in every op.
 """
 
@@ -141,9 +141,9 @@ def test_tensor_list_and_frequencies_agree_and_caches_follow_the_values(gen):
     forms = [freqs, freqs.tolist(), tuple(freqs.tolist()), rope.Frequencies.of(freqs)]
     outs = [rerope.rerope(q, k, v, window, rotated=True, inv_freq=f) for f in forms]
     assert all(torch.equal(outs[0], o) for o in outs[1:])
-    # a tensor is read once, and again after an in-place change
+    # a tensor is read on every call: an in-place change shows in the next one
     first = as_frequencies(freqs)
-    assert as_frequencies(freqs) is first
+    assert as_frequencies(freqs) == first
     freqs.mul_(0.5)
     halved = as_frequencies(freqs)
     assert halved is not first and halved == tuple(x * 0.5 for x in first)

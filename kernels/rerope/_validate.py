@@ -8,7 +8,6 @@ import math
 import numbers
 import sys
 import warnings
-import weakref
 
 import torch
 
@@ -18,9 +17,15 @@ HEAD_DIMS = (16, 32, 64, 128, 256)
 
 # The kernels get the softmax scale as the fp32 number ``sm_scale·log2(e)`` (they use exp2) and
 # ``sm_scale`` itself (backward). Both must be normal fp32 numbers: a subnormal one is flushed to
-# zero on GPUs, and zero (or inf) turns every score into NaN. Hence the range below.
+# zero on GPUs, and zero (or inf) turns every score into NaN. And the scaled fp32 scores must stay
+# finite (an inf score makes its row NaN): a score is a dot product of D <= 256 entries, which
+# for entries within SCORE_INPUT_ABS (fp16's largest finite value, far above what normalised
+# activations reach) is at most 256 · 65504², so sm_scale·log2(e) · 256 · 65504² must stay below
+# fp32's largest, with a factor 2 to spare for rounding. Hence the range below.
+SCORE_INPUT_ABS = float(torch.finfo(torch.float16).max)
 SM_SCALE_MIN = torch.finfo(torch.float32).tiny                       # 2**-126 ≈ 1.18e-38
-SM_SCALE_MAX = torch.finfo(torch.float32).max / math.log2(math.e)    # ≈ 2.36e38
+SM_SCALE_MAX = torch.finfo(torch.float32).max / (
+    2 * math.log2(math.e) * max(HEAD_DIMS) * SCORE_INPUT_ABS ** 2)   # ≈ 1.07e26
 _FLOAT_MAX = sys.float_info.max
 
 
@@ -38,8 +43,9 @@ def check_flag(name, value):
 
 def check_sm_scale(sm_scale, kernel=True):
     """``sm_scale``: ``None`` or a finite positive number; for the kernels (``kernel=True``) also
-    within ``[SM_SCALE_MIN, SM_SCALE_MAX]``, where ``sm_scale·log2(e)`` is a normal fp32 number.
-    The float64 references (``kernel=False``) take any finite positive value."""
+    within ``[SM_SCALE_MIN, SM_SCALE_MAX]``, where ``sm_scale·log2(e)`` is a normal fp32 number
+    and no score of entries within ``SCORE_INPUT_ABS`` overflows fp32 once scaled. The float64
+    references (``kernel=False``) take any finite positive value."""
     if sm_scale is None:
         return
     if isinstance(sm_scale, bool) or not isinstance(sm_scale, numbers.Real):
@@ -50,8 +56,9 @@ def check_sm_scale(sm_scale, kernel=True):
         raise ValueError(
             f"sm_scale must be between {SM_SCALE_MIN:.4g} and {SM_SCALE_MAX:.4g} for the kernels, "
             f"got {sm_scale:g}: they compute with sm_scale·log2(e) in fp32, which must be a "
-            "normal fp32 number (a smaller one flushes to zero, a larger one is inf; either "
-            "makes every score NaN)")
+            "normal fp32 number (a smaller one flushes to zero and makes every score NaN), and "
+            f"the fp32 scores scaled by it must stay finite for head dims up to {max(HEAD_DIMS)} "
+            f"and entries up to {SCORE_INPUT_ABS:g} in magnitude (an inf score makes its row NaN)")
 
 
 def _check_rank4(name, t):
@@ -211,41 +218,25 @@ class Frequencies(tuple):
         return f"Frequencies({list(self)!r})"
 
 
-_TENSOR_FREQUENCIES = {}      # id(tensor) -> (weak reference, version, Frequencies)
-
-
 def as_frequencies(inv_freq, name="inv_freq"):
     """``inv_freq`` as :class:`Frequencies` (``None`` stays ``None``): a 1-D floating-point tensor
     or a sequence of positive finite real numbers, at least one.
 
-    A tensor is read once (``tolist``, a host sync for a GPU tensor) and its result kept while
-    the same tensor object is passed again unmodified (same in-place version counter), so a
-    loop passing ``model.model.rotary_emb.inv_freq`` every step syncs once.
+    A tensor is read on every call (``tolist``: for a GPU tensor a host sync), never remembered
+    by identity: a change in place, even through ``.data`` (which no version counter sees),
+    shows in the next call. A loop over a GPU tensor builds :class:`Frequencies` once instead
+    and passes that (``Frequencies.of(model.model.rotary_emb.inv_freq)``).
     """
     if inv_freq is None or type(inv_freq) is Frequencies:
         return inv_freq
     if isinstance(inv_freq, torch.Tensor):
-        try:
-            version = inv_freq._version
-        except (RuntimeError, AttributeError):     # inference-mode tensors have no version
-            version = None
-        entry = _TENSOR_FREQUENCIES.get(id(inv_freq))
-        if (entry is not None and version is not None and entry[0]() is inv_freq
-                and entry[1] == version):
-            return entry[2]
         if not inv_freq.is_floating_point():
             raise TypeError(f"{name} must be a floating-point tensor (RoPE's angular "
                             f"frequencies), got dtype {inv_freq.dtype}")
         if inv_freq.dim() != 1:
             raise ValueError(f"{name} must be 1-D (the D/2 frequencies of one head), got shape "
                              f"{tuple(inv_freq.shape)}")
-        values = inv_freq.detach().to("cpu", torch.float64).tolist()
-        freqs = _checked_frequencies(values, name)
-        if version is not None:
-            if len(_TENSOR_FREQUENCIES) >= 64:
-                _TENSOR_FREQUENCIES.clear()
-            _TENSOR_FREQUENCIES[id(inv_freq)] = (weakref.ref(inv_freq), version, freqs)
-        return freqs
+        return _checked_frequencies(inv_freq.detach().to("cpu", torch.float64).tolist(), name)
     if isinstance(inv_freq, (str, bytes)) or not hasattr(inv_freq, "__len__"):
         raise TypeError(f"{name} must be a 1-D tensor or a sequence of floats (RoPE's D/2 "
                         f"angular frequencies), got {type(inv_freq).__name__}")

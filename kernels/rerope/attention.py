@@ -33,8 +33,9 @@ from .backward import _bwd_delta_kernel, _bwd_dkdv_kernel, _bwd_dq_kernel
 from .decode import rerope_decode
 from .forward import _rerope_fwd_kernel
 from .online_softmax import LOG2E
-from .launch import (Launcher, PlanCache, _capability, _ensure_scratch_allocator,
-                     _tma_layout_ok, kept_launcher, signature)
+from .caches import CACHE_SIZE, LRUCache
+from .launch import (Launcher, _capability, _ensure_scratch_allocator, _tma_layout_ok,
+                     kept_launcher, signature)
 from .rotary import kept_turn, logn_factor, rotation_tables, turn_operands
 from .runtime import INTERPRET, dot_precision, prepare_for_device
 
@@ -42,7 +43,7 @@ _KERNELS = {"fwd": _rerope_fwd_kernel, "dkdv": _bwd_dkdv_kernel, "dq": _bwd_dq_k
 DECODE_MAX_QUERIES = 16      # rerope.rerope sends shorter causal inference calls to decoding
 
 
-@functools.lru_cache(maxsize=None)
+@functools.lru_cache(maxsize=CACHE_SIZE)
 def _autotuned(kernel, head_dim, capability, elem_bytes, split):
     """The kernel wrapped in ``triton.autotune`` over the configs that fit this GPU (for the
     five-tensor or the fused form: ``split``).
@@ -109,7 +110,7 @@ def _launch(kernel, blocks_of, rows, programs, args, launchers=None, **constexpr
     return launcher
 
 
-_LAUNCHERS = PlanCache(limit=256)
+_LAUNCHERS = LRUCache()
 
 
 def _bound(where, args, constexprs, make, launchers=None):
@@ -185,7 +186,7 @@ def _five_tensors(placeholder):
     return Operands(split=False, tables=(placeholder,) * 4, flags=_NO_ROTATION)
 
 
-_OPERANDS = {}
+_OPERANDS = LRUCache()
 
 
 def _rotations(n_k, head_dim, base, window, leaky, logn_len, rotated, device, inv_freq=None,
@@ -197,8 +198,6 @@ def _rotations(n_k, head_dim, base, window, leaky, logn_len, rotated, device, in
     key = (n_k, head_dim, base, window, leaky, logn_len, rotated, device, inv_freq, group)
     operands = _OPERANDS.get(key)
     if operands is None:
-        if len(_OPERANDS) > 256:          # many lengths seen: keep the cache small
-            _OPERANDS.clear()
         rotation = rotation_tables(n_k, head_dim, window, leaky, rotated, device, base, inv_freq,
                                    group)
         operands = _OPERANDS[key] = Operands(split=True, tables=rotation.tables,
@@ -262,7 +261,7 @@ def _preturned_shapes(q, k, operands, outside=True):
     return writes, extra
 
 
-@functools.lru_cache(maxsize=None)
+@functools.lru_cache(maxsize=CACHE_SIZE)
 def _device_memory(device):
     return torch.cuda.get_device_properties(device).total_memory
 
@@ -753,7 +752,7 @@ _apply_five, _apply_fused = _direct_apply(_FiveTensorAttention), _direct_apply(_
 
 # --- the public ops: checked and planned once per call signature ----------------------------------
 
-_OP_PLANS = PlanCache(limit=128)
+_OP_PLANS = LRUCache()
 
 
 def _settings_key(settings):
@@ -838,7 +837,9 @@ def rerope_attention(q1, q2, k1, k2, v, window, causal=True, sm_scale=None):
         v: ``(B, Hkv, N, D)``, the values, ``q1``'s dtype and device.
         window: int ``>= 1``; ``window >= N`` gives plain RoPE attention (``q2, k2`` unread).
         causal: bool, mask keys after the query (``j > i``).
-        sm_scale: float, the score scale; ``1/sqrt(D)`` when ``None``.
+        sm_scale: float, the score scale; ``1/sqrt(D)`` when ``None``. Between about
+            1.2e-38 and 1.1e26 (``ValueError`` otherwise: the scaled fp32 scores must
+            stay finite; :func:`rerope._validate.check_sm_scale`).
 
     Returns:
         ``(B, Hq, N, D)``, the attention output, in the inputs' dtype and on their device;
@@ -946,7 +947,9 @@ def rerope(q, k, v, window, causal=True, sm_scale=None, base=10000.0, leaky=None
             gives plain RoPE attention.
         causal: bool, mask keys after the query (``j > i``, aligned as above). Without it,
             future keys beyond the window get position ``+window``, like the far past.
-        sm_scale: float, the score scale; ``1/sqrt(D)`` when ``None``.
+        sm_scale: float, the score scale; ``1/sqrt(D)`` when ``None``. Between about
+            1.2e-38 and 1.1e26 (``ValueError`` otherwise: the scaled fp32 scores must
+            stay finite; :func:`rerope._validate.check_sm_scale`).
         base: float ``> 1``, the RoPE base (Llama ``rotate_half`` convention: halves, not
             interleaved pairs).
         leaky: ``None`` for ReRoPE, or the Leaky ReRoPE factor, a float ``> 1``.
@@ -958,8 +961,8 @@ def rerope(q, k, v, window, causal=True, sm_scale=None, base=10000.0, leaky=None
             frequencies as a 1-D floating-point tensor ``(D/2,)`` (any device) or a sequence of
             positive finite floats: a model's own (Llama 3's ``llama3``, ``linear`` or YaRN
             scaling change only these). ``base`` must then stay at its default (``ValueError``
-            otherwise). A tensor is read once and remembered while the same tensor is passed
-            unmodified; a :class:`rerope.rope.Frequencies` skips every conversion. An attention
+            otherwise). A tensor is read on every call (for a GPU tensor a host sync); a
+            :class:`rerope.rope.Frequencies` built once skips every conversion. An attention
             factor (YaRN's ``attention_scaling``) is not applied here: it is in rotated inputs
             already.
         group: ``None``, or Self-Extend's group size ``G``, an int ``>= 1`` that divides
@@ -984,7 +987,7 @@ def rerope(q, k, v, window, causal=True, sm_scale=None, base=10000.0, leaky=None
     :func:`rerope.rerope_decode`, which spreads the keys over the whole GPU; the prefill kernels
     would give each query head a single program.
     """
-    inv_freq = as_frequencies(inv_freq)   # checked and cached: cheap per call
+    inv_freq = as_frequencies(inv_freq)   # read per call (never by identity): D/2 floats
     tensors = (q, k, v)
     settings = (window, causal, sm_scale, base, leaky, logn_len, rotated, inv_freq, group)
     compiling = torch.compiler.is_compiling()

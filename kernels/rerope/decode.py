@@ -59,7 +59,8 @@ import triton.language as tl
 from . import configs
 from ._validate import (Frequencies, as_frequencies, check_alike, check_head_dim, check_logn_overflow, check_qkv,
                         check_rope_args, check_sm_scale)
-from .launch import (Launcher, PlanCache, _capability, _ensure_scratch_allocator, _tma_layout_ok,
+from .caches import CACHE_SIZE, LRUCache
+from .launch import (Launcher, _capability, _ensure_scratch_allocator, _tma_layout_ok,
                      signature)
 from .online_softmax import LOG2E, _softmax_step
 from .regions import INSIDE, OUTSIDE, _nth_tile, _tile_count
@@ -628,7 +629,7 @@ def _decode_merge_kernel(Part, PartLse, Out, n_rows, num_splits, HEAD_DIM: tl.co
 # --- the launcher ---------------------------------------------------------------------------------
 
 
-@functools.lru_cache(maxsize=None)
+@functools.lru_cache(maxsize=CACHE_SIZE)
 def _sm_count(device_index):
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
@@ -959,7 +960,9 @@ def rerope_decode(q, k_cache, v_cache, window, cache_seqlens=None, sm_scale=None
             ``Nmax``. Slots at and beyond it are never read. Values out of range raise
             ``ValueError`` for CPU tensors; on a GPU they are not checked (that would need a
             host sync) and the rows concerned come back as NaN.
-        sm_scale: float, the score scale; ``1 / sqrt(D)`` when ``None``.
+        sm_scale: float, the score scale; ``1 / sqrt(D)`` when ``None``. Between about
+            1.2e-38 and 1.1e26 (``ValueError`` otherwise: the scaled fp32 scores must
+            stay finite; :func:`rerope._validate.check_sm_scale`).
         base: float ``> 1``, the RoPE base (10000.0 for Llama 2).
         leaky: ``None`` for ReRoPE, or Leaky ReRoPE's factor ``κ > 1``.
         logn_len: ``None``, or a training length ``> 1``: queries are scaled by
@@ -973,9 +976,9 @@ def rerope_decode(q, k_cache, v_cache, window, cache_seqlens=None, sm_scale=None
             frequencies, a 1-D floating-point tensor ``(D / 2,)`` (any device) or a sequence of
             positive finite floats (a model's own, e.g. ``model.model.rotary_emb.inv_freq`` for
             ``llama3``, ``linear`` or YaRN RoPE); ``base`` must then stay at its default. As in
-            :func:`rerope.rerope`: a tensor not seen before is read on the host (a sync, so do
-            it in the call before capturing a CUDA graph), a :class:`rerope.rope.Frequencies`
-            never is.
+            :func:`rerope.rerope`: a tensor is read on the host on every call (for a GPU
+            tensor a sync, which a CUDA graph capture refuses), a
+            :class:`rerope.rope.Frequencies` never is.
         block_table: ``None`` (the contiguous layout above), or a paged cache as
             FlashAttention's ``flash_attn_with_kvcache`` keeps it: an int32 tensor
             ``(B, max_blocks_per_seq)`` on ``q``'s device, and then ``k_cache`` and ``v_cache``
@@ -1120,7 +1123,7 @@ class _Plan:
     launches: list = field(default_factory=list)
 
 
-_PLANS = PlanCache(limit=64)   # a growing cache makes a new signature every step: stay small
+_PLANS = LRUCache()   # a growing KV cache makes a new signature every step: old ones age out
 
 
 def _plan(q, k_cache, v_cache, window, cache_seqlens, sm_scale, base, leaky, logn_len, rotated,

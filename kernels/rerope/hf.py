@@ -444,6 +444,7 @@ def rerope_mask(batch_size, q_length=None, kv_length=None, q_offset=0, kv_offset
     """
     from transformers.masking_utils import causal_mask_function
 
+    _this_forward.update(key=None, tensor=None, offsets=None)    # a new forward: read again
     if mask_function is not None and mask_function is not causal_mask_function:
         raise ValueError(
             f"the model asked for a mask other than plain causal "
@@ -675,7 +676,9 @@ def _attend(q, k, v, settings, scaling, logn_len):
 
 # --- positions ----------------------------------------------------------------------------------
 
-_checked = {"position_ids": None, "rows": None, "shape": None, "offsets": None}
+# The offsets of the current forward's position_ids on a GPU (reading them is a host sync):
+# kept for the layers after the first, forgotten when the next forward starts (rerope_mask).
+_this_forward = {"key": None, "tensor": None, "offsets": None}
 
 
 def _position_offsets(position_ids, rows, batch, n_q, n_k):
@@ -683,15 +686,23 @@ def _position_offsets(position_ids, rows, batch, n_q, n_k):
     ints; ``None`` for a row without real queries, or all rows when ``position_ids`` is
     ``None``). ``ValueError`` if a row's positions do not step by one along its slots.
 
-    One host sync per forward: every layer gets the same ``position_ids`` object, and the
-    result is kept for it.
+    Computed from the values on every call, except on a GPU: there every layer of one forward
+    gets the same ``position_ids``, and the first layer's result (one host sync) serves the
+    others until :func:`rerope_mask` starts the next forward (a tensor changed in place
+    between two forwards, even through ``.data``, is read again).
     """
     if position_ids is None:
         return [None] * batch
-    last = _checked["position_ids"]
-    if (last is not None and last() is position_ids and _checked["rows"] is rows
-            and _checked["shape"] == (batch, n_q, n_k)):
-        return _checked["offsets"]
+    key = None
+    if _reading_syncs(position_ids):
+        try:
+            version = position_ids._version
+        except RuntimeError:                        # an inference-mode tensor has none
+            version = None
+        key = (id(position_ids), version, rows, (batch, n_q, n_k))
+        held = _this_forward
+        if held["key"] == key and held["tensor"]() is position_ids:
+            return held["offsets"]
     if (position_ids.dim() != 2 or position_ids.shape[-1] != n_q
             or position_ids.shape[0] not in (1, batch)):
         raise ValueError(f"position_ids must have shape ({batch} or 1, {n_q}), got "
@@ -721,9 +732,14 @@ def _position_offsets(position_ids, rows, batch, n_q, n_k):
                 "position_ids are not supported)")
         else:
             offsets.append(low[b])
-    _checked.update(position_ids=weakref.ref(position_ids), rows=rows, shape=(batch, n_q, n_k),
-                    offsets=offsets)
+    if key is not None:
+        _this_forward.update(key=key, tensor=weakref.ref(position_ids), offsets=offsets)
     return offsets
+
+
+def _reading_syncs(t):
+    """Whether reading ``t``'s values on the host waits for the device (any but a CPU tensor)."""
+    return t.device.type != "cpu"
 
 
 def _check_group_positions(settings, offsets, kernel_offset):

@@ -7,10 +7,10 @@ own layer). The ops here pay that once per *call signature* instead:
 
 * **A plan per call signature.** :func:`signature` describes a call by what decides every
   derived quantity: each tensor's shape, strides, dtype, device and 16-byte pointer alignment
-  (what Triton specialises a compiled kernel on), plus the op's settings. :class:`PlanCache`
-  maps it to the op's plan (kernels, grids, constexprs, tables, scratch shapes: everything that
-  does not depend on the data), built — and checked — on the first call. A later call with the
-  same signature is one dictionary lookup.
+  (what Triton specialises a compiled kernel on), plus the op's settings. A bounded
+  :class:`rerope.caches.LRUCache` maps it to the op's plan (kernels, grids, constexprs, tables,
+  scratch shapes: everything that does not depend on the data), built — and checked — on the
+  first call. A later call with the same signature is one dictionary lookup.
 * **A bound launch.** :class:`Launcher` launches through ``kernel[grid]`` the first time and
   keeps the compiled kernel it returns (for an autotuned kernel, the winner's); later calls hand
   the arguments straight to that kernel's launcher (``CompiledKernel.run``), a few µs. This is
@@ -35,6 +35,7 @@ import inspect
 import torch
 import triton
 
+from .caches import CACHE_SIZE
 from .runtime import INTERPRET
 
 
@@ -44,30 +45,6 @@ def signature(*tensors):
     return tuple([None if t is None else
                   (t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16 == 0)
                   for t in tensors])
-
-
-class PlanCache:
-    """A bounded ``dict`` of plans. When full it is emptied (a growing KV cache makes a new
-    signature per step; the next step rebuilds what it needs), so memory stays bounded."""
-
-    def __init__(self, limit=64):
-        self.limit = limit
-        self._plans = {}
-
-    def get(self, key):
-        return self._plans.get(key)
-
-    def put(self, key, plan):
-        if len(self._plans) >= self.limit:
-            self._plans.clear()
-        self._plans[key] = plan
-        return plan
-
-    def clear(self):
-        self._plans.clear()
-
-    def __len__(self):
-        return len(self._plans)
 
 
 class Launcher:
@@ -182,7 +159,7 @@ def kept_launcher(launchers, where, constexprs, make):
 # --- what a launch asks of the GPU --------------------------------------------------------------
 
 
-@functools.lru_cache(maxsize=None)
+@functools.lru_cache(maxsize=CACHE_SIZE)
 def _capability(device):
     return torch.cuda.get_device_capability(device)
 

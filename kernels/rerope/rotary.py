@@ -50,11 +50,12 @@ import torch
 import triton
 import triton.language as tl
 
+from .caches import LRUCache
 from .launch import Launcher, kept_launcher
 from .rope import frequencies
 
-_TABLES = {}
-_OFFSETS = {}
+_TABLES = LRUCache()     # (head_dim, base or Frequencies, speed, group, device) -> table
+_OFFSETS = LRUCache()    # (head_dim, base or Frequencies, offset, device) -> vector
 
 
 def _frequency_key(base, inv_freq):
