@@ -11,6 +11,7 @@ Read in the order the book teaches:
 7. :mod:`rerope.backward`        the three backward kernels (5, 7)
 8. :mod:`rerope.configs`         launch configurations, pruned by shared memory (6)
    :mod:`rerope.launch`          plans per call signature, launches bound to compiled kernels (9)
+   :mod:`rerope.caches`          the one bound (``CACHE_SIZE``) and LRU cache of every cache
 9. :mod:`rerope.attention`       launchers, autograd, the public ops (each planned once per call
                                  signature)
 10. :mod:`rerope.decode`         split-KV decoding against a KV cache (8)
