@@ -847,14 +847,7 @@ def rerope_attention(q1, q2, k1, k2, v, window, causal=True, sm_scale=None):
     CUDA tensors, or CPU tensors under Triton's CPU interpreter (:mod:`rerope.runtime`).
     Arguments out of range raise ``TypeError`` or ``ValueError`` naming the argument.
 
-    Threads: the op may be called from several threads at once (its plans are shared safely,
-    :mod:`rerope.launch`); under the CPU interpreter, which is not thread-safe, the package's
-    launches run one at a time (``rerope.runtime.INTERPRETER_LOCK``); on a GPU nothing is
-    serialised (calls on one stream run in its order). Non-finite inputs: an ``inf`` or ``NaN``
-    in a row of ``v`` spreads within a tile: every query row of a tile that reads that key's
-    tile comes out NaN, also rows that give the key no weight (masked by ``causal``), where the
-    exact answer is finite (the kernels multiply whole tiles of probabilities by whole tiles of
-    ``v``, and ``0 * inf`` is NaN).
+    Threads and non-finite inputs: as :func:`rerope.rerope` says.
     """
     tensors, settings = (q1, q2, k1, k2, v), (window, causal, sm_scale)
     compiling = torch.compiler.is_compiling()

@@ -1018,14 +1018,7 @@ def rerope_decode(q, k_cache, v_cache, window, cache_seqlens=None, sm_scale=None
     two per program), from torch's allocator unless the caller installed one
     (``triton.set_allocator``).
 
-    Threads: the op may be called from several threads at once (its plans are shared safely,
-    :mod:`rerope.launch`); under the CPU interpreter, which is not thread-safe, the package's
-    launches run one at a time (``rerope.runtime.INTERPRETER_LOCK``); on a GPU nothing is
-    serialised (calls on one stream run in its order). Non-finite inputs: an ``inf`` or ``NaN``
-    in a row of ``v`` spreads within a tile: every query row of a tile that reads that key's
-    tile comes out NaN, also rows that give the key no weight (masked by ``causal``), where the
-    exact answer is finite (the kernels multiply whole tiles of probabilities by whole tiles of
-    ``v``, and ``0 * inf`` is NaN).
+    Threads and non-finite inputs: as :func:`rerope.rerope` says.
     """
     if torch.compiler.is_compiling():          # an opaque op for the compiler (see _decode_op)
         inv_freq = as_frequencies(inv_freq)
