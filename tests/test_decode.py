@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import rerope
-from rerope import decode, reference, rope
+from rerope import configs, decode, reference, rope
 from rerope_testing import (close_problems, describe, kernel_device, poisoned_empty, randn,
                             tolerance)
 
@@ -474,9 +474,11 @@ def test_fused_merge_rule_and_bad_lengths(monkeypatch, gen):
     ``FUSED_MERGE`` forces either path; rows with an out-of-range length come out NaN through
     the fused merge too (the host check switched off), the others right."""
     rule, splits = decode.fused_merge, decode.default_num_splits
-    assert decode._fused_merge_setting("0") is False and not rule(4, 4, 128)    # the default
+    def setting(value):
+        return configs.Settings.from_environment({"REROPE_FUSED_MERGE": value}).fused_merge
+    assert setting("0") is False and not rule(4, 4, 128)    # the default
     with pytest.raises(ValueError, match="REROPE_FUSED_MERGE"):
-        decode._fused_merge_setting("sometimes")
+        setting("sometimes")
     monkeypatch.setattr(decode, "FUSED_MERGE", None)                          # the rule
     assert rule(splits(8, 8, 4, 1, 131072), 4, 128) and rule(splits(1, 8, 4, 1, 4096), 4, 128)
     assert not rule(splits(1, 8, 4, 1, 131072), 4, 128)             # 33 splits: two launches

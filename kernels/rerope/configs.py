@@ -115,11 +115,12 @@ class Settings:
     @classmethod
     def from_environment(cls, environ=os.environ):
         """Read and check the variables (``ValueError`` naming the first bad one)."""
-        def get(name):
-            return environ.get(name)
+        get = environ.get
         for name in environ:           # a misspelt name would otherwise be ignored silently
+            if not name.startswith("REROPE_") or name in VARIABLES:
+                continue
             near = difflib.get_close_matches(name, VARIABLES, 1, 0.85)
-            if name.startswith("REROPE_") and name not in VARIABLES and near:
+            if near:
                 warnings.warn(f"environment variable {name} is not read by rerope: did you "
                               f"mean {near[0]}? (it reads {', '.join(VARIABLES)})", stacklevel=2)
         tma = _switch("REROPE_TMA", get("REROPE_TMA"), "auto", ("auto",))

@@ -139,15 +139,6 @@ MERGE_TILE = 8192         # at most this many partial elements per step (registe
 MERGE_ROWS = 1
 FUSED_MERGE_ROWS = 4
 
-
-def _fused_merge_setting(value):
-    """``REROPE_FUSED_MERGE``: off (``0``, the default: two launches), ``rule`` (fused where the
-    measured rule of :func:`fused_merge` says) or on (``1``: fused wherever there is a merge);
-    booleans in any spelling :mod:`rerope.configs` accepts. Read once, in
-    ``configs.SETTINGS``."""
-    return configs.Settings.from_environment({"REROPE_FUSED_MERGE": value}).fused_merge
-
-
 # The merge in the split kernel (see :func:`fused_merge`): one launch per step instead of two.
 # Opt-in (False: two launches; None: the rule; True: always): its counters are per stream, so
 # CUDA graphs captured on one stream must not replay at once on several streams.
