@@ -65,11 +65,11 @@ def test_bad_value_fails_the_import(name, value):
 def test_good_spellings():
     for word in ("0", "false", "No", "OFF"):
         assert settings(REROPE_AUTOTUNE=word).autotune is False
-        assert settings(REROPE_TMA=word).tma == "0"
+        assert settings(REROPE_TMA=word).tma == "off"
         assert settings(REROPE_FUSED_MERGE=word).fused_merge is False
     for word in ("1", "True", "yes", "on"):
         assert settings(REROPE_AUTOTUNE=word).autotune is True
-        assert settings(REROPE_TMA=word).tma == "1"
+        assert settings(REROPE_TMA=word).tma == "on"
         assert settings(REROPE_FUSED_MERGE=word).fused_merge is True
     assert settings(REROPE_TMA="AUTO").tma == "auto" and settings(REROPE_TMA="").tma == "auto"
     assert settings(REROPE_FUSED_MERGE="Rule").fused_merge is None

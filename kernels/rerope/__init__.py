@@ -38,10 +38,12 @@ with runtime.kernels_decorated():   # the kernels' @triton.jit run here (interpr
     from . import reference, rope
     from .attention import rerope, rerope_attention
     from .decode import rerope_decode
+    from .configs import Config, current as config, using as using_config
 
 __version__ = "0.1.0"
 
-__all__ = ["rerope", "rerope_attention", "rerope_decode", "reference", "rope", "source"]
+__all__ = ["rerope", "rerope_attention", "rerope_decode", "Config", "config", "using_config",
+           "reference", "rope", "source"]
 
 
 def source(obj):

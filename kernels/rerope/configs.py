@@ -11,6 +11,9 @@ The package's environment variables are read here, once, at import (:class:`Sett
 variable, the value found and the values accepted.
 """
 
+import contextlib
+import contextvars
+import dataclasses
 import difflib
 import os
 import warnings
@@ -88,29 +91,54 @@ VARIABLES = ("REROPE_AUTOTUNE", "REROPE_TMA", "REROPE_FUSED_MERGE", "REROPE_DECO
 
 
 @dataclass(frozen=True)
-class Settings:
-    """Every ``REROPE_*`` environment variable the package reads, parsed once.
+class Config:
+    """The package's configuration: one frozen value, read from the environment once.
 
-    ``autotune`` (``REROPE_AUTOTUNE``, a boolean, default on): autotune each kernel over its
-    candidates on a GPU; off, the first fitting candidate only (one compilation per kernel).
-    ``tma`` (``REROPE_TMA``: ``auto``, the default; a boolean): ``"auto"``, ``"1"`` or ``"0"``
-    (see ``TMA`` below). ``fused_merge`` (``REROPE_FUSED_MERGE``: a boolean, default off, or
-    ``rule``): False, True or None (the rule; see :func:`rerope.decode.fused_merge`).
-    ``decode_config`` (``REROPE_DECODE_CONFIG``, unset by default): ``(BLOCK_N, ANGLES,
-    num_warps, num_stages, programs_per_SM)`` for the decode kernel on a GPU, or None.
-    ``preturn_bwd_max_bytes`` (``REROPE_PRETURN_BWD_MAX_BYTES``, unset by default): the most
-    extra bytes the pre-turned backward may spend, or None (a sixteenth of the GPU's memory).
+    Every plan is made for one ``Config`` and keyed by it, so a change takes effect at the next
+    call, never half-way through one. Change it for a block of code with :func:`using`
+    (``rerope.using_config``); read the active one with :func:`current` (``rerope.config``).
+
+    Environment variables (read at import; a bad value fails ``import rerope`` with a
+    ``ValueError`` naming the variable, the value found and the values accepted):
+
+    * ``autotune`` (``REROPE_AUTOTUNE``, a boolean, default on): autotune each kernel over its
+      candidates on a GPU; off, the first fitting candidate only (one compilation per kernel).
+    * ``tma`` (``REROPE_TMA``: ``auto``, the default, or a boolean): ``"auto"`` uses tensor
+      descriptors where they are known to pay (Hopper or newer, fp16/bf16, D <= 128, a layout
+      TMA accepts); ``"on"`` wherever the layout allows (also under the interpreter: the tests
+      run both load paths on CPU); ``"off"`` never.
+    * ``fused_merge`` (``REROPE_FUSED_MERGE``: a boolean, default off, or ``rule``).
+    * ``decode_config`` (``REROPE_DECODE_CONFIG``, unset by default): ``(BLOCK_N, ANGLES,
+      num_warps, num_stages, programs_per_SM)`` for the decode kernel on a GPU, or None.
+    * ``preturn_bwd_max_bytes`` (``REROPE_PRETURN_BWD_MAX_BYTES``, unset by default): the most
+      extra bytes the pre-turned backward may spend, or None (a sixteenth of the GPU's memory).
+
+    The thresholds below have no environment variable; they were measured on an H200
+    (``perf/NOTES.md``) and are fields so that tests and measurements can move them:
+
+    * ``preturn_min_keys``: from this many keys on, the forward pre-turns the keys.
+    * ``preturn_bwd_min_keys``: from this many keys on, the backward pre-turns its operands.
+    * ``heads_first_max_keys``: up to this many keys, the kernels' grids put heads first.
 
     Booleans are ``0/1, true/false, yes/no, on/off`` in any case; an empty value counts as
-    unset. Changing the environment after ``import rerope`` changes nothing: the tests and
-    measurements set the module-level names (``configs.AUTOTUNE``, ``configs.TMA``,
-    ``decode.FUSED_MERGE``, ...) instead.
+    unset. Changing the environment after ``import rerope`` changes nothing.
     """
     autotune: bool = True
     tma: str = "auto"
     fused_merge: Optional[bool] = False
     decode_config: Optional[tuple] = None
     preturn_bwd_max_bytes: Optional[int] = None
+    preturn_min_keys: int = 2048
+    preturn_bwd_min_keys: int = 4096
+    heads_first_max_keys: int = 4096
+
+    def __post_init__(self):
+        if self.tma not in ("auto", "on", "off"):
+            raise ValueError(f"Config.tma must be 'auto', 'on' or 'off', got {self.tma!r}")
+        for name in ("preturn_min_keys", "preturn_bwd_min_keys", "heads_first_max_keys"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"Config.{name} must be an int >= 0, got {value!r}")
 
     @classmethod
     def from_environment(cls, environ=os.environ):
@@ -127,21 +155,52 @@ class Settings:
         fused = _switch("REROPE_FUSED_MERGE", get("REROPE_FUSED_MERGE"), False, ("rule",))
         return cls(
             autotune=_switch("REROPE_AUTOTUNE", get("REROPE_AUTOTUNE"), True),
-            tma={True: "1", False: "0"}.get(tma, tma),
+            tma={True: "on", False: "off"}.get(tma, tma),
             fused_merge=None if fused == "rule" else fused,
             decode_config=_decode_config("REROPE_DECODE_CONFIG", get("REROPE_DECODE_CONFIG")),
             preturn_bwd_max_bytes=_byte_count("REROPE_PRETURN_BWD_MAX_BYTES",
                                               get("REROPE_PRETURN_BWD_MAX_BYTES")))
 
 
-SETTINGS = Settings.from_environment()
+_CURRENT = contextvars.ContextVar("rerope_config", default=Config.from_environment())
 
+
+def current():
+    """The active :class:`Config` (``rerope.config()``)."""
+    return _CURRENT.get()
+
+
+@contextlib.contextmanager
+def using(config=None, **changes):
+    """Run a block of code under another configuration (``rerope.using_config``).
+
+    Args:
+        config: a :class:`Config` to start from (default: the active one).
+        **changes: fields to replace, e.g. ``using(tma="off", autotune=False)``.
+
+    Yields:
+        the :class:`Config` in force inside the block. It is set for the current thread or
+        task only (a :class:`contextvars.ContextVar`); plans made inside are keyed by it.
+    """
+    base = current() if config is None else config
+    if not isinstance(base, Config):
+        raise TypeError(f"config must be a rerope.Config, got {type(base).__name__}")
+    unknown = sorted(set(changes) - {f.name for f in dataclasses.fields(Config)})
+    if unknown:
+        raise TypeError(f"using_config() got unknown field(s) {unknown}: Config has "
+                        f"{[f.name for f in dataclasses.fields(Config)]}")
+    token = _CURRENT.set(dataclasses.replace(base, **changes))
+    try:
+        yield _CURRENT.get()
+    finally:
+        _CURRENT.reset(token)
+
+
+# Transitional names (to be removed when every reader takes the Config of its plan).
+Settings = Config
+SETTINGS = current()
 AUTOTUNE = SETTINGS.autotune
-
-# Tensor-memory-accelerator (TMA) loads: "auto" uses them where they are known to work and pay
-# (a Hopper-or-newer GPU, fp16/bf16, D <= 128, a layout TMA accepts); "0" never; "1" wherever
-# the layout allows, also under the interpreter (the tests use it to run both load paths on CPU).
-TMA = SETTINGS.tma
+TMA = {"on": "1", "off": "0"}.get(SETTINGS.tma, SETTINGS.tma)
 
 
 def tma_pays(capability, elem_bytes, head_dim):
