@@ -13,6 +13,8 @@
 #   hf           python -m benchmarks.hf -> hf_h200.json (chapter 9)
 #   host         python -m benchmarks.host -> host_h200.json (chapters 6, 9; the book's file keeps
 #                several runs side by side in meta.before_after, merged by hand)
+#   tp           python -m benchmarks.tp, one process then two ranks (torchrun, NCCL, NVLink
+#                multicast off) -> tp_h200x2.json; needs two GPUs (nvidia-h200-x2)
 #   preturn      python -m benchmarks.preturn -> preturn_h200.json (chapter 7)
 #   preturn_bwd  python -m benchmarks.preturn_bwd -> preturn_bwd_h200.json (chapter 6; updates a
 #                copy of the book's file, whose "breakdown" it keeps)
@@ -74,6 +76,11 @@ run() {   # run TARGET: its commands, output in $OUT/TARGET.log
         python3 -m benchmarks.hf --out "$OUT/hf_h200.json" ;;
     host)
         python3 -m benchmarks.host --out "$OUT/host_h200.json" ;;
+    tp)   # a machine of two GPUs (nvidia-h200-x2): one process, then two ranks
+        rm -rf /tmp/tp &&
+        python3 -m benchmarks.tp --world-dir /tmp/tp --out "$OUT/tp_h200x2.json" &&
+        NCCL_NVLS_ENABLE=0 torchrun --standalone --nproc-per-node 2 -m benchmarks.tp \
+            --world-dir /tmp/tp --out "$OUT/tp_h200x2.json" ;;
     preturn)
         python3 -m benchmarks.preturn --out "$OUT/preturn_h200.json" ;;
     preturn_bwd)
