@@ -606,7 +606,7 @@ def test_merge_kernel():
         "three splits, the last one empty")
 
 
-# --- chapter 9: positions from a padding mask -----------------------------------------------------
+# --- chapter 10: positions from a padding mask ----------------------------------------------------
 
 @triton.jit
 def positions_right(Mask, Positions, n, BLOCK: tl.constexpr):
@@ -654,7 +654,7 @@ def test_positions_kernel():
         exercises.check_positions_kernel(positions_padding_minus_one))
 
 
-# --- chapter 10: the log-n scale ------------------------------------------------------------------
+# --- chapter 11: the log-n scale ------------------------------------------------------------------
 
 @triton.jit
 def logn_right(Q, Out, n_q, n_k, logn_factor, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr):
@@ -978,7 +978,7 @@ def test_split_free_batch():
     assert exercises.check_split_free_batch(ignores_short_caches).startswith("Hkv=1, 1 keys")
 
 
-# --- chapter 10: NTK-aware scaling for a chosen frequency -----------------------------------------
+# --- chapter 11: NTK-aware scaling for a chosen frequency ----------------------------------------
 
 def test_ntk_base():
     assert exercises.check_ntk_base(lambda b, d, a, t: b * a ** (d / (2 * t))) == "correct"

@@ -1198,11 +1198,11 @@ def check_tile_angles(tile_angles):
     return CORRECT
 
 
-# --- chapter 10: the log-n query scale -----------------------------------------------------------
+# --- chapter 11: the log-n query scale -----------------------------------------------------------
 
 
 def check_logn_kernel(logn_kernel):
-    """Chapter 10: ``logn_kernel(Q, Out, n_q, n_k, logn_factor, BLOCK: tl.constexpr, HEAD_DIM:
+    """Chapter 11: ``logn_kernel(Q, Out, n_q, n_k, logn_factor, BLOCK: tl.constexpr, HEAD_DIM:
     tl.constexpr)`` must write ``Out = Q · max(1, log2(i + 1) · logn_factor)`` row by row, one
     program per ``BLOCK`` rows of a contiguous ``(n_q, HEAD_DIM)`` slice, where row ``r`` is the
     query at position ``i = n_k - n_q + r`` and ``logn_factor = 1 / log2(train_len)``.
@@ -1233,7 +1233,7 @@ def check_logn_kernel(logn_kernel):
     return CORRECT
 
 
-# --- chapter 9: positions from a padding mask -----------------------------------------------------
+# --- chapter 10: positions from a padding mask ----------------------------------------------------
 
 
 def reference_positions(mask):
@@ -1244,7 +1244,7 @@ def reference_positions(mask):
 
 
 def check_positions_kernel(positions_kernel):
-    """Chapter 9: ``positions_kernel(Mask, Positions, n, BLOCK: tl.constexpr)``, one program per
+    """Chapter 10: ``positions_kernel(Mask, Positions, n, BLOCK: tl.constexpr)``, one program per
     batch row of a contiguous int32 ``(B, n)`` mask, ``n <= BLOCK``, must write the int32
     positions of :func:`reference_positions`.
 
@@ -1493,7 +1493,7 @@ def check_split_free_batch(split_free_batch):
 
 
 def check_ntk_base(ntk_base):
-    """Chapter 10: ``ntk_base(base, head_dim, alpha, pair)`` must return the RoPE base for which
+    """Chapter 11: ``ntk_base(base, head_dim, alpha, pair)`` must return the RoPE base for which
     frequency ``pair`` (``θ_pair = b^(-2·pair/D)``, ``0 < pair < D/2``) turns ``alpha`` times
     slower (pair 0, ``θ_0 = 1``, stays whatever the base). ``pair = D/2 - 1`` is NTK-aware
     scaling. Reports the case and how much slower that pair and the slowest one turn."""
