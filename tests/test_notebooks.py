@@ -249,7 +249,35 @@ def _self_extend(key, n):
     return _smollm2(key, n, "smollm2_self_extend_h200.json")
 
 
+def _step(name, **where):
+    """One entry's value of book/data/production_steps.json (chapter 9's step history)."""
+    steps = json.loads((DATA / "production_steps.json").read_text())["steps"][name]
+    (entry,) = [e for e in steps if all(e.get(k) == v for k, v in where.items())]
+    return entry["value"]
+
+
+def _span(values, form=""):
+    return f"{values[0]:{form}}–{values[1]:{form}}"
+
+
+def _host_cut():
+    """Chapter 9's summary: host time per call, median before → after, as a range of cuts."""
+    runs = json.loads((DATA / "host_h200.json").read_text())["meta"]["before_after"]
+    cuts = [1 - runs[k]["after_median"] / runs[k]["before_median"]
+            for k in ("rerope_fwd", "rerope_decode", "rerope_fwd_bwd")]
+    return f"{100 * min(cuts):.0f}–{100 * max(cuts):.0f} %"
+
+
 PROSE_NUMBERS = [
+    ("book/09_production", "the forward went from {} to {} ms",
+     lambda: (_step("configs", variant="v1"), _step("configs", variant="v2"))),
+    ("book/09_production", "spilled {} KB", lambda: _span(_step("fused_rotation", unit="KB"))),
+    ("book/09_production", "sat at {} registers", lambda: _step("fused_rotation", unit="registers")),
+    ("book/09_production", "It took {} % off a step",
+     lambda: _span(_step("fused_merge", variant="summary"))),
+    ("book/09_production", "host time per call down {} (medians)", _host_cut),
+    ("book/09_production", "16-key pages from about two thirds to {} of",
+     lambda: _span(_step("paged_pages", D=128, page=16, variant="scalars"), ".2f")),
     # (page, a template whose {} holds the number, how the number comes from the data)
     ("book/06_speed", "headline\ntable's {}", lambda: f"{_bench_ms('sdpa_cudnn', 8192, 64) / _bench_ms('rerope', 8192, 64):.2f}"),
     ("book/10_huggingface", "the attention op is {} of\nReRoPE's step", lambda: _attention_share("rerope")),
