@@ -250,7 +250,7 @@ def _self_extend(key, n):
 
 
 def _step(name, **where):
-    """One entry's value of book/data/production_steps.json (chapter 9's step history)."""
+    """One entry's value of book/data/production_steps.json (chapter 9's steps)."""
     steps = json.loads((DATA / "production_steps.json").read_text())["steps"][name]
     (entry,) = [e for e in steps if all(e.get(k) == v for k, v in where.items())]
     return entry["value"]
@@ -261,7 +261,7 @@ def _span(values, form=""):
 
 
 def _host_cut():
-    """Chapter 9's summary: host time per call, median before → after, as a range of cuts."""
+    """Chapter 9's summary: the cuts of host time per call (medians), as a range."""
     runs = json.loads((DATA / "host_h200.json").read_text())["meta"]["before_after"]
     cuts = [1 - runs[k]["after_median"] / runs[k]["before_median"]
             for k in ("rerope_fwd", "rerope_decode", "rerope_fwd_bwd")]
@@ -271,8 +271,10 @@ def _host_cut():
 PROSE_NUMBERS = [
     ("book/09_production", "the forward went from {} to {} ms",
      lambda: (_step("configs", variant="v1"), _step("configs", variant="v2"))),
-    ("book/09_production", "spilled {} KB", lambda: _span(_step("fused_rotation", unit="KB"))),
-    ("book/09_production", "sat at {} registers", lambda: _step("fused_rotation", unit="registers")),
+    ("book/09_production", "spilled {} KB",
+     lambda: _span(_step("fused_rotation", unit="KB"))),
+    ("book/09_production", "sat at {} registers",
+     lambda: _step("fused_rotation", unit="registers")),
     ("book/09_production", "It took {} % off a step",
      lambda: _span(_step("fused_merge", variant="summary"))),
     ("book/09_production", "host time per call down {} (medians)", _host_cut),
