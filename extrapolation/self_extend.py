@@ -1,4 +1,4 @@
-"""Chapter 10's small model read past its training length with Self-Extend, beside ReRoPE.
+"""Chapter 11's small model read past its training length with Self-Extend, beside ReRoPE.
 
     python -m extrapolation.self_extend      # on a GPU: well under a minute after compiling
     python -m extrapolation.self_extend --reference --device cpu --out /tmp/se.json   # CPU dry run

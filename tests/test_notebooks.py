@@ -17,9 +17,9 @@ import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 BOOTSTRAP = ROOT / "book" / "_bootstrap.py"
-# The chapters that build or explain code print the package's source; 6 (speed) and 10 (the
+# The chapters that build or explain code print the package's source; 6 (speed) and 11 (the
 # extrapolation experiment) are about measurements.
-SOURCE_CHAPTERS = {1, 2, 3, 4, 5, 7, 8, 9}
+SOURCE_CHAPTERS = {1, 2, 3, 4, 5, 7, 8, 9, 10}
 
 
 def toc_chapters():
@@ -211,7 +211,7 @@ def _bench_ms(impl, n, d, mode="fwd"):
 
 
 def _cost_range(d):
-    """Chapter 10's 'price': ReRoPE forward over cuDNN plain attention, N from 4k to 32k."""
+    """Chapter 11's 'price': ReRoPE forward over cuDNN plain attention, N from 4k to 32k."""
     ratios = [_bench_ms("rerope", n, d) / _bench_ms("sdpa_cudnn", n, d)
               for n in (4096, 8192, 16384, 32768)]
     return f"{min(ratios):.2f}–{max(ratios):.2f}×"
@@ -249,29 +249,59 @@ def _self_extend(key, n):
     return _smollm2(key, n, "smollm2_self_extend_h200.json")
 
 
+def _step(name, **where):
+    """One entry's value of book/data/production_steps.json (chapter 9's steps)."""
+    steps = json.loads((DATA / "production_steps.json").read_text())["steps"][name]
+    (entry,) = [e for e in steps if all(e.get(k) == v for k, v in where.items())]
+    return entry["value"]
+
+
+def _span(values, form=""):
+    return f"{values[0]:{form}}–{values[1]:{form}}"
+
+
+def _host_cut():
+    """Chapter 9's summary: the cuts of host time per call (medians), as a range."""
+    runs = json.loads((DATA / "host_h200.json").read_text())["meta"]["before_after"]
+    cuts = [1 - runs[k]["after_median"] / runs[k]["before_median"]
+            for k in ("rerope_fwd", "rerope_decode", "rerope_fwd_bwd")]
+    return f"{100 * min(cuts):.0f}–{100 * max(cuts):.0f} %"
+
+
 PROSE_NUMBERS = [
+    ("book/09_production", "the forward went from {} to {} ms",
+     lambda: (_step("configs", variant="v1"), _step("configs", variant="v2"))),
+    ("book/09_production", "spilled {} KB",
+     lambda: _span(_step("fused_rotation", unit="KB"))),
+    ("book/09_production", "sat at {} registers",
+     lambda: _step("fused_rotation", unit="registers")),
+    ("book/09_production", "It took {} % off a step",
+     lambda: _span(_step("fused_merge", variant="summary"))),
+    ("book/09_production", "host time per call down {} (medians)", _host_cut),
+    ("book/09_production", "16-key pages from about two thirds to {} of",
+     lambda: _span(_step("paged_pages", D=128, page=16, variant="scalars"), ".2f")),
     # (page, a template whose {} holds the number, how the number comes from the data)
     ("book/06_speed", "headline\ntable's {}", lambda: f"{_bench_ms('sdpa_cudnn', 8192, 64) / _bench_ms('rerope', 8192, 64):.2f}"),
-    ("book/09_huggingface", "the attention op is {} of\nReRoPE's step", lambda: _attention_share("rerope")),
-    ("book/09_huggingface", "and {} of FlashAttention-2's", lambda: _attention_share("stock_sdpa_flash")),
-    ("book/09_huggingface", "and {} ms now, in the same run", lambda: f"{_hf('rerope', 'decode'):.2f}"),
-    ("book/10_extrapolation", "takes {} plain\nattention's time at D = 64", lambda: _cost_range(64)),
-    ("book/10_extrapolation", "and {} at D = 128", lambda: _cost_range(128)),
-    ("book/10_extrapolation", "makes RoPE worse ({}", lambda: f"{_mean('rope', 4096)} → {_mean('rope+logn', 4096)}"),
-    ("book/10_extrapolation", "slightly worse ({})", lambda: f"{_mean('ntk', 4096)} → {_mean('ntk+logn', 4096)}"),
-    ("book/10_extrapolation", "Here it is {} of 256 in the window ablation", _best_ablation_window),
-    ("book/10_extrapolation", "the best window is {} at every length", _best_ablation_window),
-    ("book/10_extrapolation", "goes from 0.926 at 1× to {} at 2× and", lambda: _mean("rope", 512)),
-    ("book/10_extrapolation", "at 2× and {} at 16×", lambda: _mean("rope", 4096)),
-    ("book/10_extrapolation", "the mean loss *falls* from {} at 1×", lambda: _mean("rerope128", 256)),
-    ("book/10_extrapolation", "at 16× it is {} ({} with log-n)", lambda: (_mean("rerope128", 4096), _mean("rerope128+logn", 4096))),
-    ("book/10_extrapolation", "drifts up to {} at 16×", lambda: _mean("rerope256", 4096)),
-    ("book/11_real_model", "at\n64k **{}** for $w = 2048$ against {} for ReRoPE", lambda: (_self_extend("selfextend2048", 65536), _self_extend("rerope2048", 65536))),
-    ("book/11_real_model", "{} for $w = 1024$ against ReRoPE's {}", lambda: (_self_extend("selfextend1024", 65536), _smollm2("rerope1024", 65536))),
-    ("book/11_real_model", "log-n the Self-Extend rows, {} and {}, tie Leaky ReRoPE's {}", lambda: (_self_extend("selfextend1024+logn", 65536), _self_extend("selfextend2048+logn", 65536), _smollm2("leaky2048+logn", 65536))),
-    ("book/11_real_model", "give the same mean loss ({})", lambda: _smollm2("leaky2048", 65536)),
-    ("book/11_real_model", "does a little better ({}\nagainst {}", lambda: (_self_extend("selfextend2048", 16384), _smollm2("leaky2048", 16384))),
-    ("book/10_extrapolation", "$L \\le w + \\kappa (T - w) = {}$", lambda: f"{512 + 16 * (4096 - 512):,}".replace(",", "\\,")),
+    ("book/10_huggingface", "the attention op is {} of\nReRoPE's step", lambda: _attention_share("rerope")),
+    ("book/10_huggingface", "and {} of FlashAttention-2's", lambda: _attention_share("stock_sdpa_flash")),
+    ("book/10_huggingface", "and {} ms now, in the same run", lambda: f"{_hf('rerope', 'decode'):.2f}"),
+    ("book/11_extrapolation", "takes {} plain\nattention's time at D = 64", lambda: _cost_range(64)),
+    ("book/11_extrapolation", "and {} at D = 128", lambda: _cost_range(128)),
+    ("book/11_extrapolation", "makes RoPE worse ({}", lambda: f"{_mean('rope', 4096)} → {_mean('rope+logn', 4096)}"),
+    ("book/11_extrapolation", "slightly worse ({})", lambda: f"{_mean('ntk', 4096)} → {_mean('ntk+logn', 4096)}"),
+    ("book/11_extrapolation", "Here it is {} of 256 in the window ablation", _best_ablation_window),
+    ("book/11_extrapolation", "the best window is {} at every length", _best_ablation_window),
+    ("book/11_extrapolation", "goes from 0.926 at 1× to {} at 2× and", lambda: _mean("rope", 512)),
+    ("book/11_extrapolation", "at 2× and {} at 16×", lambda: _mean("rope", 4096)),
+    ("book/11_extrapolation", "the mean loss *falls* from {} at 1×", lambda: _mean("rerope128", 256)),
+    ("book/11_extrapolation", "at 16× it is {} ({} with log-n)", lambda: (_mean("rerope128", 4096), _mean("rerope128+logn", 4096))),
+    ("book/11_extrapolation", "drifts up to {} at 16×", lambda: _mean("rerope256", 4096)),
+    ("book/12_real_model", "at\n64k **{}** for $w = 2048$ against {} for ReRoPE", lambda: (_self_extend("selfextend2048", 65536), _self_extend("rerope2048", 65536))),
+    ("book/12_real_model", "{} for $w = 1024$ against ReRoPE's {}", lambda: (_self_extend("selfextend1024", 65536), _smollm2("rerope1024", 65536))),
+    ("book/12_real_model", "log-n the Self-Extend rows, {} and {}, tie Leaky ReRoPE's {}", lambda: (_self_extend("selfextend1024+logn", 65536), _self_extend("selfextend2048+logn", 65536), _smollm2("leaky2048+logn", 65536))),
+    ("book/12_real_model", "give the same mean loss ({})", lambda: _smollm2("leaky2048", 65536)),
+    ("book/12_real_model", "does a little better ({}\nagainst {}", lambda: (_self_extend("selfextend2048", 16384), _smollm2("leaky2048", 16384))),
+    ("book/11_extrapolation", "$L \\le w + \\kappa (T - w) = {}$", lambda: f"{512 + 16 * (4096 - 512):,}".replace(",", "\\,")),
 ]
 
 

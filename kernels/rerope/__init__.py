@@ -21,7 +21,7 @@ The benchmarks are not part of the package: ``python -m benchmarks.attention`` a
 ``python -m benchmarks.decode`` from a checkout (chapters 6 and 8).
 
 :mod:`rerope.hf` (``import rerope.hf``, not loaded by ``import rerope``): ReRoPE in a Hugging
-Face transformers model, ``rerope.hf.enable_rerope(model, window)`` (chapter 9).
+Face transformers model, ``rerope.hf.enable_rerope(model, window)`` (chapter 10).
 
 With no CUDA device, ``rerope``'s kernels run in Triton's CPU interpreter, so the same code runs
 on CPU tensors: it is chosen for this package's kernels only, ``os.environ`` is left as it was

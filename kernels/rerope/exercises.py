@@ -1,6 +1,6 @@
 """Checkers for the book's Triton exercises, and the palette of its tile figures.
 
-Every exercise of chapters 3 to 10 that asks for Triton code is checked here (and a few plain
+Every exercise of chapters 3 to 11 that asks for Triton code is checked here (and a few plain
 Python ones, so that the tests can feed them wrong answers), in the style of Triton-Puzzles: the
 reader writes a ``@triton.jit`` function or kernel, a checker runs it (through the CPU
 interpreter on a machine with no GPU, compiled on a GPU) on small shapes, compares it with the
@@ -36,9 +36,10 @@ checker                            chapter  what the reader writes
 :func:`check_merge_kernel`               8  the split-KV merge of partial outputs by their LSEs
 :func:`check_merge_lse_kernel`           8  the merge that also writes the merged LSE (mergeable again)
 :func:`check_split_free_batch`           8  the first batch at which the split rule stops splitting
-:func:`check_positions_kernel`           9  positions from a left-padded mask, as ``generate`` gives
-:func:`check_logn_kernel`               10  the log-n query scale, ``max(1, log(i + 1) / log(L))``
-:func:`check_ntk_base`                  10  the RoPE base that slows one chosen frequency by α
+:func:`check_program_order`              9  which head and query block a program of the grid does
+:func:`check_positions_kernel`          10  positions from a left-padded mask, as ``generate`` gives
+:func:`check_logn_kernel`               11  the log-n query scale, ``max(1, log(i + 1) / log(L))``
+:func:`check_ntk_base`                  11  the RoPE base that slows one chosen frequency by α
 =================================  =======  ============================================================
 """
 
@@ -1198,11 +1199,86 @@ def check_tile_angles(tile_angles):
     return CORRECT
 
 
-# --- chapter 10: the log-n query scale -----------------------------------------------------------
+# --- chapter 9: the production kernel's grid order ------------------------------------------
+
+
+@triton.jit
+def _program_order_kernel(Heads, Blocks, PROGRAM: tl.constexpr, HEADS_FIRST: tl.constexpr,
+                          CAUSAL: tl.constexpr):
+    """Writes, at each program's place in launch order (first grid axis fastest), the
+    ``(batch · head, query block)`` that the reader's ``PROGRAM`` gives it."""
+    slot = tl.program_id(0) + tl.program_id(1) * tl.num_programs(0)
+    bh, block = PROGRAM(HEADS_FIRST, CAUSAL)
+    tl.store(Heads + slot, bh)
+    tl.store(Blocks + slot, block)
+
+
+def reference_program_order(n_heads, n_blocks, heads_first, causal):
+    """``(heads, blocks)``: int tensors in launch order, what the production forward's programs
+    work on: grid ``(B·H, blocks)`` with ``heads_first``, else ``(blocks, B·H)``; with ``causal``
+    the query blocks are taken last first (the last block has the most keys)."""
+    slots = torch.arange(n_heads * n_blocks)
+    if heads_first:
+        heads, blocks = slots % n_heads, slots // n_heads
+    else:
+        heads, blocks = slots // n_blocks, slots % n_blocks
+    return heads, (n_blocks - 1 - blocks) if causal else blocks
+
+
+def check_program_order(program):
+    """Chapter 9: ``program(HEADS_FIRST: tl.constexpr, CAUSAL: tl.constexpr)``, a
+    ``@triton.jit`` function, must return ``(bh, block)`` for the program that calls it: the
+    ``batch · head`` index and the query block of :func:`reference_program_order` (grid
+    ``(B·H, blocks)`` with ``HEADS_FIRST``, else ``(blocks, B·H)``; heaviest block first when
+    ``CAUSAL``).
+
+    Cases: both grid orders, causal or not, 3 heads × 5 blocks (so that a swapped axis shows).
+    """
+    n_heads, n_blocks = 3, 5
+    for heads_first in (True, False):
+        for causal in (True, False):
+            what = f"HEADS_FIRST={heads_first}, CAUSAL={causal}"
+            grid = (n_heads, n_blocks) if heads_first else (n_blocks, n_heads)
+            heads = torch.full((n_heads * n_blocks,), -99, dtype=torch.int32, device=_device())
+            blocks = torch.full_like(heads, -99)
+            with _quiet():
+                _program_order_kernel[grid](heads, blocks, PROGRAM=program,
+                                            HEADS_FIRST=heads_first, CAUSAL=causal)
+            got_h, got_b = heads.cpu().long(), blocks.cpu().long()
+            want_h, want_b = reference_program_order(n_heads, n_blocks, heads_first, causal)
+            if torch.equal(got_h, want_h) and torch.equal(got_b, want_b):
+                continue
+            head_axis, block_axis = (0, 1) if heads_first else (1, 0)
+            wrong = ((got_h != want_h) | (got_b != want_b)).nonzero().flatten().tolist()
+            first = wrong[0]
+            where = (f"{what}, grid {grid}: the program launched {first}th does (bh, block) = "
+                     f"({got_h[first].item()}, {got_b[first].item()}), want "
+                     f"({want_h[first].item()}, {want_b[first].item()})")
+            if torch.equal(got_h, want_h):
+                if torch.equal(got_b, n_blocks - 1 - want_b):
+                    hint = ("the query blocks run in the wrong direction: only with CAUSAL "
+                            "does the last block (the most keys) start first, as "
+                            "n_blocks - 1 - block")
+                elif torch.equal((got_b - want_b).abs(), torch.ones_like(want_b)):
+                    hint = ("off by one in the reversed block: the last block is "
+                            "n_blocks - 1 - block")
+                else:
+                    hint = (f"the block is read from the wrong axis or counted with the wrong "
+                            f"tl.num_programs: the blocks are axis {block_axis} of this grid")
+            elif got_h.max() >= n_heads or got_b.max() >= n_blocks or got_b.min() < 0:
+                hint = (f"the axes are swapped: with HEADS_FIRST={heads_first} the head is "
+                        f"tl.program_id({head_axis}) and the block tl.program_id({block_axis})")
+            else:
+                hint = "some (bh, block) pairs are done twice and others never"
+            return f"{where}: {hint}"
+    return CORRECT
+
+
+# --- chapter 11: the log-n query scale -----------------------------------------------------------
 
 
 def check_logn_kernel(logn_kernel):
-    """Chapter 10: ``logn_kernel(Q, Out, n_q, n_k, logn_factor, BLOCK: tl.constexpr, HEAD_DIM:
+    """Chapter 11: ``logn_kernel(Q, Out, n_q, n_k, logn_factor, BLOCK: tl.constexpr, HEAD_DIM:
     tl.constexpr)`` must write ``Out = Q · max(1, log2(i + 1) · logn_factor)`` row by row, one
     program per ``BLOCK`` rows of a contiguous ``(n_q, HEAD_DIM)`` slice, where row ``r`` is the
     query at position ``i = n_k - n_q + r`` and ``logn_factor = 1 / log2(train_len)``.
@@ -1233,7 +1309,7 @@ def check_logn_kernel(logn_kernel):
     return CORRECT
 
 
-# --- chapter 9: positions from a padding mask -----------------------------------------------------
+# --- chapter 10: positions from a padding mask ----------------------------------------------------
 
 
 def reference_positions(mask):
@@ -1244,7 +1320,7 @@ def reference_positions(mask):
 
 
 def check_positions_kernel(positions_kernel):
-    """Chapter 9: ``positions_kernel(Mask, Positions, n, BLOCK: tl.constexpr)``, one program per
+    """Chapter 10: ``positions_kernel(Mask, Positions, n, BLOCK: tl.constexpr)``, one program per
     batch row of a contiguous int32 ``(B, n)`` mask, ``n <= BLOCK``, must write the int32
     positions of :func:`reference_positions`.
 
@@ -1493,7 +1569,7 @@ def check_split_free_batch(split_free_batch):
 
 
 def check_ntk_base(ntk_base):
-    """Chapter 10: ``ntk_base(base, head_dim, alpha, pair)`` must return the RoPE base for which
+    """Chapter 11: ``ntk_base(base, head_dim, alpha, pair)`` must return the RoPE base for which
     frequency ``pair`` (``θ_pair = b^(-2·pair/D)``, ``0 < pair < D/2``) turns ``alpha`` times
     slower (pair 0, ``θ_0 = 1``, stays whatever the base). ``pair = D/2 - 1`` is NTK-aware
     scaling. Reports the case and how much slower that pair and the slowest one turn."""

@@ -1,6 +1,6 @@
 """ReRoPE in a Hugging Face ``transformers`` model, through transformers' own attention registry.
 
-Chapter 9 of the book. One call switches every attention layer of a Llama-style model::
+Chapter 10 of the book. One call switches every attention layer of a Llama-style model::
 
     import rerope.hf
     model = rerope.hf.enable_rerope(model, window=512)     # leaky=, logn_len=, group= as rerope.rerope
