@@ -33,8 +33,9 @@ _DECORATING.__enter__()
 
 
 @triton.jit
-def _delta_kernel(Out, DO, Delta, n_ctx, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """``Delta[bh, i] = Σ_d O[bh, i, d] · dO[bh, i, d]``; grid ``(N / BLOCK_M, B·H)``."""
+def _delta_kernel(Out, DO, Delta, n_ctx, BLOCK_M: tl.constexpr,
+                  HEAD_DIM: tl.constexpr):
+    """``Delta[bh, i] = Σ_d O[bh, i, d] · dO[bh, i, d]``, one program per row block."""
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     head = tl.program_id(1).to(tl.int64)
     dims = tl.arange(0, HEAD_DIM)
