@@ -1,17 +1,18 @@
-"""The teaching backward of chapter 5 (rerope.teach.backward) against float64 autograd of
-the reference and against the gradients of the finished op, rerope.rerope_attention."""
+"""The teaching backward of chapter 5 (rerope.teach.backward) against float64 autograd
+of the reference and against the gradients of the finished op, rerope_attention."""
 
 import pytest
 import torch
 
-from conftest import (GRAD_NAMES, kernel_device, kernel_results, make_inputs, reference_results,
-                      results_problems, tolerance, window_contrast_inputs)
+from conftest import (GRAD_NAMES, kernel_device, kernel_results, make_inputs,
+                      reference_results, results_problems, tolerance,
+                      window_contrast_inputs)
 from rerope.teach.backward import ThreeRegionsAttention, _delta_kernel
 
 NAMES = ("out",) + GRAD_NAMES
 
-# (N, window, causal, Hq, Hkv, block_m, block_n): odd N, the window cutting through tiles,
-# w = 1, w >= N, GQA (two and three query heads per key/value head), unequal tiles
+# (N, window, causal, Hq, Hkv, block_m, block_n): odd N, the window cutting through
+# tiles, w = 1, w >= N, GQA (two and three query heads per key/value head), unequal tiles
 CASES = [
     (37, 13, True, 4, 2, 16, 16),
     (37, 13, False, 2, 2, 16, 16),
