@@ -12,7 +12,7 @@ from rerope.teach.backward import ThreeRegionsAttention, _delta_kernel
 NAMES = ("out",) + GRAD_NAMES
 
 # (N, window, causal, Hq, Hkv, block_m, block_n): odd N, the window cutting through
-# tiles, w = 1, w >= N, GQA (two and three query heads per key/value head), unequal tiles
+# tiles, w = 1, w >= N, GQA (two and three query heads per key/value head), odd tiles
 CASES = [
     (37, 13, True, 4, 2, 16, 16),
     (37, 13, False, 2, 2, 16, 16),

@@ -10,9 +10,9 @@ from conftest import (kernel_device, make_inputs, reference_results, results_pro
 from rerope import reference
 from rerope.teach.three_regions import three_regions_attention
 
-# (N, window, causal, Hq, Hkv, block_m, block_n): odd N, the window cutting through tiles
-# and on a tile edge, w = 1 (only i = j inside), w >= N (plain RoPE), GQA, taller query
-# blocks
+# (N, window, causal, Hq, Hkv, block_m, block_n): odd N, the window cutting through
+# tiles and on a tile edge, w = 1 (only i = j inside), w >= N (plain RoPE), GQA, taller
+# query blocks
 CASES = [
     (37, 13, True, 4, 2, 16, 16),
     (37, 13, False, 4, 2, 16, 16),
