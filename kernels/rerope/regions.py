@@ -168,7 +168,7 @@ def _schedule(start, SELF_BLOCK: tl.constexpr, OTHER_BLOCK: tl.constexpr, n_ctx,
             (h_out_lo, h_out_hi, t_out_lo, t_out_hi))
 
 
-# --- drawing the schedule (for the book and the tests) ---------------------------------
+# --- drawing the schedule (for the book and the tests) --------------------------------
 
 # Bit flags: which passes visited a tile.
 OUTSIDE_CLEAN, INSIDE_CLEAN, INSIDE_MASKED, OUTSIDE_MASKED = 1, 2, 4, 8
