@@ -723,9 +723,9 @@ def band_right(acc, l_i, m_i, q1, q2, K1, K2, V, rows, lo, hi, n_ctx, window, qk
 def band_core(acc, l_i, m_i, q1, q2, K1, K2, V, rows, lo, hi, n_ctx, window, qk_scale,
               CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
               SLIP: tl.constexpr):
-    """band_right with one slip: 1 one product everywhere, 2 |i - j| <= w, 3 one side of the
-    window only; 4 no causal mask and 5 no load masks are not slips: the schedule gives every
-    tile that the diagonal or the end of the sequence crosses to the diagonal/end walk."""
+    """band_right with one slip: 1 one product everywhere, 2 |i - j| <= w, 3 one side of
+    the window only, 4 no causal mask, 5 no load masks, 6 the products swapped, 7 no
+    end-of-sequence mask on the scores."""
     dims = tl.arange(0, HEAD_DIM)
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + tl.arange(0, BLOCK_N)
@@ -748,8 +748,13 @@ def band_core(acc, l_i, m_i, q1, q2, K1, K2, V, rows, lo, hi, n_ctx, window, qk_
         near = tl.dot(q1, tl.trans(k1))
         if SLIP == 1:
             near = tl.dot(q2, tl.trans(k2))
-        scores = tl.where(inside, near, tl.dot(q2, tl.trans(k2)))
+        if SLIP == 6:
+            scores = tl.where(inside, tl.dot(q2, tl.trans(k2)), near)
+        else:
+            scores = tl.where(inside, near, tl.dot(q2, tl.trans(k2)))
         keep = cols[None, :] < n_ctx
+        if SLIP == 7:
+            keep = cols[None, :] > -1
         if CAUSAL and SLIP != 4:
             keep = keep & (gap >= 0)
         acc, l_i, m_i = rerope.online_softmax._softmax_step(
@@ -760,53 +765,89 @@ def band_core(acc, l_i, m_i, q1, q2, K1, K2, V, rows, lo, hi, n_ctx, window, qk_
 @triton.jit
 def band_slip_1(acc, l_i, m_i, q1, q2, K1, K2, V, rows, lo, hi, n_ctx, window, qk_scale,
                 CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr):
-    return band_core(acc, l_i, m_i, q1, q2, K1, K2, V, rows, lo, hi, n_ctx, window, qk_scale,
-                     CAUSAL, BLOCK_N, HEAD_DIM, 1)
+    return band_core(acc, l_i, m_i, q1, q2, K1, K2, V, rows, lo, hi, n_ctx, window,
+                     qk_scale, CAUSAL, BLOCK_N, HEAD_DIM, 1)
 
 
 @triton.jit
 def band_slip_2(acc, l_i, m_i, q1, q2, K1, K2, V, rows, lo, hi, n_ctx, window, qk_scale,
                 CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr):
-    return band_core(acc, l_i, m_i, q1, q2, K1, K2, V, rows, lo, hi, n_ctx, window, qk_scale,
-                     CAUSAL, BLOCK_N, HEAD_DIM, 2)
+    return band_core(acc, l_i, m_i, q1, q2, K1, K2, V, rows, lo, hi, n_ctx, window,
+                     qk_scale, CAUSAL, BLOCK_N, HEAD_DIM, 2)
 
 
 @triton.jit
 def band_slip_3(acc, l_i, m_i, q1, q2, K1, K2, V, rows, lo, hi, n_ctx, window, qk_scale,
                 CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr):
-    return band_core(acc, l_i, m_i, q1, q2, K1, K2, V, rows, lo, hi, n_ctx, window, qk_scale,
-                     CAUSAL, BLOCK_N, HEAD_DIM, 3)
+    return band_core(acc, l_i, m_i, q1, q2, K1, K2, V, rows, lo, hi, n_ctx, window,
+                     qk_scale, CAUSAL, BLOCK_N, HEAD_DIM, 3)
 
 
 @triton.jit
 def band_slip_4(acc, l_i, m_i, q1, q2, K1, K2, V, rows, lo, hi, n_ctx, window, qk_scale,
                 CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr):
-    return band_core(acc, l_i, m_i, q1, q2, K1, K2, V, rows, lo, hi, n_ctx, window, qk_scale,
-                     CAUSAL, BLOCK_N, HEAD_DIM, 4)
+    return band_core(acc, l_i, m_i, q1, q2, K1, K2, V, rows, lo, hi, n_ctx, window,
+                     qk_scale, CAUSAL, BLOCK_N, HEAD_DIM, 4)
 
 
 @triton.jit
 def band_slip_5(acc, l_i, m_i, q1, q2, K1, K2, V, rows, lo, hi, n_ctx, window, qk_scale,
                 CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr):
-    return band_core(acc, l_i, m_i, q1, q2, K1, K2, V, rows, lo, hi, n_ctx, window, qk_scale,
-                     CAUSAL, BLOCK_N, HEAD_DIM, 5)
+    return band_core(acc, l_i, m_i, q1, q2, K1, K2, V, rows, lo, hi, n_ctx, window,
+                     qk_scale, CAUSAL, BLOCK_N, HEAD_DIM, 5)
 
 
-BAND_SLIPS = {1: band_slip_1, 2: band_slip_2, 3: band_slip_3, 4: band_slip_4, 5: band_slip_5}
+@triton.jit
+def band_slip_6(acc, l_i, m_i, q1, q2, K1, K2, V, rows, lo, hi, n_ctx, window, qk_scale,
+                CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr):
+    return band_core(acc, l_i, m_i, q1, q2, K1, K2, V, rows, lo, hi, n_ctx, window,
+                     qk_scale, CAUSAL, BLOCK_N, HEAD_DIM, 6)
 
 
-@pytest.mark.parametrize("slip, what", [(1, "one product everywhere"), (2, "|i - j| <= w"),
-                                        (3, "one side of the window")])
-def test_band_pass_wrong(slip, what):
+@triton.jit
+def band_slip_7(acc, l_i, m_i, q1, q2, K1, K2, V, rows, lo, hi, n_ctx, window, qk_scale,
+                CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr):
+    return band_core(acc, l_i, m_i, q1, q2, K1, K2, V, rows, lo, hi, n_ctx, window,
+                     qk_scale, CAUSAL, BLOCK_N, HEAD_DIM, 7)
+
+
+BAND_SLIPS = {i: globals()[f"band_slip_{i}"] for i in range(1, 8)}
+
+
+@pytest.mark.parametrize("slip, hint", [
+    (1, "every entry took q2·k2: the window mask is missing"),
+    (2, "off by one at the window's edge: you count |i − j| = w as inside"),
+    (3, "your window has one side"),
+    (4, "the causal mask is missing"),
+    (5, "your pass reads K or V past the end of the sequence"),
+    (6, "the two products are swapped"),
+    (7, "keys past the end of the sequence got weight"),
+])
+def test_band_pass_names_the_slip(slip, hint):
     verdict = exercises.check_band_pass(BAND_SLIPS[slip])
-    assert verdict != "correct" and "are wrong" in verdict, (what, verdict)
-    assert "walks the band tiles [" in verdict and "none" not in verdict, (what, verdict)
+    assert "are wrong; " + hint in verdict, (slip, verdict)
+
+
+@triton.jit
+def band_skipped(acc, l_i, m_i, q1, q2, K1, K2, V, rows, lo, hi, n_ctx, window, qk_scale,
+                 CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr):
+    return acc, l_i, m_i
+
+
+@triton.jit
+def band_no_rescale(acc, l_i, m_i, q1, q2, K1, K2, V, rows, lo, hi, n_ctx, window,
+                    qk_scale, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr,
+                    HEAD_DIM: tl.constexpr):
+    # a slip the checker has no name for: the scores are not scaled
+    return band_right(acc, l_i, m_i, q1, q2, K1, K2, V, rows, lo, hi, n_ctx, window,
+                      qk_scale * 2.0, CAUSAL, BLOCK_N, HEAD_DIM)
 
 
 def test_band_pass():
     assert exercises.check_band_pass(band_right) == "correct"
-    assert exercises.check_band_pass(band_slip_4) == "correct"      # the band is below the diagonal
-    assert exercises.check_band_pass(band_slip_5) == "correct"      # ... and before the ragged end
+    assert "leaves the band tiles out" in exercises.check_band_pass(band_skipped)
+    verdict = exercises.check_band_pass(band_no_rescale)     # no named slip: where it is
+    assert "walks the band tiles [" in verdict and "none" not in verdict, verdict
 
 
 # --- chapter 5: δ for packed sequences ------------------------------------------------------------

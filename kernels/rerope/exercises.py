@@ -55,9 +55,11 @@ from . import reference
 from .forward import _keep
 from .online_softmax import LOG2E, _softmax_step, plain_attention
 from .regions import (INSIDE, INSIDE_CLEAN, INSIDE_MASKED, OUTSIDE, OUTSIDE_CLEAN,
-                      OUTSIDE_MASKED, _mark, _schedule, tile_map)
+                      OUTSIDE_MASKED, _mark, _schedule, _window_bounds, tile_map)
 from .rope import apply_rope
 from .runtime import INTERPRET, kernels_decorated
+from .teach.three_regions import INSIDE as _INSIDE_RUN, OUTSIDE as _OUTSIDE_RUN
+from .teach.three_regions import _region_pass
 
 # This module's own kernels are decorated in the package's mode (interpreted where rerope chose
 # the interpreter, see rerope.runtime): the window opens here and closes at the end of the module.
@@ -612,94 +614,185 @@ def check_masked_pass(masked_pass):
 
 
 @triton.jit
-def _rerope_fused_band_kernel(Q1, Q2, K1, K2, V, Out, n_ctx, window, qk_scale,
-                              BAND_PASS: tl.constexpr, CAUSAL: tl.constexpr,
-                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                              HEAD_DIM: tl.constexpr):
-    """A teaching ReRoPE forward (one head, contiguous ``(N, D)`` tensors, the walks of
-    :func:`rerope.regions._schedule`) with the band walked **once**: ``BAND_PASS`` gets both
-    query blocks and both key tensors and must compute both products of each band tile. The
-    unmasked walks are :func:`_clean_pass`; the diagonal/end walks, one product each, use the
-    package's mask (:func:`_reference_masked_pass`, built on ``rerope.forward._keep``)."""
+def _band_exercise_kernel(Q1, Q2, K1, K2, V, Out, n_ctx, window, qk_scale,
+                          BAND_PASS: tl.constexpr, SLIP: tl.constexpr,
+                          CAUSAL: tl.constexpr,
+                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                          HEAD_DIM: tl.constexpr):
+    """Chapter 4's teaching forward (:mod:`rerope.teach.three_regions`, one head,
+    contiguous ``(N, D)``) with ``BAND_PASS`` on its two band runs, or with the known
+    slip number ``SLIP`` of :func:`_band_slip` when it is not 0."""
     start_m = tl.program_id(0) * BLOCK_M
     rows = start_m + tl.arange(0, BLOCK_M)
     dims = tl.arange(0, HEAD_DIM)
-    outside_clean, inside_clean, band, edge_inside, edge_outside = _schedule(
-        start_m, BLOCK_M, BLOCK_N, n_ctx, window, CAUSAL, True)
-    m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     q_ptrs = rows[:, None] * HEAD_DIM + dims[None, :]
-    q2 = tl.load(Q2 + q_ptrs, mask=rows[:, None] < n_ctx, other=0.0)
     q1 = tl.load(Q1 + q_ptrs, mask=rows[:, None] < n_ctx, other=0.0)
-    lo1, hi1, lo2, hi2 = outside_clean
-    acc, l_i, m_i = _clean_pass(acc, l_i, m_i, q2, K2, V, lo1, hi1, qk_scale, BLOCK_N, HEAD_DIM)
-    acc, l_i, m_i = _clean_pass(acc, l_i, m_i, q2, K2, V, lo2, hi2, qk_scale, BLOCK_N, HEAD_DIM)
-    lo1, hi1, lo2, hi2 = edge_outside
-    acc, l_i, m_i = _reference_masked_pass(acc, l_i, m_i, q2, K2, V, rows, lo1, hi1, n_ctx,
-                                           window, qk_scale, OUTSIDE, CAUSAL, BLOCK_N, HEAD_DIM)
-    acc, l_i, m_i = _reference_masked_pass(acc, l_i, m_i, q2, K2, V, rows, lo2, hi2, n_ctx,
-                                           window, qk_scale, OUTSIDE, CAUSAL, BLOCK_N, HEAD_DIM)
-    lo1, hi1, lo2, hi2 = inside_clean
-    acc, l_i, m_i = _clean_pass(acc, l_i, m_i, q1, K1, V, lo1, hi1, qk_scale, BLOCK_N, HEAD_DIM)
-    lo1, hi1, lo2, hi2 = edge_inside
-    acc, l_i, m_i = _reference_masked_pass(acc, l_i, m_i, q1, K1, V, rows, lo1, hi1, n_ctx,
-                                           window, qk_scale, INSIDE, CAUSAL, BLOCK_N, HEAD_DIM)
-    acc, l_i, m_i = _reference_masked_pass(acc, l_i, m_i, q1, K1, V, rows, lo2, hi2, n_ctx,
-                                           window, qk_scale, INSIDE, CAUSAL, BLOCK_N, HEAD_DIM)
-    lo1, hi1, lo2, hi2 = band                                   # the reader's pass, once
-    acc, l_i, m_i = BAND_PASS(acc, l_i, m_i, q1, q2, K1, K2, V, rows, lo1, hi1, n_ctx, window,
-                              qk_scale, CAUSAL, BLOCK_N, HEAD_DIM)
-    acc, l_i, m_i = BAND_PASS(acc, l_i, m_i, q1, q2, K1, K2, V, rows, lo2, hi2, n_ctx, window,
-                              qk_scale, CAUSAL, BLOCK_N, HEAD_DIM)
+    q2 = tl.load(Q2 + q_ptrs, mask=rows[:, None] < n_ctx, other=0.0)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    end = tl.minimum(start_m + BLOCK_M, n_ctx) if CAUSAL else n_ctx
+    below_end, inside_start, inside_end, above_start = _window_bounds(
+        start_m, BLOCK_M, BLOCK_N, window)
+    cut1, cut2 = tl.minimum(below_end, end), tl.minimum(inside_start, end)
+    cut3, cut4 = tl.minimum(inside_end, end), tl.minimum(above_start, end)
+    acc, l_i, m_i = _region_pass(acc, l_i, m_i, q1, q2, K1, K2, V, rows, 0, cut1, n_ctx,
+                                 window, qk_scale, _OUTSIDE_RUN, CAUSAL, BLOCK_N, HEAD_DIM,
+                                 "tf32")
+    if SLIP == 0:
+        acc, l_i, m_i = BAND_PASS(acc, l_i, m_i, q1, q2, K1, K2, V, rows, cut1, cut2,
+                                  n_ctx, window, qk_scale, CAUSAL, BLOCK_N, HEAD_DIM)
+    else:
+        acc, l_i, m_i = _band_slip(acc, l_i, m_i, q1, q2, K1, K2, V, rows, cut1, cut2,
+                                   n_ctx, window, qk_scale, CAUSAL, BLOCK_N, HEAD_DIM,
+                                   SLIP)
+    acc, l_i, m_i = _region_pass(acc, l_i, m_i, q1, q2, K1, K2, V, rows, cut2, cut3,
+                                 n_ctx, window, qk_scale, _INSIDE_RUN, CAUSAL, BLOCK_N,
+                                 HEAD_DIM, "tf32")
+    if SLIP == 0:
+        acc, l_i, m_i = BAND_PASS(acc, l_i, m_i, q1, q2, K1, K2, V, rows, cut3, cut4,
+                                  n_ctx, window, qk_scale, CAUSAL, BLOCK_N, HEAD_DIM)
+    else:
+        acc, l_i, m_i = _band_slip(acc, l_i, m_i, q1, q2, K1, K2, V, rows, cut3, cut4,
+                                   n_ctx, window, qk_scale, CAUSAL, BLOCK_N, HEAD_DIM,
+                                   SLIP)
+    acc, l_i, m_i = _region_pass(acc, l_i, m_i, q1, q2, K1, K2, V, rows, cut4, end, n_ctx,
+                                 window, qk_scale, _OUTSIDE_RUN, CAUSAL, BLOCK_N, HEAD_DIM,
+                                 "tf32")
     tl.store(Out + q_ptrs, acc / l_i[:, None], mask=rows[:, None] < n_ctx)
 
 
-def _fused_band_forward(band_pass, five, window, causal, block_m, block_n):
+@triton.jit
+def _band_slip(acc, l_i, m_i, q1, q2, K1, K2, V, rows, lo, hi, n_ctx, window, qk_scale,
+               CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+               SLIP: tl.constexpr):
+    """The band pass with slip number ``SLIP`` of :data:`_BAND_SLIPS` (1, 2, …): what a
+    reader's wrong answer is compared with, to name its slip."""
+    dims = tl.arange(0, HEAD_DIM)
+    for start_n in range(lo, hi, BLOCK_N):
+        cols = start_n + tl.arange(0, BLOCK_N)
+        ptrs = cols[:, None] * HEAD_DIM + dims[None, :]
+        ok = cols[:, None] < n_ctx
+        if SLIP == 9:
+            k1, k2, v = tl.load(K1 + ptrs), tl.load(K2 + ptrs), tl.load(V + ptrs)
+        else:
+            k1 = tl.load(K1 + ptrs, mask=ok, other=0.0)
+            k2 = tl.load(K2 + ptrs, mask=ok, other=0.0)
+            v = tl.load(V + ptrs, mask=ok, other=0.0)
+        gap = rows[:, None] - cols[None, :]
+        inside = (gap < window) & (gap > -window)
+        if SLIP == 3:
+            inside = (gap <= window) & (gap >= -window)
+        if SLIP == 6:
+            inside = gap < window
+        near, far = tl.dot(q1, tl.trans(k1)), tl.dot(q2, tl.trans(k2))
+        scores = tl.where(inside, near, far)
+        if SLIP == 2:
+            scores = tl.where(inside, far, near)
+        if SLIP == 4:
+            scores = near
+        if SLIP == 5:
+            scores = far
+        keep = cols[None, :] < n_ctx
+        if SLIP == 8:
+            keep = cols[None, :] >= 0
+        if CAUSAL and SLIP != 7:
+            keep = keep & (gap >= 0)
+        scores = tl.where(keep, scores, float("-inf"))
+        if SLIP != 1:
+            acc, l_i, m_i = _softmax_step(acc, l_i, m_i, scores, v, qk_scale, "tf32")
+    return acc, l_i, m_i
+
+
+# The band pass's likely slips, numbered from 1 in this order -> the hint naming it.
+_BAND_SLIPS = {
+    "skipped": "your pass leaves the band tiles out (acc, l_i, m_i come back unchanged): "
+               "fold every tile of [lo, hi) into the online softmax",
+    "swapped": "the two products are swapped: inside the window (|i − j| < w) the score "
+               "is q1·k1, outside it q2·k2",
+    "|i - j| <= w": "off by one at the window's edge: you count |i − j| = w as inside. "
+                    "Inside means |i − j| < w: i − j = w − 1 is the last pair inside, "
+                    "i − j = w the first outside",
+    "q1·k1 only": "every entry took q1·k1: the window mask is missing. Compute both "
+                  "products and keep q1·k1 where |i − j| < w, q2·k2 elsewhere",
+    "q2·k2 only": "every entry took q2·k2: the window mask is missing. Compute both "
+                  "products and keep q1·k1 where |i − j| < w, q2·k2 elsewhere",
+    "one side": "your window has one side: without the causal mask a row also sees keys "
+                "after it, where i − j < 0; inside means −w < i − j < w",
+    "no causal mask": "the causal mask is missing: a band tile can hold the diagonal "
+                      "(when w is narrower than a tile), so keys j > i must get −inf",
+    "no end mask": "keys past the end of the sequence got weight: a load's other=0.0 "
+                   "makes their score 0, not −inf; mask the scores of cols >= n_ctx",
+    "no load mask": "your pass reads K or V past the end of the sequence (the buffers "
+                    "hold NaN there): load with mask=cols[:, None] < n_ctx, other=0.0",
+}
+
+
+def _band_forward(band_pass, five, window, causal, block_m, block_n, slip=0):
     n, d = five[0].shape
     out = torch.full((n, d), float("nan"), dtype=torch.float32, device=five[0].device)
     with _quiet():
-        _rerope_fused_band_kernel[(triton.cdiv(n, block_m),)](
-            *five, out, n, window, d ** -0.5 * LOG2E, BAND_PASS=band_pass, CAUSAL=causal,
-            BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=d)
+        _band_exercise_kernel[(triton.cdiv(n, block_m),)](
+            *five, out, n, window, d ** -0.5 * LOG2E, BAND_PASS=band_pass, SLIP=slip,
+            CAUSAL=causal, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=d)
     return out
 
 
-def check_band_pass(band_pass):
-    """Chapter 4: ``band_pass(acc, l_i, m_i, q1, q2, K1, K2, V, rows, lo, hi, n_ctx, window,
-    qk_scale, CAUSAL, BLOCK_N, HEAD_DIM)``: the band walk with **both products per tile** (the
-    package visits a band tile twice, once per product).
+def _band_tiles(n, window, block_m, block_n, causal, program):
+    """The key tiles of one program's two band runs in the teaching forward, by
+    :func:`rerope.regions._window_bounds`'s rules (in Python)."""
+    start = program * block_m
+    end = min(start + block_m, n) if causal else n
+    below_end = max(start - window + 1, 0) // block_n * block_n
+    inside_start = -(-max(start + block_m - window, 0) // block_n) * block_n
+    inside_end = max(max(start + window, 0) // block_n * block_n, inside_start)
+    above_start = -(-max(start + block_m - 1 + window, 0) // block_n) * block_n
+    runs = [(min(below_end, end), min(inside_start, end)),
+            (min(inside_end, end), min(above_start, end))]
+    return [t // block_n for lo, hi in runs for t in range(lo, hi, block_n)]
 
-    Runs :func:`_rerope_fused_band_kernel` with it (the other walks are the package's), compares
-    with the float64 naive reference on the same fp16 inputs (K and V in NaN-padded buffers).
-    The schedule hands every tile that the causal diagonal or the end of the sequence crosses to
-    the diagonal/end walk, so a band pass without causal or length masks is right too. Reports
-    the case, the wrong rows and the band tiles of the first wrong row's program.
+
+def check_band_pass(band_pass):
+    """Chapter 4: ``band_pass(acc, l_i, m_i, q1, q2, K1, K2, V, rows, lo, hi, n_ctx,
+    window, qk_scale, CAUSAL, BLOCK_N, HEAD_DIM)``, the band run of the teaching forward.
+
+    For each key tile of ``[lo, hi)``: both products, each entry keeping its own
+    (``q1·k1`` where ``|i − j| < w``), the causal and end-of-sequence masks, one
+    ``_softmax_step``. Runs :func:`_band_exercise_kernel` with it (the other runs are
+    :mod:`rerope.teach.three_regions`'), compares with the float64 naive reference on the
+    same fp16 inputs (K and V in NaN-padded buffers). A wrong answer is compared with the
+    known slips of :data:`_BAND_SLIPS`: the verdict names the one it reproduces, else
+    the wrong rows and their program's band tiles.
     """
     gen = torch.Generator().manual_seed(5)
     cases = [(40, 13, True, 16, 16),      # the window cuts through tiles, ragged end
+             (40, 5, True, 16, 16),       # w narrower than a tile: the diagonal in the band
              (40, 13, False, 16, 16),     # non-causal: bands on both sides, one holds the end
              (48, 20, True, 32, 16),      # query blocks taller than key tiles
-             (64, 16, True, 16, 16),      # the window on a tile edge: i - j = w - 1, w
-             (40, 1, True, 16, 16)]       # only i = j is inside
+             (64, 16, True, 16, 16)]      # the window on a tile edge: i - j = w - 1, w
     for n, window, causal, block_m, block_n in cases:
         d = 16
         plain = [_randn(gen, n, d) for _ in range(5)]
         five = [_guarded(t, name)[0] for t, name in zip(plain, ("Q1", "Q2", "K1", "K2", "V"))]
         want = reference.rerope_attention(*(t.double()[None, None] for t in plain), window,
                                           causal=causal)[0, 0]
-        rows = _bad_rows(_fused_band_forward(band_pass, five, window, causal, block_m, block_n),
-                         want, atol=5e-3, rtol=5e-3)
+        got = _band_forward(band_pass, five, window, causal, block_m, block_n)
+        rows = _bad_rows(got, want, atol=5e-3, rtol=5e-3)
         if not rows:
             continue
         shape = (f"N={n}, w={window}, {'causal' if causal else 'non-causal'}, "
                  f"{block_m}x{block_n} tiles")
+        for number, (slip, hint) in enumerate(_BAND_SLIPS.items(), 1):
+            same = _band_forward(band_pass, five, window, causal, block_m, block_n, number)
+            if torch.allclose(got, same, atol=1e-3, rtol=1e-3, equal_nan=True):
+                return f"{shape}: rows {_spans(rows)} are wrong; {hint}"
         program = rows[0] // block_m
         block_rows = f"rows {program * block_m}–{min((program + 1) * block_m, n) - 1}"
-        band = _walk_tiles(n, window, block_m, block_n, causal)[program]["band"]
+        band = _band_tiles(n, window, block_m, block_n, causal, program)
         return (f"{shape}: rows {_spans(rows)} are wrong. Program {program} ({block_rows}) "
                 f"walks the band tiles {_tile_keys(band, block_n)}: each entry must take "
-                "q1·k1 where |i − j| < w and q2·k2 elsewhere")
+                "q1·k1 where |i − j| < w and q2·k2 elsewhere, with the causal and "
+                "end-of-sequence masks")
     return CORRECT
 
 
