@@ -377,10 +377,42 @@ def route_swapped(ds, rows, cols, window):
     return tl.where(inside, 0.0, ds), tl.where(inside, ds, 0.0)
 
 
+@triton.jit
+def route_edge_inside(ds, rows, cols, window):
+    gap = rows[:, None] - cols[None, :]
+    inside = (gap <= window) & (gap >= -window)
+    return tl.where(inside, ds, 0.0), tl.where(inside, 0.0, ds)
+
+
+@triton.jit
+def route_unmasked(ds, rows, cols, window):
+    return ds, ds
+
+
+@triton.jit
+def route_causal_side_only(ds, rows, cols, window):
+    gap = rows[:, None] - cols[None, :]
+    return tl.where(gap < window, ds, 0.0), tl.where(gap < window, 0.0, ds)
+
+
+@triton.jit
+def route_halved(ds, rows, cols, window):       # no named slip
+    gap = rows[:, None] - cols[None, :]
+    inside = (gap < window) & (gap > -window)
+    return tl.where(inside, ds, 0.0) * 0.5, tl.where(inside, 0.0, ds)
+
+
 def test_ds_routing():
     assert exercises.check_ds_routing(route_right) == "correct"
-    verdict = exercises.check_ds_routing(route_swapped)
-    assert verdict.startswith("N=40, w=13, causal, 16x16 tiles: dQ1 is wrong in rows"), verdict
+    for route, hint in ((route_swapped, "the two parts are swapped"),
+                        (route_edge_inside, "off by one at the window's edge"),
+                        (route_unmasked, "the window mask is missing"),
+                        (route_causal_side_only, "your window has one side")):
+        verdict = exercises.check_ds_routing(route)
+        assert "is wrong in rows" in verdict and hint in verdict, (hint, verdict)
+    verdict = exercises.check_ds_routing(route_halved)
+    assert verdict.startswith("N=40, w=13, causal, 16x16 tiles: dQ1 is wrong in rows")
+    assert "Program 0 visits band tiles" in verdict, verdict
 
 
 # --- chapter 6 ----------------------------------------------------------------------------------

@@ -946,14 +946,15 @@ def check_delta_varlen_kernel(delta_kernel):
 
 
 @triton.jit
-def _dq_exercise_kernel(Q1, Q2, K1, K2, V, DO, Lse, Delta, DQ1, DQ2, n_ctx, window, qk_scale,
-                        sm_scale, ROUTE: tl.constexpr, CAUSAL: tl.constexpr,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """dQ1 and dQ2 of one head, one program per query block, every key tile visited once with
-    both products (no region schedule: the routing is what is being checked).
+def _dq_exercise_kernel(Q1, Q2, K1, K2, V, DO, Lse, Delta, DQ1, DQ2, n_ctx, window,
+                        qk_scale, sm_scale, ROUTE: tl.constexpr, CAUSAL: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        HEAD_DIM: tl.constexpr):
+    """dQ1 and dQ2 of one head, one program per query block, every key tile visited
+    once with both products (no regions: the routing is what is being checked).
 
-    ``ROUTE(ds, rows, cols, window)`` returns ``(ds_inside, ds_outside)``: the parts of the
-    ``dS`` tile that flow into ``dQ1 = τ·dS_in·K1`` and ``dQ2 = τ·dS_out·K2``.
+    ``ROUTE(ds, rows, cols, window)`` returns ``(ds_inside, ds_outside)``: the parts of
+    the ``dS`` tile that flow into ``dQ1 = τ·dS_in·K1`` and ``dQ2 = τ·dS_out·K2``.
     """
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     dims = tl.arange(0, HEAD_DIM)
@@ -975,7 +976,8 @@ def _dq_exercise_kernel(Q1, Q2, K1, K2, V, DO, Lse, Delta, DQ1, DQ2, n_ctx, wind
         v = tl.load(V + kp, mask=col_ok, other=0.0)
         distance = rows[:, None] - cols[None, :]
         in_window = (distance < window) & (distance > -window)
-        scores = tl.where(in_window, tl.dot(q1, tl.trans(k1)), tl.dot(q2, tl.trans(k2)))
+        near, far = tl.dot(q1, tl.trans(k1)), tl.dot(q2, tl.trans(k2))
+        scores = tl.where(in_window, near, far)
         valid = (cols[None, :] < n_ctx) & row_ok[:, None]
         if CAUSAL:
             valid = valid & (distance >= 0)
@@ -988,15 +990,81 @@ def _dq_exercise_kernel(Q1, Q2, K1, K2, V, DO, Lse, Delta, DQ1, DQ2, n_ctx, wind
     tl.store(DQ2 + ptrs, dq2 * sm_scale, mask=row_ok[:, None])
 
 
+# The routing's likely slips, each as a route, and the hint that names it.
+@triton.jit
+def _route_all_inside(ds, rows, cols, window):
+    return ds, ds * 0.0
+
+
+@triton.jit
+def _route_all_outside(ds, rows, cols, window):
+    return ds * 0.0, ds
+
+
+@triton.jit
+def _route_both(ds, rows, cols, window):
+    return ds, ds
+
+
+@triton.jit
+def _route_swapped(ds, rows, cols, window):
+    distance = rows[:, None] - cols[None, :]
+    inside = (distance < window) & (distance > -window)
+    return tl.where(inside, 0.0, ds), tl.where(inside, ds, 0.0)
+
+
+@triton.jit
+def _route_edge_inside(ds, rows, cols, window):
+    distance = rows[:, None] - cols[None, :]
+    inside = (distance <= window) & (distance >= -window)
+    return tl.where(inside, ds, 0.0), tl.where(inside, 0.0, ds)
+
+
+@triton.jit
+def _route_one_side(ds, rows, cols, window):
+    distance = rows[:, None] - cols[None, :]
+    inside = distance < window
+    return tl.where(inside, ds, 0.0), tl.where(inside, 0.0, ds)
+
+
+_ROUTE_SLIPS = (
+    (_route_all_inside, "all of dS went to dQ1 (and none to dQ2): split it by the window, "
+                        "dS ∘ W to dQ1 and dS ∘ ¬W to dQ2"),
+    (_route_all_outside, "all of dS went to dQ2 (and none to dQ1): split it by the window, "
+                         "dS ∘ W to dQ1 and dS ∘ ¬W to dQ2"),
+    (_route_both, "both gradients got the whole dS: the window mask is missing; each "
+                  "entry belongs to the one product its score came from"),
+    (_route_swapped, "the two parts are swapped: dS where |i − j| < w comes from q1·k1 "
+                     "and goes to dQ1, the rest to dQ2"),
+    (_route_edge_inside, "off by one at the window's edge: you route |i − j| = w to dQ1; "
+                         "inside means |i − j| < w, exactly as in the forward's scores"),
+    (_route_one_side, "your window has one side: without the causal mask keys after the "
+                      "query have i − j < 0; inside means −w < i − j < w"),
+)
+
+
+def _run_dq_exercise(route, five, dout, lse, delta, window, causal, block_m, block_n):
+    n, d = five[0].shape
+    dq1 = torch.full((n, d), float("nan"), dtype=torch.float32, device=five[0].device)
+    dq2 = torch.full_like(dq1, float("nan"))
+    with _quiet():
+        _dq_exercise_kernel[(triton.cdiv(n, block_m),)](
+            *five, dout, lse, delta, dq1, dq2, n, window, d ** -0.5 * LOG2E, d ** -0.5,
+            ROUTE=route, CAUSAL=causal, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=d)
+    return dq1, dq2
+
+
 def check_ds_routing(route):
     """Chapter 5: ``route(ds, rows, cols, window) -> (ds_inside, ds_outside)``.
 
-    Runs :func:`_dq_exercise_kernel` with it and compares ``dQ1``, ``dQ2`` with autograd through
-    the float64 reference on the same fp16 inputs; reports the gradient, the rows, and the key
-    tiles those rows' program saw on both sides of the window.
+    Runs :func:`_dq_exercise_kernel` with it and compares ``dQ1``, ``dQ2`` with autograd
+    through the float64 reference on the same fp16 inputs. A wrong answer is compared
+    with the likely slips (:data:`_ROUTE_SLIPS`): the verdict names the one it
+    reproduces, else the gradient, the rows, and the key tiles of their program.
     """
     gen = torch.Generator().manual_seed(7)
-    for n, window, causal, block_m, block_n in ((40, 13, True, 16, 16), (40, 9, False, 16, 16),
+    for n, window, causal, block_m, block_n in ((40, 13, True, 16, 16),
+                                                (40, 9, False, 16, 16),
                                                 (48, 20, True, 32, 16)):
         d = 16
         five = [_randn(gen, n, d) for _ in range(5)]
@@ -1013,23 +1081,26 @@ def check_ds_routing(route):
             s = s.masked_fill(idx[None, :] > idx[:, None], float("-inf"))
         lse = (torch.logsumexp(s, -1) * LOG2E).float()
         delta = (dout.double() * out.detach()[0, 0]).sum(-1).float()
-        dq1 = torch.full((n, d), float("nan"), dtype=torch.float32, device=five[0].device)
-        dq2 = torch.full_like(dq1, float("nan"))
-        with _quiet():
-            _dq_exercise_kernel[(triton.cdiv(n, block_m),)](
-                *five, dout, lse, delta, dq1, dq2, n, window, d ** -0.5 * LOG2E, d ** -0.5,
-                ROUTE=route, CAUSAL=causal, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=d)
+        stats = (five, dout, lse, delta, window, causal, block_m, block_n)
+        dq1, dq2 = _run_dq_exercise(route, *stats)
+        shape = (f"N={n}, w={window}, {'causal' if causal else 'non-causal'}, "
+                 f"{block_m}x{block_n} tiles")
         for name, got, want in (("dQ1", dq1, want_dq1[0, 0]), ("dQ2", dq2, want_dq2[0, 0])):
             scale = want.abs().max().item()
             rows = _bad_rows(got, want, atol=1e-2 * scale, rtol=1e-2)
-            if rows:
-                program = rows[0] // block_m
-                return (f"N={n}, w={window}, {'causal' if causal else 'non-causal'}, "
-                        f"{block_m}x{block_n} tiles: {name} is wrong in rows {_spans(rows)}. "
-                        f"Program {program} visits "
-                        + _masked_tiles(n, window, block_m, block_n, causal, program)
-                        + f"; {name} must get dS where |i − j| "
-                        + ("< w" if name == "dQ1" else ">= w") + " and nothing else")
+            if not rows:
+                continue
+            for slip, hint in _ROUTE_SLIPS:
+                same1, same2 = _run_dq_exercise(slip, *stats)
+                if all(torch.allclose(a, b, atol=1e-3 * scale, rtol=1e-3, equal_nan=True)
+                       for a, b in ((dq1, same1), (dq2, same2))):
+                    return f"{shape}: {name} is wrong in rows {_spans(rows)}; {hint}"
+            program = rows[0] // block_m
+            return (f"{shape}: {name} is wrong in rows {_spans(rows)}. "
+                    f"Program {program} visits "
+                    + _masked_tiles(n, window, block_m, block_n, causal, program)
+                    + f"; {name} must get dS where |i − j| "
+                    + ("< w" if name == "dQ1" else ">= w") + " and nothing else")
     return CORRECT
 
 
