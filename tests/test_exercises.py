@@ -135,11 +135,30 @@ def end_everything(start_m, BLOCK_M: tl.constexpr, n_ctx):
     return n_ctx
 
 
+@triton.jit
+def mask_one_ahead(scores, rows, cols, n_ctx):
+    keep = (cols[None, :] < n_ctx) & (cols[None, :] <= rows[:, None] + 1)
+    return tl.where(keep, scores, float("-inf"))
+
+
+@triton.jit
+def end_before_diagonal(start_m, BLOCK_M: tl.constexpr, n_ctx):
+    return start_m
+
+
 def test_causal_mask():
     assert exercises.check_causal_mask(mask_right, end_right) == "correct"
-    assert "rows 0–38 differ" in exercises.check_causal_mask(mask_none, end_everything)
+    verdict = exercises.check_causal_mask(mask_none, end_everything)
+    assert "rows 0–38 differ" in verdict and "the causal mask is missing" in verdict
     # a row that may not see itself: row 0 has nothing left (NaN), every row is off
-    assert "differ from plain_attention" in exercises.check_causal_mask(mask_off_by_one, end_right)
+    verdict = exercises.check_causal_mask(mask_off_by_one, end_right)
+    assert "row i must see itself" in verdict, verdict
+    verdict = exercises.check_causal_mask(mask_none, end_right)
+    assert "the causal mask is missing in the diagonal tile" in verdict, verdict
+    verdict = exercises.check_causal_mask(mask_one_ahead, end_right)
+    assert "row i also sees key i + 1" in verdict, verdict
+    verdict = exercises.check_causal_mask(mask_right, end_before_diagonal)
+    assert "stops before the block's diagonal tile" in verdict, verdict
     verdict = exercises.check_causal_mask(mask_right, end_everything)
     assert "right output, but program 0 (rows 0–15) walks 3 key tiles where 1 suffice" in verdict
 

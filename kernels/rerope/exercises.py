@@ -206,29 +206,32 @@ def _guard_verdict(*guards):
 # --- chapter 3: the online-softmax step ----------------------------------------------------------
 
 @triton.jit
-def _step_trace_kernel(Q, K, V, TraceM, TraceL, TraceAcc, n_ctx, qk_scale, softcap, m_start,
-                       shift, STEP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                       HEAD_DIM: tl.constexpr):
+def _step_trace_kernel(Q, K, V, TraceM, TraceL, TraceAcc, n_ctx, qk_scale, softcap,
+                       m_start, shift, STEP: tl.constexpr, BLOCK_M: tl.constexpr,
+                       BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr):
     """Attention of one head that records the online-softmax state after every key tile.
 
-    ``STEP`` is a ``@triton.jit`` function with the signature of ``_softmax_step`` plus a
-    ``softcap`` argument before ``DOT_PRECISION``. Row ``i`` sees the keys ``j >= shift · i``
-    (``shift = 0``: all of them), so with ``shift > 0`` the later rows meet fully masked tiles
-    first. The state starts at ``m = m_start``, ``l = 0``, ``acc = 0``; after key tile ``t`` the
-    rows' ``m``, ``l`` (``(n_tiles, N)``) and ``acc`` (``(n_tiles, N, D)``) are stored.
+    ``STEP`` is a ``@triton.jit`` function with the signature of ``_softmax_step`` plus
+    a ``softcap`` argument before ``DOT_PRECISION``. Row ``i`` sees the keys ``j >=
+    shift · i`` (``shift = 0``: all of them), so with ``shift > 0`` the later rows meet
+    fully masked tiles first. The state starts at ``m = m_start``, ``l = 0``, ``acc =
+    0``; after key tile ``t`` the rows' ``m``, ``l`` (``(n_tiles, N)``) and ``acc``
+    (``(n_tiles, N, D)``) are stored.
     """
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     dims = tl.arange(0, HEAD_DIM)
     row_ok = rows < n_ctx
-    q = tl.load(Q + rows[:, None] * HEAD_DIM + dims[None, :], mask=row_ok[:, None], other=0.0)
+    q = tl.load(Q + rows[:, None] * HEAD_DIM + dims[None, :], mask=row_ok[:, None],
+                other=0.0)
     m_i = tl.zeros([BLOCK_M], tl.float32) + m_start
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     for t in range(0, tl.cdiv(n_ctx, BLOCK_N)):
         cols = t * BLOCK_N + tl.arange(0, BLOCK_N)
         col_ok = cols < n_ctx
-        k = tl.load(K + cols[:, None] * HEAD_DIM + dims[None, :], mask=col_ok[:, None], other=0.0)
-        v = tl.load(V + cols[:, None] * HEAD_DIM + dims[None, :], mask=col_ok[:, None], other=0.0)
+        kv_ptrs = cols[:, None] * HEAD_DIM + dims[None, :]
+        k = tl.load(K + kv_ptrs, mask=col_ok[:, None], other=0.0)
+        v = tl.load(V + kv_ptrs, mask=col_ok[:, None], other=0.0)
         visible = col_ok[None, :] & (cols[None, :] >= shift * rows[:, None])
         scores = tl.where(visible, tl.dot(q, tl.trans(k)), float("-inf"))
         acc, l_i, m_i = STEP(acc, l_i, m_i, scores, v, qk_scale, softcap, "tf32")
@@ -363,35 +366,68 @@ def check_softcap_step(step):
 
 @triton.jit
 def _plain_exercise_kernel(Q, K, V, Out, Visits, n_ctx, qk_scale,
-                           MASK: tl.constexpr, KEY_END: tl.constexpr, BLOCK_M: tl.constexpr,
-                           BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr):
+                           MASK: tl.constexpr, KEY_END: tl.constexpr,
+                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                           HEAD_DIM: tl.constexpr):
     """The plain kernel of chapter 3 with its two causal pieces supplied by the caller.
 
-    ``KEY_END(start_m, BLOCK_M, n_ctx)`` is where the key loop stops, ``MASK(scores, rows, cols,
-    n_ctx)`` returns the score tile with every entry that must not count set to ``-inf``. One
-    head, contiguous ``(N, D)``; ``Visits[program]`` counts the key tiles the program walked.
+    ``KEY_END(start_m, BLOCK_M, n_ctx)`` is where the key loop stops, ``MASK(scores,
+    rows, cols, n_ctx)`` returns the score tile with every entry that must not count set
+    to ``-inf``. One head, contiguous ``(N, D)``; ``Visits[program]`` counts the key
+    tiles the program walked.
     """
     start_m = tl.program_id(0) * BLOCK_M
     rows = start_m + tl.arange(0, BLOCK_M)
     dims = tl.arange(0, HEAD_DIM)
-    q = tl.load(Q + rows[:, None] * HEAD_DIM + dims[None, :], mask=rows[:, None] < n_ctx,
-                other=0.0)
+    q = tl.load(Q + rows[:, None] * HEAD_DIM + dims[None, :],
+                mask=rows[:, None] < n_ctx, other=0.0)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     visits = tl.program_id(0) * 0          # an int32 counter
     for start_n in range(0, KEY_END(start_m, BLOCK_M, n_ctx), BLOCK_N):
         cols = start_n + tl.arange(0, BLOCK_N)
-        k = tl.load(K + cols[:, None] * HEAD_DIM + dims[None, :], mask=cols[:, None] < n_ctx,
-                    other=0.0)
-        v = tl.load(V + cols[:, None] * HEAD_DIM + dims[None, :], mask=cols[:, None] < n_ctx,
-                    other=0.0)
+        kv_ptrs = cols[:, None] * HEAD_DIM + dims[None, :]
+        k = tl.load(K + kv_ptrs, mask=cols[:, None] < n_ctx, other=0.0)
+        v = tl.load(V + kv_ptrs, mask=cols[:, None] < n_ctx, other=0.0)
         scores = MASK(tl.dot(q, tl.trans(k)), rows, cols, n_ctx)
         acc, l_i, m_i = _softmax_step(acc, l_i, m_i, scores, v, qk_scale, "tf32")
         visits += 1
     tl.store(Out + rows[:, None] * HEAD_DIM + dims[None, :], acc / l_i[:, None],
              mask=rows[:, None] < n_ctx)
     tl.store(Visits + tl.program_id(0), visits)
+
+
+# The causal mask's likely slips: which keys j row i sees (its block: rows start … end-1).
+_CAUSAL_SLIPS = (
+    ("the causal mask is missing: row i attends to keys after it (mask cols > rows)",
+     lambda i, j, start, end: j >= 0),
+    ("the causal mask is missing in the diagonal tile: the loop ends at the block's last "
+     "row, but within that tile row i still sees keys after it (mask cols > rows)",
+     lambda i, j, start, end: j < end),
+    ("off by one at the diagonal: row i must see itself, keys 0 … i (cols <= rows)",
+     lambda i, j, start, end: j < i),
+    ("off by one at the diagonal: row i also sees key i + 1 (keep cols <= rows)",
+     lambda i, j, start, end: (j <= i + 1) & (j < end)),
+    ("the key loop stops before the block's diagonal tile: it must run to "
+     "min(start_m + BLOCK_M, n_ctx)", lambda i, j, start, end: (j <= i) & (j < start)),
+)
+
+
+def _causal_slip(out, q, k, v, block_m):
+    """The hint for a wrong causal output: the slip of :data:`_CAUSAL_SLIPS` whose
+    attention (float64) it reproduces, else the rule."""
+    n, d = q.shape
+    i = torch.arange(n, device=q.device)[:, None]
+    j = torch.arange(n, device=q.device)[None, :]
+    scores = (q.double() @ k.double().T) * d ** -0.5
+    for hint, sees in _CAUSAL_SLIPS:
+        start = i // block_m * block_m
+        allowed = sees(i, j, start, start + block_m)
+        slip = torch.softmax(scores.masked_fill(~allowed, float("-inf")), -1) @ v.double()
+        if torch.allclose(out.double(), slip, atol=2e-3, rtol=2e-3, equal_nan=True):
+            return hint
+    return "causal: row i attends to the keys 0 … i, and to none past N − 1"
 
 
 def check_causal_mask(mask, key_end):
@@ -417,8 +453,8 @@ def check_causal_mask(mask, key_end):
         shape = f"N={n}, {block_m}-row query blocks, {block_n}-key tiles"
         rows = _bad_rows(out, want, atol=2e-3, rtol=2e-3)
         if rows:
-            return (f"{shape}: output rows {_spans(rows)} differ from plain_attention(causal=True)"
-                    " (causal: row i attends to the keys 0 … i, and to none past N − 1)")
+            return (f"{shape}: output rows {_spans(rows)} differ from plain_attention"
+                    f"(causal=True); " + _causal_slip(out, q, k, v, block_m))
         fewest = [triton.cdiv(min((p + 1) * block_m, n), block_n) for p in range(n_programs)]
         for p, (walked, need) in enumerate(zip(visits.cpu().tolist(), fewest)):
             if walked != need:
