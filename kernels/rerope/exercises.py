@@ -23,7 +23,7 @@ checker                            chapter  what the reader writes
 :func:`check_softcap_step`               3  a soft-capped ``_softmax_step``, safe for ``m = -inf``
 :func:`check_causal_mask`                3  the causal mask and the loop end of the plain kernel
 :func:`check_masked_pass`                4  one masked pass (band / diagonal) of the ReRoPE forward
-:func:`check_band_pass`                  4  the band walk with both products in one tile
+:func:`check_band_pass`                  4  the band run of the teaching forward (both products)
 :func:`check_window_bounds`              4  the cut points of an asymmetric window (plain Python)
 :func:`check_delta_kernel`               5  the δ kernel, ``rowsum(dO ∘ O)``
 :func:`check_delta_varlen_kernel`        5  the δ kernel for packed sequences of different lengths
@@ -52,7 +52,6 @@ import triton
 import triton.language as tl
 
 from . import reference
-from .forward import _keep
 from .online_softmax import LOG2E, _softmax_step, plain_attention
 from .regions import (INSIDE, INSIDE_CLEAN, INSIDE_MASKED, OUTSIDE, OUTSIDE_CLEAN,
                       OUTSIDE_MASKED, _mark, _schedule, _window_bounds, tile_map)
@@ -484,7 +483,7 @@ def _reference_masked_pass(acc, l_i, m_i, q, K, V, rows, lo, hi, n_ctx, window, 
                            PRODUCT: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr,
                            HEAD_DIM: tl.constexpr):
     """What :func:`check_masked_pass` compares with, to tell band tiles from edge tiles: the
-    package's own mask (:func:`rerope.forward._keep`)."""
+    forward's mask, written out here (valid, causal, this product's side of the window)."""
     dims = tl.arange(0, HEAD_DIM)
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + tl.arange(0, BLOCK_N)
@@ -492,7 +491,13 @@ def _reference_masked_pass(acc, l_i, m_i, q, K, V, rows, lo, hi, n_ctx, window, 
                     other=0.0)
         v = tl.load(V + cols[:, None] * HEAD_DIM + dims[None, :], mask=cols[:, None] < n_ctx,
                     other=0.0)
-        keep = _keep(rows[:, None], cols[None, :], cols[None, :] < n_ctx, window, PRODUCT, CAUSAL)
+        distance = rows[:, None] - cols[None, :]
+        keep = (distance < window) & (distance > -window)
+        if PRODUCT == OUTSIDE:
+            keep = ~keep
+        keep = keep & (cols[None, :] < n_ctx)
+        if CAUSAL:
+            keep = keep & (distance >= 0)
         scores = tl.where(keep, tl.dot(q, tl.trans(k)), float("-inf"))
         acc, l_i, m_i = _softmax_step(acc, l_i, m_i, scores, v, qk_scale, "tf32")
     return acc, l_i, m_i
