@@ -397,12 +397,13 @@ def _plain_exercise_kernel(Q, K, V, Out, Visits, n_ctx, qk_scale,
     tl.store(Visits + tl.program_id(0), visits)
 
 
-# The causal mask's likely slips: which keys j row i sees (its block: rows start … end-1).
+# The causal mask's likely slips: which keys j row i sees (its block: rows start to
+# end - 1).
 _CAUSAL_SLIPS = (
     ("the causal mask is missing: row i attends to keys after it (mask cols > rows)",
      lambda i, j, start, end: j >= 0),
-    ("the causal mask is missing in the diagonal tile: the loop ends at the block's last "
-     "row, but within that tile row i still sees keys after it (mask cols > rows)",
+    ("the causal mask is missing in the diagonal tile: the loop ends at the block's "
+     "last row, but within that tile row i still sees keys after it (mask cols > rows)",
      lambda i, j, start, end: j < end),
     ("off by one at the diagonal: row i must see itself, keys 0 … i (cols <= rows)",
      lambda i, j, start, end: j < i),
@@ -423,7 +424,8 @@ def _causal_slip(out, q, k, v, block_m):
     for hint, sees in _CAUSAL_SLIPS:
         start = i // block_m * block_m
         allowed = sees(i, j, start, start + block_m)
-        slip = torch.softmax(scores.masked_fill(~allowed, float("-inf")), -1) @ v.double()
+        probs = torch.softmax(scores.masked_fill(~allowed, float("-inf")), -1)
+        slip = probs @ v.double()
         if torch.allclose(out.double(), slip, atol=2e-3, rtol=2e-3, equal_nan=True):
             return hint
     return "causal: row i attends to the keys 0 … i, and to none past N − 1"
@@ -677,9 +679,9 @@ def _band_exercise_kernel(Q1, Q2, K1, K2, V, Out, n_ctx, window, qk_scale,
         start_m, BLOCK_M, BLOCK_N, window)
     cut1, cut2 = tl.minimum(below_end, end), tl.minimum(inside_start, end)
     cut3, cut4 = tl.minimum(inside_end, end), tl.minimum(above_start, end)
-    acc, l_i, m_i = _region_pass(acc, l_i, m_i, q1, q2, K1, K2, V, rows, 0, cut1, n_ctx,
-                                 window, qk_scale, _OUTSIDE_RUN, CAUSAL, BLOCK_N, HEAD_DIM,
-                                 "tf32")
+    acc, l_i, m_i = _region_pass(acc, l_i, m_i, q1, q2, K1, K2, V, rows, 0, cut1,
+                                 n_ctx, window, qk_scale, _OUTSIDE_RUN, CAUSAL, BLOCK_N,
+                                 HEAD_DIM, "tf32")
     if SLIP == 0:
         acc, l_i, m_i = BAND_PASS(acc, l_i, m_i, q1, q2, K1, K2, V, rows, cut1, cut2,
                                   n_ctx, window, qk_scale, CAUSAL, BLOCK_N, HEAD_DIM)
@@ -697,9 +699,9 @@ def _band_exercise_kernel(Q1, Q2, K1, K2, V, Out, n_ctx, window, qk_scale,
         acc, l_i, m_i = _band_slip(acc, l_i, m_i, q1, q2, K1, K2, V, rows, cut3, cut4,
                                    n_ctx, window, qk_scale, CAUSAL, BLOCK_N, HEAD_DIM,
                                    SLIP)
-    acc, l_i, m_i = _region_pass(acc, l_i, m_i, q1, q2, K1, K2, V, rows, cut4, end, n_ctx,
-                                 window, qk_scale, _OUTSIDE_RUN, CAUSAL, BLOCK_N, HEAD_DIM,
-                                 "tf32")
+    acc, l_i, m_i = _region_pass(acc, l_i, m_i, q1, q2, K1, K2, V, rows, cut4, end,
+                                 n_ctx, window, qk_scale, _OUTSIDE_RUN, CAUSAL, BLOCK_N,
+                                 HEAD_DIM, "tf32")
     tl.store(Out + q_ptrs, acc / l_i[:, None], mask=rows[:, None] < n_ctx)
 
 
@@ -747,25 +749,34 @@ def _band_slip(acc, l_i, m_i, q1, q2, K1, K2, V, rows, lo, hi, n_ctx, window, qk
 
 # The band pass's likely slips, numbered from 1 in this order -> the hint naming it.
 _BAND_SLIPS = {
-    "skipped": "your pass leaves the band tiles out (acc, l_i, m_i come back unchanged): "
-               "fold every tile of [lo, hi) into the online softmax",
-    "swapped": "the two products are swapped: inside the window (|i − j| < w) the score "
-               "is q1·k1, outside it q2·k2",
-    "|i - j| <= w": "off by one at the window's edge: you count |i − j| = w as inside. "
-                    "Inside means |i − j| < w: i − j = w − 1 is the last pair inside, "
-                    "i − j = w the first outside",
-    "q1·k1 only": "every entry took q1·k1: the window mask is missing. Compute both "
-                  "products and keep q1·k1 where |i − j| < w, q2·k2 elsewhere",
-    "q2·k2 only": "every entry took q2·k2: the window mask is missing. Compute both "
-                  "products and keep q1·k1 where |i − j| < w, q2·k2 elsewhere",
-    "one side": "your window has one side: without the causal mask a row also sees keys "
-                "after it, where i − j < 0; inside means −w < i − j < w",
-    "no causal mask": "the causal mask is missing: a band tile can hold the diagonal "
-                      "(when w is narrower than a tile), so keys j > i must get −inf",
-    "no end mask": "keys past the end of the sequence got weight: a load's other=0.0 "
-                   "makes their score 0, not −inf; mask the scores of cols >= n_ctx",
-    "no load mask": "your pass reads K or V past the end of the sequence (the buffers "
-                    "hold NaN there): load with mask=cols[:, None] < n_ctx, other=0.0",
+    "skipped":
+        "your pass leaves the band tiles out (acc, l_i, m_i come back unchanged): fold "
+        "every tile of [lo, hi) into the online softmax",
+    "swapped":
+        "the two products are swapped: inside the window (|i − j| < w) the score is "
+        "q1·k1, outside it q2·k2",
+    "|i - j| <= w":
+        "off by one at the window's edge: you count |i − j| = w as inside. Inside "
+        "means |i − j| < w: i − j = w − 1 is the last pair inside, i − j = w the first "
+        "outside",
+    "q1·k1 only":
+        "every entry took q1·k1: the window mask is missing. Compute both products and "
+        "keep q1·k1 where |i − j| < w, q2·k2 elsewhere",
+    "q2·k2 only":
+        "every entry took q2·k2: the window mask is missing. Compute both products and "
+        "keep q1·k1 where |i − j| < w, q2·k2 elsewhere",
+    "one side":
+        "your window has one side: without the causal mask a row also sees keys after "
+        "it, where i − j < 0; inside means −w < i − j < w",
+    "no causal mask":
+        "the causal mask is missing: a band tile can hold the diagonal (when w is "
+        "narrower than a tile), so keys j > i must get −inf",
+    "no end mask":
+        "keys past the end of the sequence got weight: a load's other=0.0 makes their "
+        "score 0, not −inf; mask the scores of cols >= n_ctx",
+    "no load mask":
+        "your pass reads K or V past the end of the sequence (the buffers hold NaN "
+        "there): load with mask=cols[:, None] < n_ctx, other=0.0",
 }
 
 
@@ -795,28 +806,29 @@ def _band_tiles(n, window, block_m, block_n, causal, program):
 
 def check_band_pass(band_pass):
     """Chapter 4: ``band_pass(acc, l_i, m_i, q1, q2, K1, K2, V, rows, lo, hi, n_ctx,
-    window, qk_scale, CAUSAL, BLOCK_N, HEAD_DIM)``, the band run of the teaching forward.
+    window, qk_scale, CAUSAL, BLOCK_N, HEAD_DIM)``: the teaching forward's band run.
 
     For each key tile of ``[lo, hi)``: both products, each entry keeping its own
     (``q1·k1`` where ``|i − j| < w``), the causal and end-of-sequence masks, one
     ``_softmax_step``. Runs :func:`_band_exercise_kernel` with it (the other runs are
-    :mod:`rerope.teach.three_regions`'), compares with the float64 naive reference on the
-    same fp16 inputs (K and V in NaN-padded buffers). A wrong answer is compared with the
-    known slips of :data:`_BAND_SLIPS`: the verdict names the one it reproduces, else
-    the wrong rows and their program's band tiles.
+    :mod:`rerope.teach.three_regions`'), compares with the float64 naive reference on
+    the same fp16 inputs (K and V in NaN-padded buffers). A wrong answer is compared
+    with the known slips of :data:`_BAND_SLIPS`: the verdict names the one it
+    reproduces, else the wrong rows and their program's band tiles.
     """
     gen = torch.Generator().manual_seed(5)
     cases = [(40, 13, True, 16, 16),      # the window cuts through tiles, ragged end
-             (40, 5, True, 16, 16),       # w narrower than a tile: the diagonal in the band
-             (40, 13, False, 16, 16),     # non-causal: bands on both sides, one holds the end
+             (40, 5, True, 16, 16),       # w below a tile: the diagonal in the band
+             (40, 13, False, 16, 16),     # non-causal: two bands, one holds the end
              (48, 20, True, 32, 16),      # query blocks taller than key tiles
              (64, 16, True, 16, 16)]      # the window on a tile edge: i - j = w - 1, w
     for n, window, causal, block_m, block_n in cases:
         d = 16
         plain = [_randn(gen, n, d) for _ in range(5)]
-        five = [_guarded(t, name)[0] for t, name in zip(plain, ("Q1", "Q2", "K1", "K2", "V"))]
-        want = reference.rerope_attention(*(t.double()[None, None] for t in plain), window,
-                                          causal=causal)[0, 0]
+        names = ("Q1", "Q2", "K1", "K2", "V")
+        five = [_guarded(t, name)[0] for t, name in zip(plain, names)]
+        want = reference.rerope_attention(*(t.double()[None, None] for t in plain),
+                                          window, causal=causal)[0, 0]
         got = _band_forward(band_pass, five, window, causal, block_m, block_n)
         rows = _bad_rows(got, want, atol=5e-3, rtol=5e-3)
         if not rows:
@@ -824,16 +836,17 @@ def check_band_pass(band_pass):
         shape = (f"N={n}, w={window}, {'causal' if causal else 'non-causal'}, "
                  f"{block_m}x{block_n} tiles")
         for number, (slip, hint) in enumerate(_BAND_SLIPS.items(), 1):
-            same = _band_forward(band_pass, five, window, causal, block_m, block_n, number)
+            same = _band_forward(band_pass, five, window, causal, block_m, block_n,
+                                 number)
             if torch.allclose(got, same, atol=1e-3, rtol=1e-3, equal_nan=True):
                 return f"{shape}: rows {_spans(rows)} are wrong; {hint}"
         program = rows[0] // block_m
         block_rows = f"rows {program * block_m}–{min((program + 1) * block_m, n) - 1}"
         band = _band_tiles(n, window, block_m, block_n, causal, program)
-        return (f"{shape}: rows {_spans(rows)} are wrong. Program {program} ({block_rows}) "
-                f"walks the band tiles {_tile_keys(band, block_n)}: each entry must take "
-                "q1·k1 where |i − j| < w and q2·k2 elsewhere, with the causal and "
-                "end-of-sequence masks")
+        return (f"{shape}: rows {_spans(rows)} are wrong. Program {program} "
+                f"({block_rows}) walks the band tiles {_tile_keys(band, block_n)}: "
+                "each entry must take q1·k1 where |i − j| < w and q2·k2 elsewhere, with the "
+                "causal and end-of-sequence masks")
     return CORRECT
 
 
@@ -1069,18 +1082,24 @@ def _route_one_side(ds, rows, cols, window):
 
 
 _ROUTE_SLIPS = (
-    (_route_all_inside, "all of dS went to dQ1 (and none to dQ2): split it by the window, "
-                        "dS ∘ W to dQ1 and dS ∘ ¬W to dQ2"),
-    (_route_all_outside, "all of dS went to dQ2 (and none to dQ1): split it by the window, "
-                         "dS ∘ W to dQ1 and dS ∘ ¬W to dQ2"),
-    (_route_both, "both gradients got the whole dS: the window mask is missing; each "
-                  "entry belongs to the one product its score came from"),
-    (_route_swapped, "the two parts are swapped: dS where |i − j| < w comes from q1·k1 "
-                     "and goes to dQ1, the rest to dQ2"),
-    (_route_edge_inside, "off by one at the window's edge: you route |i − j| = w to dQ1; "
-                         "inside means |i − j| < w, exactly as in the forward's scores"),
-    (_route_one_side, "your window has one side: without the causal mask keys after the "
-                      "query have i − j < 0; inside means −w < i − j < w"),
+    (_route_all_inside,
+     "all of dS went to dQ1 (and none to dQ2): split it by the window, dS ∘ W to dQ1 "
+     "and dS ∘ ¬W to dQ2"),
+    (_route_all_outside,
+     "all of dS went to dQ2 (and none to dQ1): split it by the window, dS ∘ W to dQ1 "
+     "and dS ∘ ¬W to dQ2"),
+    (_route_both,
+     "both gradients got the whole dS: the window mask is missing; each entry belongs "
+     "to the one product its score came from"),
+    (_route_swapped,
+     "the two parts are swapped: dS where |i − j| < w comes from q1·k1 and goes to "
+     "dQ1, the rest to dQ2"),
+    (_route_edge_inside,
+     "off by one at the window's edge: you route |i − j| = w to dQ1; inside means |i − "
+     "j| < w, exactly as in the forward's scores"),
+    (_route_one_side,
+     "your window has one side: without the causal mask keys after the query have i − "
+     "j < 0; inside means −w < i − j < w"),
 )
 
 
@@ -1112,8 +1131,10 @@ def check_ds_routing(route):
         dout = _randn(gen, n, d)
         leaves = [t.double()[None, None].requires_grad_() for t in five]
         out = reference.rerope_attention(*leaves, window, causal=causal)
-        want_dq1, want_dq2 = torch.autograd.grad(out, leaves[:2], dout.double()[None, None])
-        # the forward's saved statistics, in the kernels' units: lse in log2, δ = rowsum(dO ∘ O)
+        want_dq1, want_dq2 = torch.autograd.grad(out, leaves[:2],
+                                                 dout.double()[None, None])
+        # the forward's saved statistics in the kernels' units: lse in log2,
+        # δ = rowsum(dO ∘ O)
         idx = torch.arange(n, device=five[0].device)
         s = torch.where((idx[:, None] - idx[None, :]).abs() < window,
                         five[0].double() @ five[2].double().T,
@@ -1126,15 +1147,18 @@ def check_ds_routing(route):
         dq1, dq2 = _run_dq_exercise(route, *stats)
         shape = (f"N={n}, w={window}, {'causal' if causal else 'non-causal'}, "
                  f"{block_m}x{block_n} tiles")
-        for name, got, want in (("dQ1", dq1, want_dq1[0, 0]), ("dQ2", dq2, want_dq2[0, 0])):
+        for name, got, want in (("dQ1", dq1, want_dq1[0, 0]),
+                                ("dQ2", dq2, want_dq2[0, 0])):
             scale = want.abs().max().item()
             rows = _bad_rows(got, want, atol=1e-2 * scale, rtol=1e-2)
             if not rows:
                 continue
             for slip, hint in _ROUTE_SLIPS:
                 same1, same2 = _run_dq_exercise(slip, *stats)
-                if all(torch.allclose(a, b, atol=1e-3 * scale, rtol=1e-3, equal_nan=True)
-                       for a, b in ((dq1, same1), (dq2, same2))):
+                close = [torch.allclose(a, b, atol=1e-3 * scale, rtol=1e-3,
+                                        equal_nan=True)
+                         for a, b in ((dq1, same1), (dq2, same2))]
+                if all(close):
                     return f"{shape}: {name} is wrong in rows {_spans(rows)}; {hint}"
             program = rows[0] // block_m
             return (f"{shape}: {name} is wrong in rows {_spans(rows)}. "
