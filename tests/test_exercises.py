@@ -302,8 +302,27 @@ def test_window_bounds():
 
     def symmetric(start, self_block, other_block, before, after):   # ignores `after`
         return window_bounds_right(start, self_block, other_block, before, before)
-    assert "before=40, after=9" in exercises.check_window_bounds(symmetric)
+    verdict = exercises.check_window_bounds(symmetric)
+    assert "before=40, after=9" in verdict and "ignore `after`" in verdict, verdict
     assert "not solved yet" in exercises.check_window_bounds(lambda *args: None)
+
+    def edge_inside(start, self_block, other_block, before, after):  # |i - j| = w inside
+        return window_bounds_right(start, self_block, other_block, before + 1, after + 1)
+    verdict = exercises.check_window_bounds(edge_inside)
+    assert "off by one at the window's edge" in verdict, verdict
+
+    def rounded_outward(start, self_block, other_block, before, after):  # floor <-> ceil
+        def floor(x):
+            return -(-max(x, 0) // other_block) * other_block
+
+        def ceil(x):
+            return max(x, 0) // other_block * other_block
+        inside_start = ceil(start + self_block - before)
+        return (floor(start - before + 1), inside_start,
+                max(floor(start + after), inside_start),
+                ceil(start + self_block - 1 + after))
+    verdict = exercises.check_window_bounds(rounded_outward)
+    assert "rounded the wrong way" in verdict, verdict
 
 
 # --- chapter 5 ----------------------------------------------------------------------------------

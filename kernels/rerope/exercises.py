@@ -886,8 +886,47 @@ def check_window_bounds(window_bounds):
                             f"{start + self_block}), keys [{t}, {t + other_block}): your bounds "
                             f"{tuple(int(b) for b in bounds)} make it {said!r}; its pairs make "
                             f"it {truth!r} (i - j from {int(distance.min())} to "
-                            f"{int(distance.max())})")
+                            f"{int(distance.max())}); "
+                            + _bounds_slip(tuple(int(b) for b in bounds), start, self_block,
+                                           other_block, before, after))
     return CORRECT
+
+
+def _tight_bounds(start, self_block, other_block, before, after, swap=False):
+    """The cut points of the window ``-after < i - j < before`` (``swap=True``: the ends
+    of runs rounded up and their starts down, the wrong way round)."""
+    def down(x):
+        return max(x, 0) // other_block * other_block
+
+    def up(x):
+        return -(-max(x, 0) // other_block) * other_block
+
+    floor, ceil = (up, down) if swap else (down, up)
+
+    inside_start = ceil(start + self_block - before)
+    return (floor(start - before + 1), inside_start,
+            max(floor(start + after), inside_start), ceil(start + self_block - 1 + after))
+
+
+def _bounds_slip(bounds, start, self_block, other_block, before, after):
+    """The likely slip behind wrong cut points, by the bounds it reproduces."""
+    names = ("below_end", "inside_start", "inside_end", "above_start")
+    right = _tight_bounds(start, self_block, other_block, before, after)
+    wrong = [name for name, a, b in zip(names, bounds, right) if a != b]
+    for b, a, hint in ((before + 1, after, "i - j = before counted inside"),
+                       (before, after + 1, "i - j = -after counted inside"),
+                       (before - 1, after, "i - j = before - 1 counted outside"),
+                       (before, after - 1, "i - j = -(after - 1) counted outside")):
+        if bounds == _tight_bounds(start, self_block, other_block, b, a):
+            return (f"off by one at the window's edge ({hint}): inside means "
+                    "-after < i - j < before, both strict")
+    if bounds == _tight_bounds(start, self_block, other_block, before, before):
+        return "your bounds ignore `after`: the window is asymmetric"
+    if bounds == _tight_bounds(start, self_block, other_block, before, after, swap=True):
+        return ("rounded the wrong way: a run's end must be rounded down onto the tile "
+                "grid (below_end, inside_end) and its start up (inside_start, above_start)")
+    return (f"{', '.join(wrong)} differ(s) from the tightest cut points {right}: round "
+            "the ends of runs down and their starts up")
 
 
 # --- chapter 5: δ and the routing of dS ---------------------------------------------------------
