@@ -81,3 +81,7 @@ def test_rejects_mismatched_inputs():
         three_regions_attention(q, q, k, k, k, 4)
     with pytest.raises(ValueError, match="window"):
         three_regions_attention(q, q, q, q, q, 0)
+    with pytest.raises(TypeError, match="causal"):
+        three_regions_attention(q, q, q, q, q, 4, causal=1)
+    with pytest.raises(ValueError, match="block_n"):
+        three_regions_attention(q, q, q, q, q, 4, block_n=24)

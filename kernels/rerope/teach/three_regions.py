@@ -130,11 +130,17 @@ def three_regions_attention(q1, q2, k1, k2, v, window, causal=True, sm_scale=Non
         ``(out, lse)``: ``out`` ``(B, Hq, N, D)`` in the inputs' dtype, ``lse``
         ``(B, Hq, N)`` fp32, each row's log-sum-exp of its scaled scores in log2 units.
     """
-    from .._validate import check_head_dim, check_qkv, check_window
+    from .._validate import (check_flag, check_head_dim, check_qkv, check_sm_scale,
+                             check_window)
 
     _, hq, hkv, n, d = check_qkv({"q1": q1, "q2": q2}, {"k1": k1, "k2": k2, "v": v})
     check_head_dim(d)
     check_window(window)
+    check_flag("causal", causal)
+    check_sm_scale(sm_scale)
+    for name, block in (("block_m", block_m), ("block_n", block_n)):
+        if not isinstance(block, int) or block < 16 or block & (block - 1):
+            raise ValueError(f"{name} must be a power of two >= 16, got {block!r}")
     (q1, q2, k1, k2, v), restore = prepare_for_device(q1, q2, k1, k2, v)
     q1, q2, k1, k2, v = (t.contiguous() for t in (q1, q2, k1, k2, v))
     out = torch.empty_like(q1)
