@@ -135,11 +135,30 @@ def end_everything(start_m, BLOCK_M: tl.constexpr, n_ctx):
     return n_ctx
 
 
+@triton.jit
+def mask_one_ahead(scores, rows, cols, n_ctx):
+    keep = (cols[None, :] < n_ctx) & (cols[None, :] <= rows[:, None] + 1)
+    return tl.where(keep, scores, float("-inf"))
+
+
+@triton.jit
+def end_before_diagonal(start_m, BLOCK_M: tl.constexpr, n_ctx):
+    return start_m
+
+
 def test_causal_mask():
     assert exercises.check_causal_mask(mask_right, end_right) == "correct"
-    assert "rows 0–38 differ" in exercises.check_causal_mask(mask_none, end_everything)
+    verdict = exercises.check_causal_mask(mask_none, end_everything)
+    assert "rows 0–38 differ" in verdict and "the causal mask is missing" in verdict
     # a row that may not see itself: row 0 has nothing left (NaN), every row is off
-    assert "differ from plain_attention" in exercises.check_causal_mask(mask_off_by_one, end_right)
+    verdict = exercises.check_causal_mask(mask_off_by_one, end_right)
+    assert "row i must see itself" in verdict, verdict
+    verdict = exercises.check_causal_mask(mask_none, end_right)
+    assert "the causal mask is missing in the diagonal tile" in verdict, verdict
+    verdict = exercises.check_causal_mask(mask_one_ahead, end_right)
+    assert "row i also sees key i + 1" in verdict, verdict
+    verdict = exercises.check_causal_mask(mask_right, end_before_diagonal)
+    assert "stops before the block's diagonal tile" in verdict, verdict
     verdict = exercises.check_causal_mask(mask_right, end_everything)
     assert "right output, but program 0 (rows 0–15) walks 3 key tiles where 1 suffice" in verdict
 
@@ -283,8 +302,27 @@ def test_window_bounds():
 
     def symmetric(start, self_block, other_block, before, after):   # ignores `after`
         return window_bounds_right(start, self_block, other_block, before, before)
-    assert "before=40, after=9" in exercises.check_window_bounds(symmetric)
+    verdict = exercises.check_window_bounds(symmetric)
+    assert "before=40, after=9" in verdict and "ignore `after`" in verdict, verdict
     assert "not solved yet" in exercises.check_window_bounds(lambda *args: None)
+
+    def edge_inside(start, self_block, other_block, before, after):  # |i - j| = w inside
+        return window_bounds_right(start, self_block, other_block, before + 1, after + 1)
+    verdict = exercises.check_window_bounds(edge_inside)
+    assert "off by one at the window's edge" in verdict, verdict
+
+    def rounded_outward(start, self_block, other_block, before, after):  # floor <-> ceil
+        def floor(x):
+            return -(-max(x, 0) // other_block) * other_block
+
+        def ceil(x):
+            return max(x, 0) // other_block * other_block
+        inside_start = ceil(start + self_block - before)
+        return (floor(start - before + 1), inside_start,
+                max(floor(start + after), inside_start),
+                ceil(start + self_block - 1 + after))
+    verdict = exercises.check_window_bounds(rounded_outward)
+    assert "rounded the wrong way" in verdict, verdict
 
 
 # --- chapter 5 ----------------------------------------------------------------------------------
@@ -377,10 +415,42 @@ def route_swapped(ds, rows, cols, window):
     return tl.where(inside, 0.0, ds), tl.where(inside, ds, 0.0)
 
 
+@triton.jit
+def route_edge_inside(ds, rows, cols, window):
+    gap = rows[:, None] - cols[None, :]
+    inside = (gap <= window) & (gap >= -window)
+    return tl.where(inside, ds, 0.0), tl.where(inside, 0.0, ds)
+
+
+@triton.jit
+def route_unmasked(ds, rows, cols, window):
+    return ds, ds
+
+
+@triton.jit
+def route_causal_side_only(ds, rows, cols, window):
+    gap = rows[:, None] - cols[None, :]
+    return tl.where(gap < window, ds, 0.0), tl.where(gap < window, 0.0, ds)
+
+
+@triton.jit
+def route_halved(ds, rows, cols, window):       # no named slip
+    gap = rows[:, None] - cols[None, :]
+    inside = (gap < window) & (gap > -window)
+    return tl.where(inside, ds, 0.0) * 0.5, tl.where(inside, 0.0, ds)
+
+
 def test_ds_routing():
     assert exercises.check_ds_routing(route_right) == "correct"
-    verdict = exercises.check_ds_routing(route_swapped)
-    assert verdict.startswith("N=40, w=13, causal, 16x16 tiles: dQ1 is wrong in rows"), verdict
+    for route, hint in ((route_swapped, "the two parts are swapped"),
+                        (route_edge_inside, "off by one at the window's edge"),
+                        (route_unmasked, "the window mask is missing"),
+                        (route_causal_side_only, "your window has one side")):
+        verdict = exercises.check_ds_routing(route)
+        assert "is wrong in rows" in verdict and hint in verdict, (hint, verdict)
+    verdict = exercises.check_ds_routing(route_halved)
+    assert verdict.startswith("N=40, w=13, causal, 16x16 tiles: dQ1 is wrong in rows")
+    assert "Program 0 visits band tiles" in verdict, verdict
 
 
 # --- chapter 6 ----------------------------------------------------------------------------------
@@ -793,9 +863,9 @@ def band_right(acc, l_i, m_i, q1, q2, K1, K2, V, rows, lo, hi, n_ctx, window, qk
 def band_core(acc, l_i, m_i, q1, q2, K1, K2, V, rows, lo, hi, n_ctx, window, qk_scale,
               CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
               SLIP: tl.constexpr):
-    """band_right with one slip: 1 one product everywhere, 2 |i - j| <= w, 3 one side of the
-    window only; 4 no causal mask and 5 no load masks are not slips: the schedule gives every
-    tile that the diagonal or the end of the sequence crosses to the diagonal/end walk."""
+    """band_right with one slip: 1 one product everywhere, 2 |i - j| <= w, 3 one side of
+    the window only, 4 no causal mask, 5 no load masks, 6 the products swapped, 7 no
+    end-of-sequence mask on the scores."""
     dims = tl.arange(0, HEAD_DIM)
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + tl.arange(0, BLOCK_N)
@@ -818,8 +888,13 @@ def band_core(acc, l_i, m_i, q1, q2, K1, K2, V, rows, lo, hi, n_ctx, window, qk_
         near = tl.dot(q1, tl.trans(k1))
         if SLIP == 1:
             near = tl.dot(q2, tl.trans(k2))
-        scores = tl.where(inside, near, tl.dot(q2, tl.trans(k2)))
+        if SLIP == 6:
+            scores = tl.where(inside, tl.dot(q2, tl.trans(k2)), near)
+        else:
+            scores = tl.where(inside, near, tl.dot(q2, tl.trans(k2)))
         keep = cols[None, :] < n_ctx
+        if SLIP == 7:
+            keep = cols[None, :] > -1
         if CAUSAL and SLIP != 4:
             keep = keep & (gap >= 0)
         acc, l_i, m_i = rerope.online_softmax._softmax_step(
@@ -830,53 +905,89 @@ def band_core(acc, l_i, m_i, q1, q2, K1, K2, V, rows, lo, hi, n_ctx, window, qk_
 @triton.jit
 def band_slip_1(acc, l_i, m_i, q1, q2, K1, K2, V, rows, lo, hi, n_ctx, window, qk_scale,
                 CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr):
-    return band_core(acc, l_i, m_i, q1, q2, K1, K2, V, rows, lo, hi, n_ctx, window, qk_scale,
-                     CAUSAL, BLOCK_N, HEAD_DIM, 1)
+    return band_core(acc, l_i, m_i, q1, q2, K1, K2, V, rows, lo, hi, n_ctx, window,
+                     qk_scale, CAUSAL, BLOCK_N, HEAD_DIM, 1)
 
 
 @triton.jit
 def band_slip_2(acc, l_i, m_i, q1, q2, K1, K2, V, rows, lo, hi, n_ctx, window, qk_scale,
                 CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr):
-    return band_core(acc, l_i, m_i, q1, q2, K1, K2, V, rows, lo, hi, n_ctx, window, qk_scale,
-                     CAUSAL, BLOCK_N, HEAD_DIM, 2)
+    return band_core(acc, l_i, m_i, q1, q2, K1, K2, V, rows, lo, hi, n_ctx, window,
+                     qk_scale, CAUSAL, BLOCK_N, HEAD_DIM, 2)
 
 
 @triton.jit
 def band_slip_3(acc, l_i, m_i, q1, q2, K1, K2, V, rows, lo, hi, n_ctx, window, qk_scale,
                 CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr):
-    return band_core(acc, l_i, m_i, q1, q2, K1, K2, V, rows, lo, hi, n_ctx, window, qk_scale,
-                     CAUSAL, BLOCK_N, HEAD_DIM, 3)
+    return band_core(acc, l_i, m_i, q1, q2, K1, K2, V, rows, lo, hi, n_ctx, window,
+                     qk_scale, CAUSAL, BLOCK_N, HEAD_DIM, 3)
 
 
 @triton.jit
 def band_slip_4(acc, l_i, m_i, q1, q2, K1, K2, V, rows, lo, hi, n_ctx, window, qk_scale,
                 CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr):
-    return band_core(acc, l_i, m_i, q1, q2, K1, K2, V, rows, lo, hi, n_ctx, window, qk_scale,
-                     CAUSAL, BLOCK_N, HEAD_DIM, 4)
+    return band_core(acc, l_i, m_i, q1, q2, K1, K2, V, rows, lo, hi, n_ctx, window,
+                     qk_scale, CAUSAL, BLOCK_N, HEAD_DIM, 4)
 
 
 @triton.jit
 def band_slip_5(acc, l_i, m_i, q1, q2, K1, K2, V, rows, lo, hi, n_ctx, window, qk_scale,
                 CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr):
-    return band_core(acc, l_i, m_i, q1, q2, K1, K2, V, rows, lo, hi, n_ctx, window, qk_scale,
-                     CAUSAL, BLOCK_N, HEAD_DIM, 5)
+    return band_core(acc, l_i, m_i, q1, q2, K1, K2, V, rows, lo, hi, n_ctx, window,
+                     qk_scale, CAUSAL, BLOCK_N, HEAD_DIM, 5)
 
 
-BAND_SLIPS = {1: band_slip_1, 2: band_slip_2, 3: band_slip_3, 4: band_slip_4, 5: band_slip_5}
+@triton.jit
+def band_slip_6(acc, l_i, m_i, q1, q2, K1, K2, V, rows, lo, hi, n_ctx, window, qk_scale,
+                CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr):
+    return band_core(acc, l_i, m_i, q1, q2, K1, K2, V, rows, lo, hi, n_ctx, window,
+                     qk_scale, CAUSAL, BLOCK_N, HEAD_DIM, 6)
 
 
-@pytest.mark.parametrize("slip, what", [(1, "one product everywhere"), (2, "|i - j| <= w"),
-                                        (3, "one side of the window")])
-def test_band_pass_wrong(slip, what):
+@triton.jit
+def band_slip_7(acc, l_i, m_i, q1, q2, K1, K2, V, rows, lo, hi, n_ctx, window, qk_scale,
+                CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr):
+    return band_core(acc, l_i, m_i, q1, q2, K1, K2, V, rows, lo, hi, n_ctx, window,
+                     qk_scale, CAUSAL, BLOCK_N, HEAD_DIM, 7)
+
+
+BAND_SLIPS = {i: globals()[f"band_slip_{i}"] for i in range(1, 8)}
+
+
+@pytest.mark.parametrize("slip, hint", [
+    (1, "every entry took q2·k2: the window mask is missing"),
+    (2, "off by one at the window's edge: you count |i − j| = w as inside"),
+    (3, "your window has one side"),
+    (4, "the causal mask is missing"),
+    (5, "your pass reads K or V past the end of the sequence"),
+    (6, "the two products are swapped"),
+    (7, "keys past the end of the sequence got weight"),
+])
+def test_band_pass_names_the_slip(slip, hint):
     verdict = exercises.check_band_pass(BAND_SLIPS[slip])
-    assert verdict != "correct" and "are wrong" in verdict, (what, verdict)
-    assert "walks the band tiles [" in verdict and "none" not in verdict, (what, verdict)
+    assert "are wrong; " + hint in verdict, (slip, verdict)
+
+
+@triton.jit
+def band_skipped(acc, l_i, m_i, q1, q2, K1, K2, V, rows, lo, hi, n_ctx, window, qk_scale,
+                 CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr):
+    return acc, l_i, m_i
+
+
+@triton.jit
+def band_no_rescale(acc, l_i, m_i, q1, q2, K1, K2, V, rows, lo, hi, n_ctx, window,
+                    qk_scale, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr,
+                    HEAD_DIM: tl.constexpr):
+    # a slip the checker has no name for: the scores are not scaled
+    return band_right(acc, l_i, m_i, q1, q2, K1, K2, V, rows, lo, hi, n_ctx, window,
+                      qk_scale * 2.0, CAUSAL, BLOCK_N, HEAD_DIM)
 
 
 def test_band_pass():
     assert exercises.check_band_pass(band_right) == "correct"
-    assert exercises.check_band_pass(band_slip_4) == "correct"      # the band is below the diagonal
-    assert exercises.check_band_pass(band_slip_5) == "correct"      # ... and before the ragged end
+    assert "leaves the band tiles out" in exercises.check_band_pass(band_skipped)
+    verdict = exercises.check_band_pass(band_no_rescale)     # no named slip: where it is
+    assert "walks the band tiles [" in verdict and "none" not in verdict, verdict
 
 
 # --- chapter 5: δ for packed sequences ------------------------------------------------------------

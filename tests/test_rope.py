@@ -151,12 +151,34 @@ def test_logn_inputs_scale_queries_before_rotation(gen):
     assert torch.equal(k1, rope.apply_rope(k, positions(n))) and torch.equal(k2, k)
 
 
-def test_rerope_inputs_are_differentiable(gen):
-    q = randn(gen, 1, 1, 8, 16).requires_grad_()
-    k = randn(gen, 1, 1, 8, 16).requires_grad_()
-    q1, q2, k1, k2 = rope.rerope_inputs(q, k, 3, leaky=4.0, logn_len=2)
-    (q1.sum() + q2.sum() + k1.sum() + k2.sum()).backward()
-    assert q.grad is not None and k.grad is not None
+@pytest.mark.parametrize("leaky", [None, 4.0])
+def test_rerope_inputs_gradients_match_the_complex_rotation(leaky, gen):
+    # d(loss)/dq and d(loss)/dk through rerope_inputs against float64 autograd of the
+    # independent construction (log-n scale, then the complex rotation at each position)
+    n, window, train_len = 9, 3, 2
+    q, k = randn(gen, 1, 2, n, 16), randn(gen, 1, 1, n, 16)
+    weights = [randn(gen, *t.shape) for t in (q, q, k, k)]   # a loss that sees every entry
+
+    def loss(parts):
+        return sum((w * part).sum() for w, part in zip(weights, parts))
+
+    def by_hand(q, k):
+        scaled = q * rope.logn_scale(n, train_len)[:, None]
+        if leaky is None:
+            far_q, far_k = torch.full((n,), float(window)), torch.zeros(n)
+        else:
+            far_q, far_k = (positions(n) + window * (leaky - 1)) / leaky, positions(n) / leaky
+        return (rotate_complex(scaled, positions(n)), rotate_complex(scaled, far_q),
+                rotate_complex(k, positions(n)), rotate_complex(k, far_k))
+
+    grads = {}
+    for name, build in (("rope", lambda q, k: rope.rerope_inputs(
+            q, k, window, leaky=leaky, logn_len=train_len)), ("by hand", by_hand)):
+        leaves = [q.clone().requires_grad_(), k.clone().requires_grad_()]
+        grads[name] = torch.autograd.grad(loss(build(*leaves)), leaves)
+    for got, want in zip(grads["rope"], grads["by hand"]):
+        assert got.dtype == F64 and got.abs().max() > 0.1
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
 
 
 # --- relative positions ---------------------------------------------------------------------

@@ -23,7 +23,7 @@ checker                            chapter  what the reader writes
 :func:`check_softcap_step`               3  a soft-capped ``_softmax_step``, safe for ``m = -inf``
 :func:`check_causal_mask`                3  the causal mask and the loop end of the plain kernel
 :func:`check_masked_pass`                4  one masked pass (band / diagonal) of the ReRoPE forward
-:func:`check_band_pass`                  4  the band walk with both products in one tile
+:func:`check_band_pass`                  4  the band run of the teaching forward (both products)
 :func:`check_window_bounds`              4  the cut points of an asymmetric window (plain Python)
 :func:`check_delta_kernel`               5  the δ kernel, ``rowsum(dO ∘ O)``
 :func:`check_delta_varlen_kernel`        5  the δ kernel for packed sequences of different lengths
@@ -53,12 +53,13 @@ import triton
 import triton.language as tl
 
 from . import reference
-from .forward import _keep
 from .online_softmax import LOG2E, _softmax_step, plain_attention
 from .regions import (INSIDE, INSIDE_CLEAN, INSIDE_MASKED, OUTSIDE, OUTSIDE_CLEAN,
-                      OUTSIDE_MASKED, _mark, _schedule, tile_map)
+                      OUTSIDE_MASKED, _mark, _schedule, _window_bounds, tile_map)
 from .rope import apply_rope
 from .runtime import INTERPRET, kernels_decorated
+from .teach.three_regions import INSIDE as _INSIDE_RUN, OUTSIDE as _OUTSIDE_RUN
+from .teach.three_regions import _region_pass
 
 # This module's own kernels are decorated in the package's mode (interpreted where rerope chose
 # the interpreter, see rerope.runtime): the window opens here and closes at the end of the module.
@@ -205,29 +206,32 @@ def _guard_verdict(*guards):
 # --- chapter 3: the online-softmax step ----------------------------------------------------------
 
 @triton.jit
-def _step_trace_kernel(Q, K, V, TraceM, TraceL, TraceAcc, n_ctx, qk_scale, softcap, m_start,
-                       shift, STEP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                       HEAD_DIM: tl.constexpr):
+def _step_trace_kernel(Q, K, V, TraceM, TraceL, TraceAcc, n_ctx, qk_scale, softcap,
+                       m_start, shift, STEP: tl.constexpr, BLOCK_M: tl.constexpr,
+                       BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr):
     """Attention of one head that records the online-softmax state after every key tile.
 
-    ``STEP`` is a ``@triton.jit`` function with the signature of ``_softmax_step`` plus a
-    ``softcap`` argument before ``DOT_PRECISION``. Row ``i`` sees the keys ``j >= shift · i``
-    (``shift = 0``: all of them), so with ``shift > 0`` the later rows meet fully masked tiles
-    first. The state starts at ``m = m_start``, ``l = 0``, ``acc = 0``; after key tile ``t`` the
-    rows' ``m``, ``l`` (``(n_tiles, N)``) and ``acc`` (``(n_tiles, N, D)``) are stored.
+    ``STEP`` is a ``@triton.jit`` function with the signature of ``_softmax_step`` plus
+    a ``softcap`` argument before ``DOT_PRECISION``. Row ``i`` sees the keys ``j >=
+    shift · i`` (``shift = 0``: all of them), so with ``shift > 0`` the later rows meet
+    fully masked tiles first. The state starts at ``m = m_start``, ``l = 0``, ``acc =
+    0``; after key tile ``t`` the rows' ``m``, ``l`` (``(n_tiles, N)``) and ``acc``
+    (``(n_tiles, N, D)``) are stored.
     """
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     dims = tl.arange(0, HEAD_DIM)
     row_ok = rows < n_ctx
-    q = tl.load(Q + rows[:, None] * HEAD_DIM + dims[None, :], mask=row_ok[:, None], other=0.0)
+    q = tl.load(Q + rows[:, None] * HEAD_DIM + dims[None, :], mask=row_ok[:, None],
+                other=0.0)
     m_i = tl.zeros([BLOCK_M], tl.float32) + m_start
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     for t in range(0, tl.cdiv(n_ctx, BLOCK_N)):
         cols = t * BLOCK_N + tl.arange(0, BLOCK_N)
         col_ok = cols < n_ctx
-        k = tl.load(K + cols[:, None] * HEAD_DIM + dims[None, :], mask=col_ok[:, None], other=0.0)
-        v = tl.load(V + cols[:, None] * HEAD_DIM + dims[None, :], mask=col_ok[:, None], other=0.0)
+        kv_ptrs = cols[:, None] * HEAD_DIM + dims[None, :]
+        k = tl.load(K + kv_ptrs, mask=col_ok[:, None], other=0.0)
+        v = tl.load(V + kv_ptrs, mask=col_ok[:, None], other=0.0)
         visible = col_ok[None, :] & (cols[None, :] >= shift * rows[:, None])
         scores = tl.where(visible, tl.dot(q, tl.trans(k)), float("-inf"))
         acc, l_i, m_i = STEP(acc, l_i, m_i, scores, v, qk_scale, softcap, "tf32")
@@ -362,35 +366,70 @@ def check_softcap_step(step):
 
 @triton.jit
 def _plain_exercise_kernel(Q, K, V, Out, Visits, n_ctx, qk_scale,
-                           MASK: tl.constexpr, KEY_END: tl.constexpr, BLOCK_M: tl.constexpr,
-                           BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr):
+                           MASK: tl.constexpr, KEY_END: tl.constexpr,
+                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                           HEAD_DIM: tl.constexpr):
     """The plain kernel of chapter 3 with its two causal pieces supplied by the caller.
 
-    ``KEY_END(start_m, BLOCK_M, n_ctx)`` is where the key loop stops, ``MASK(scores, rows, cols,
-    n_ctx)`` returns the score tile with every entry that must not count set to ``-inf``. One
-    head, contiguous ``(N, D)``; ``Visits[program]`` counts the key tiles the program walked.
+    ``KEY_END(start_m, BLOCK_M, n_ctx)`` is where the key loop stops, ``MASK(scores,
+    rows, cols, n_ctx)`` returns the score tile with every entry that must not count set
+    to ``-inf``. One head, contiguous ``(N, D)``; ``Visits[program]`` counts the key
+    tiles the program walked.
     """
     start_m = tl.program_id(0) * BLOCK_M
     rows = start_m + tl.arange(0, BLOCK_M)
     dims = tl.arange(0, HEAD_DIM)
-    q = tl.load(Q + rows[:, None] * HEAD_DIM + dims[None, :], mask=rows[:, None] < n_ctx,
-                other=0.0)
+    q = tl.load(Q + rows[:, None] * HEAD_DIM + dims[None, :],
+                mask=rows[:, None] < n_ctx, other=0.0)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     visits = tl.program_id(0) * 0          # an int32 counter
     for start_n in range(0, KEY_END(start_m, BLOCK_M, n_ctx), BLOCK_N):
         cols = start_n + tl.arange(0, BLOCK_N)
-        k = tl.load(K + cols[:, None] * HEAD_DIM + dims[None, :], mask=cols[:, None] < n_ctx,
-                    other=0.0)
-        v = tl.load(V + cols[:, None] * HEAD_DIM + dims[None, :], mask=cols[:, None] < n_ctx,
-                    other=0.0)
+        kv_ptrs = cols[:, None] * HEAD_DIM + dims[None, :]
+        k = tl.load(K + kv_ptrs, mask=cols[:, None] < n_ctx, other=0.0)
+        v = tl.load(V + kv_ptrs, mask=cols[:, None] < n_ctx, other=0.0)
         scores = MASK(tl.dot(q, tl.trans(k)), rows, cols, n_ctx)
         acc, l_i, m_i = _softmax_step(acc, l_i, m_i, scores, v, qk_scale, "tf32")
         visits += 1
     tl.store(Out + rows[:, None] * HEAD_DIM + dims[None, :], acc / l_i[:, None],
              mask=rows[:, None] < n_ctx)
     tl.store(Visits + tl.program_id(0), visits)
+
+
+# The causal mask's likely slips: which keys j row i sees (its block: rows start to
+# end - 1).
+_CAUSAL_SLIPS = (
+    ("the causal mask is missing: row i attends to keys after it (mask cols > rows)",
+     lambda i, j, start, end: j >= 0),
+    ("the causal mask is missing in the diagonal tile: the loop ends at the block's "
+     "last row, but within that tile row i still sees keys after it (mask cols > rows)",
+     lambda i, j, start, end: j < end),
+    ("off by one at the diagonal: row i must see itself, keys 0 … i (cols <= rows)",
+     lambda i, j, start, end: j < i),
+    ("off by one at the diagonal: row i also sees key i + 1 (keep cols <= rows)",
+     lambda i, j, start, end: (j <= i + 1) & (j < end)),
+    ("the key loop stops before the block's diagonal tile: it must run to "
+     "min(start_m + BLOCK_M, n_ctx)", lambda i, j, start, end: (j <= i) & (j < start)),
+)
+
+
+def _causal_slip(out, q, k, v, block_m):
+    """The hint for a wrong causal output: the slip of :data:`_CAUSAL_SLIPS` whose
+    attention (float64) it reproduces, else the rule."""
+    n, d = q.shape
+    i = torch.arange(n, device=q.device)[:, None]
+    j = torch.arange(n, device=q.device)[None, :]
+    scores = (q.double() @ k.double().T) * d ** -0.5
+    for hint, sees in _CAUSAL_SLIPS:
+        start = i // block_m * block_m
+        allowed = sees(i, j, start, start + block_m)
+        probs = torch.softmax(scores.masked_fill(~allowed, float("-inf")), -1)
+        slip = probs @ v.double()
+        if torch.allclose(out.double(), slip, atol=2e-3, rtol=2e-3, equal_nan=True):
+            return hint
+    return "causal: row i attends to the keys 0 … i, and to none past N − 1"
 
 
 def check_causal_mask(mask, key_end):
@@ -416,8 +455,8 @@ def check_causal_mask(mask, key_end):
         shape = f"N={n}, {block_m}-row query blocks, {block_n}-key tiles"
         rows = _bad_rows(out, want, atol=2e-3, rtol=2e-3)
         if rows:
-            return (f"{shape}: output rows {_spans(rows)} differ from plain_attention(causal=True)"
-                    " (causal: row i attends to the keys 0 … i, and to none past N − 1)")
+            return (f"{shape}: output rows {_spans(rows)} differ from plain_attention"
+                    f"(causal=True); " + _causal_slip(out, q, k, v, block_m))
         fewest = [triton.cdiv(min((p + 1) * block_m, n), block_n) for p in range(n_programs)]
         for p, (walked, need) in enumerate(zip(visits.cpu().tolist(), fewest)):
             if walked != need:
@@ -447,7 +486,7 @@ def _reference_masked_pass(acc, l_i, m_i, q, K, V, rows, lo, hi, n_ctx, window, 
                            PRODUCT: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr,
                            HEAD_DIM: tl.constexpr):
     """What :func:`check_masked_pass` compares with, to tell band tiles from edge tiles: the
-    package's own mask (:func:`rerope.forward._keep`)."""
+    forward's mask, written out here (valid, causal, this product's side of the window)."""
     dims = tl.arange(0, HEAD_DIM)
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + tl.arange(0, BLOCK_N)
@@ -455,7 +494,13 @@ def _reference_masked_pass(acc, l_i, m_i, q, K, V, rows, lo, hi, n_ctx, window, 
                     other=0.0)
         v = tl.load(V + cols[:, None] * HEAD_DIM + dims[None, :], mask=cols[:, None] < n_ctx,
                     other=0.0)
-        keep = _keep(rows[:, None], cols[None, :], cols[None, :] < n_ctx, window, PRODUCT, CAUSAL)
+        distance = rows[:, None] - cols[None, :]
+        keep = (distance < window) & (distance > -window)
+        if PRODUCT == OUTSIDE:
+            keep = ~keep
+        keep = keep & (cols[None, :] < n_ctx)
+        if CAUSAL:
+            keep = keep & (distance >= 0)
         scores = tl.where(keep, tl.dot(q, tl.trans(k)), float("-inf"))
         acc, l_i, m_i = _softmax_step(acc, l_i, m_i, scores, v, qk_scale, "tf32")
     return acc, l_i, m_i
@@ -613,94 +658,196 @@ def check_masked_pass(masked_pass):
 
 
 @triton.jit
-def _rerope_fused_band_kernel(Q1, Q2, K1, K2, V, Out, n_ctx, window, qk_scale,
-                              BAND_PASS: tl.constexpr, CAUSAL: tl.constexpr,
-                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                              HEAD_DIM: tl.constexpr):
-    """A teaching ReRoPE forward (one head, contiguous ``(N, D)`` tensors, the walks of
-    :func:`rerope.regions._schedule`) with the band walked **once**: ``BAND_PASS`` gets both
-    query blocks and both key tensors and must compute both products of each band tile. The
-    unmasked walks are :func:`_clean_pass`; the diagonal/end walks, one product each, use the
-    package's mask (:func:`_reference_masked_pass`, built on ``rerope.forward._keep``)."""
+def _band_exercise_kernel(Q1, Q2, K1, K2, V, Out, n_ctx, window, qk_scale,
+                          BAND_PASS: tl.constexpr, SLIP: tl.constexpr,
+                          CAUSAL: tl.constexpr,
+                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                          HEAD_DIM: tl.constexpr):
+    """Chapter 4's teaching forward (:mod:`rerope.teach.three_regions`, one head,
+    contiguous ``(N, D)``) with ``BAND_PASS`` on its two band runs, or with the known
+    slip number ``SLIP`` of :func:`_band_slip` when it is not 0."""
     start_m = tl.program_id(0) * BLOCK_M
     rows = start_m + tl.arange(0, BLOCK_M)
     dims = tl.arange(0, HEAD_DIM)
-    outside_clean, inside_clean, band, edge_inside, edge_outside = _schedule(
-        start_m, BLOCK_M, BLOCK_N, n_ctx, window, CAUSAL, True)
-    m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     q_ptrs = rows[:, None] * HEAD_DIM + dims[None, :]
-    q2 = tl.load(Q2 + q_ptrs, mask=rows[:, None] < n_ctx, other=0.0)
     q1 = tl.load(Q1 + q_ptrs, mask=rows[:, None] < n_ctx, other=0.0)
-    lo1, hi1, lo2, hi2 = outside_clean
-    acc, l_i, m_i = _clean_pass(acc, l_i, m_i, q2, K2, V, lo1, hi1, qk_scale, BLOCK_N, HEAD_DIM)
-    acc, l_i, m_i = _clean_pass(acc, l_i, m_i, q2, K2, V, lo2, hi2, qk_scale, BLOCK_N, HEAD_DIM)
-    lo1, hi1, lo2, hi2 = edge_outside
-    acc, l_i, m_i = _reference_masked_pass(acc, l_i, m_i, q2, K2, V, rows, lo1, hi1, n_ctx,
-                                           window, qk_scale, OUTSIDE, CAUSAL, BLOCK_N, HEAD_DIM)
-    acc, l_i, m_i = _reference_masked_pass(acc, l_i, m_i, q2, K2, V, rows, lo2, hi2, n_ctx,
-                                           window, qk_scale, OUTSIDE, CAUSAL, BLOCK_N, HEAD_DIM)
-    lo1, hi1, lo2, hi2 = inside_clean
-    acc, l_i, m_i = _clean_pass(acc, l_i, m_i, q1, K1, V, lo1, hi1, qk_scale, BLOCK_N, HEAD_DIM)
-    lo1, hi1, lo2, hi2 = edge_inside
-    acc, l_i, m_i = _reference_masked_pass(acc, l_i, m_i, q1, K1, V, rows, lo1, hi1, n_ctx,
-                                           window, qk_scale, INSIDE, CAUSAL, BLOCK_N, HEAD_DIM)
-    acc, l_i, m_i = _reference_masked_pass(acc, l_i, m_i, q1, K1, V, rows, lo2, hi2, n_ctx,
-                                           window, qk_scale, INSIDE, CAUSAL, BLOCK_N, HEAD_DIM)
-    lo1, hi1, lo2, hi2 = band                                   # the reader's pass, once
-    acc, l_i, m_i = BAND_PASS(acc, l_i, m_i, q1, q2, K1, K2, V, rows, lo1, hi1, n_ctx, window,
-                              qk_scale, CAUSAL, BLOCK_N, HEAD_DIM)
-    acc, l_i, m_i = BAND_PASS(acc, l_i, m_i, q1, q2, K1, K2, V, rows, lo2, hi2, n_ctx, window,
-                              qk_scale, CAUSAL, BLOCK_N, HEAD_DIM)
+    q2 = tl.load(Q2 + q_ptrs, mask=rows[:, None] < n_ctx, other=0.0)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    end = tl.minimum(start_m + BLOCK_M, n_ctx) if CAUSAL else n_ctx
+    below_end, inside_start, inside_end, above_start = _window_bounds(
+        start_m, BLOCK_M, BLOCK_N, window)
+    cut1, cut2 = tl.minimum(below_end, end), tl.minimum(inside_start, end)
+    cut3, cut4 = tl.minimum(inside_end, end), tl.minimum(above_start, end)
+    acc, l_i, m_i = _region_pass(acc, l_i, m_i, q1, q2, K1, K2, V, rows, 0, cut1,
+                                 n_ctx, window, qk_scale, _OUTSIDE_RUN, CAUSAL, BLOCK_N,
+                                 HEAD_DIM, "tf32")
+    if SLIP == 0:
+        acc, l_i, m_i = BAND_PASS(acc, l_i, m_i, q1, q2, K1, K2, V, rows, cut1, cut2,
+                                  n_ctx, window, qk_scale, CAUSAL, BLOCK_N, HEAD_DIM)
+    else:
+        acc, l_i, m_i = _band_slip(acc, l_i, m_i, q1, q2, K1, K2, V, rows, cut1, cut2,
+                                   n_ctx, window, qk_scale, CAUSAL, BLOCK_N, HEAD_DIM,
+                                   SLIP)
+    acc, l_i, m_i = _region_pass(acc, l_i, m_i, q1, q2, K1, K2, V, rows, cut2, cut3,
+                                 n_ctx, window, qk_scale, _INSIDE_RUN, CAUSAL, BLOCK_N,
+                                 HEAD_DIM, "tf32")
+    if SLIP == 0:
+        acc, l_i, m_i = BAND_PASS(acc, l_i, m_i, q1, q2, K1, K2, V, rows, cut3, cut4,
+                                  n_ctx, window, qk_scale, CAUSAL, BLOCK_N, HEAD_DIM)
+    else:
+        acc, l_i, m_i = _band_slip(acc, l_i, m_i, q1, q2, K1, K2, V, rows, cut3, cut4,
+                                   n_ctx, window, qk_scale, CAUSAL, BLOCK_N, HEAD_DIM,
+                                   SLIP)
+    acc, l_i, m_i = _region_pass(acc, l_i, m_i, q1, q2, K1, K2, V, rows, cut4, end,
+                                 n_ctx, window, qk_scale, _OUTSIDE_RUN, CAUSAL, BLOCK_N,
+                                 HEAD_DIM, "tf32")
     tl.store(Out + q_ptrs, acc / l_i[:, None], mask=rows[:, None] < n_ctx)
 
 
-def _fused_band_forward(band_pass, five, window, causal, block_m, block_n):
+@triton.jit
+def _band_slip(acc, l_i, m_i, q1, q2, K1, K2, V, rows, lo, hi, n_ctx, window, qk_scale,
+               CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+               SLIP: tl.constexpr):
+    """The band pass with slip number ``SLIP`` of :data:`_BAND_SLIPS` (1, 2, …): what a
+    reader's wrong answer is compared with, to name its slip."""
+    dims = tl.arange(0, HEAD_DIM)
+    for start_n in range(lo, hi, BLOCK_N):
+        cols = start_n + tl.arange(0, BLOCK_N)
+        ptrs = cols[:, None] * HEAD_DIM + dims[None, :]
+        ok = cols[:, None] < n_ctx
+        if SLIP == 9:
+            k1, k2, v = tl.load(K1 + ptrs), tl.load(K2 + ptrs), tl.load(V + ptrs)
+        else:
+            k1 = tl.load(K1 + ptrs, mask=ok, other=0.0)
+            k2 = tl.load(K2 + ptrs, mask=ok, other=0.0)
+            v = tl.load(V + ptrs, mask=ok, other=0.0)
+        gap = rows[:, None] - cols[None, :]
+        inside = (gap < window) & (gap > -window)
+        if SLIP == 3:
+            inside = (gap <= window) & (gap >= -window)
+        if SLIP == 6:
+            inside = gap < window
+        near, far = tl.dot(q1, tl.trans(k1)), tl.dot(q2, tl.trans(k2))
+        scores = tl.where(inside, near, far)
+        if SLIP == 2:
+            scores = tl.where(inside, far, near)
+        if SLIP == 4:
+            scores = near
+        if SLIP == 5:
+            scores = far
+        keep = cols[None, :] < n_ctx
+        if SLIP == 8:
+            keep = cols[None, :] >= 0
+        if CAUSAL and SLIP != 7:
+            keep = keep & (gap >= 0)
+        scores = tl.where(keep, scores, float("-inf"))
+        if SLIP != 1:
+            acc, l_i, m_i = _softmax_step(acc, l_i, m_i, scores, v, qk_scale, "tf32")
+    return acc, l_i, m_i
+
+
+# The band pass's likely slips, numbered from 1 in this order -> the hint naming it.
+_BAND_SLIPS = {
+    "skipped":
+        "your pass leaves the band tiles out (acc, l_i, m_i come back unchanged): fold "
+        "every tile of [lo, hi) into the online softmax",
+    "swapped":
+        "the two products are swapped: inside the window (|i − j| < w) the score is "
+        "q1·k1, outside it q2·k2",
+    "|i - j| <= w":
+        "off by one at the window's edge: you count |i − j| = w as inside. Inside "
+        "means |i − j| < w: i − j = w − 1 is the last pair inside, i − j = w the first "
+        "outside",
+    "q1·k1 only":
+        "every entry took q1·k1: the window mask is missing. Compute both products and "
+        "keep q1·k1 where |i − j| < w, q2·k2 elsewhere",
+    "q2·k2 only":
+        "every entry took q2·k2: the window mask is missing. Compute both products and "
+        "keep q1·k1 where |i − j| < w, q2·k2 elsewhere",
+    "one side":
+        "your window has one side: without the causal mask a row also sees keys after "
+        "it, where i − j < 0; inside means −w < i − j < w",
+    "no causal mask":
+        "the causal mask is missing: a band tile can hold the diagonal (when w is "
+        "narrower than a tile), so keys j > i must get −inf",
+    "no end mask":
+        "keys past the end of the sequence got weight: a load's other=0.0 makes their "
+        "score 0, not −inf; mask the scores of cols >= n_ctx",
+    "no load mask":
+        "your pass reads K or V past the end of the sequence (the buffers hold NaN "
+        "there): load with mask=cols[:, None] < n_ctx, other=0.0",
+}
+
+
+def _band_forward(band_pass, five, window, causal, block_m, block_n, slip=0):
     n, d = five[0].shape
     out = torch.full((n, d), float("nan"), dtype=torch.float32, device=five[0].device)
     with _quiet():
-        _rerope_fused_band_kernel[(triton.cdiv(n, block_m),)](
-            *five, out, n, window, d ** -0.5 * LOG2E, BAND_PASS=band_pass, CAUSAL=causal,
-            BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=d)
+        _band_exercise_kernel[(triton.cdiv(n, block_m),)](
+            *five, out, n, window, d ** -0.5 * LOG2E, BAND_PASS=band_pass, SLIP=slip,
+            CAUSAL=causal, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=d)
     return out
 
 
-def check_band_pass(band_pass):
-    """Chapter 4: ``band_pass(acc, l_i, m_i, q1, q2, K1, K2, V, rows, lo, hi, n_ctx, window,
-    qk_scale, CAUSAL, BLOCK_N, HEAD_DIM)``: the band walk with **both products per tile** (the
-    package visits a band tile twice, once per product).
+def _band_tiles(n, window, block_m, block_n, causal, program):
+    """The key tiles of one program's two band runs in the teaching forward, by
+    :func:`rerope.regions._window_bounds`'s rules (in Python)."""
+    start = program * block_m
+    end = min(start + block_m, n) if causal else n
+    below_end = max(start - window + 1, 0) // block_n * block_n
+    inside_start = -(-max(start + block_m - window, 0) // block_n) * block_n
+    inside_end = max(max(start + window, 0) // block_n * block_n, inside_start)
+    above_start = -(-max(start + block_m - 1 + window, 0) // block_n) * block_n
+    runs = [(min(below_end, end), min(inside_start, end)),
+            (min(inside_end, end), min(above_start, end))]
+    return [t // block_n for lo, hi in runs for t in range(lo, hi, block_n)]
 
-    Runs :func:`_rerope_fused_band_kernel` with it (the other walks are the package's), compares
-    with the float64 naive reference on the same fp16 inputs (K and V in NaN-padded buffers).
-    The schedule hands every tile that the causal diagonal or the end of the sequence crosses to
-    the diagonal/end walk, so a band pass without causal or length masks is right too. Reports
-    the case, the wrong rows and the band tiles of the first wrong row's program.
+
+def check_band_pass(band_pass):
+    """Chapter 4: ``band_pass(acc, l_i, m_i, q1, q2, K1, K2, V, rows, lo, hi, n_ctx,
+    window, qk_scale, CAUSAL, BLOCK_N, HEAD_DIM)``: the teaching forward's band run.
+
+    For each key tile of ``[lo, hi)``: both products, each entry keeping its own
+    (``q1·k1`` where ``|i − j| < w``), the causal and end-of-sequence masks, one
+    ``_softmax_step``. Runs :func:`_band_exercise_kernel` with it (the other runs are
+    :mod:`rerope.teach.three_regions`'), compares with the float64 naive reference on
+    the same fp16 inputs (K and V in NaN-padded buffers). A wrong answer is compared
+    with the known slips of :data:`_BAND_SLIPS`: the verdict names the one it
+    reproduces, else the wrong rows and their program's band tiles.
     """
     gen = torch.Generator().manual_seed(5)
     cases = [(40, 13, True, 16, 16),      # the window cuts through tiles, ragged end
-             (40, 13, False, 16, 16),     # non-causal: bands on both sides, one holds the end
+             (40, 5, True, 16, 16),       # w below a tile: the diagonal in the band
+             (40, 13, False, 16, 16),     # non-causal: two bands, one holds the end
              (48, 20, True, 32, 16),      # query blocks taller than key tiles
-             (64, 16, True, 16, 16),      # the window on a tile edge: i - j = w - 1, w
-             (40, 1, True, 16, 16)]       # only i = j is inside
+             (64, 16, True, 16, 16)]      # the window on a tile edge: i - j = w - 1, w
     for n, window, causal, block_m, block_n in cases:
         d = 16
         plain = [_randn(gen, n, d) for _ in range(5)]
-        five = [_guarded(t, name)[0] for t, name in zip(plain, ("Q1", "Q2", "K1", "K2", "V"))]
-        want = reference.rerope_attention(*(t.double()[None, None] for t in plain), window,
-                                          causal=causal)[0, 0]
-        rows = _bad_rows(_fused_band_forward(band_pass, five, window, causal, block_m, block_n),
-                         want, atol=5e-3, rtol=5e-3)
+        names = ("Q1", "Q2", "K1", "K2", "V")
+        five = [_guarded(t, name)[0] for t, name in zip(plain, names)]
+        want = reference.rerope_attention(*(t.double()[None, None] for t in plain),
+                                          window, causal=causal)[0, 0]
+        got = _band_forward(band_pass, five, window, causal, block_m, block_n)
+        rows = _bad_rows(got, want, atol=5e-3, rtol=5e-3)
         if not rows:
             continue
         shape = (f"N={n}, w={window}, {'causal' if causal else 'non-causal'}, "
                  f"{block_m}x{block_n} tiles")
+        for number, (slip, hint) in enumerate(_BAND_SLIPS.items(), 1):
+            same = _band_forward(band_pass, five, window, causal, block_m, block_n,
+                                 number)
+            if torch.allclose(got, same, atol=1e-3, rtol=1e-3, equal_nan=True):
+                return f"{shape}: rows {_spans(rows)} are wrong; {hint}"
         program = rows[0] // block_m
         block_rows = f"rows {program * block_m}–{min((program + 1) * block_m, n) - 1}"
-        band = _walk_tiles(n, window, block_m, block_n, causal)[program]["band"]
-        return (f"{shape}: rows {_spans(rows)} are wrong. Program {program} ({block_rows}) "
-                f"walks the band tiles {_tile_keys(band, block_n)}: each entry must take "
-                "q1·k1 where |i − j| < w and q2·k2 elsewhere")
+        band = _band_tiles(n, window, block_m, block_n, causal, program)
+        return (f"{shape}: rows {_spans(rows)} are wrong. Program {program} "
+                f"({block_rows}) walks the band tiles {_tile_keys(band, block_n)}: "
+                "each entry must take q1·k1 where |i − j| < w and q2·k2 elsewhere, with the "
+                "causal and end-of-sequence masks")
     return CORRECT
 
 
@@ -740,8 +887,47 @@ def check_window_bounds(window_bounds):
                             f"{start + self_block}), keys [{t}, {t + other_block}): your bounds "
                             f"{tuple(int(b) for b in bounds)} make it {said!r}; its pairs make "
                             f"it {truth!r} (i - j from {int(distance.min())} to "
-                            f"{int(distance.max())})")
+                            f"{int(distance.max())}); "
+                            + _bounds_slip(tuple(int(b) for b in bounds), start, self_block,
+                                           other_block, before, after))
     return CORRECT
+
+
+def _tight_bounds(start, self_block, other_block, before, after, swap=False):
+    """The cut points of the window ``-after < i - j < before`` (``swap=True``: the ends
+    of runs rounded up and their starts down, the wrong way round)."""
+    def down(x):
+        return max(x, 0) // other_block * other_block
+
+    def up(x):
+        return -(-max(x, 0) // other_block) * other_block
+
+    floor, ceil = (up, down) if swap else (down, up)
+
+    inside_start = ceil(start + self_block - before)
+    return (floor(start - before + 1), inside_start,
+            max(floor(start + after), inside_start), ceil(start + self_block - 1 + after))
+
+
+def _bounds_slip(bounds, start, self_block, other_block, before, after):
+    """The likely slip behind wrong cut points, by the bounds it reproduces."""
+    names = ("below_end", "inside_start", "inside_end", "above_start")
+    right = _tight_bounds(start, self_block, other_block, before, after)
+    wrong = [name for name, a, b in zip(names, bounds, right) if a != b]
+    for b, a, hint in ((before + 1, after, "i - j = before counted inside"),
+                       (before, after + 1, "i - j = -after counted inside"),
+                       (before - 1, after, "i - j = before - 1 counted outside"),
+                       (before, after - 1, "i - j = -(after - 1) counted outside")):
+        if bounds == _tight_bounds(start, self_block, other_block, b, a):
+            return (f"off by one at the window's edge ({hint}): inside means "
+                    "-after < i - j < before, both strict")
+    if bounds == _tight_bounds(start, self_block, other_block, before, before):
+        return "your bounds ignore `after`: the window is asymmetric"
+    if bounds == _tight_bounds(start, self_block, other_block, before, after, swap=True):
+        return ("rounded the wrong way: a run's end must be rounded down onto the tile "
+                "grid (below_end, inside_end) and its start up (inside_start, above_start)")
+    return (f"{', '.join(wrong)} differ(s) from the tightest cut points {right}: round "
+            "the ends of runs down and their starts up")
 
 
 # --- chapter 5: δ and the routing of dS ---------------------------------------------------------
@@ -854,14 +1040,15 @@ def check_delta_varlen_kernel(delta_kernel):
 
 
 @triton.jit
-def _dq_exercise_kernel(Q1, Q2, K1, K2, V, DO, Lse, Delta, DQ1, DQ2, n_ctx, window, qk_scale,
-                        sm_scale, ROUTE: tl.constexpr, CAUSAL: tl.constexpr,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """dQ1 and dQ2 of one head, one program per query block, every key tile visited once with
-    both products (no region schedule: the routing is what is being checked).
+def _dq_exercise_kernel(Q1, Q2, K1, K2, V, DO, Lse, Delta, DQ1, DQ2, n_ctx, window,
+                        qk_scale, sm_scale, ROUTE: tl.constexpr, CAUSAL: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        HEAD_DIM: tl.constexpr):
+    """dQ1 and dQ2 of one head, one program per query block, every key tile visited
+    once with both products (no regions: the routing is what is being checked).
 
-    ``ROUTE(ds, rows, cols, window)`` returns ``(ds_inside, ds_outside)``: the parts of the
-    ``dS`` tile that flow into ``dQ1 = τ·dS_in·K1`` and ``dQ2 = τ·dS_out·K2``.
+    ``ROUTE(ds, rows, cols, window)`` returns ``(ds_inside, ds_outside)``: the parts of
+    the ``dS`` tile that flow into ``dQ1 = τ·dS_in·K1`` and ``dQ2 = τ·dS_out·K2``.
     """
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     dims = tl.arange(0, HEAD_DIM)
@@ -883,7 +1070,8 @@ def _dq_exercise_kernel(Q1, Q2, K1, K2, V, DO, Lse, Delta, DQ1, DQ2, n_ctx, wind
         v = tl.load(V + kp, mask=col_ok, other=0.0)
         distance = rows[:, None] - cols[None, :]
         in_window = (distance < window) & (distance > -window)
-        scores = tl.where(in_window, tl.dot(q1, tl.trans(k1)), tl.dot(q2, tl.trans(k2)))
+        near, far = tl.dot(q1, tl.trans(k1)), tl.dot(q2, tl.trans(k2))
+        scores = tl.where(in_window, near, far)
         valid = (cols[None, :] < n_ctx) & row_ok[:, None]
         if CAUSAL:
             valid = valid & (distance >= 0)
@@ -896,23 +1084,97 @@ def _dq_exercise_kernel(Q1, Q2, K1, K2, V, DO, Lse, Delta, DQ1, DQ2, n_ctx, wind
     tl.store(DQ2 + ptrs, dq2 * sm_scale, mask=row_ok[:, None])
 
 
+# The routing's likely slips, each as a route, and the hint that names it.
+@triton.jit
+def _route_all_inside(ds, rows, cols, window):
+    return ds, ds * 0.0
+
+
+@triton.jit
+def _route_all_outside(ds, rows, cols, window):
+    return ds * 0.0, ds
+
+
+@triton.jit
+def _route_both(ds, rows, cols, window):
+    return ds, ds
+
+
+@triton.jit
+def _route_swapped(ds, rows, cols, window):
+    distance = rows[:, None] - cols[None, :]
+    inside = (distance < window) & (distance > -window)
+    return tl.where(inside, 0.0, ds), tl.where(inside, ds, 0.0)
+
+
+@triton.jit
+def _route_edge_inside(ds, rows, cols, window):
+    distance = rows[:, None] - cols[None, :]
+    inside = (distance <= window) & (distance >= -window)
+    return tl.where(inside, ds, 0.0), tl.where(inside, 0.0, ds)
+
+
+@triton.jit
+def _route_one_side(ds, rows, cols, window):
+    distance = rows[:, None] - cols[None, :]
+    inside = distance < window
+    return tl.where(inside, ds, 0.0), tl.where(inside, 0.0, ds)
+
+
+_ROUTE_SLIPS = (
+    (_route_all_inside,
+     "all of dS went to dQ1 (and none to dQ2): split it by the window, dS ∘ W to dQ1 "
+     "and dS ∘ ¬W to dQ2"),
+    (_route_all_outside,
+     "all of dS went to dQ2 (and none to dQ1): split it by the window, dS ∘ W to dQ1 "
+     "and dS ∘ ¬W to dQ2"),
+    (_route_both,
+     "both gradients got the whole dS: the window mask is missing; each entry belongs "
+     "to the one product its score came from"),
+    (_route_swapped,
+     "the two parts are swapped: dS where |i − j| < w comes from q1·k1 and goes to "
+     "dQ1, the rest to dQ2"),
+    (_route_edge_inside,
+     "off by one at the window's edge: you route |i − j| = w to dQ1; inside means |i − "
+     "j| < w, exactly as in the forward's scores"),
+    (_route_one_side,
+     "your window has one side: without the causal mask keys after the query have i − "
+     "j < 0; inside means −w < i − j < w"),
+)
+
+
+def _run_dq_exercise(route, five, dout, lse, delta, window, causal, block_m, block_n):
+    n, d = five[0].shape
+    dq1 = torch.full((n, d), float("nan"), dtype=torch.float32, device=five[0].device)
+    dq2 = torch.full_like(dq1, float("nan"))
+    with _quiet():
+        _dq_exercise_kernel[(triton.cdiv(n, block_m),)](
+            *five, dout, lse, delta, dq1, dq2, n, window, d ** -0.5 * LOG2E, d ** -0.5,
+            ROUTE=route, CAUSAL=causal, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=d)
+    return dq1, dq2
+
+
 def check_ds_routing(route):
     """Chapter 5: ``route(ds, rows, cols, window) -> (ds_inside, ds_outside)``.
 
-    Runs :func:`_dq_exercise_kernel` with it and compares ``dQ1``, ``dQ2`` with autograd through
-    the float64 reference on the same fp16 inputs; reports the gradient, the rows, and the key
-    tiles those rows' program saw on both sides of the window.
+    Runs :func:`_dq_exercise_kernel` with it and compares ``dQ1``, ``dQ2`` with autograd
+    through the float64 reference on the same fp16 inputs. A wrong answer is compared
+    with the likely slips (:data:`_ROUTE_SLIPS`): the verdict names the one it
+    reproduces, else the gradient, the rows, and the key tiles of their program.
     """
     gen = torch.Generator().manual_seed(7)
-    for n, window, causal, block_m, block_n in ((40, 13, True, 16, 16), (40, 9, False, 16, 16),
+    for n, window, causal, block_m, block_n in ((40, 13, True, 16, 16),
+                                                (40, 9, False, 16, 16),
                                                 (48, 20, True, 32, 16)):
         d = 16
         five = [_randn(gen, n, d) for _ in range(5)]
         dout = _randn(gen, n, d)
         leaves = [t.double()[None, None].requires_grad_() for t in five]
         out = reference.rerope_attention(*leaves, window, causal=causal)
-        want_dq1, want_dq2 = torch.autograd.grad(out, leaves[:2], dout.double()[None, None])
-        # the forward's saved statistics, in the kernels' units: lse in log2, δ = rowsum(dO ∘ O)
+        want_dq1, want_dq2 = torch.autograd.grad(out, leaves[:2],
+                                                 dout.double()[None, None])
+        # the forward's saved statistics in the kernels' units: lse in log2,
+        # δ = rowsum(dO ∘ O)
         idx = torch.arange(n, device=five[0].device)
         s = torch.where((idx[:, None] - idx[None, :]).abs() < window,
                         five[0].double() @ five[2].double().T,
@@ -921,23 +1183,29 @@ def check_ds_routing(route):
             s = s.masked_fill(idx[None, :] > idx[:, None], float("-inf"))
         lse = (torch.logsumexp(s, -1) * LOG2E).float()
         delta = (dout.double() * out.detach()[0, 0]).sum(-1).float()
-        dq1 = torch.full((n, d), float("nan"), dtype=torch.float32, device=five[0].device)
-        dq2 = torch.full_like(dq1, float("nan"))
-        with _quiet():
-            _dq_exercise_kernel[(triton.cdiv(n, block_m),)](
-                *five, dout, lse, delta, dq1, dq2, n, window, d ** -0.5 * LOG2E, d ** -0.5,
-                ROUTE=route, CAUSAL=causal, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=d)
-        for name, got, want in (("dQ1", dq1, want_dq1[0, 0]), ("dQ2", dq2, want_dq2[0, 0])):
+        stats = (five, dout, lse, delta, window, causal, block_m, block_n)
+        dq1, dq2 = _run_dq_exercise(route, *stats)
+        shape = (f"N={n}, w={window}, {'causal' if causal else 'non-causal'}, "
+                 f"{block_m}x{block_n} tiles")
+        for name, got, want in (("dQ1", dq1, want_dq1[0, 0]),
+                                ("dQ2", dq2, want_dq2[0, 0])):
             scale = want.abs().max().item()
             rows = _bad_rows(got, want, atol=1e-2 * scale, rtol=1e-2)
-            if rows:
-                program = rows[0] // block_m
-                return (f"N={n}, w={window}, {'causal' if causal else 'non-causal'}, "
-                        f"{block_m}x{block_n} tiles: {name} is wrong in rows {_spans(rows)}. "
-                        f"Program {program} visits "
-                        + _masked_tiles(n, window, block_m, block_n, causal, program)
-                        + f"; {name} must get dS where |i − j| "
-                        + ("< w" if name == "dQ1" else ">= w") + " and nothing else")
+            if not rows:
+                continue
+            for slip, hint in _ROUTE_SLIPS:
+                same1, same2 = _run_dq_exercise(slip, *stats)
+                close = [torch.allclose(a, b, atol=1e-3 * scale, rtol=1e-3,
+                                        equal_nan=True)
+                         for a, b in ((dq1, same1), (dq2, same2))]
+                if all(close):
+                    return f"{shape}: {name} is wrong in rows {_spans(rows)}; {hint}"
+            program = rows[0] // block_m
+            return (f"{shape}: {name} is wrong in rows {_spans(rows)}. "
+                    f"Program {program} visits "
+                    + _masked_tiles(n, window, block_m, block_n, causal, program)
+                    + f"; {name} must get dS where |i − j| "
+                    + ("< w" if name == "dQ1" else ">= w") + " and nothing else")
     return CORRECT
 
 

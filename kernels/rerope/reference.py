@@ -1,30 +1,35 @@
 """Plain torch references: the oracle of the tests and chapter 2 of the book.
 
-``rerope_attention`` is the naive five-tensor method: two full ``N × N`` score matrices, a
-select by ``|i - j| < window``, softmax, times ``V``. ``rerope`` adds the position encoding from
-raw ``q, k``. ``rerope_from_relative_positions`` is an independent second oracle: it never
-builds the five tensors, it evaluates every score straight from its relative position, so the
+``rerope_attention`` is the naive five-tensor method: two full ``N × N`` score matrices,
+a select by ``|i - j| < window``, softmax, times ``V``. ``rerope`` adds the position
+encoding from raw ``q, k``. ``rerope_from_relative_positions`` is an independent second
+oracle: it never builds the five tensors, it evaluates every score straight from its
+    relative position, so the
 tests cannot share a bug between the five-tensor form and its reference.
 
-All three accept float64 (use it for oracles) and work on any device; memory is ``O(N²)``.
+All three accept float64 (use it for oracles) and work on any device; memory is
+``O(N²)``.
 """
 
 import torch
 
-from ._validate import (REFERENCE_DTYPES, check_flag, check_qkv, check_rope_args, check_sm_scale,
-                        check_window)
+from ._validate import (REFERENCE_DTYPES, check_flag, check_qkv, check_rope_args,
+                        check_sm_scale, check_window)
 from .rope import apply_rope, frequencies, logn_scale, relative_positions, rerope_inputs
 
 
 def _expand_heads(t, group):
-    """Repeat key/value heads for grouped-query attention (fine for a reference, not a kernel)."""
+    """Repeat key/value heads for grouped-query attention (fine for a reference, not a
+    kernel)."""
     return t if group == 1 else t.repeat_interleave(group, dim=1)
 
 
 def _softmax_times_v(scores, v, causal):
-    """Causal mask (keys after the query get ``-inf``), softmax in float32 or better, ``@ v``.
+    """Causal mask (keys after the query get ``-inf``), softmax in float32 or better,
+    ``@ v``.
 
-    ``scores`` is ``(..., Nq, Nk)`` with the queries at the last ``Nq`` of the ``Nk`` positions.
+    ``scores`` is ``(..., Nq, Nk)`` with the queries at the last ``Nq`` of the ``Nk``
+    positions.
     """
     n_queries, n_keys = scores.shape[-2:]
     if causal:
@@ -50,57 +55,61 @@ def rerope_attention(q1, q2, k1, k2, v, window, causal=True, sm_scale=None):
     check_window(window)
     check_flag("causal", causal)
     check_sm_scale(sm_scale, kernel=False)
-    window = min(window, n_keys)               # |i - j| <= Nk - 1: larger windows are the same
+    window = min(window, n_keys)   # |i - j| <= Nk - 1: larger windows are the same
     scale = d ** -0.5 if sm_scale is None else sm_scale
     k1, k2, v = (_expand_heads(t, hq // hkv) for t in (k1, k2, v))
-    scores_inside = (q1 @ k1.transpose(-1, -2)) * scale        # N × N, ordinary RoPE
-    scores_outside = (q2 @ k2.transpose(-1, -2)) * scale       # N × N, position clamped at w
+    scores_inside = (q1 @ k1.transpose(-1, -2)) * scale    # N × N, ordinary RoPE
+    scores_outside = (q2 @ k2.transpose(-1, -2)) * scale   # N × N, clamped at w
     keys = torch.arange(n_keys, device=q1.device)
     in_window = (keys[n_keys - n_queries:, None] - keys[None, :]).abs() < window
-    return _softmax_times_v(torch.where(in_window, scores_inside, scores_outside), v, causal)
+    scores = torch.where(in_window, scores_inside, scores_outside)
+    return _softmax_times_v(scores, v, causal)
 
 
-def rerope(q, k, v, window, causal=True, sm_scale=None, base=10000.0, leaky=None, logn_len=None,
-           rotated=False, inv_freq=None, group=None):
-    """(Leaky) ReRoPE or Self-Extend attention from ``q, k, v``: build the five tensors, then the
-    naive op.
+def rerope(q, k, v, window, causal=True, sm_scale=None, base=10000.0, leaky=None,
+           logn_len=None, rotated=False, inv_freq=None, group=None):
+    """(Leaky) ReRoPE or Self-Extend attention from ``q, k, v``: build the five tensors,
+    then the naive op.
 
-    Arguments as :func:`rerope.rerope` (``q`` ``(B, Hq, Nq, D)``, ``k, v`` ``(B, Hkv, Nk, D)``,
-    ``Nq <= Nk``; ``rotated=True``: ``q, k`` already carry RoPE at their positions;
-    ``inv_freq``: the ``D/2`` frequencies instead of ``base``'s; ``group``: Self-Extend's group
-    size, dividing ``window``, causal only).
+    Arguments as :func:`rerope.rerope` (``q`` ``(B, Hq, Nq, D)``, ``k, v`` ``(B, Hkv,
+    Nk, D)``, ``Nq <= Nk``; ``rotated=True``: ``q, k`` already carry RoPE at their
+    positions; ``inv_freq``: the ``D/2`` frequencies instead of ``base``'s; ``group``:
+    Self-Extend's group size, dividing ``window``, causal only).
     """
     check_qkv({"q": q}, {"k": k, "v": v}, dtypes=REFERENCE_DTYPES, fewer_queries=True)
     _check_group_causal(group, causal)
-    q1, q2, k1, k2 = rerope_inputs(q, k, window, base=base, leaky=leaky, logn_len=logn_len,
-                                   rotated=rotated, inv_freq=inv_freq, group=group)
+    q1, q2, k1, k2 = rerope_inputs(q, k, window, base=base, leaky=leaky,
+                                   logn_len=logn_len, rotated=rotated,
+                                   inv_freq=inv_freq, group=group)
     return rerope_attention(q1, q2, k1, k2, v, window, causal=causal, sm_scale=sm_scale)
 
 
 def _check_group_causal(group, causal):
     if group is not None and causal is not True:
-        raise ValueError("group (Self-Extend) needs causal=True: its grouped positions are "
-                         "defined for keys at or before the query only")
+        raise ValueError("group (Self-Extend) needs causal=True: its grouped positions "
+                         "are defined for keys at or before the query only")
 
 
-def rerope_from_relative_positions(q, k, v, window, causal=True, sm_scale=None, base=10000.0,
-                                   leaky=None, logn_len=None, rotated=False, inv_freq=None,
-                                   group=None):
-    """Independent oracle: each score straight from its ReRoPE (or Self-Extend: ``group``)
-    relative position.
+def rerope_from_relative_positions(q, k, v, window, causal=True, sm_scale=None,
+                                   base=10000.0, leaky=None, logn_len=None,
+                                   rotated=False, inv_freq=None, group=None):
+    """Independent oracle: each score straight from its ReRoPE (or Self-Extend:
+    ``group``) relative position.
 
-    With halves ``q = [a, b]``, ``k = [c, d]`` and frequencies ``θ_t``, RoPE's score at relative
-    position ``r`` is ``Σ_t (a_t c_t + b_t d_t) cos(r θ_t) + (a_t d_t - b_t c_t) sin(r θ_t)``.
-    ``r`` comes from :func:`rerope.rope.relative_positions`. ``q`` ``(B, Hq, Nq, D)``, ``k, v``
-    ``(B, Hkv, Nk, D)``, ``Nq <= Nk``, queries at the last ``Nq`` positions; with ``rotated``,
-    ``q, k`` carry RoPE at their positions and are rotated back first (in float64). Computes in
-    float64; returns the input dtype. Memory ``O(B·H·Nq·Nk)``: for small test sizes.
-    ``inv_freq``: the ``D/2`` frequencies ``θ_t`` instead of ``base``'s
-    (:func:`rerope.rope.frequencies`).
+    With halves ``q = [a, b]``, ``k = [c, d]`` and frequencies ``θ_t``, RoPE's score at
+    relative position ``r`` is ``Σ_t (a_t c_t + b_t d_t) cos(r θ_t) + (a_t d_t - b_t
+    c_t) sin(r θ_t)``.
+    ``r`` comes from :func:`rerope.rope.relative_positions`. ``q`` ``(B, Hq, Nq, D)``,
+    ``k, v`` ``(B, Hkv, Nk, D)``, ``Nq <= Nk``, queries at the last ``Nq`` positions;
+    with ``rotated``, ``q, k`` carry RoPE at their positions and are rotated back first
+    (in float64). Computes in float64; returns the input dtype. Memory ``O(B·H·Nq·Nk)``:
+    for small test sizes. ``inv_freq``: the ``D/2`` frequencies ``θ_t`` instead of
+    ``base``'s (:func:`rerope.rope.frequencies`).
     """
-    _, hq, hkv, n_queries, n_keys, d = check_qkv({"q": q}, {"k": k, "v": v},
-                                                 dtypes=REFERENCE_DTYPES, fewer_queries=True)
-    inv_freq = check_rope_args(q, k, window, base, leaky, logn_len, rotated, inv_freq, group)
+    _, hq, hkv, n_queries, n_keys, d = check_qkv(
+        {"q": q}, {"k": k, "v": v}, dtypes=REFERENCE_DTYPES, fewer_queries=True)
+    inv_freq = check_rope_args(q, k, window, base, leaky, logn_len, rotated, inv_freq,
+                               group)
     check_sm_scale(sm_scale, kernel=False)
     check_flag("causal", causal)
     _check_group_causal(group, causal)
@@ -110,16 +119,20 @@ def rerope_from_relative_positions(q, k, v, window, causal=True, sm_scale=None, 
         qd = apply_rope(qd, -key_pos[n_keys - n_queries:], base, inv_freq)
         kd = apply_rope(kd, -key_pos, base, inv_freq)
     if logn_len is not None:
-        qd = qd * logn_scale(n_keys, logn_len, device=q.device)[n_keys - n_queries:, None]
+        logn = logn_scale(n_keys, logn_len, device=q.device)
+        qd = qd * logn[n_keys - n_queries:, None]
     scale = d ** -0.5 if sm_scale is None else sm_scale
     a, b = qd[..., : d // 2], qd[..., d // 2:]
     c, e = kd[..., : d // 2], kd[..., d // 2:]
-    rel = relative_positions(n_queries, window, leaky=leaky, device=q.device, n_keys=n_keys,
-                             group=group)
-    scores = torch.zeros(*q.shape[:2], n_queries, n_keys, dtype=torch.float64, device=q.device)
+    rel = relative_positions(n_queries, window, leaky=leaky, device=q.device,
+                             n_keys=n_keys, group=group)
+    scores = torch.zeros(*q.shape[:2], n_queries, n_keys, dtype=torch.float64,
+                         device=q.device)
     for t, theta in enumerate(frequencies(d, base, inv_freq, device=q.device)):
-        same = a[..., t, None] * c[..., None, :, t] + b[..., t, None] * e[..., None, :, t]
-        cross = a[..., t, None] * e[..., None, :, t] - b[..., t, None] * c[..., None, :, t]
+        a_t, b_t = a[..., t, None], b[..., t, None]        # query halves, one frequency
+        c_t, e_t = c[..., None, :, t], e[..., None, :, t]  # key halves
+        same = a_t * c_t + b_t * e_t
+        cross = a_t * e_t - b_t * c_t
         scores += same * torch.cos(rel * theta) + cross * torch.sin(rel * theta)
     out = _softmax_times_v(scores * scale, _expand_heads(v, hq // hkv).double(), causal)
     return out.to(v.dtype)
