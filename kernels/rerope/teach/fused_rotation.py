@@ -112,8 +112,8 @@ def rerope_turning_fwd_kernel(Q, K, V, Out, Table, n_ctx, group, window, qk_scal
             scores = _dot_halves(q2_a, q2_b, k_a.to(dtype), k_b.to(dtype),
                                  DOT_PRECISION)
         if near < window:                                      # R(i) q · R(j) k
-            cos, sin = _angles(Table, cols, HALF)
-            k1_a, k1_b = _turn(k_a, k_b, cos, sin)
+            cos_k, sin_k = _angles(Table, cols, HALF)
+            k1_a, k1_b = _turn(k_a, k_b, cos_k, sin_k)
             inside = _dot_halves(q1_a, q1_b, k1_a.to(dtype), k1_b.to(dtype),
                                  DOT_PRECISION)
             scores = tl.where(tl.abs(gap) < window, inside, scores)
@@ -131,13 +131,15 @@ def rerope_turning(q, k, v, window, causal=True, sm_scale=None, block_m=None,
     """ReRoPE attention from raw ``q, k`` through :func:`rerope_turning_fwd_kernel`.
 
     Args:
-        q: ``(B, Hq, N, D)`` raw queries, fp16 or fp32 (bf16 on a GPU), ``D`` a power of
-            two ``>= 32`` (a half must be 16 wide for ``tl.dot``).
+        q: ``(B, Hq, N, D)`` raw queries, fp16 or fp32 (bf16 on a GPU), ``D`` 32, 64 or
+            128 (a half must be 16 wide for ``tl.dot``; 256 would not fit every GPU's
+            shared memory with these tiles).
         k, v: ``(B, Hkv, N, D)``, raw keys and values, ``Hq`` a multiple of ``Hkv``.
         window: int ``>= 1``: pairs with ``|i − j| < window`` use RoPE, others ``R(w)``.
         causal: bool.
         sm_scale: the softmax scale, ``D ** -0.5`` by default.
-        block_m, block_n: tile sizes (16 under the interpreter, 64 on a GPU by default).
+        block_m, block_n: tile sizes (16 under the interpreter; 64 × 32 on a GPU, two
+            pipeline stages: under 100 KB of shared memory at ``D = 128``).
 
     Returns:
         ``(B, Hq, N, D)`` in ``q``'s dtype: what :func:`rerope.rerope` gives for raw
@@ -146,13 +148,14 @@ def rerope_turning(q, k, v, window, causal=True, sm_scale=None, block_m=None,
     check_qkv({"q": q}, {"k": k, "v": v})
     check_head_dim(q.shape[-1])
     batch, heads, n_ctx, head_dim = q.shape
-    if head_dim < 32:
-        raise ValueError(f"q: this kernel needs a head dim >= 32, got {head_dim}")
+    if head_dim not in (32, 64, 128):
+        raise ValueError(f"q: this kernel takes a head dim of 32, 64 or 128, got "
+                         f"{head_dim}")
     if isinstance(window, bool) or not isinstance(window, int) or window < 1:
         raise ValueError(f"window must be an int >= 1, got {window!r}")
     (q, k, v), restore = prepare_for_device(q, k, v)
     block_m = block_m or (16 if INTERPRET else 64)
-    block_n = block_n or (16 if INTERPRET else 64)
+    block_n = block_n or (16 if INTERPRET else 32)
     table = rope_table(max(n_ctx, window + 1) + max(block_m, block_n), head_dim,
                        device=q.device)
     q3, k3, v3 = (t.contiguous().flatten(0, 1) for t in (q, k, v))
@@ -161,7 +164,7 @@ def rerope_turning(q, k, v, window, causal=True, sm_scale=None, block_m=None,
     rerope_turning_fwd_kernel[(triton.cdiv(n_ctx, block_m), batch * heads)](
         q3, k3, v3, out, table, n_ctx, heads // k.shape[1], window, scale * LOG2E,
         CAUSAL=causal, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=head_dim,
-        DOT_PRECISION=dot_precision(q.dtype))
+        DOT_PRECISION=dot_precision(q.dtype), num_stages=2)
     return restore(out.view(batch, heads, n_ctx, head_dim))
 
 

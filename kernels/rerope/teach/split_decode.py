@@ -77,8 +77,8 @@ def split_kernel(Q, K, V, Part, Lse, Table, n_keys, group, num_splits, window, q
                     mask=cols[:, None] < hi, other=0.0)
         scores = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         if start <= position - window:                         # a key outside: turn
-            cos, sin = _angles(Table, cols, HALF)
-            k2_a, k2_b = _turn_back(k_a, k_b, cos, sin)        # R(−j) R(j) k = k
+            cos_k, sin_k = _angles(Table, cols, HALF)
+            k2_a, k2_b = _turn_back(k_a, k_b, cos_k, sin_k)    # R(−j) R(j) k = k
             scores = _dot_halves(q2_a, q2_b, k2_a.to(dtype), k2_b.to(dtype),
                                  DOT_PRECISION)
         if start + BLOCK_N - 1 > position - window:            # a key inside: as cached
@@ -121,7 +121,7 @@ def split_decode(q, k_cache, v_cache, window, num_splits=None, sm_scale=None,
 
     Args:
         q: ``(B, Hq, 1, D)``, the new token's query, RoPE-rotated at position ``N − 1``;
-            fp16 or fp32 (bf16 on a GPU), ``D`` a power of two ``>= 32``.
+            fp16 or fp32 (bf16 on a GPU), ``D`` 32, 64 or 128.
         k_cache, v_cache: ``(B, Hkv, N, D)``, keys RoPE-rotated at their positions
             ``0 … N−1`` (the query's own key included), ``Hq`` a multiple of ``Hkv``,
             ``Hq / Hkv <= 64``.
@@ -138,9 +138,10 @@ def split_decode(q, k_cache, v_cache, window, num_splits=None, sm_scale=None,
     batch, heads, n_q, head_dim = q.shape
     kv_heads, n_keys = k_cache.shape[1], k_cache.shape[2]
     check_head_dim(head_dim)
-    if n_q != 1 or head_dim < 32 or heads // kv_heads > 64:
-        raise ValueError(f"q: one query per head, D >= 32 and Hq / Hkv <= 64 here, got "
-                         f"shape {tuple(q.shape)} against {kv_heads} KV heads")
+    if n_q != 1 or head_dim not in (32, 64, 128) or heads // kv_heads > 64:
+        raise ValueError(f"q: one query per head, D of 32, 64 or 128 and Hq / Hkv <= "
+                         f"64 here, got shape {tuple(q.shape)} against {kv_heads} KV "
+                         "heads")
     if isinstance(window, bool) or not isinstance(window, int) or window < 1:
         raise ValueError(f"window must be an int >= 1, got {window!r}")
     (q, k_cache, v_cache), restore = prepare_for_device(q, k_cache, v_cache)
@@ -160,7 +161,7 @@ def split_decode(q, k_cache, v_cache, window, num_splits=None, sm_scale=None,
         q.contiguous(), k_cache.contiguous(), v_cache.contiguous(), part, lse, table,
         n_keys, group, num_splits, window, scale * LOG2E,
         BLOCK_M=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n,
-        HEAD_DIM=head_dim, DOT_PRECISION=dot_precision(q.dtype))
+        HEAD_DIM=head_dim, DOT_PRECISION=dot_precision(q.dtype), num_stages=2)
     out = torch.empty(batch * heads, head_dim, dtype=q.dtype, device=q.device)
     merge_kernel[(batch * heads,)](part, lse, out, num_splits, HEAD_DIM=head_dim,
                                    SPLITS=triton.next_power_of_2(num_splits))
