@@ -1034,14 +1034,14 @@ def check_rope_kernel(rope_kernel):
 @triton.jit
 def _turn_tile_kernel(X, Out, Table, Offset, n_rows, offset_sign, TURN: tl.constexpr,
                       BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """Rows of a contiguous ``(N, D)`` tensor passed through the reader's ``TURN``, half by half.
+    """Rows of a contiguous ``(N, D)`` tensor passed through the reader's ``TURN``,
+    half by half.
 
-    Row ``p`` of ``Table`` (:func:`rerope.rotary.rope_table`) is ``[cos | sin]`` of
-    ``speed · p · θ``, ``Offset`` (:func:`rerope.rotary.rotation_offset`) is ``[cos | sin]`` of
-    ``offset · θ`` and its sines are multiplied by ``offset_sign`` (±1), as in
-    :func:`rerope.rotary._angles`. ``TURN(x_a, x_b, cos_p, sin_p, cos_o, sin_o)`` gets the fp32
-    halves ``(BLOCK, D/2)`` of the rows, the table entries of their positions ``(BLOCK, D/2)``
-    and the offset's ``(1, D/2)``, and returns the two halves it turned; they are stored in fp32.
+    Row ``p`` of ``Table`` is ``[cos | sin]`` of ``speed · p · θ``, ``Offset`` is
+    ``[cos | sin]`` of ``offset · θ`` and its sines are multiplied by ``offset_sign``
+    (±1). ``TURN(x_a, x_b, cos_p, sin_p, cos_o, sin_o)`` gets the fp32 halves
+    ``(BLOCK, D/2)`` of the rows, the table entries of their positions ``(BLOCK, D/2)``
+    and the offset's ``(1, D/2)``, and returns the two halves it turned, stored in fp32.
     """
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     freqs = tl.arange(0, HEAD_DIM // 2)[None, :]
