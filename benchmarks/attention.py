@@ -108,11 +108,13 @@ CHECK_SHAPE = dict(B=1, H=2, N=512, window=160)
 # blocks). So TFLOP/s compare like with like: a higher number is a faster run of the same job.
 
 def attention_flops(B, H, N, D, causal, mode):
-    """FLOPs of plain attention: ``4·B·H·N²·D``, halved if causal, ×3.5 for forward+backward.
+    """FLOPs of plain attention: ``4·B·H·N²·D``, halved if causal, ×3.5 for forward +
+    backward.
 
     Forward: two ``N × N × D`` matmuls (``Q Kᵀ`` and ``P V``) of ``2·N²·D`` FLOPs each.
-    Backward: five such matmuls (``dV``, ``dP``, ``dQ``, ``dK`` and the recomputed ``Q Kᵀ``),
-    2.5 times the forward, hence 3.5 in total. Causal attention does half the work.
+    Backward: five such matmuls (``dV``, ``dP``, ``dQ``, ``dK`` and the recomputed
+    ``Q Kᵀ``), 2.5 times the forward, hence 3.5 in total. Causal attention does half the
+    work.
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")

@@ -552,17 +552,48 @@ def test_turn_tile():
     assert verdict.startswith("queries outside the window, ReRoPE, raw inputs: R(w) (speed 0, "
                               "offset +13; N=40, D=32, BLOCK=16): wrong at positions 0–39, "
                               "frequencies t = 0–15, in both halves"), verdict
-    assert "ReRoPE, raw inputs: R(w)" in exercises.check_turn_tile(turn_by_difference)
+    assert "Likely: the offset β was left out" in verdict, verdict
+    verdict = exercises.check_turn_tile(turn_by_difference)
+    assert "ReRoPE, raw inputs: R(w)" in verdict
+    assert "Likely: the offset was subtracted, α − β instead of α + β" in verdict, (
+        verdict)
     verdict = exercises.check_turn_tile(turn_first_half_only)
-    assert verdict.endswith("wrong at positions 1–39, frequencies t = 0–15, in the second half")
+    assert verdict.endswith(
+        "wrong at positions 1–39, frequencies t = 0–15, in the second half. Likely: "
+        "the second half came back unturned: it is b cos + a sin"), verdict
     # the forward turn is not its own transpose: position 0 is the only row it gets right
     assert "R(p) (speed 1, offset +0; N=40, D=32, BLOCK=16): wrong at positions 1–39" in (
         exercises.check_turn_back_tile(turn_right))
 
 
+@triton.jit
+def turn_swapped_halves(x_a, x_b, cos_p, sin_p, cos_o, sin_o):
+    cos = cos_p * cos_o - sin_p * sin_o
+    sin = sin_p * cos_o + cos_p * sin_o
+    return x_b * cos + x_a * sin, x_a * cos - x_b * sin
+
+
+@triton.jit
+def turn_nothing(x_a, x_b, cos_p, sin_p, cos_o, sin_o):
+    return x_a, x_b
+
+
 def test_turn_back_tile():
     assert exercises.check_turn_back_tile(turn_back_right) == "correct"
-    assert exercises.check_turn_tile(turn_back_right) != "correct"
+    verdict = exercises.check_turn_tile(turn_back_right)
+    assert "Likely: turned the wrong way, by the transpose" in verdict, verdict
+    verdict = exercises.check_turn_back_tile(turn_right)
+    assert "Likely: turned the wrong way, by the transpose" in verdict, verdict
+
+
+def test_turn_hints_name_the_slip():
+    verdict = exercises.check_turn_tile(turn_swapped_halves)
+    assert verdict.endswith(
+        "Likely: the two halves come back swapped: return (first half, second half)"), (
+        verdict)
+    verdict = exercises.check_turn_tile(turn_nothing)
+    assert verdict.endswith(
+        "Likely: nothing was turned: the halves came back as they went in"), verdict
 
 def test_spans():
     assert exercises._spans([0, 1, 2, 5, 7, 8]) == "0–2, 5, 7–8"
@@ -667,13 +698,147 @@ def merge_plain_mean(Part, Lse, Out, n_splits, HEAD_DIM: tl.constexpr, SPLITS: t
     tl.store(Out + row * HEAD_DIM + dims, tl.sum(part, 0) / n_splits)
 
 
+@triton.jit
+def merge_unnormalised(Part, Lse, Out, n_splits, HEAD_DIM: tl.constexpr,
+                       SPLITS: tl.constexpr):
+    row = tl.program_id(0)
+    n_rows = tl.num_programs(0)
+    splits = tl.arange(0, SPLITS)
+    dims = tl.arange(0, HEAD_DIM)
+    ok = splits < n_splits
+    lse = tl.load(Lse + splits * n_rows + row, mask=ok, other=float("-inf"))
+    w = tl.math.exp2(lse - tl.max(lse, 0))
+    part = tl.load(Part + (splits[:, None] * n_rows + row) * HEAD_DIM + dims[None, :],
+                   mask=ok[:, None], other=0.0)
+    tl.store(Out + row * HEAD_DIM + dims, tl.sum(w[:, None] * part, 0))    # no / Σ w
+
+
+@triton.jit
+def merge_split_axis_inner(Part, Lse, Out, n_splits, HEAD_DIM: tl.constexpr,
+                           SPLITS: tl.constexpr):
+    row = tl.program_id(0)
+    splits = tl.arange(0, SPLITS)
+    dims = tl.arange(0, HEAD_DIM)
+    ok = splits < n_splits
+    # the wrong stride: the split axis read as the inner one
+    lse = tl.load(Lse + row * n_splits + splits, mask=ok, other=float("-inf"))
+    w = tl.math.exp2(lse - tl.max(lse, 0))
+    part = tl.load(Part + (row * n_splits + splits[:, None]) * HEAD_DIM + dims[None, :],
+                   mask=ok[:, None], other=0.0)
+    tl.store(Out + row * HEAD_DIM + dims, tl.sum(w[:, None] * part, 0) / tl.sum(w, 0))
+
+
+@triton.jit
+def merge_natural_exp(Part, Lse, Out, n_splits, HEAD_DIM: tl.constexpr,
+                      SPLITS: tl.constexpr):
+    row = tl.program_id(0)
+    n_rows = tl.num_programs(0)
+    splits = tl.arange(0, SPLITS)
+    dims = tl.arange(0, HEAD_DIM)
+    ok = splits < n_splits
+    lse = tl.load(Lse + splits * n_rows + row, mask=ok, other=float("-inf"))
+    w = tl.exp(lse - tl.max(lse, 0))                          # log2 units read as e
+    part = tl.load(Part + (splits[:, None] * n_rows + row) * HEAD_DIM + dims[None, :],
+                   mask=ok[:, None], other=0.0)
+    tl.store(Out + row * HEAD_DIM + dims, tl.sum(w[:, None] * part, 0) / tl.sum(w, 0))
+
+
+@triton.jit
+def merge_padding_zero(Part, Lse, Out, n_splits, HEAD_DIM: tl.constexpr,
+                       SPLITS: tl.constexpr):
+    row = tl.program_id(0)
+    n_rows = tl.num_programs(0)
+    splits = tl.arange(0, SPLITS)
+    dims = tl.arange(0, HEAD_DIM)
+    ok = splits < n_splits
+    lse = tl.load(Lse + splits * n_rows + row, mask=ok, other=0.0)    # not -inf
+    w = tl.math.exp2(lse - tl.max(lse, 0))
+    part = tl.load(Part + (splits[:, None] * n_rows + row) * HEAD_DIM + dims[None, :],
+                   mask=ok[:, None], other=0.0)
+    tl.store(Out + row * HEAD_DIM + dims, tl.sum(w[:, None] * part, 0) / tl.sum(w, 0))
+
+
 def test_merge_kernel():
+    from rerope.teach import split_decode
+
     assert exercises.check_merge_kernel(merge_right) == "correct"
-    assert "NaN or inf" in exercises.check_merge_kernel(merge_without_max)
+    assert exercises.check_merge_kernel(split_decode.merge_kernel) == "correct"
+    assert "Likely: NaN or inf: 2^lse overflows fp32" in (
+        exercises.check_merge_kernel(merge_without_max))
     assert exercises.check_merge_kernel(merge_unmasked_loads).startswith(
-        "three splits, the last one empty (n_splits=3, SPLITS=4): rows 0–11 wrong")
-    assert exercises.check_merge_kernel(merge_plain_mean).startswith(
-        "three splits, the last one empty")
+        "three splits, the last one empty (n_splits=3, SPLITS=4): rows 0–11 wrong. "
+        "Likely: NaN or inf: the lanes past n_splits read beyond Part and Lse")
+    expected = {
+        merge_plain_mean: "the partials were averaged",
+        merge_unnormalised: "the weighted sum was not divided by Σ_s 2^(lse_s − M)",
+        merge_split_axis_inner: "a wrong stride: Part and Lse were read as (rows, "
+                                "n_splits",
+        merge_natural_exp: "exp instead of exp2",
+        merge_padding_zero: "the padding lanes (splits ≥ n_splits) were loaded as "
+                            "lse = 0",
+    }
+    for answer, hint in expected.items():
+        verdict = exercises.check_merge_kernel(answer)
+        assert verdict.startswith("three splits, the last one empty") and (
+            f"Likely: {hint}" in verdict), verdict
+
+
+# --- chapter 8: a split's chunk of the cache ------------------------------------------
+
+@triton.jit
+def chunk_right(n_keys, split, num_splits, BLOCK_N: tl.constexpr):
+    per_split = (n_keys + num_splits - 1) // num_splits
+    chunk = (per_split + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+    return split * chunk, tl.minimum(split * chunk + chunk, n_keys)
+
+
+@triton.jit
+def chunk_one_too_far(n_keys, split, num_splits, BLOCK_N: tl.constexpr):
+    chunk = tl.cdiv(tl.cdiv(n_keys, num_splits), BLOCK_N) * BLOCK_N
+    return split * chunk, tl.minimum(split * chunk + chunk + 1, n_keys)
+
+
+@triton.jit
+def chunk_one_too_short(n_keys, split, num_splits, BLOCK_N: tl.constexpr):
+    chunk = tl.cdiv(tl.cdiv(n_keys, num_splits), BLOCK_N) * BLOCK_N
+    return split * chunk, tl.minimum(split * chunk + chunk - 1, n_keys)
+
+
+@triton.jit
+def chunk_rounded_down(n_keys, split, num_splits, BLOCK_N: tl.constexpr):
+    chunk = n_keys // num_splits // BLOCK_N * BLOCK_N
+    return split * chunk, tl.minimum(split * chunk + chunk, n_keys)
+
+
+@triton.jit
+def chunk_unclamped(n_keys, split, num_splits, BLOCK_N: tl.constexpr):
+    chunk = tl.cdiv(tl.cdiv(n_keys, num_splits), BLOCK_N) * BLOCK_N
+    return split * chunk, split * chunk + chunk
+
+
+@triton.jit
+def chunk_not_tiles(n_keys, split, num_splits, BLOCK_N: tl.constexpr):
+    chunk = tl.cdiv(n_keys, num_splits)
+    return split * chunk, tl.minimum(split * chunk + chunk, n_keys)
+
+
+def test_chunk_bounds():
+    from rerope.teach import split_decode
+
+    assert exercises.check_chunk_bounds(chunk_right) == "correct"
+    assert exercises.check_chunk_bounds(split_decode._chunk_bounds) == "correct"
+    expected = {
+        chunk_one_too_far: "belong to two splits: each chunk also takes the next one's "
+                           "first key — off by one",
+        chunk_one_too_short: "belong to no split — off by one: hi = lo + chunk − 1",
+        chunk_rounded_down: "keys 896–999 belong to no split: the chunks stop short",
+        chunk_unclamped: "split 6 ends at hi = 1008, past the cache's 1000 keys",
+        chunk_not_tiles: "split 1 starts at key 143, not a multiple of BLOCK_N = 16",
+    }
+    for answer, hint in expected.items():
+        verdict = exercises.check_chunk_bounds(answer)
+        assert verdict.startswith("n_keys=1000, num_splits=7, BLOCK_N=16: "), verdict
+        assert hint in verdict, verdict
 
 
 # --- chapter 9: the production kernel's grid order --------------------------------------------

@@ -35,6 +35,7 @@ checker                            chapter  what the reader writes
 :func:`check_tile_angles`                7  a key tile's angles from one table row (Self-Extend too)
 :func:`check_merge_kernel`               8  the split-KV merge of partial outputs by their LSEs
 :func:`check_merge_lse_kernel`           8  the merge that also writes the merged LSE (mergeable again)
+:func:`check_chunk_bounds`               8  the keys ``[lo, hi)`` of one split's chunk
 :func:`check_split_free_batch`           8  the first batch at which the split rule stops splitting
 :func:`check_program_order`              9  which head and query block a program of the grid does
 :func:`check_positions_kernel`          10  positions from a left-padded mask, as ``generate`` gives
@@ -1302,14 +1303,14 @@ def check_rope_kernel(rope_kernel):
 @triton.jit
 def _turn_tile_kernel(X, Out, Table, Offset, n_rows, offset_sign, TURN: tl.constexpr,
                       BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """Rows of a contiguous ``(N, D)`` tensor passed through the reader's ``TURN``, half by half.
+    """Rows of a contiguous ``(N, D)`` tensor passed through the reader's ``TURN``,
+    half by half.
 
-    Row ``p`` of ``Table`` (:func:`rerope.rotary.rope_table`) is ``[cos | sin]`` of
-    ``speed · p · θ``, ``Offset`` (:func:`rerope.rotary.rotation_offset`) is ``[cos | sin]`` of
-    ``offset · θ`` and its sines are multiplied by ``offset_sign`` (±1), as in
-    :func:`rerope.rotary._angles`. ``TURN(x_a, x_b, cos_p, sin_p, cos_o, sin_o)`` gets the fp32
-    halves ``(BLOCK, D/2)`` of the rows, the table entries of their positions ``(BLOCK, D/2)``
-    and the offset's ``(1, D/2)``, and returns the two halves it turned; they are stored in fp32.
+    Row ``p`` of ``Table`` is ``[cos | sin]`` of ``speed · p · θ``, ``Offset`` is
+    ``[cos | sin]`` of ``offset · θ`` and its sines are multiplied by ``offset_sign``
+    (±1). ``TURN(x_a, x_b, cos_p, sin_p, cos_o, sin_o)`` gets the fp32 halves
+    ``(BLOCK, D/2)`` of the rows, the table entries of their positions ``(BLOCK, D/2)``
+    and the offset's ``(1, D/2)``, and returns the two halves it turned, stored in fp32.
     """
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     freqs = tl.arange(0, HEAD_DIM // 2)[None, :]
@@ -1338,6 +1339,45 @@ _TURN_CASES = (
 )
 
 
+def _turn_hint(got, x, speed, offset, sign, back):
+    """The likely slip behind a wrong turn, from what the answer equals instead
+    (``None`` if it matches none of them). ``got``, ``x``: float64 ``(N, D)``."""
+    n, d = x.shape
+    p = torch.arange(n, dtype=torch.float64)
+    way = -1.0 if back else 1.0              # the turn asked for: R(way · (σp ± o))
+
+    def turned(angle):
+        return apply_rope(x, way * angle)
+
+    right = turned(speed * p + sign * offset)
+    swapped = torch.cat((right[:, d // 2:], right[:, : d // 2]), -1)
+    plus, minus = ("−", "+") if back else ("+", "−")
+    # the offset's slips first: at speed 0 they look like others
+    candidates = [
+        (turned(speed * p),
+         "the offset β was left out: combine the table row's cos_p, sin_p with "
+         "cos_o, sin_o by angle addition"),
+        (turned(speed * p - sign * offset),
+         "the offset was subtracted, α − β instead of α + β: cos(α + β) = "
+         "cos α cos β − sin α sin β and sin(α + β) = sin α cos β + cos α sin β"),
+        (apply_rope(x, -way * (speed * p + sign * offset)),
+         "turned the wrong way, by the transpose: the signs of the sin terms are "
+         "swapped (R(α) x = [a cos − b sin, b cos + a sin], R(α)ᵀ x = "
+         "[a cos + b sin, b cos − a sin])"),
+        (x, "nothing was turned: the halves came back as they went in"),
+        (turned(sign * offset + 0.0 * p) if offset else None,
+         "only the offset β: the table row's angle α is missing (cos_p, sin_p unused)"),
+        (swapped, "the two halves come back swapped: return (first half, second half)"),
+        (torch.cat((right[:, : d // 2], x[:, d // 2:]), -1),
+         f"the second half came back unturned: it is b cos {plus} a sin"),
+        (torch.cat((x[:, : d // 2], right[:, d // 2:]), -1),
+         f"the first half came back unturned: it is a cos {minus} b sin"),
+    ]
+    hints = [hint for want, hint in candidates
+             if want is not None and ((got - want).abs() <= 1e-4).all()]
+    return "; or ".join(hints) if hints else None
+
+
 def _check_turn(turn, back):
     from .rotary import rope_table, rotation_offset
 
@@ -1348,24 +1388,31 @@ def _check_turn(turn, back):
         shift = rotation_offset(d, 10000.0, offset, x.device)
         out = torch.full((n, d), float("nan"), dtype=torch.float32, device=x.device)
         with _quiet():
-            _turn_tile_kernel[(triton.cdiv(n, block),)](x, out, table, shift, n, float(sign),
-                                                        TURN=turn, BLOCK=block, HEAD_DIM=d)
-        angle = speed * torch.arange(n, dtype=torch.float64) + sign * offset   # in units of θ_t
+            _turn_tile_kernel[(triton.cdiv(n, block),)](
+                x, out, table, shift, n, float(sign), TURN=turn, BLOCK=block,
+                HEAD_DIM=d)
+        # in units of θ_t
+        angle = speed * torch.arange(n, dtype=torch.float64) + sign * offset
         want = apply_rope(x.double().cpu(), -angle if back else angle)
         got = out.double().cpu()
         bad = ~((got - want).abs() <= 1e-4)                # NaN (never written) counts
-        if bad.any():
-            halves = [name for name, cols in (("first", slice(0, d // 2)),
-                                             ("second", slice(d // 2, d))) if bad[:, cols].any()]
-            by_freq = bad[:, : d // 2] | bad[:, d // 2:]            # (N, D/2): pair t
-            never = got.isnan().all().item()
-            sign_text = "+" if sign > 0 else "-"
-            return (f"{what} (speed {speed:g}, offset {sign_text}{offset:g}; N={n}, D={d}, "
-                    f"BLOCK={block}): "
-                    + ("nothing was written" if never else
-                       f"wrong at positions {_spans(by_freq.any(1).nonzero().flatten().tolist())}"
-                       f", frequencies t = {_spans(by_freq.any(0).nonzero().flatten().tolist())}"
-                       f", in {'both halves' if len(halves) > 1 else f'the {halves[0]} half'}"))
+        if not bad.any():
+            continue
+        shift_text = f"{'+' if sign > 0 else '-'}{offset:g}"
+        case = (f"{what} (speed {speed:g}, offset {shift_text}; N={n}, D={d}, "
+                f"BLOCK={block}): ")
+        if got.isnan().all().item():
+            return case + "nothing was written"
+        halves = [name for name, cols in (("first", slice(0, d // 2)),
+                                         ("second", slice(d // 2, d)))
+                  if bad[:, cols].any()]
+        by_freq = bad[:, : d // 2] | bad[:, d // 2:]            # (N, D/2): pair t
+        where = "both halves" if len(halves) > 1 else f"the {halves[0]} half"
+        hint = _turn_hint(got, x.double().cpu(), speed, offset, sign, back)
+        positions = _spans(by_freq.any(1).nonzero().flatten().tolist())
+        freqs = _spans(by_freq.any(0).nonzero().flatten().tolist())
+        return (case + f"wrong at positions {positions}, frequencies t = {freqs}, "
+                f"in {where}" + (f". Likely: {hint}" if hint else ""))
     return CORRECT
 
 
@@ -1649,36 +1696,92 @@ def _merge_cases(rows=12, d=32):
         yield what, n_splits, splits, part, lse
 
 
+def _merge_hint(out, part, lse, splits):
+    """The likely slip behind a wrong merge, from what ``out`` equals instead (``None``
+    if nothing fits). ``part`` ``(S, rows, D)`` and ``lse`` ``(S, rows)`` as the kernel
+    got them, on the CPU; ``splits``: the kernel's ``SPLITS`` (lanes past ``S`` are
+    padding)."""
+    n_splits, rows, d = part.shape
+    part, lse, got = part.double(), lse.double(), out.double().cpu()
+    m = lse.amax(0, keepdim=True)
+    weight = torch.exp2(lse - m).nan_to_num(nan=0.0)
+
+    def weighted(w, p=part):
+        return (w[..., None] * p).sum(0) / w.sum(0)[:, None]
+
+    # the split axis read as the inner one: split s of row r at r · S + s
+    inner_part = part.reshape(-1).view(rows, n_splits, d).transpose(0, 1)
+    inner_lse = lse.reshape(-1).view(rows, n_splits).T
+    inner_w = torch.exp2(inner_lse - inner_lse.amax(0, keepdim=True))
+    padding = torch.cat((weight, torch.exp2(-m).expand(splits - n_splits, rows)))
+    padded = torch.cat((part, part.new_zeros(splits - n_splits, rows, d)))
+    candidates = [
+        (part.mean(0), "the partials were averaged: each must be weighed by "
+                       "2^(lse_s − M), its share of the row's softmax mass"),
+        ((weight[..., None] * part).sum(0),
+         "the weighted sum was not divided by Σ_s 2^(lse_s − M)"),
+        (weighted(torch.exp(lse - m).nan_to_num(nan=0.0)),
+         "exp instead of exp2: the log-sum-exps are in log2 units"),
+        (weighted(inner_w.nan_to_num(nan=0.0), inner_part),
+         "a wrong stride: Part and Lse were read as (rows, n_splits, …); the split "
+         "axis is the outer one, split s of row r is at s · rows + r"),
+        (weighted(padding, padded),
+         "the padding lanes (splits ≥ n_splits) were loaded as lse = 0, not −inf: "
+         "each adds 2^(0 − M) to the denominator"),
+    ]
+    for want, hint in candidates:
+        close = (got - want).abs() <= 1e-4 + 1e-4 * want.abs()
+        if want.shape == got.shape and (close | (got.isnan() & want.isnan())).all():
+            return hint
+    if torch.isfinite(got).all():
+        return None
+    if (lse.amax(0) > 120).any():
+        return ("NaN or inf: 2^lse overflows fp32 from lse ≈ 128; subtract the row's "
+                "largest lse first, M = max_s lse_s, and weigh by 2^(lse_s − M)")
+    if splits > n_splits:
+        return ("NaN or inf: the lanes past n_splits read beyond Part and Lse; mask "
+                "the loads with splits < n_splits (other=-inf for Lse, 0 for Part)")
+    if got.isnan().all():
+        return "NaN in every row: nothing stored into Out, or 0 / 0"
+    return ("NaN or inf: an empty split (lse = −inf) must weigh 2^(−inf − M) = 0; "
+            "take M over the splits that exist")
+
+
 def check_merge_kernel(merge_kernel):
     """Chapter 8: ``merge_kernel(Part, Lse, Out, n_splits, HEAD_DIM: tl.constexpr,
-    SPLITS: tl.constexpr)``, one program per output row, must combine the ``n_splits`` partial
-    outputs of split-KV decoding — ``Part`` a contiguous fp32 ``(n_splits, rows, HEAD_DIM)``,
-    each already normalised within its split, ``Lse`` fp32 ``(n_splits, rows)``, the splits'
-    log-sum-exps in log2 units, ``-inf`` for a split that saw no key — into ``Out`` fp32
-    ``(rows, HEAD_DIM)``. ``SPLITS`` is a power of two ``>= n_splits``.
+    SPLITS: tl.constexpr)``, one program per output row, must combine the ``n_splits``
+    partial outputs of split-KV decoding — ``Part`` a contiguous fp32 ``(n_splits, rows,
+    HEAD_DIM)``, each already normalised within its split, ``Lse`` fp32 ``(n_splits,
+    rows)``, the splits' log-sum-exps in log2 units, ``-inf`` for a split that saw no
+    key — into ``Out`` fp32 ``(rows, HEAD_DIM)``. ``SPLITS`` is a power of two
+    ``>= n_splits``.
 
-    Cases: one split, three splits of which one is empty, eight splits whose log-sum-exps lie
-    up to 300 apart (a merge that exponentiates without subtracting the maximum overflows fp32).
-    Reports the case and the wrong rows.
+    Cases: one split, three splits of which one is empty, eight splits whose
+    log-sum-exps lie up to 300 apart (a merge that exponentiates without subtracting the
+    maximum overflows fp32). Reports the case and the wrong rows, and the likely slip
+    where the wrong output matches one: the partials averaged, the division forgotten,
+    ``exp`` for ``exp2``, the split axis read as the inner one, padding lanes loaded as
+    0, an overflow.
     """
     rows, d = 12, 32
     for what, n_splits, splits, part, lse in _merge_cases(rows, d):
-        (part, part_guard), (lse, lse_guard) = (_guarded(t.to(_device()), name)
-                                                for t, name in ((part, "Part"), (lse, "Lse")))
+        (part, part_guard), (lse, lse_guard) = (
+            _guarded(t.to(_device()), name)
+            for t, name in ((part, "Part"), (lse, "Lse")))
         out, out_guard = _guarded_empty((rows, d), torch.float32, part.device, "Out")
         with _quiet():
             merge_kernel[(rows,)](part, lse, out, n_splits, HEAD_DIM=d, SPLITS=splits)
         spilled = _guard_verdict(out_guard, part_guard, lse_guard)
+        case = f"{what} (n_splits={n_splits}, SPLITS={splits})"
         if spilled:
-            return f"{what} (n_splits={n_splits}, SPLITS={splits}): {spilled}"
-        bad = _bad_rows(out, _merge_reference(part.cpu(), lse.cpu()), atol=1e-4, rtol=1e-4)
+            return f"{case}: {spilled}"
+        bad = _bad_rows(out, _merge_reference(part.cpu(), lse.cpu()), atol=1e-4,
+                        rtol=1e-4)
         if bad:
-            return (f"{what} (n_splits={n_splits}, SPLITS={splits}): rows {_spans(bad)} wrong "
-                    "(NaN or inf: an empty split's 2^(-inf - M), or 2^lse without the maximum "
-                    "subtracted)" if out.isnan().any() or out.isinf().any() else
-                    f"{what} (n_splits={n_splits}, SPLITS={splits}): rows {_spans(bad)} wrong")
+            hint = _merge_hint(out, part.cpu(), lse.cpu(), splits)
+            return (f"{case}: rows {_spans(bad)} wrong"
+                    + (f". Likely: {hint}" if hint else ""))
     return CORRECT
-
 
 
 def check_merge_lse_kernel(merge_kernel):
@@ -1737,6 +1840,99 @@ def check_merge_lse_kernel(merge_kernel):
                 return (f"{case}: splits 0–{cut - 1} and {cut}–{n_splits - 1} merged apart, "
                         f"then merged with their LseOut: rows {_spans(bad)} differ from the "
                         "one-step merge" if bad else f"{case}: {spilled}")
+    return CORRECT
+
+
+# --- chapter 8: a split's chunk of the cache ------------------------------------------
+
+@triton.jit
+def _chunk_bounds_kernel(Bounds, n_keys, num_splits, CHUNK_BOUNDS: tl.constexpr,
+                         BLOCK_N: tl.constexpr):
+    """One program per split: the reader's ``(lo, hi)`` at ``Bounds[2s]``,
+    ``Bounds[2s + 1]``."""
+    split = tl.program_id(0)
+    lo, hi = CHUNK_BOUNDS(n_keys, split, num_splits, BLOCK_N)
+    tl.store(Bounds + 2 * split, lo)
+    tl.store(Bounds + 2 * split + 1, hi)
+
+
+# (n_keys, num_splits, BLOCK_N): uneven and even cuts, spare splits, one split
+_CHUNK_CASES = ((1000, 7, 16), (64, 4, 16), (100, 8, 16), (5, 3, 16), (17, 1, 16),
+                (4100, 33, 64))
+
+
+def _chunk_verdict(bounds, n_keys, block):
+    """What is wrong with the chunks ``bounds`` (``(S, 2)`` ints), or ``None``."""
+    spans = [(lo, hi) for lo, hi in bounds.tolist()]
+    cover = torch.zeros(n_keys + 1, dtype=torch.long)
+    for lo, hi in spans:
+        cover[max(lo, 0):max(min(hi, n_keys), max(lo, 0))] += 1
+    starts = {lo for lo, hi in spans if hi > lo}
+    ends = {hi for lo, hi in spans if hi > lo}
+    twice = (cover[:n_keys] > 1).nonzero().flatten().tolist()
+    missed = (cover[:n_keys] == 0).nonzero().flatten().tolist()
+    past = [(s, hi) for s, (lo, hi) in enumerate(spans) if hi > n_keys]
+    if past:
+        s, hi = past[0]
+        return (f"split {s} ends at hi = {hi}, past the cache's {n_keys} keys: clamp "
+                "hi to n_keys (the kernel's masks stop at hi)")
+    if twice:
+        why = (": each chunk also takes the next one's first key — off by one: "
+               "[lo, hi) already stops before hi, so hi = lo + chunk, "
+               "not lo + chunk + 1"
+               if set(twice) <= starts else "")
+        return f"keys {_spans(twice)} belong to two splits{why}"
+    if missed:
+        if set(missed) <= ends:
+            why = (" — off by one: hi = lo + chunk − 1 drops each chunk's last key; "
+                   "[lo, hi) already excludes hi")
+        elif missed[-1] == n_keys - 1:
+            why = (": the chunks stop short of the cache's end; round the chunk length "
+                   "up (cdiv), so that num_splits chunks cover n_keys")
+        else:
+            why = ""
+        return f"keys {_spans(missed)} belong to no split{why}"
+    unaligned = [(s, lo) for s, (lo, hi) in enumerate(spans) if hi > lo and lo % block]
+    if unaligned:
+        s, lo = unaligned[0]
+        return (f"split {s} starts at key {lo}, not a multiple of BLOCK_N = {block}: "
+                "round the chunk length up to whole tiles, so that no tile straddles "
+                "two splits")
+    lengths = [hi - lo for lo, hi in spans if hi > lo]
+    if len(set(lengths[:-1])) > 1 or (len(lengths) > 1 and lengths[-1] > lengths[0]):
+        return (f"chunk lengths {lengths}: cut equal chunks, the last one shorter, so "
+                "that every program has the same work")
+    return None
+
+
+def check_chunk_bounds(chunk_bounds):
+    """Chapter 8: ``chunk_bounds(n_keys, split, num_splits, BLOCK_N: tl.constexpr)``, a
+    ``@triton.jit`` function, must return ``(lo, hi)``, the keys ``[lo, hi)`` of chunk
+    ``split``: equal chunks of whole tiles (``BLOCK_N`` keys), the last one shorter,
+    spare splits past the end empty (``hi <= lo``), together every key
+    ``0 … n_keys − 1`` exactly once.
+
+    Runs it once per split for several cache lengths and split counts and says which
+    keys two splits share or none covers, and the likely slip: an ``hi`` one too far or
+    one too short, a chunk length rounded down, a chunk that is not whole tiles, an
+    ``hi`` past the cache's end.
+    """
+    for n_keys, num_splits, block in _CHUNK_CASES:
+        bounds, guard = _guarded_empty((num_splits, 2), torch.int32, _device(),
+                                       "Bounds")
+        with _quiet():
+            _chunk_bounds_kernel[(num_splits,)](
+                bounds, n_keys, num_splits, CHUNK_BOUNDS=chunk_bounds, BLOCK_N=block)
+        case = f"n_keys={n_keys}, num_splits={num_splits}, BLOCK_N={block}"
+        spilled = _guard_verdict(guard)
+        if spilled:
+            return f"{case}: {spilled}"
+        got = bounds.cpu().long()
+        if (got == _INT_POISON).all():
+            return f"{case}: nothing was stored (return (lo, hi))"
+        verdict = _chunk_verdict(got, n_keys, block)
+        if verdict:
+            return f"{case}: {verdict}"
     return CORRECT
 
 
