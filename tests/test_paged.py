@@ -129,39 +129,31 @@ def test_paged_equals_contiguous(case, gen):
     assert not problems, case.id() + "\n" + "\n".join(problems)
 
 
-@pytest.mark.parametrize("block_n, page, loads", [(64, 16, None), (64, 32, None), (32, 64, None),
-                                                  (128, 16, None), (64, 16, 0)])
-def test_pages_smaller_and_larger_than_the_tile(block_n, page, loads, gen, monkeypatch):
+@pytest.mark.parametrize("block_n, page", [(64, 16), (64, 32), (32, 64), (128, 16)])
+def test_pages_smaller_and_larger_than_the_tile(block_n, page, gen):
     """Pages smaller than the key tile (table entries per page of the tile: scalar loads up to
-    ``MAX_SCALAR_PAGES`` pages, a gather per key beyond or when forced) and larger
-    (one entry per tile)."""
-    if kernel_device() == "cuda":
-        pytest.skip("the interpreter's tile size is changed here; the GPU runs its own")
-    monkeypatch.setitem(decode.INTERPRETER_CONFIG, "BLOCK_N", block_n)
-    monkeypatch.setattr(decode, "PAGE_LOADS_RULE", loads)
-    assert decode.page_loads(128, 16) == (0 if loads is None else loads)
-    decode._PLANS.clear()
+    ``MAX_SCALAR_PAGES`` pages, a gather per key beyond: 128-key tiles of 16-key pages) and
+    larger (one entry per tile), the tile set through ``Config.decode_config``."""
     case = PagedCase(page, (150, 70, 9), n_queries=2, hq=4, hkv=2, num_splits=2)
     q, k, v, k_pages, v_pages, table, lengths = build(gen, case, kernel_device())
-    got = decode_call(q, k_pages, v_pages, lengths, case, block_table=table)
+    with rerope.using_config(decode_config=(block_n, 4, 3, 2)):
+        got = decode_call(q, k_pages, v_pages, lengths, case, block_table=table)
     problems = close_problems("paged", got, oracle(q, k, v, lengths, case), tolerance(F32))
-    decode._PLANS.clear()
     assert not problems, "\n".join(problems)
 
 
 def test_paged_strided_pools_tables_and_the_plan(gen):
     """Pools that are views of a ``(num_blocks, block_size, 2, Hkv, D)`` buffer and a block
-    table that is a slice of a wider one (any strides), and the plan: built once, reused by the
-    next call with the same shapes."""
+    table that is a slice of a wider one (any strides), and the plan: made once, reused by the
+    next call with the same layout, and by one whose block table and pool have grown."""
     case = PagedCase(16, (50, 31), n_queries=2)
     q, k, v, k_pages, v_pages, table, lengths = build(gen, case, kernel_device())
     joint = torch.stack([k_pages, v_pages], dim=2)           # (blocks, page, 2, Hkv, D)
-    decode._PLANS.clear()
+    plan = decode.decode_plan(q, joint[:, :, 0], joint[:, :, 1], case.window, lengths,
+                              block_table=table, num_splits=case.num_splits)
+    assert plan.page_size == 16
     got = decode_call(q, joint[:, :, 0], joint[:, :, 1], lengths, case, block_table=table)
     again = decode_call(q, joint[:, :, 0], joint[:, :, 1], lengths, case, block_table=table)
-    assert len(decode._PLANS) == 1
-    plan = next(iter(decode._PLANS.values()))
-    assert plan.page_size == 16 and plan.n_max == table.shape[1] * 16
     want = decode_call(q, k, v, lengths, case)
     assert not close_problems("strided pools", got, want, tolerance(F32))
     assert torch.equal(got, again)
@@ -170,41 +162,27 @@ def test_paged_strided_pools_tables_and_the_plan(gen):
     wide[:, :table.shape[1]] = table                          # a strided view of a wider table
     sliced = decode_call(q, k_pages, v_pages, lengths, case, block_table=wide[:, :table.shape[1]])
     assert torch.equal(sliced, got)
-
-
-@pytest.mark.parametrize("case", [
-    PagedCase(16, (100, 17, 64), n_queries=3, hq=8, hkv=2, num_splits=3),
-    PagedCase(32, (90, 33), n_queries=1, hq=4, hkv=1, num_splits=9, rotated=False),  # > tiles
-], ids=PagedCase.id)
-def test_paged_fused_merge_equals_two_launches(case, gen, monkeypatch):
-    """On a paged cache too, the split kernel's own merge gives the two-launch path's bits
-    (both merging the same rows at once; and the contiguous call's, and the oracle's), and
-    leaves every merge counter at zero."""
-    monkeypatch.setattr(decode, "MERGE_ROWS", decode.FUSED_MERGE_ROWS)
-    q, k, v, k_pages, v_pages, table, lengths = build(gen, case, kernel_device())
-    outs = {}
-    for fused in (False, True):
-        monkeypatch.setattr(decode, "FUSED_MERGE", fused)
-        outs[fused] = decode_call(q, k_pages, v_pages, lengths, case, block_table=table)
-        assert all(not bool(c.any()) for c in decode._COUNTERS.values())
-    assert torch.equal(outs[True], outs[False]), "fused merge differs from the merge kernel"
-    assert torch.equal(outs[True], decode_call(q, k, v, lengths, case))
-    problems = close_problems("fused paged vs float64", outs[True],
-                              oracle(q, k, v, lengths, case), tolerance(case.dtype))
-    assert not problems, "\n".join(problems)
+    grown = torch.cat([joint, joint[:2]])                     # two more pages, one more entry
+    longer = torch.cat([table, table[:, :1]], dim=1)
+    assert decode.decode_plan(q, grown[:, :, 0], grown[:, :, 1], case.window, lengths,
+                              block_table=longer, num_splits=case.num_splits) is plan
+    assert torch.equal(plan.run(q, grown[:, :, 0], grown[:, :, 1], lengths, longer), got)
 
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")     # numpy on the NaN rows
-def test_out_of_range_entry_gives_nan_rows_without_host_check(gen, monkeypatch):
-    """What a GPU does (no host check there): a used entry outside the pool makes its row NaN,
-    the other rows stay right, and nothing outside the pool is read."""
+def test_out_of_range_entry_gives_nan_rows_without_host_check(gen):
+    """What a GPU does (no host check there; here the plan's launch is called past it): a
+    used entry outside the pool makes its row NaN, the other rows stay right, and nothing
+    outside the pool is read."""
     case = PagedCase(16, (40, 40, 20), num_splits=2)
     q, k, v, k_pages, v_pages, table, lengths = build(gen, case, kernel_device())
-    monkeypatch.setattr(decode, "_check_block_table_on_host", lambda *args: None)
     bad = table.clone()
     bad[1, 1] = k_pages.shape[0]                             # one past the last page
     bad[2, 0] = -1
-    got = decode_call(q, k_pages, v_pages, lengths, case, block_table=bad)
+    plan = decode.decode_plan(q, k_pages, v_pages, case.window, lengths, block_table=bad,
+                              rotated=case.rotated, num_splits=case.num_splits)
+    with poisoned_empty(), torch.no_grad():
+        got = decode._launch(plan, table.shape[1] * 16, q, k_pages, v_pages, lengths, bad)
     assert got[1:].isnan().all()
     assert not close_problems("row 0", got[:1], oracle(q, k, v, lengths, case)[:1],
                               tolerance(F32))

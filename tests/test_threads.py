@@ -1,10 +1,10 @@
-"""State that outlives a call: threads, the fused merge's counters, a non-finite ``v``.
+"""State that outlives a call: threads, an interrupted launch, a non-finite ``v``.
 
 Triton's CPU interpreter is not thread-safe (it patches ``triton.language`` while a launch runs),
 so the package launches under one lock there (``rerope.runtime.INTERPRETER_LOCK``); calls from
-several threads then give the single-thread bits. The opt-in fused decode merge keeps counters
-between calls: an interrupted interpreted launch leaves them set, and the next call must not
-inherit them. An ``inf`` in ``v`` spreads within a tile, no further (documented on the ops).
+several threads then give the single-thread bits. A decode launch interrupted part-way leaves
+nothing behind for the next call. An ``inf`` in ``v`` spreads within a tile, no further
+(documented on the ops).
 """
 
 import threading
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import rerope
-from rerope import decode, reference
+from rerope import reference
 from rerope_testing import kernel_device
 
 
@@ -31,10 +31,9 @@ def _calls(device):
     ]
 
 
-def test_threads_give_the_single_thread_bits(monkeypatch):
-    """4 threads × 3 calls each (two forward, one decode with the fused merge, whose counters
-    are shared by every call on the CPU) equal the results of one thread, bit for bit."""
-    monkeypatch.setattr(decode, "FUSED_MERGE", True)
+def test_threads_give_the_single_thread_bits():
+    """4 threads × 3 calls each (two forward, one decode sharing one plan) equal the results of
+    one thread, bit for bit."""
     calls = _calls(kernel_device())
     want = [call() for call in calls]
     got, errors = {}, []
@@ -58,26 +57,11 @@ def test_threads_give_the_single_thread_bits(monkeypatch):
         assert torch.equal(out, want[which]), f"thread {index}, call {which} differs"
 
 
-def test_fused_merge_after_an_interrupted_call(monkeypatch):
-    """Counters left non-zero (what an interpreted launch stopped part-way leaves: the programs
-    that ran have counted) must not spoil the next call: it gives the bits of an undisturbed
-    call, and leaves the counters at zero."""
-    monkeypatch.setattr(decode, "FUSED_MERGE", True)
-    decode_call = _calls(kernel_device())[2]
-    want = decode_call()
-    for counters in decode._COUNTERS.values():
-        counters.copy_(torch.arange(counters.numel(), dtype=torch.int32) % 5 + 1)
-    if rerope.runtime.INTERPRET:
-        assert torch.equal(decode_call(), want), "a call after an interrupted one differs"
-    assert all(not bool(c.any()) for c in decode._COUNTERS.values()) or not rerope.runtime.INTERPRET
-
-
 def test_interrupted_interpreted_launch_then_next_call(monkeypatch):
-    """A real interruption: the fused split launch raises after some programs ran (the
+    """A real interruption: the split launch raises after some programs ran (the
     interpreter's grid stops part-way); the next call is still right."""
     if not rerope.runtime.INTERPRET:
         pytest.skip("the interpreter runs programs one by one; a GPU kernel runs whole")
-    monkeypatch.setattr(decode, "FUSED_MERGE", True)
     decode_call = _calls("cpu")[2]
     want = decode_call()
     from triton.runtime import interpreter
@@ -94,7 +78,7 @@ def test_interrupted_interpreted_launch_then_next_call(monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         decode_call()
     monkeypatch.setattr(builder, "set_grid_idx", set_grid_idx)
-    assert any(bool(c.any()) for c in decode._COUNTERS.values()), "no count left: not interrupted"
+    assert len(programs) == 3, "not interrupted"
     assert torch.equal(decode_call(), want)
 
 

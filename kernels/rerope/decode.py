@@ -927,8 +927,8 @@ class DecodePlan:
             check_logn_overflow(self.settings[4], n_max, q.dtype)
         return n_max
 
-    def _splits(self, n_max):
-        """``(num_splits, tma)`` for a cache of ``n_max`` slots."""
+    def splits_for(self, n_max):
+        """``(num_splits, tma)``: how a run over a cache of ``n_max`` slots launches."""
         splits = self.num_splits or max(1, min(self.split_cap, -(-n_max // MIN_KEYS_PER_SPLIT)))
         tma = self.tma_min_keys is not None and -(-n_max // splits) >= self.tma_min_keys
         return splits, tma
@@ -970,7 +970,7 @@ class DecodePlan:
 def _launch(plan, n_max, q, k_cache, v_cache, cache_seqlens, block_table):
     """Run ``plan`` for a cache of ``n_max`` slots, lengths and block table checked: allocate
     the output (and partials), launch the split kernel, then the merge (several splits)."""
-    num_splits, tma = plan._splits(n_max)
+    num_splits, tma = plan.splits_for(n_max)
     launches = plan._launches(num_splits, tma)
     tables = plan._rotation_tables(n_max)
     dtype = q.dtype
@@ -1000,11 +1000,12 @@ def _launch(plan, n_max, q, k_cache, v_cache, cache_seqlens, block_table):
     return out.to(dtype) if plan.lift else out
 
 
-def _layout(t):
+def _layout(t, size=0):
     """What a compiled kernel depends on in a tensor besides its shape: dtype, device, 16-byte
-    alignment, and per stride what Triton specialises on (1, the residue mod 16, 64-bit)."""
+    alignment, and per stride what Triton specialises on (1, a multiple of 16, 64-bit) and,
+    given the element ``size``, what TMA asks (a multiple of 16 bytes)."""
     return (t.dtype, t.device, t.data_ptr() % 16 == 0,
-            tuple([(s == 1, s % 16, s >> 31) for s in t.stride()]))
+            tuple([(s == 1, s % 16 == 0, s * size % 16 == 0, s >> 31) for s in t.stride()]))
 
 
 def _call_key(q, k_cache, v_cache, cache_seqlens, block_table):
@@ -1017,8 +1018,9 @@ def _call_key(q, k_cache, v_cache, cache_seqlens, block_table):
         table = (block_table.shape[0], _layout(block_table))
     lengths = (None if cache_seqlens is None else
                (cache_seqlens.shape, _layout(cache_seqlens)))
-    return (q.shape, _layout(q), k_shape, _layout(k_cache), v_shape, _layout(v_cache), lengths,
-            table)
+    size = k_cache.element_size()
+    return (q.shape, _layout(q), k_shape, _layout(k_cache, size), v_shape,
+            _layout(v_cache, size), lengths, table)
 
 
 _PLANS = LRUCache()   # (call key, settings, Config) -> DecodePlan
