@@ -79,7 +79,7 @@ INTERPRETER_CONFIG = dict(BLOCK_N=16)
 PAGE_SIZES = (16, 32, 64, 128, 256)
 # Block-table entries as one scalar load per page up to this many pages per tile, else a
 # gather per key (:func:`_tile_pages`).
-MAX_SCALAR_PAGES = 4
+MAX_SCALAR_PAGES = tl.constexpr(4)
 MIN_BLOCK_M, MAX_BLOCK_M = 16, 64     # rows per program: the smallest tl.dot .. registers
 # TMA descriptors only where each split reads this many keys: each program builds its own
 # after reading its row's length, a latency that short chunks do not earn back.
