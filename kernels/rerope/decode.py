@@ -1,49 +1,50 @@
 """Decoding with a KV cache: split-KV ("flash-decoding") ReRoPE attention. Chapter 8.
 
-A decode step has one query (or a few speculative ones) per sequence against a long cache, so
-it does almost no arithmetic per byte: it is bound by reading K and V once from memory. Two
-things keep it there:
+A decode step has one query (or a few speculative ones) per sequence against a long
+cache, so it does almost no arithmetic per byte: it is bound by reading K and V once
+from memory. Two things keep it there:
 
-* **Split-KV.** One program per (batch row, KV head) would leave most of a GPU idle at batch 1
-  (8 KV heads, 132 SMs). The keys of each row are cut into ``num_splits`` chunks; a program
-  folds one chunk for every query of one KV head (grouped-query attention: its ``q_per_kv``
-  query heads times ``Nq`` queries form the ``M`` rows of the tile, so each K/V tile is
-  loaded once for all of them) and writes a partial output and its log-sum-exp; a second
-  launch, :func:`_decode_merge_kernel`, combines the partials exactly (the online softmax's
-  merge rule, :func:`_merge_rows`).
-* **One cache, rotated on the fly.** The kernel reads the cache the model already keeps — keys
-  RoPE-rotated at their positions (``rotated=True``, the Llama convention) or raw
-  (``rotated=False``) — and applies each product's rotation in registers, with the speeds and
-  offsets of :func:`rerope.rotary.rotation_plan` (no re-rotated copy, no second cache). With a
-  rotated cache the product inside the window needs no rotation at all (``q_rot · k_rot`` is
-  RoPE's score), and outside it the key is turned back by ``R(-j)``: ``R(w - i) q_rot ·
-  R(-j) k_rot = R(w) q · k``, ReRoPE's clamped score.
-* **Contiguous or paged.** The cache is ``(B, Hkv, Nmax, D)`` (any strides), or a paged pool
-  ``(num_blocks, block_size, Hkv, D)`` with a block table, FlashAttention's layout
-  (``block_table=``): only where a key tile is loaded from changes (:func:`_key_rows`, the
-  ``PAGE_SIZE`` constexpr); positions, rotations, regions and splits stay logical.
-* **Tiles by the copy engine where chunks are long.** On Hopper a contiguous fp16/bf16 cache is
-  read through TMA tensor descriptors (the ``TMA`` constexpr, :func:`use_tma`) where each split
-  covers at least ``TMA_MIN_KEYS`` keys, pointer loads elsewhere.
+* **Split-KV.** One program per (batch row, KV head) would leave most of a GPU idle at
+  batch 1 (8 KV heads, 132 SMs). The keys of each row are cut into ``num_splits``
+  chunks; a program folds one chunk for every query of one KV head (grouped-query
+  attention: its ``q_per_kv`` query heads times ``Nq`` queries form the ``M`` rows of
+  the tile, so each K/V tile is loaded once for all of them) and writes a partial output
+  and its log-sum-exp; a second launch, :func:`_decode_merge_kernel`, combines the
+  partials exactly (the online softmax's merge rule, :func:`_merge_rows`).
+* **One cache, rotated on the fly.** The kernel reads the cache the model already keeps
+  — keys RoPE-rotated at their positions (``rotated=True``, the Llama convention) or raw
+  (``rotated=False``) — and applies each product's rotation in registers, with the
+  speeds and offsets of :func:`rerope.rotary.rotation_plan` (no re-rotated copy, no
+  second cache). With a rotated cache the product inside the window needs no rotation at
+  all (``q_rot · k_rot`` is RoPE's score), and outside it the key is turned back by
+  ``R(-j)``: ``R(w - i) q_rot · R(-j) k_rot = R(w) q · k``, ReRoPE's clamped score.
+* **Contiguous or paged.** The cache is ``(B, Hkv, Nmax, D)`` (any strides), or a paged
+  pool ``(num_blocks, block_size, Hkv, D)`` with a block table, FlashAttention's layout
+  (``block_table=``): only where a key tile is loaded from changes (:func:`_key_rows`,
+  the ``PAGE_SIZE`` constexpr); positions, rotations, regions and splits stay logical.
+* **Tiles by the copy engine where chunks are long.** On Hopper a contiguous fp16/bf16
+  cache is read through TMA tensor descriptors (the ``TMA`` constexpr, :func:`use_tma`)
+  where each split covers at least ``TMA_MIN_KEYS`` keys, pointer loads elsewhere.
 
 Regions along a row's keys ``0 … L-1`` (queries at ``L-Nq … L-1``, causal): keys before
-``L - Nq - w + 1`` are outside the window for every query — nearly all of a long cache — and
-get the one-product loop with no mask at all; then at most a few masked tiles where the window
-edge falls (both products, each masked to its side); then the last ``w`` keys, inside for every
-query, with a mask only on the tiles that hold the window edge or the causal diagonal of the
-``Nq`` queries.
+``L - Nq - w + 1`` are outside the window for every query — nearly all of a long cache —
+and get the one-product loop with no mask at all; then at most a few masked tiles where
+the window edge falls (both products, each masked to its side); then the last ``w``
+keys, inside for every query, with a mask only on the tiles that hold the window edge or
+the causal diagonal of the ``Nq`` queries.
 
-Key angles come from :func:`rerope.rotary.rope_table`, without reading a table row per key
-(that would add as many bytes as the keys themselves): a tile starting at key ``j0`` needs
-``R(σ (j0 + r))`` for ``r < BLOCK_N``, and ``R(σ j0) R(σ r)`` splits it in two. The kernel
-holds the table's first ``BLOCK_N`` rows in registers, turns each key by ``R(σ r)``, and turns
-the tile's ``BLOCK_M`` query rows by ``R(-σ j0)`` instead of the keys by ``R(σ j0)`` (one table
-row per tile): ``q · R(σ j0) R(σ r) k = R(-σ j0) q · R(σ r) k``.
+Key angles come from :func:`rerope.rotary.rope_table`, without reading a table row per
+key (that would add as many bytes as the keys themselves): a tile starting at key ``j0``
+needs ``R(σ (j0 + r))`` for ``r < BLOCK_N``, and ``R(σ j0) R(σ r)`` splits it in two.
+The kernel holds the table's first ``BLOCK_N`` rows in registers, turns each key by
+``R(σ r)``, and turns the tile's ``BLOCK_M`` query rows by ``R(-σ j0)`` instead of the
+keys by ``R(σ j0)`` (one table row per tile): ``q · R(σ j0) R(σ r) k = R(-σ j0) q · R(σ
+r) k``.
 
-The host side is validate → plan → run (:func:`decode_plan`, :class:`DecodePlan`): a plan is
-made once per layout class and settings, and everything that grows with the cache (its
-length, the split count, the rotation tables' rows) is an argument of the launch, so a decode
-loop over a growing cache uses one plan.
+The host side is validate → plan → run (:func:`decode_plan`, :class:`DecodePlan`): a
+plan is made once per layout class and settings, and everything that grows with the
+cache (its length, the split count, the rotation tables' rows) is an argument of the
+launch, so a decode loop over a growing cache uses one plan.
 """
 
 import dataclasses
@@ -62,75 +63,82 @@ from .caches import CACHE_SIZE, LRUCache
 from .launch import Launcher, _capability, _ensure_scratch_allocator, _tma_layout_ok
 from .online_softmax import LOG2E, _softmax_step
 from .regions import INSIDE, OUTSIDE, _nth_tile, _tile_count
-from .rotary import _logn_scale, _rotate, _table_rows, _unrotate, logn_factor, rotation_tables
+from .rotary import (_logn_scale, _rotate, _table_rows, _unrotate, logn_factor,
+                     rotation_tables)
 from .runtime import INTERPRET, dot_precision, launching, prepare_for_device
 
 MAX_QUERIES = 16          # Nq per row: one token, or a few speculative ones
 
 # The split kernel's launch configuration on a GPU, chosen on the H200 (perf/NOTES.md):
-# BLOCK_N keys per tile; PROGRAMS_PER_SM programs of it are resident per SM (the splits rule).
-# Config.decode_config (REROPE_DECODE_CONFIG) replaces both, also under the interpreter.
+# BLOCK_N keys per tile; PROGRAMS_PER_SM programs of it are resident per SM (the splits
+# rule). Config.decode_config (REROPE_DECODE_CONFIG) replaces both, also under the
+# interpreter.
 GPU_CONFIG = dict(BLOCK_N=64, num_warps=4, num_stages=3)
 HEAD_DIM_CONFIGS = {64: dict(BLOCK_N=128, num_warps=4, num_stages=3)}
 PROGRAMS_PER_SM = 2
 # Short test caches still cross several tiles under the interpreter.
 INTERPRETER_CONFIG = dict(BLOCK_N=16)
-# Paged caches: a power of two, so that a page holds whole key tiles or a tile whole pages.
+# Paged caches: a power of two, so that a page holds whole key tiles or a tile whole
+# pages.
 PAGE_SIZES = (16, 32, 64, 128, 256)
 # Block-table entries as one scalar load per page up to this many pages per tile, else a
 # gather per key (:func:`_tile_pages`).
 MAX_SCALAR_PAGES = tl.constexpr(4)
-MIN_BLOCK_M, MAX_BLOCK_M = 16, 64     # rows per program: the smallest tl.dot .. registers
-# TMA descriptors only where each split reads this many keys: each program builds its own
-# after reading its row's length, a latency that short chunks do not earn back.
+# rows per program: from the smallest tl.dot to what registers hold
+MIN_BLOCK_M, MAX_BLOCK_M = 16, 64
+# TMA descriptors only where each split reads this many keys: each program builds its
+# own after reading its row's length, a latency that short chunks do not earn back.
 TMA_HEAD_DIMS = (64, 128)
 TMA_MIN_KEYS = 2048
 
 # The splits rule (see :func:`default_num_splits`).
-MIN_KEYS_PER_SPLIT = 256  # never cut a row into chunks shorter than this (merge overhead)
+MIN_KEYS_PER_SPLIT = 256  # no shorter chunks: the merge would cost more than they gain
 MAX_SPLITS = 128
 MERGE_SPLITS_BLOCK = 64   # partials the merge folds per step
 MERGE_TILE = 8192         # at most this many partial elements per step (registers)
 MERGE_ROWS = 1            # rows per merge program: its programs run side by side
 
 
-# --- the split kernel -----------------------------------------------------------------------------
+# --- the split kernel -----------------------------------------------------------------
 
 
 @triton.jit
 def _scores(q_a, q_b, k_a, k_b, HALF: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """``q · kᵀ`` as two ``D/2``-wide products (``tl.dot`` needs ``D/2 >= 16``; D=16 sums)."""
+    """``q · kᵀ`` as two ``D/2``-wide products (``tl.dot`` needs ``D/2 >= 16``; D=16
+    sums)."""
     if HALF >= 16:
         scores = tl.dot(q_a, tl.trans(k_a), input_precision=DOT_PRECISION)
         return tl.dot(q_b, tl.trans(k_b), scores, input_precision=DOT_PRECISION)
     else:
-        return (tl.sum(q_a.to(tl.float32)[:, None, :] * k_a.to(tl.float32)[None, :, :], 2)
-                + tl.sum(q_b.to(tl.float32)[:, None, :] * k_b.to(tl.float32)[None, :, :], 2))
+        a = q_a.to(tl.float32)[:, None, :] * k_a.to(tl.float32)[None, :, :]
+        b = q_b.to(tl.float32)[:, None, :] * k_b.to(tl.float32)[None, :, :]
+        return tl.sum(a, 2) + tl.sum(b, 2)
 
 
 @triton.jit
-def _decode_pass(state, q, kv, turn, row, walk, PRODUCT: tl.constexpr, MASKED: tl.constexpr,
-                 TURN: tl.constexpr, ROW_PER_KEY: tl.constexpr, BLOCK_N: tl.constexpr,
-                 HALF: tl.constexpr, PAGE_SIZE: tl.constexpr, TMA: tl.constexpr,
-                 DOT_PRECISION: tl.constexpr, dtype: tl.constexpr):
+def _decode_pass(state, q, kv, turn, row, walk, PRODUCT: tl.constexpr,
+                 MASKED: tl.constexpr, TURN: tl.constexpr, ROW_PER_KEY: tl.constexpr,
+                 BLOCK_N: tl.constexpr, HALF: tl.constexpr, PAGE_SIZE: tl.constexpr,
+                 TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, dtype: tl.constexpr):
     """Fold the key tiles of ``walk`` (``(lo1, hi1, lo2, hi2)``) into ``state``.
 
-    ``state``: the softmax state ``(acc, l_i, m_i)``; ``q``: the query halves, already rotated
-    for this product (fp32); ``kv``: ``(K, V, sk_n, sk_d, sv_n, sv_d, pages)`` from
-    :func:`_kv_sources`; ``turn``: ``(Table, cos_r, sin_r)`` of :func:`_product`; ``row``:
-    ``(positions, n_keys, window, qk_scale)``. With ``TURN`` each key tile is turned by
-    ``R(σ r)`` (``cos_r, sin_r``: the table's first ``BLOCK_N`` rows) and the queries by
-    ``R(-σ j0)``, or with ``ROW_PER_KEY`` each key by its own table row (Self-Extend where its
-    group does not divide ``BLOCK_N``). ``MASKED`` tiles keep only keys ``j < n_keys``,
-    ``j <= i`` and on this product's side of the window; loads past ``n_keys`` read nothing
-    (a poisoned cache stays unread).
+    ``state``: the softmax state ``(acc, l_i, m_i)``; ``q``: the query halves, already
+    rotated for this product (fp32); ``kv``: ``(K, V, sk_n, sk_d, sv_n, sv_d, pages)``
+    from :func:`_kv_sources`; ``turn``: ``(Table, cos_r, sin_r)`` of :func:`_product`;
+    ``row``: ``(positions, n_keys, window, qk_scale)``. With ``TURN`` each key tile is
+    turned by ``R(σ r)`` (``cos_r, sin_r``: the table's first ``BLOCK_N`` rows) and the
+    queries by ``R(-σ j0)``, or with ``ROW_PER_KEY`` each key by its own table row
+    (Self-Extend where its group does not divide ``BLOCK_N``). ``MASKED`` tiles keep
+    only keys ``j < n_keys``, ``j <= i`` and on this product's side of the window; loads
+    past ``n_keys`` read nothing (a poisoned cache stays unread).
 
     ``PAGE_SIZE > 0`` (paged): ``K, V`` point at page 0 of this KV head and ``pages`` is
-    ``(BlockTable row, its stride, sk_page, sv_page, num_blocks)``; key ``j`` lives in slot
-    ``j % PAGE_SIZE`` of page ``BlockTable[j // PAGE_SIZE]`` (:func:`_key_rows`).
-    ``TMA`` (contiguous caches only): ``K, V`` are tensor descriptors of this row's ``n_keys``
-    keys, ``K``'s blocks half a head wide; rows at and past ``n_keys`` come back as zeros
-    without being read, as the masked pointer loads do. ``dtype``: the cache's element type.
+    ``(BlockTable row, its stride, sk_page, sv_page, num_blocks)``; key ``j`` lives in
+    slot ``j % PAGE_SIZE`` of page ``BlockTable[j // PAGE_SIZE]`` (:func:`_key_rows`).
+    ``TMA`` (contiguous caches only): ``K, V`` are tensor descriptors of this row's
+    ``n_keys`` keys, ``K``'s blocks half a head wide; rows at and past ``n_keys`` come
+    back as zeros without being read, as the masked pointer loads do. ``dtype``: the
+    cache's element type.
     """
     acc, l_i, m_i = state
     q_a, q_b = q
@@ -145,15 +153,15 @@ def _decode_pass(state, q, kv, turn, row, walk, PRODUCT: tl.constexpr, MASKED: t
     for t in range(0, n1 + _tile_count(lo2, hi2, BLOCK_N)):
         start = tl.multiple_of(_nth_tile(t, lo1, n1, lo2, BLOCK_N), BLOCK_N)
         cols = start + offs_n
-        if TMA:         # the bulk tensor-copy engine; zeros past n_keys (no mask needed)
+        if TMA:         # the bulk tensor-copy engine; zeros past n_keys (no mask)
             k_a = K.load([start, 0])
             k_b = K.load([start, HALF])
             v = V.load([start, 0])
         else:
             if PAGE_SIZE > 0:
                 page = _tile_pages(pages, start, n_keys, BLOCK_N, PAGE_SIZE)
-                k_rows, v_rows, paged_ok = _key_rows(pages, page, cols, sk_n, sv_n, BLOCK_N,
-                                                     PAGE_SIZE)
+                k_rows, v_rows, paged_ok = _key_rows(pages, page, cols, sk_n, sv_n,
+                                                     BLOCK_N, PAGE_SIZE)
                 live = paged_ok[:, None]
                 if MASKED:
                     live = live & (cols < n_keys)[:, None]
@@ -191,7 +199,7 @@ def _decode_pass(state, q, kv, turn, row, walk, PRODUCT: tl.constexpr, MASKED: t
                 keep = distance >= window
             keep = keep & (cols[None, :] < n_keys)
             scores = tl.where(keep, scores, float("-inf"))
-        if PAGE_SIZE > 0:   # a block-table entry out of range: NaN scores, the row comes out NaN
+        if PAGE_SIZE > 0:   # a block-table entry out of range: the row comes out NaN
             scores = tl.where(paged_ok[None, :], scores, float("nan"))
         acc, l_i, m_i = _softmax_step(acc, l_i, m_i, scores, v, qk_scale, DOT_PRECISION)
     return acc, l_i, m_i
@@ -199,16 +207,16 @@ def _decode_pass(state, q, kv, turn, row, walk, PRODUCT: tl.constexpr, MASKED: t
 
 @triton.jit
 def _tile_pages(pages, start, n_keys, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr):
-    """The block-table entries of the key tile from ``start`` (int64): one scalar when a page
-    holds the whole tile (``PAGE_SIZE >= BLOCK_N``, both powers of two, the tile aligned), one
-    scalar load per page up to ``MAX_SCALAR_PAGES`` pages per tile, else a gather per key.
-    Entries at and past ``n_keys`` are not read (the table may be shorter than the tile) and
-    come back 0.
+    """The block-table entries of the key tile from ``start`` (int64): one scalar when a
+    page holds the whole tile (``PAGE_SIZE >= BLOCK_N``, both powers of two, the tile
+    aligned), one scalar load per page up to ``MAX_SCALAR_PAGES`` pages per tile, else a
+    gather per key. Entries at and past ``n_keys`` are not read (the table may be
+    shorter than the tile) and come back 0.
 
-    Why scalars: a K/V address that waits on a tensor load of the same iteration can make the
-    pipeliner give that load a stage of its own, and K and V are then prefetched one tile
-    ahead instead of ``num_stages - 1``; scalar loads are not pipelined, so K and V keep their
-    depth, at one load per page.
+    Why scalars: a K/V address that waits on a tensor load of the same iteration can
+    make the pipeliner give that load a stage of its own, and K and V are then
+    prefetched one tile ahead instead of ``num_stages - 1``; scalar loads are not
+    pipelined, so K and V keep their depth, at one load per page.
     """
     table, st_page, sk_page, sv_page, num_blocks = pages
     if PAGE_SIZE >= BLOCK_N:
@@ -231,12 +239,12 @@ def _tile_pages(pages, start, n_keys, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.const
 @triton.jit
 def _key_rows(pages, page, cols, sk_slot, sv_slot, BLOCK_N: tl.constexpr,
               PAGE_SIZE: tl.constexpr):
-    """Where the keys ``cols`` (one tile) of one row live in a paged cache, given the tile's
-    block-table entries ``page`` (:func:`_tile_pages`).
+    """Where the keys ``cols`` (one tile) of one row live in a paged cache, given the
+    tile's block-table entries ``page`` (:func:`_tile_pages`).
 
-    Returns the K and V row offsets (int64, from page 0 of the KV head) and whether each key's
-    block-table entry is a page of the cache (``0 <= page < num_blocks``; the loads skip the
-    others).
+    Returns the K and V row offsets (int64, from page 0 of the KV head) and whether each
+    key's block-table entry is a page of the cache (``0 <= page < num_blocks``; the
+    loads skip the others).
     """
     table, st_page, sk_page, sv_page, num_blocks = pages
     page = tl.full([BLOCK_N], 0, tl.int64) + page
@@ -248,13 +256,15 @@ def _key_rows(pages, page, cols, sk_slot, sv_slot, BLOCK_N: tl.constexpr,
 @triton.jit
 def _kv_sources(K, V, sk_n, sv_n, n_keys, BLOCK_N: tl.constexpr, HALF: tl.constexpr,
                 TMA: tl.constexpr):
-    """How :func:`_decode_pass` reads the keys and values of one row (``K, V`` at its slot 0):
-    with ``TMA`` two tensor descriptors over its ``n_keys`` keys (rows past them read as zeros,
-    unread), ``K``'s blocks half a head wide; otherwise the pointers themselves."""
+    """How :func:`_decode_pass` reads the keys and values of one row (``K, V`` at its
+    slot 0): with ``TMA`` two tensor descriptors over its ``n_keys`` keys (rows past
+    them read as zeros, unread), ``K``'s blocks half a head wide; otherwise the pointers
+    themselves."""
     if TMA:
-        return (tl.make_tensor_descriptor(K, shape=[n_keys, 2 * HALF], strides=[sk_n, 1],
+        shape = [n_keys, 2 * HALF]
+        return (tl.make_tensor_descriptor(K, shape=shape, strides=[sk_n, 1],
                                           block_shape=[BLOCK_N, HALF]),
-                tl.make_tensor_descriptor(V, shape=[n_keys, 2 * HALF], strides=[sv_n, 1],
+                tl.make_tensor_descriptor(V, shape=shape, strides=[sv_n, 1],
                                           block_shape=[BLOCK_N, 2 * HALF]))
     else:
         return K, V
@@ -263,10 +273,11 @@ def _kv_sources(K, V, sk_n, sv_n, n_keys, BLOCK_N: tl.constexpr, HALF: tl.conste
 @triton.jit
 def _product(q_a, q_b, Table, Offset, positions, TURN: tl.constexpr,
              ROW_PER_KEY: tl.constexpr, BLOCK_N: tl.constexpr, HALF: tl.constexpr):
-    """One product's operands for :func:`_decode_pass`: the query halves (fp32) rotated by
-    ``R(σ i + offset)`` (the offset's ``[cos | sin]`` vector, turned by the table rows of the
-    positions when the product turns keys), and its ``turn``: ``(Table, cos_r, sin_r)`` with
-    the table's first ``BLOCK_N`` rows where the keys are turned tile by tile."""
+    """One product's operands for :func:`_decode_pass`: the query halves (fp32) rotated
+    by ``R(σ i + offset)`` (the offset's ``[cos | sin]`` vector, turned by the table
+    rows of the positions when the product turns keys), and its ``turn``: ``(Table,
+    cos_r, sin_r)`` with the table's first ``BLOCK_N`` rows where the keys are turned
+    tile by tile."""
     freqs = tl.arange(0, HALF)
     cos = tl.load(Offset + freqs)[None, :]
     sin = tl.load(Offset + HALF + freqs)[None, :]
@@ -274,7 +285,7 @@ def _product(q_a, q_b, Table, Offset, positions, TURN: tl.constexpr,
         cos_p, sin_p = _table_rows(Table, positions, HALF)
         cos, sin = cos_p * cos - sin_p * sin, sin_p * cos + cos_p * sin
     q_a, q_b = _rotate(q_a, q_b, cos, sin)
-    cos_r = tl.zeros([BLOCK_N, HALF], tl.float32)      # unread unless turned tile by tile
+    cos_r = tl.zeros([BLOCK_N, HALF], tl.float32)   # unread unless turned tile by tile
     sin_r = tl.zeros([BLOCK_N, HALF], tl.float32)
     if TURN and not ROW_PER_KEY:
         cos_r, sin_r = _table_rows(Table, tl.arange(0, BLOCK_N), HALF)
@@ -285,20 +296,20 @@ def _product(q_a, q_b, Table, Offset, positions, TURN: tl.constexpr,
 def _chunk_walks(n_keys, n_queries, window, split, num_splits, BLOCK_N: tl.constexpr):
     """The keys of one split and how they are walked: ``(lo, c1, c2, c3, hi)``.
 
-    The row's ``n_keys`` keys are cut into ``num_splits`` tile-aligned chunks of equal length
-    (the last shorter, spare ones empty); this split owns ``[lo, hi)``, walked as
-    ``[lo, c1)`` outside the window for every query, one product, no mask |
-    ``[c1, c2)`` the window's edge: both products, masked |
-    ``[c2, c3)`` inside for every query and causal-visible to all, no mask |
-    ``[c3, hi)`` the causal edge of the ``Nq`` queries (and the ragged last tile), masked.
-    Queries sit at ``n_keys - n_queries …``; all operands stay non-negative before dividing.
+    The row's ``n_keys`` keys are cut into ``num_splits`` tile-aligned chunks of equal
+    length (the last shorter, spare ones empty); this split owns ``[lo, hi)``, walked as
+    ``[lo, c1)`` outside the window for every query, one product, no mask | ``[c1, c2)``
+    the window's edge: both products, masked | ``[c2, c3)`` inside for every query and
+    causal-visible to all, no mask | ``[c3, hi)`` the causal edge of the ``Nq`` queries
+    (and the ragged last tile), masked. Queries sit at ``n_keys - n_queries …``; all
+    operands stay non-negative before dividing.
     """
     chunk = tl.cdiv(tl.cdiv(n_keys, num_splits), BLOCK_N) * BLOCK_N
     lo = split * chunk
     hi = tl.maximum(tl.minimum(lo + chunk, n_keys), lo)
-    all_outside = n_keys - n_queries - window + 1   # keys below: outside for every query
-    some_inside = tl.maximum(n_keys - window, 0)    # keys from here on: inside for every query
-    all_visible = n_keys - n_queries + 1            # keys below: causal-visible to every query
+    all_outside = n_keys - n_queries - window + 1   # below: outside for every query
+    some_inside = tl.maximum(n_keys - window, 0)    # from here: inside for every query
+    all_visible = n_keys - n_queries + 1            # below: visible to every query
     c1 = tl.minimum(tl.maximum(tl.maximum(all_outside, 0) // BLOCK_N * BLOCK_N, lo), hi)
     c2 = tl.minimum(tl.maximum(tl.cdiv(some_inside, BLOCK_N) * BLOCK_N, c1), hi)
     c3 = tl.minimum(tl.maximum(all_visible // BLOCK_N * BLOCK_N, c2), hi)
@@ -306,10 +317,13 @@ def _chunk_walks(n_keys, n_queries, window, split, num_splits, BLOCK_N: tl.const
 
 
 @triton.jit
-def _chunk_map_kernel(Out, n_keys, n_queries, window, num_splits, BLOCK_N: tl.constexpr):
-    """One program per split: write :func:`_chunk_walks` (the book draws it, tests check it)."""
+def _chunk_map_kernel(Out, n_keys, n_queries, window, num_splits,
+                      BLOCK_N: tl.constexpr):
+    """One program per split: write :func:`_chunk_walks` (the book draws it, tests
+    check it)."""
     split = tl.program_id(0)
-    lo, c1, c2, c3, hi = _chunk_walks(n_keys, n_queries, window, split, num_splits, BLOCK_N)
+    lo, c1, c2, c3, hi = _chunk_walks(n_keys, n_queries, window, split, num_splits,
+                                      BLOCK_N)
     base = Out + split * 5
     tl.store(base, lo)
     tl.store(base + 1, c1)
@@ -319,17 +333,19 @@ def _chunk_map_kernel(Out, n_keys, n_queries, window, num_splits, BLOCK_N: tl.co
 
 
 def chunk_map(n_keys, n_queries, window, num_splits, block_n):
-    """``(num_splits, 5)`` int tensor of ``(lo, c1, c2, c3, hi)`` per split, computed by the
-    kernel's own :func:`_chunk_walks` (see there for what the five cut points mean)."""
+    """``(num_splits, 5)`` int tensor of ``(lo, c1, c2, c3, hi)`` per split, computed by
+    the kernel's own :func:`_chunk_walks` (see there for what the five cut points
+    mean)."""
     device = "cpu" if INTERPRET else "cuda"
     out = torch.zeros(num_splits, 5, dtype=torch.int32, device=device)
-    with launching():              # a direct launch: the interpreter's lock (rerope.runtime)
-        _chunk_map_kernel[(num_splits,)](out, n_keys, n_queries, min(window, n_keys), num_splits,
-                                         BLOCK_N=block_n)
+    with launching():       # a direct launch: the interpreter's lock (rerope.runtime)
+        _chunk_map_kernel[(num_splits,)](out, n_keys, n_queries, min(window, n_keys),
+                                         num_splits, BLOCK_N=block_n)
     return out.cpu()
 
 
-# What grows with the cache is not specialised on: a growing cache reuses one compiled kernel.
+# What grows with the cache is not specialised on: a growing cache reuses one compiled
+# kernel.
 @triton.jit(do_not_specialize=["num_blocks", "n_max", "num_splits", "window"])
 def _decode_split_kernel(
     Q, K, V, SeqLens, BlockTable, Out, Lse, TableIn, OffsetIn, TableOut, OffsetOut,
@@ -337,26 +353,28 @@ def _decode_split_kernel(
     n_kv_heads, q_per_kv, n_queries, n_max, num_splits, window, qk_scale, logn_factor,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     TURN_IN: tl.constexpr, TURN_OUT: tl.constexpr, ROW_PER_KEY: tl.constexpr,
-    LOGN: tl.constexpr, WRITE_LSE: tl.constexpr, PAGE_SIZE: tl.constexpr, TMA: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    LOGN: tl.constexpr, WRITE_LSE: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    """Grid ``(B · Hkv, num_splits, cdiv(q_per_kv · Nq, BLOCK_M))``: one chunk of one row's
-    keys for the ``BLOCK_M`` (head, query) rows of one KV head.
+    """Grid ``(B · Hkv, num_splits, cdiv(q_per_kv · Nq, BLOCK_M))``: one chunk of one
+    row's keys for the ``BLOCK_M`` (head, query) rows of one KV head.
 
-    Writes the chunk's normalised output to ``Out`` (partials ``(num_splits, B · Hq · Nq, D)``
-    fp32, or the final output when ``num_splits == 1``, then ``WRITE_LSE`` is off) and its
-    log-sum-exp (log2 units, ``-inf`` for a chunk with no visible key) to ``Lse``. Row ``b``
-    has ``SeqLens[b]`` keys (``n_max`` where ``SeqLens`` is None); a length out of range
-    (``< Nq`` or ``> n_max``) gives NaN.
+    Writes the chunk's normalised output to ``Out`` (partials ``(num_splits, B · Hq ·
+    Nq, D)`` fp32, or the final output when ``num_splits == 1``, then ``WRITE_LSE`` is
+    off) and its log-sum-exp (log2 units, ``-inf`` for a chunk with no visible key) to
+    ``Lse``. Row ``b`` has ``SeqLens[b]`` keys (``n_max`` where ``SeqLens`` is None); a
+    length out of range (``< Nq`` or ``> n_max``) gives NaN.
 
-    ``PAGE_SIZE > 0`` (paged): ``K, V`` are ``(num_blocks, PAGE_SIZE, Hkv, D)`` pools (their
-    strides given in ``(page, head, slot, dim)`` order) and ``BlockTable`` ``(B, max_blocks)``
-    maps a row's logical page ``j // PAGE_SIZE`` to its page; ``n_max = max_blocks ·
-    PAGE_SIZE``. A row with an entry outside ``[0, num_blocks)`` among its pages gets NaN.
-    ``TMA`` (contiguous only, :func:`use_tma`): K and V tiles through tensor descriptors.
+    ``PAGE_SIZE > 0`` (paged): ``K, V`` are ``(num_blocks, PAGE_SIZE, Hkv, D)`` pools
+    (their strides given in ``(page, head, slot, dim)`` order) and ``BlockTable`` ``(B,
+    max_blocks)`` maps a row's logical page ``j // PAGE_SIZE`` to its page; ``n_max =
+    max_blocks · PAGE_SIZE``. A row with an entry outside ``[0, num_blocks)`` among its
+    pages gets NaN. ``TMA`` (contiguous only, :func:`use_tma`): K and V tiles through
+    tensor descriptors.
     """
     HALF: tl.constexpr = HEAD_DIM // 2
-    # the KV heads of one chunk side by side (they read the same rows of the angle table)
+    # the KV heads of one chunk side by side (they read the same rows of the angle
+    # table)
     batch = tl.program_id(0) // n_kv_heads
     kv_head = tl.program_id(0) % n_kv_heads
     split = tl.program_id(1)
@@ -375,7 +393,8 @@ def _decode_split_kernel(
     query = rows % n_queries
     positions = n_keys - n_queries + query
 
-    lo, c1, c2, c3, hi = _chunk_walks(n_keys, n_queries, window, split, num_splits, BLOCK_N)
+    lo, c1, c2, c3, hi = _chunk_walks(n_keys, n_queries, window, split, num_splits,
+                                      BLOCK_N)
 
     sq_b, sq_h, sq_n, sq_d = q_strides
     sk_b, sk_h, sk_n, sk_d = k_strides
@@ -383,8 +402,9 @@ def _decode_split_kernel(
     b64 = batch.to(tl.int64)
     K = K + kv_head.to(tl.int64) * sk_h
     V = V + kv_head.to(tl.int64) * sv_h
-    if PAGE_SIZE > 0:    # this row's block table; the keys' rows come from it tile by tile
-        pages = (BlockTable + b64 * table_strides[0], table_strides[1], sk_b, sv_b, num_blocks)
+    if PAGE_SIZE > 0:    # this row's block table: the keys' rows come from it per tile
+        table_row = BlockTable + b64 * table_strides[0]
+        pages = (table_row, table_strides[1], sk_b, sv_b, num_blocks)
     else:                # contiguous: this row's keys from slot 0
         K = K + b64 * sk_b
         V = V + b64 * sv_b
@@ -405,56 +425,59 @@ def _decode_split_kernel(
              tl.full([BLOCK_M], float("-inf"), tl.float32))
 
     # outside the window: the long loop, then the masked tiles around the window edge
-    q_out, turn = _product(q_a, q_b, TableOut, OffsetOut, positions, TURN_OUT, ROW_PER_KEY,
-                           BLOCK_N, HALF)
+    q_out, turn = _product(q_a, q_b, TableOut, OffsetOut, positions, TURN_OUT,
+                           ROW_PER_KEY, BLOCK_N, HALF)
     state = _decode_pass(state, q_out, kv, turn, row, (lo, c1, c1, c1), OUTSIDE, False,
-                         TURN_OUT, ROW_PER_KEY, BLOCK_N, HALF, PAGE_SIZE, TMA, DOT_PRECISION,
-                         kv_dtype)
+                         TURN_OUT, ROW_PER_KEY, BLOCK_N, HALF, PAGE_SIZE, TMA,
+                         DOT_PRECISION, kv_dtype)
     state = _decode_pass(state, q_out, kv, turn, row, (c1, c2, c2, c2), OUTSIDE, True,
-                         TURN_OUT, ROW_PER_KEY, BLOCK_N, HALF, PAGE_SIZE, TMA, DOT_PRECISION,
-                         kv_dtype)
+                         TURN_OUT, ROW_PER_KEY, BLOCK_N, HALF, PAGE_SIZE, TMA,
+                         DOT_PRECISION, kv_dtype)
     # inside the window: the last `window` keys
     q_in, turn = _product(q_a, q_b, TableIn, OffsetIn, positions, TURN_IN, ROW_PER_KEY,
                           BLOCK_N, HALF)
     state = _decode_pass(state, q_in, kv, turn, row, (c2, c3, c3, c3), INSIDE, False,
-                         TURN_IN, ROW_PER_KEY, BLOCK_N, HALF, PAGE_SIZE, TMA, DOT_PRECISION,
-                         kv_dtype)
-    acc, l_i, m_i = _decode_pass(state, q_in, kv, turn, row, (c1, c2, c3, hi), INSIDE, True,
-                                 TURN_IN, ROW_PER_KEY, BLOCK_N, HALF, PAGE_SIZE, TMA,
-                                 DOT_PRECISION, kv_dtype)
+                         TURN_IN, ROW_PER_KEY, BLOCK_N, HALF, PAGE_SIZE, TMA,
+                         DOT_PRECISION, kv_dtype)
+    acc, l_i, m_i = _decode_pass(state, q_in, kv, turn, row, (c1, c2, c3, hi), INSIDE,
+                                 True, TURN_IN, ROW_PER_KEY, BLOCK_N, HALF, PAGE_SIZE,
+                                 TMA, DOT_PRECISION, kv_dtype)
 
     seen = l_i > 0.0
     out = acc / tl.where(seen, l_i, 1.0)[:, None]
     lse = tl.where(seen, m_i + tl.math.log2(tl.where(seen, l_i, 1.0)), float("-inf"))
-    if bad_length:                      # out-of-range cache_seqlens: poison the row's output
+    if bad_length:               # out-of-range cache_seqlens: poison the row's output
         out = tl.full([BLOCK_M, HEAD_DIM], float("nan"), tl.float32)
         lse = tl.zeros([BLOCK_M], tl.float32)
     # (split, B · Hq · Nq rows) in order: row (b, h, n) of KV head program_id(0)'s rows
     n_rows = tl.num_programs(0).to(tl.int64) * rows_per_kv
-    flat = split.to(tl.int64) * n_rows + tl.program_id(0).to(tl.int64) * rows_per_kv + rows
+    flat = (split.to(tl.int64) * n_rows + tl.program_id(0).to(tl.int64) * rows_per_kv
+            + rows)
     dims = tl.arange(0, HEAD_DIM)
-    tl.store(Out + flat[:, None] * HEAD_DIM + dims[None, :], out.to(Out.dtype.element_ty),
-             mask=row_ok[:, None])
+    tl.store(Out + flat[:, None] * HEAD_DIM + dims[None, :],
+             out.to(Out.dtype.element_ty), mask=row_ok[:, None])
     if WRITE_LSE:
         tl.store(Lse + flat, lse, mask=row_ok)
 
 
-# --- the merge kernel ----------------------------------------------------------------------------
+# --- the merge kernel -----------------------------------------------------------------
 
 
 @triton.jit
-def _merge_rows(Part, PartLse, Out, first, count, n_rows, num_splits, HEAD_DIM: tl.constexpr,
-                ROWS: tl.constexpr, SPLITS_BLOCK: tl.constexpr, LSE_BLOCK: tl.constexpr):
-    """Merge the partials of rows ``first … first + min(count, ROWS) - 1``:
-    ``out = Σ_s 2^(lse_s − m) o_s / Σ_s 2^(lse_s − m)``, ``m`` the row's largest ``lse_s``.
+def _merge_rows(Part, PartLse, Out, first, count, n_rows, num_splits,
+                HEAD_DIM: tl.constexpr, ROWS: tl.constexpr, SPLITS_BLOCK: tl.constexpr,
+                LSE_BLOCK: tl.constexpr):
+    """Merge the partials of rows ``first … first + min(count, ROWS) - 1``: ``out = Σ_s
+    2^(lse_s − m) o_s / Σ_s 2^(lse_s − m)``, ``m`` the row's largest ``lse_s``.
 
     ``Part`` ``(S, rows, D)`` fp32 and ``PartLse`` ``(S, rows)`` contiguous (``rows =
-    n_rows``); ``Out`` ``(rows, D)`` contiguous. ``ROWS × SPLITS_BLOCK`` partials per step.
-    When every split fits in one step (``num_splits <= SPLITS_BLOCK``) the log-sum-exps and the
-    partials are loaded together, one round trip to memory; else a first pass finds ``m``
-    (``LSE_BLOCK`` log-sum-exps per load, one load for up to ``LSE_BLOCK`` splits) and a
-    second folds the partials. Chunks without a visible key have ``lse = −inf`` and weigh
-    nothing. Each partial is read once: the loads skip L1 (``.cg``).
+    n_rows``); ``Out`` ``(rows, D)`` contiguous. ``ROWS × SPLITS_BLOCK`` partials per
+    step. When every split fits in one step (``num_splits <= SPLITS_BLOCK``) the
+    log-sum-exps and the partials are loaded together, one round trip to memory; else a
+    first pass finds ``m`` (``LSE_BLOCK`` log-sum-exps per load, one load for up to
+    ``LSE_BLOCK`` splits) and a second folds the partials. Chunks without a visible key
+    have ``lse = −inf`` and weigh nothing. Each partial is read once: the loads skip L1
+    (``.cg``).
     """
     dims = tl.arange(0, HEAD_DIM)
     splits = tl.arange(0, SPLITS_BLOCK)
@@ -465,12 +488,13 @@ def _merge_rows(Part, PartLse, Out, first, count, n_rows, num_splits, HEAD_DIM: 
         ok = row_ok[:, None] & (splits < num_splits)[None, :]
         lse = tl.load(PartLse + splits[None, :] * n_rows + rows[:, None], mask=ok,
                       other=float("-inf"), cache_modifier=".cg")
-        part = tl.load(Part + ((splits[None, :, None] * n_rows + rows[:, None, None]) * HEAD_DIM
-                               + dims[None, None, :]),
-                       mask=ok[:, :, None], other=0.0, cache_modifier=".cg")
+        at = (splits[None, :, None] * n_rows + rows[:, None, None]) * HEAD_DIM
+        part = tl.load(Part + at + dims[None, None, :], mask=ok[:, :, None], other=0.0,
+                       cache_modifier=".cg")
         m_max = tl.where(row_ok, tl.max(lse, 1), 0.0)
         weight = tl.math.exp2(lse - m_max[:, None])
-        acc = tl.zeros([ROWS, HEAD_DIM], tl.float32) + tl.sum(weight[:, :, None] * part, 1)
+        acc = (tl.zeros([ROWS, HEAD_DIM], tl.float32)
+               + tl.sum(weight[:, :, None] * part, 1))
         total = tl.zeros([ROWS, SPLITS_BLOCK], tl.float32) + weight
     else:
         lse_splits = tl.arange(0, LSE_BLOCK)
@@ -485,30 +509,32 @@ def _merge_rows(Part, PartLse, Out, first, count, n_rows, num_splits, HEAD_DIM: 
         acc = tl.zeros([ROWS, HEAD_DIM], tl.float32)
         for s0 in range(0, num_splits, SPLITS_BLOCK):
             ok = row_ok[:, None] & (s0 + splits < num_splits)[None, :]
-            lse = tl.load(PartLse + (s0 + splits)[None, :] * n_rows + rows[:, None], mask=ok,
-                          other=float("-inf"), cache_modifier=".cg")
+            lse = tl.load(PartLse + (s0 + splits)[None, :] * n_rows + rows[:, None],
+                          mask=ok, other=float("-inf"), cache_modifier=".cg")
             weight = tl.math.exp2(lse - m_max[:, None])
-            part = tl.load(Part + (((s0 + splits)[None, :, None] * n_rows + rows[:, None, None])
-                                   * HEAD_DIM + dims[None, None, :]),
-                           mask=ok[:, :, None], other=0.0, cache_modifier=".cg")
+            at = ((s0 + splits)[None, :, None] * n_rows
+                  + rows[:, None, None]) * HEAD_DIM
+            part = tl.load(Part + at + dims[None, None, :], mask=ok[:, :, None],
+                           other=0.0, cache_modifier=".cg")
             acc += tl.sum(weight[:, :, None] * part, 1)
             total += weight
     out = acc / tl.where(row_ok, tl.sum(total, 1), 1.0)[:, None]
-    tl.store(Out + rows[:, None] * HEAD_DIM + dims[None, :], out.to(Out.dtype.element_ty),
-             mask=row_ok[:, None])
+    tl.store(Out + rows[:, None] * HEAD_DIM + dims[None, :],
+             out.to(Out.dtype.element_ty), mask=row_ok[:, None])
 
 
 @triton.jit(do_not_specialize=["num_splits"])
 def _decode_merge_kernel(Part, PartLse, Out, n_rows, num_splits, HEAD_DIM: tl.constexpr,
                          ROWS: tl.constexpr, SPLITS_BLOCK: tl.constexpr,
                          LSE_BLOCK: tl.constexpr):
-    """Grid ``(cdiv(B · Hq · Nq, ROWS),)``: :func:`_merge_rows` of ``ROWS`` rows each."""
+    """Grid ``(cdiv(B · Hq · Nq, ROWS),)``: :func:`_merge_rows` of ``ROWS`` rows
+    each."""
     first = tl.program_id(0).to(tl.int64) * ROWS
-    _merge_rows(Part, PartLse, Out, first, n_rows - first, n_rows, num_splits, HEAD_DIM, ROWS,
-                SPLITS_BLOCK, LSE_BLOCK)
+    _merge_rows(Part, PartLse, Out, first, n_rows - first, n_rows, num_splits, HEAD_DIM,
+                ROWS, SPLITS_BLOCK, LSE_BLOCK)
 
 
-# --- the rules: launch configuration, splits, TMA, merge steps -----------------------------------
+# --- the rules: launch configuration, splits, TMA, merge steps ------------------------
 
 
 @functools.lru_cache(maxsize=CACHE_SIZE)
@@ -517,19 +543,21 @@ def _sm_count(device_index):
 
 
 def sm_count(device):
-    """Streaming multiprocessors of ``device`` (132 on an H200; 132 under the interpreter, so the
-    splits rule gives the same numbers there)."""
+    """Streaming multiprocessors of ``device`` (132 on an H200; 132 under the
+    interpreter, so the splits rule gives the same numbers there)."""
     if INTERPRET or device.type != "cuda":
         return 132
-    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    index = device.index
+    return _sm_count(index if index is not None else torch.cuda.current_device())
 
 
 def launch_config(head_dim, config=None):
-    """The split kernel's launch configuration (``BLOCK_N``, ``num_warps``, ``num_stages``) and
-    programs per SM for ``head_dim`` under ``config`` (default: the active
-    :class:`rerope.configs.Config`): its ``decode_config`` where set, else ``HEAD_DIM_CONFIGS``
-    or ``GPU_CONFIG`` and ``PROGRAMS_PER_SM`` (``INTERPRETER_CONFIG``'s ``BLOCK_N`` under the
-    interpreter). Returns ``(dict, programs_per_sm)``."""
+    """The split kernel's launch configuration (``BLOCK_N``, ``num_warps``,
+    ``num_stages``) and programs per SM for ``head_dim`` under ``config`` (default: the
+    active :class:`rerope.configs.Config`): its ``decode_config`` where set, else
+    ``HEAD_DIM_CONFIGS`` or ``GPU_CONFIG`` and ``PROGRAMS_PER_SM``
+    (``INTERPRETER_CONFIG``'s ``BLOCK_N`` under the interpreter). Returns ``(dict,
+    programs_per_sm)``."""
     config = configs.current() if config is None else config
     if config.decode_config:
         block_n, warps, stages, per_sm = config.decode_config
@@ -540,42 +568,48 @@ def launch_config(head_dim, config=None):
 
 
 def block_m(q_per_kv, n_queries):
-    """Rows per program: one KV head's query heads × queries, a power of two in [16, 64]."""
-    return min(max(MIN_BLOCK_M, triton.next_power_of_2(q_per_kv * n_queries)), MAX_BLOCK_M)
+    """Rows per program: one KV head's query heads × queries, a power of two in
+    [16, 64]."""
+    rows = triton.next_power_of_2(q_per_kv * n_queries)
+    return min(max(MIN_BLOCK_M, rows), MAX_BLOCK_M)
 
 
 def _split_cap(batch, kv_heads, q_per_kv, n_queries, sms, programs_per_sm):
-    """The most splits per row that fit in one wave of resident programs (at least 1)."""
-    programs = batch * kv_heads * triton.cdiv(q_per_kv * n_queries, block_m(q_per_kv, n_queries))
-    if programs == 0:                 # an empty batch (or no query head): nothing to spread
+    """The most splits per row that fit in one wave of resident programs (at least
+    1)."""
+    blocks = triton.cdiv(q_per_kv * n_queries, block_m(q_per_kv, n_queries))
+    programs = batch * kv_heads * blocks
+    if programs == 0:           # an empty batch (or no query head): nothing to spread
         return 1
     return max(1, min((programs_per_sm * sms) // programs, MAX_SPLITS))
 
 
 def default_num_splits(batch, kv_heads, q_per_kv, n_queries, n_max, sms=132,
                        programs_per_sm=PROGRAMS_PER_SM):
-    """How many chunks to cut each row's keys into: as many as fit in one wave of resident
-    programs (``programs_per_sm`` per SM; a partial second wave would leave SMs idle for its
-    whole duration), but chunks of at least ``MIN_KEYS_PER_SPLIT`` keys, at most ``MAX_SPLITS``.
+    """How many chunks to cut each row's keys into: as many as fit in one wave of
+    resident programs (``programs_per_sm`` per SM; a partial second wave would leave SMs
+    idle for its whole duration), but chunks of at least ``MIN_KEYS_PER_SPLIT`` keys, at
+    most ``MAX_SPLITS``.
 
-    From shapes only (``n_max``, never the data), so a CUDA graph replays it. Hq=32, Hkv=8,
-    Nq=1 on 132 SMs: batch 1, 128k keys: 33 splits (264 programs); batch 1, 4k: 16;
-    batch 8: 4; batch 33 and more: 1.
+    From shapes only (``n_max``, never the data), so a CUDA graph replays it. Hq=32,
+    Hkv=8, Nq=1 on 132 SMs: batch 1, 128k keys: 33 splits (264 programs); batch 1, 4k:
+    16; batch 8: 4; batch 33 and more: 1.
     """
     cap = _split_cap(batch, kv_heads, q_per_kv, n_queries, sms, programs_per_sm)
     return max(1, min(cap, triton.cdiv(n_max, MIN_KEYS_PER_SPLIT)))
 
 
 def use_tma(k_cache, v_cache, paged, keys_per_split, mode=None):
-    """Whether the split kernel reads K and V tiles through TMA tensor descriptors (``TMA``;
-    ``k_cache, v_cache`` as the kernel sees them, ``keys_per_split`` the cache slots of one
-    split, ``cdiv(Nmax, num_splits)``: shapes only). Never for a paged cache (a tile's keys
-    are not one box of memory). ``mode`` (default: the active configuration's ``tma``):
-    ``"off"`` never; ``"on"`` wherever the layout allows (under the interpreter too: the tests
-    run this path on CPU); ``"auto"``, on a GPU where :func:`rerope.configs.tma_pays` (Hopper
-    or newer, 16-bit, ``D <= 128``), for head dims in ``TMA_HEAD_DIMS`` and splits of at
-    least ``TMA_MIN_KEYS`` keys. The layout: 16-byte aligned starts, unit stride along
-    ``D``, 16-byte aligned key, head and batch strides (:func:`rerope.launch._tma_layout_ok`).
+    """Whether the split kernel reads K and V tiles through TMA tensor descriptors
+    (``TMA``; ``k_cache, v_cache`` as the kernel sees them, ``keys_per_split`` the cache
+    slots of one split, ``cdiv(Nmax, num_splits)``: shapes only). Never for a paged
+    cache (a tile's keys are not one box of memory). ``mode`` (default: the active
+    configuration's ``tma``): ``"off"`` never; ``"on"`` wherever the layout allows
+    (under the interpreter too: the tests run this path on CPU); ``"auto"``, on a GPU
+    where :func:`rerope.configs.tma_pays` (Hopper or newer, 16-bit, ``D <= 128``), for
+    head dims in ``TMA_HEAD_DIMS`` and splits of at least ``TMA_MIN_KEYS`` keys. The
+    layout: 16-byte aligned starts, unit stride along ``D``, 16-byte aligned key, head
+    and batch strides (:func:`rerope.launch._tma_layout_ok`).
     """
     mode = configs.current().tma if mode is None else mode
     if paged or mode == "off":
@@ -589,109 +623,120 @@ def use_tma(k_cache, v_cache, paged, keys_per_split, mode=None):
 
 
 def merge_blocks(num_splits, head_dim, rows=MERGE_ROWS):
-    """How the merge walks the partials (:func:`_merge_rows`) when it merges ``rows`` rows at
-    once: ``(splits, lse)``, ``splits`` partials per row and step (a power of two, at most
-    ``MERGE_SPLITS_BLOCK`` and ``MERGE_TILE`` partial elements per step: registers), and up to
-    ``lse`` log-sum-exps per load of the first pass (``MAX_SPLITS``: one load). The merge takes
-    one step when ``num_splits <= splits``."""
+    """How the merge walks the partials (:func:`_merge_rows`) when it merges ``rows``
+    rows at once: ``(splits, lse)``, ``splits`` partials per row and step (a power of
+    two, at most ``MERGE_SPLITS_BLOCK`` and ``MERGE_TILE`` partial elements per step:
+    registers), and up to ``lse`` log-sum-exps per load of the first pass
+    (``MAX_SPLITS``: one load). The merge takes one step when ``num_splits <=
+    splits``."""
     splits = triton.next_power_of_2(num_splits)
     tile = max(1, MERGE_TILE // (rows * head_dim))
     return (min(splits, MERGE_SPLITS_BLOCK, triton.next_power_of_2(tile + 1) // 2),
             min(splits, triton.next_power_of_2(MAX_SPLITS)))
 
 
-# --- validation ----------------------------------------------------------------------------------
+# --- validation -----------------------------------------------------------------------
 
 
 def _check_lengths_on_host(cache_seqlens, n_queries, n_max):
-    """``Nq <= cache_seqlens[b] <= Nmax`` for every row (CPU tensors only: no sync needed)."""
+    """``Nq <= cache_seqlens[b] <= Nmax`` for every row (CPU tensors only: no sync
+    needed)."""
     short = cache_seqlens < n_queries
     if bool(short.any()):
         row = int(short.nonzero()[0])
         raise ValueError(
-            f"cache_seqlens[{row}] = {int(cache_seqlens[row])} is less than the number of "
-            f"queries Nq = {n_queries}: the queries sit at the last Nq positions of the cache, "
-            "so every row needs at least Nq cached keys")
+            f"cache_seqlens[{row}] = {int(cache_seqlens[row])} is less than the number "
+            f"of queries Nq = {n_queries}: the queries sit at the last Nq positions of "
+            "the cache, so every row needs at least Nq cached keys")
     long = cache_seqlens > n_max
     if bool(long.any()):
         row = int(long.nonzero()[0])
-        raise ValueError(f"cache_seqlens[{row}] = {int(cache_seqlens[row])} exceeds the cache "
-                         f"size Nmax = {n_max}")
+        raise ValueError(f"cache_seqlens[{row}] = {int(cache_seqlens[row])} exceeds "
+                         f"the cache size Nmax = {n_max}")
 
 
 def _check_block_table_on_host(block_table, cache_seqlens, page_size, num_blocks):
-    """Every entry a row's keys use (``j < cdiv(cache_seqlens[b], page_size)``) names a page of
-    the cache (CPU tensors only)."""
-    used = torch.arange(block_table.shape[1])[None, :] * page_size < cache_seqlens[:, None].long()
+    """Every entry a row's keys use (``j < cdiv(cache_seqlens[b], page_size)``) names a
+    page of the cache (CPU tensors only)."""
+    starts = torch.arange(block_table.shape[1])[None, :] * page_size
+    used = starts < cache_seqlens[:, None].long()
     bad = used & ((block_table < 0) | (block_table >= num_blocks))
     if bool(bad.any()):
         row, entry = (int(x) for x in bad.nonzero()[0])
         raise ValueError(
-            f"block_table[{row}, {entry}] = {int(block_table[row, entry])} is not a page of the "
-            f"cache: k_cache and v_cache have num_blocks = {num_blocks} pages, and row {row} "
-            f"uses entries 0 to {-(-int(cache_seqlens[row]) // page_size) - 1}")
+            f"block_table[{row}, {entry}] = {int(block_table[row, entry])} is not a "
+            f"page of the cache: k_cache and v_cache have num_blocks = {num_blocks} "
+            f"pages, and row {row} uses entries 0 to "
+            f"{-(-int(cache_seqlens[row]) // page_size) - 1}")
 
 
 def _check_paged_args(q, k_cache, v_cache, block_table, cache_seqlens):
-    """The paged layout's tensors; returns ``(B, Hq, Hkv, Nq, Nmax, D)`` with ``Nmax`` the
-    table's capacity ``max_blocks_per_seq · block_size``."""
+    """The paged layout's tensors; returns ``(B, Hq, Hkv, Nq, Nmax, D)`` with ``Nmax``
+    the table's capacity ``max_blocks_per_seq · block_size``."""
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache),
                     ("block_table", block_table)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if q.dim() != 4:
-        raise ValueError(f"q must have rank 4 (B, Hq, Nq, D), got shape {tuple(q.shape)}")
+        raise ValueError(f"q must have rank 4 (B, Hq, Nq, D), got shape "
+                         f"{tuple(q.shape)}")
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
         if t.dim() != 4:
-            raise ValueError(f"with a block_table, {name} must be a paged cache of rank 4 "
-                             f"(num_blocks, block_size, Hkv, D), got shape {tuple(t.shape)}")
+            raise ValueError(f"with a block_table, {name} must be a paged cache of "
+                             f"rank 4 (num_blocks, block_size, Hkv, D), got shape "
+                             f"{tuple(t.shape)}")
     check_alike({"q": q, "k_cache": k_cache, "v_cache": v_cache})
     if k_cache.shape != v_cache.shape:
         raise ValueError(f"k_cache and v_cache pages disagree: k_cache has shape "
-                         f"{tuple(k_cache.shape)}, v_cache {tuple(v_cache.shape)} (both "
-                         "(num_blocks, block_size, Hkv, D))")
+                         f"{tuple(k_cache.shape)}, v_cache {tuple(v_cache.shape)} "
+                         "(both (num_blocks, block_size, Hkv, D))")
     batch, hq, n_queries, d = q.shape
     num_blocks, page_size, hkv, d_k = k_cache.shape
     if d_k != d:
         raise ValueError(f"k_cache has head dim {d_k}, expected {d} like q")
     if hkv < 1 or hq % hkv != 0:
-        raise ValueError(f"query heads ({hq}) must be a multiple of key/value heads ({hkv})")
+        raise ValueError(f"query heads ({hq}) must be a multiple of key/value heads "
+                         f"({hkv})")
     if page_size not in PAGE_SIZES:
-        raise ValueError(f"block_size {page_size} (k_cache.shape[1]) is not supported: pages "
-                         f"of {', '.join(map(str, PAGE_SIZES))} keys")
+        raise ValueError(f"block_size {page_size} (k_cache.shape[1]) is not supported: "
+                         f"pages of {', '.join(map(str, PAGE_SIZES))} keys")
     if num_blocks < 1:
         raise ValueError("k_cache and v_cache have no pages (num_blocks = 0)")
     if block_table.dtype != torch.int32:
-        raise TypeError(f"block_table must have dtype torch.int32, got {block_table.dtype}")
-    if block_table.dim() != 2 or block_table.shape[0] != batch or block_table.shape[1] < 1:
-        raise ValueError(f"block_table must have shape ({batch}, max_blocks_per_seq) with "
-                         f"max_blocks_per_seq >= 1 (one row of page numbers per batch row), got "
-                         f"{tuple(block_table.shape)}")
+        raise TypeError(f"block_table must have dtype torch.int32, got "
+                        f"{block_table.dtype}")
+    if (block_table.dim() != 2 or block_table.shape[0] != batch
+            or block_table.shape[1] < 1):
+        raise ValueError(f"block_table must have shape ({batch}, max_blocks_per_seq) "
+                         f"with max_blocks_per_seq >= 1 (one row of page numbers per "
+                         f"batch row), got {tuple(block_table.shape)}")
     if block_table.device != q.device:
         raise ValueError(f"block_table must be on q's device ({q.device}), got "
                          f"{block_table.device}")
     if cache_seqlens is None:
-        raise ValueError("cache_seqlens is required with a block_table (the number of valid "
-                         "keys of each row): an int32 tensor of shape (B,)")
+        raise ValueError("cache_seqlens is required with a block_table (the number of "
+                         "valid keys of each row): an int32 tensor of shape (B,)")
     if n_queries < 1:
         raise ValueError(f"q must have sequence length N >= 1, got {n_queries}")
     n_max = block_table.shape[1] * page_size
     if n_queries > n_max:
-        raise ValueError(f"q has {n_queries} queries but the block table holds {n_max} keys")
+        raise ValueError(f"q has {n_queries} queries but the block table holds {n_max} "
+                         "keys")
     return batch, hq, hkv, n_queries, n_max, d
 
 
-def _check_decode_args(q, k_cache, v_cache, cache_seqlens, block_table, window, sm_scale, base,
-                       leaky, logn_len, rotated, num_splits, inv_freq, group):
-    """Every check of a :func:`rerope_decode` call (``ValueError`` / ``TypeError`` naming the
-    argument); returns ``(B, Hq, Hkv, Nq, Nmax, D)``."""
+def _check_decode_args(q, k_cache, v_cache, cache_seqlens, block_table, window,
+                       sm_scale, base, leaky, logn_len, rotated, num_splits, inv_freq,
+                       group):
+    """Every check of a :func:`rerope_decode` call (``ValueError`` / ``TypeError``
+    naming the argument); returns ``(B, Hq, Hkv, Nq, Nmax, D)``."""
     if block_table is None:
         batch, hq, hkv, n_queries, n_max, d = check_qkv(
             {"q": q}, {"k_cache": k_cache, "v_cache": v_cache}, fewer_queries=True)
         keys = k_cache
     else:
-        batch, hq, hkv, n_queries, n_max, d = _check_paged_args(q, k_cache, v_cache,
-                                                                block_table, cache_seqlens)
+        batch, hq, hkv, n_queries, n_max, d = _check_paged_args(
+            q, k_cache, v_cache, block_table, cache_seqlens)
         keys = k_cache[:1, :1, :1].expand(batch, hkv, n_max, d)     # the logical shape
     check_head_dim(d)
     check_rope_args(q, keys, window, base, leaky, logn_len, rotated, inv_freq, group)
@@ -707,13 +752,14 @@ def _check_decode_args(q, k_cache, v_cache, cache_seqlens, block_table, window, 
             raise ValueError(f"num_splits must be >= 1, got {num_splits}")
     if cache_seqlens is not None:
         if not isinstance(cache_seqlens, torch.Tensor):
-            raise TypeError(f"cache_seqlens must be an int32 tensor of shape ({batch},) or None, "
-                            f"got {type(cache_seqlens).__name__}")
+            raise TypeError(f"cache_seqlens must be an int32 tensor of shape "
+                            f"({batch},) or None, got {type(cache_seqlens).__name__}")
         if cache_seqlens.dtype != torch.int32:
-            raise TypeError(f"cache_seqlens must have dtype torch.int32, got {cache_seqlens.dtype}")
+            raise TypeError(f"cache_seqlens must have dtype torch.int32, got "
+                            f"{cache_seqlens.dtype}")
         if tuple(cache_seqlens.shape) != (batch,):
-            raise ValueError(f"cache_seqlens must have shape ({batch},) (one length per batch "
-                             f"row), got {tuple(cache_seqlens.shape)}")
+            raise ValueError(f"cache_seqlens must have shape ({batch},) (one length "
+                             f"per batch row), got {tuple(cache_seqlens.shape)}")
         if cache_seqlens.device != q.device:
             raise ValueError(f"cache_seqlens must be on q's device ({q.device}), got "
                              f"{cache_seqlens.device}")
@@ -721,50 +767,51 @@ def _check_decode_args(q, k_cache, v_cache, cache_seqlens, block_table, window, 
     return batch, hq, hkv, n_queries, n_max, d
 
 
-def rerope_decode(q, k_cache, v_cache, window, cache_seqlens=None, sm_scale=None, base=10000.0,
-                  leaky=None, logn_len=None, rotated=True, num_splits=None, inv_freq=None,
-                  block_table=None, group=None):
-    """(Leaky) ReRoPE or Self-Extend attention of a few new queries against a KV cache (forward
-    only).
+def rerope_decode(q, k_cache, v_cache, window, cache_seqlens=None, sm_scale=None,
+                  base=10000.0, leaky=None, logn_len=None, rotated=True,
+                  num_splits=None, inv_freq=None, block_table=None, group=None):
+    """(Leaky) ReRoPE or Self-Extend attention of a few new queries against a KV cache
+    (forward only).
 
-    The decode step of generation: each batch row's ``Nq`` newest tokens attend, causally, to the
-    row's cached keys, whose last ``Nq`` entries are those tokens themselves (append the new
-    ``k, v`` to the cache first, then count them in ``cache_seqlens``). Split-KV: the keys are
-    cut into ``num_splits`` chunks folded in parallel and merged by log-sum-exp. No host
-    synchronisation and no allocation that depends on data: the call can be captured in a CUDA
-    graph (call it once before capturing: the first call compiles and builds the RoPE table).
+    The decode step of generation: each batch row's ``Nq`` newest tokens attend,
+    causally, to the row's cached keys, whose last ``Nq`` entries are those tokens
+    themselves (append the new ``k, v`` to the cache first, then count them in
+    ``cache_seqlens``). Split-KV: the keys are cut into ``num_splits`` chunks folded in
+    parallel and merged by log-sum-exp. No host synchronisation and no allocation that
+    depends on data: the call can be captured in a CUDA graph (call it once before
+    capturing: the first call compiles and builds the RoPE table).
 
-    Grouped-query and multi-query attention: the cache may have fewer heads than ``q`` (``Hq``
-    a multiple of ``Hkv``); query head ``h`` attends cache head ``h // (Hq / Hkv)``, by
-    indexing: the cache is never repeated in memory.
+    Grouped-query and multi-query attention: the cache may have fewer heads than ``q``
+    (``Hq`` a multiple of ``Hkv``); query head ``h`` attends cache head ``h // (Hq /
+    Hkv)``, by indexing: the cache is never repeated in memory.
 
-    Row ``b`` holds ``L = cache_seqlens[b]`` keys (``L = Nmax`` without ``cache_seqlens``), at
-    positions ``0 … L - 1``; its queries are the last ``Nq`` of them: query ``n`` sits at
-    position ``i = L - Nq + n`` and attends keys ``j <= i``, the causal mask aligned to the
-    bottom right corner of the row's score matrix. For ``Nq = 2``, ``L = 5`` (1 = attended,
-    0 = masked)::
+    Row ``b`` holds ``L = cache_seqlens[b]`` keys (``L = Nmax`` without
+    ``cache_seqlens``), at positions ``0 … L - 1``; its queries are the last ``Nq`` of
+    them: query ``n`` sits at position ``i = L - Nq + n`` and attends keys ``j <= i``,
+    the causal mask aligned to the bottom right corner of the row's score matrix. For
+    ``Nq = 2``, ``L = 5`` (1 = attended, 0 = masked)::
 
         1 1 1 1 0
         1 1 1 1 1
 
-    Args:
-        q: ``(B, Hq, Nq, D)``, the new queries, ``1 <= Nq <= 16`` (one token, or a few
-            speculative ones), at positions ``L - Nq … L - 1`` of their row; fp16, bf16 or
-            fp32, ``D`` in 16, 32, 64, 128, 256. RoPE-rotated at those positions if
-            ``rotated``, raw otherwise.
-        k_cache: ``(B, Hkv, Nmax, D)``, the key cache, ``q``'s dtype and device. Slot ``j``
-            holds the key of position ``j`` (RoPE-rotated at ``j`` if ``rotated``). Any strides,
-            e.g. a transposed view of a ``(B, Nmax, Hkv, D)`` buffer. Paged: see
-            ``block_table``.
-        v_cache: ``(B, Hkv, Nmax, D)``, the value cache, ``q``'s dtype and device (paged: as
-            ``k_cache``).
-        window: int ``>= 1``, ReRoPE's window ``w``: relative positions ``i - j < w`` use plain
-            RoPE, the others are clamped to ``w`` (or grow as ``w + (i - j - w) / leaky``).
-        cache_seqlens: ``None`` (every row uses the whole cache) or an int32 tensor ``(B,)`` on
-            ``q``'s device: the number of valid slots ``L`` per row, between ``Nq`` and
-            ``Nmax``. Slots at and beyond it are never read. Values out of range raise
-            ``ValueError`` for CPU tensors; on a GPU they are not checked (that would need a
-            host sync) and the rows concerned come back as NaN.
+    Args: q: ``(B, Hq, Nq, D)``, the new queries, ``1 <= Nq <= 16`` (one token, or a few
+        speculative ones), at positions ``L - Nq … L - 1`` of their row; fp16, bf16 or
+        fp32, ``D`` in 16, 32, 64, 128, 256. RoPE-rotated at those positions if
+        ``rotated``, raw otherwise.
+        k_cache: ``(B, Hkv, Nmax, D)``, the key cache, ``q``'s dtype and device. Slot
+            ``j`` holds the key of position ``j`` (RoPE-rotated at ``j`` if
+            ``rotated``). Any strides, e.g. a transposed view of a ``(B, Nmax, Hkv, D)``
+            buffer. Paged: see ``block_table``.
+        v_cache: ``(B, Hkv, Nmax, D)``, the value cache, ``q``'s dtype and device
+            (paged: as ``k_cache``).
+        window: int ``>= 1``, ReRoPE's window ``w``: relative positions ``i - j < w``
+            use plain RoPE, the others are clamped to ``w`` (or grow as ``w + (i - j -
+            w) / leaky``).
+        cache_seqlens: ``None`` (every row uses the whole cache) or an int32 tensor
+            ``(B,)`` on ``q``'s device: the number of valid slots ``L`` per row, between
+            ``Nq`` and ``Nmax``. Slots at and beyond it are never read. Values out of
+            range raise ``ValueError`` for CPU tensors; on a GPU they are not checked
+            (that would need a host sync) and the rows concerned come back as NaN.
         sm_scale: float, the score scale; ``1 / sqrt(D)`` when ``None``. Between about
             1.2e-38 and 1.1e26 (``ValueError`` otherwise: the scaled fp32 scores must
             stay finite; :func:`rerope._validate.check_sm_scale`).
@@ -772,60 +819,62 @@ def rerope_decode(q, k_cache, v_cache, window, cache_seqlens=None, sm_scale=None
         leaky: ``None`` for ReRoPE, or Leaky ReRoPE's factor ``κ > 1``.
         logn_len: ``None``, or a training length ``> 1``: queries are scaled by
             ``max(1, log(i + 1) / log(logn_len))`` at their position ``i``.
-        rotated: bool; ``True`` (the default, the Llama/Hugging Face convention) if ``q`` and
-            ``k_cache`` carry RoPE at their positions, ``False`` if they are raw.
-        num_splits: ``None`` (chosen from the shapes, :func:`default_num_splits`) or an int
-            ``>= 1``: chunks per row. More splits than key tiles is allowed (the spare ones
-            are empty).
-        inv_freq: ``None`` (the frequencies ``base ** (-2t / D)``), or RoPE's ``D / 2`` angular
-            frequencies, a 1-D floating-point tensor ``(D / 2,)`` (any device) or a sequence of
-            positive finite floats (a model's own, e.g. ``model.model.rotary_emb.inv_freq`` for
-            ``llama3``, ``linear`` or YaRN RoPE); ``base`` must then stay at its default. As in
-            :func:`rerope.rerope`: a tensor is read on the host on every call (for a GPU
-            tensor a sync, which a CUDA graph capture refuses), a
-            :class:`rerope.rope.Frequencies` never is.
+        rotated: bool; ``True`` (the default, the Llama/Hugging Face convention) if
+            ``q`` and ``k_cache`` carry RoPE at their positions, ``False`` if they are
+            raw.
+        num_splits: ``None`` (chosen from the shapes, :func:`default_num_splits`) or an
+            int ``>= 1``: chunks per row. More splits than key tiles is allowed (the
+            spare ones are empty).
+        inv_freq: ``None`` (the frequencies ``base ** (-2t / D)``), or RoPE's ``D / 2``
+            angular frequencies, a 1-D floating-point tensor ``(D / 2,)`` (any device)
+            or a sequence of positive finite floats (a model's own, e.g.
+            ``model.model.rotary_emb.inv_freq`` for ``llama3``, ``linear`` or YaRN
+            RoPE); ``base`` must then stay at its default. As in :func:`rerope.rerope`:
+            a tensor is read on the host on every call (for a GPU tensor a sync, which a
+            CUDA graph capture refuses), a :class:`rerope.rope.Frequencies` never is.
         block_table: ``None`` (the contiguous layout above), or a paged cache as
-            FlashAttention's ``flash_attn_with_kvcache`` keeps it: an int32 tensor
-            ``(B, max_blocks_per_seq)`` on ``q``'s device, and then ``k_cache`` and ``v_cache``
-            are page pools ``(num_blocks, block_size, Hkv, D)``, any strides, ``block_size``
-            one of 16, 32, 64, 128, 256. Logical slot ``j`` of row ``b`` (the key of position
-            ``j``, rotated at ``j`` if ``rotated``) is slot ``j % block_size`` of page
-            ``block_table[b, j // block_size]``; the cache size is
-            ``Nmax = max_blocks_per_seq * block_size``. ``cache_seqlens`` is then required.
-            Entries for pages past a row's length are never read (they may hold anything). An
-            entry the row does use that is not in ``[0, num_blocks)`` raises ``ValueError`` for
-            CPU tensors; on a GPU (no host sync) its keys are not read and the row comes back
-            as NaN.
-        group: ``None``, or Self-Extend's group size ``G`` (an int ``>= 1`` dividing ``window``;
-            not with ``leaky``), as in :func:`rerope.rerope`: beyond the window the relative
-            position is ``⌊i/G⌋ - ⌊j/G⌋ + window - window/G``, on the model's own cache (the
-            keys are turned from ``j`` to ``⌊j/G⌋`` in registers). Tiles split their angles as
-            for ReRoPE when ``G`` divides ``BLOCK_N``; otherwise one table row per key
-            (``ROW_PER_KEY``).
+            FlashAttention's ``flash_attn_with_kvcache`` keeps it: an int32 tensor ``(B,
+            max_blocks_per_seq)`` on ``q``'s device, and then ``k_cache`` and
+            ``v_cache`` are page pools ``(num_blocks, block_size, Hkv, D)``, any
+            strides, ``block_size`` one of 16, 32, 64, 128, 256. Logical slot ``j`` of
+            row ``b`` (the key of position ``j``, rotated at ``j`` if ``rotated``) is
+            slot ``j % block_size`` of page ``block_table[b, j // block_size]``; the
+            cache size is ``Nmax = max_blocks_per_seq * block_size``. ``cache_seqlens``
+            is then required. Entries for pages past a row's length are never read (they
+            may hold anything). An entry the row does use that is not in ``[0,
+            num_blocks)`` raises ``ValueError`` for CPU tensors; on a GPU (no host sync)
+            its keys are not read and the row comes back as NaN.
+        group: ``None``, or Self-Extend's group size ``G`` (an int ``>= 1`` dividing
+            ``window``; not with ``leaky``), as in :func:`rerope.rerope`: beyond the
+            window the relative position is ``⌊i/G⌋ - ⌊j/G⌋ + window - window/G``, on
+            the model's own cache (the keys are turned from ``j`` to ``⌊j/G⌋`` in
+            registers). Tiles split their angles as for ReRoPE when ``G`` divides
+            ``BLOCK_N``; otherwise one table row per key (``ROW_PER_KEY``).
 
-    Returns:
-        ``(B, Hq, Nq, D)``, the attention output, in ``q``'s dtype and on its device (empty for
-        an empty batch).
+    Returns: ``(B, Hq, Nq, D)``, the attention output, in ``q``'s dtype and on its
+        device (empty for an empty batch).
 
-    The call is :func:`decode_plan` then :meth:`DecodePlan.run`: its checks and plan are made
-    once per layout class and settings, so a decode loop over a growing cache reuses one plan.
+    The call is :func:`decode_plan` then :meth:`DecodePlan.run`: its checks and plan are
+    made once per layout class and settings, so a decode loop over a growing cache
+    reuses one plan.
 
     Forward only: with grad mode on, inputs that require grad raise ``ValueError`` (use
     :func:`rerope.rerope`). CUDA tensors, or CPU tensors under Triton's CPU interpreter
     (:mod:`rerope.runtime`). Allocates the output and, when ``num_splits > 1``, the fp32
-    partials ``(num_splits, B, Hq, Nq, D)`` and their log-sum-exps, merged by a second launch.
-    Where K and V are read through TMA descriptors (:func:`use_tma`),
-    Triton also asks for a small scratch buffer per launch (the descriptors, 128 bytes each,
+    partials ``(num_splits, B, Hq, Nq, D)`` and their log-sum-exps, merged by a second
+    launch. Where K and V are read through TMA descriptors (:func:`use_tma`), Triton
+    also asks for a small scratch buffer per launch (the descriptors, 128 bytes each,
     two per program), from torch's allocator unless the caller installed one
     (``triton.set_allocator``).
 
     Threads and non-finite inputs: as :func:`rerope.rerope` says.
     """
-    if torch.compiler.is_compiling():          # an opaque op for the compiler (see _decode_op)
+    if torch.compiler.is_compiling():   # an opaque op for the compiler (see _decode_op)
         inv_freq = as_frequencies(inv_freq)
-        return _decode_op(q, k_cache, v_cache, cache_seqlens, window, sm_scale, base, leaky,
-                          logn_len, rotated, num_splits,
-                          None if inv_freq is None else list(inv_freq), block_table, group)
+        return _decode_op(q, k_cache, v_cache, cache_seqlens, window, sm_scale, base,
+                          leaky, logn_len, rotated, num_splits,
+                          None if inv_freq is None else list(inv_freq), block_table,
+                          group)
     _check_forward_only(q, k_cache, v_cache)
     plan = _plan_for(q, k_cache, v_cache, cache_seqlens, block_table,
                      (window, sm_scale, base, leaky, logn_len, rotated, num_splits,
@@ -833,19 +882,21 @@ def rerope_decode(q, k_cache, v_cache, window, cache_seqlens=None, sm_scale=None
     return plan._run(q, k_cache, v_cache, cache_seqlens, block_table)
 
 
-# --- plan and run -------------------------------------------------------------------------------
+# --- plan and run ---------------------------------------------------------------------
 
 
 class _Launches(NamedTuple):
-    """The launches of one split count: the split kernel, then (several splits) the merge."""
+    """The launches of one split count: the split kernel, then (several splits) the
+    merge."""
 
     split: Launcher
     merge: Optional[Launcher]
 
 
 class _Tables:
-    """A plan's rotation tables (:func:`rerope.rotary.rotation_tables`), grown with the cache;
-    the outgrown ones stay alive for CUDA graphs that captured their addresses."""
+    """A plan's rotation tables (:func:`rerope.rotary.rotation_tables`), grown with the
+    cache; the outgrown ones stay alive for CUDA graphs that captured their
+    addresses."""
 
     def __init__(self):
         self.rows, self.tables, self.retired = -1, None, []
@@ -855,23 +906,24 @@ class _Tables:
 class DecodePlan:
     """A checked decode call, ready to run: what :func:`decode_plan` returns.
 
-    Made once per layout class and settings (the plan's ``key``): the tensors' shapes but the
-    cache's length, dtypes, devices, alignment and the stride classes Triton compiles for, the
-    settings and the :class:`rerope.configs.Config`. What grows with the cache is read per
-    :meth:`run` and passed to the launch: the cache's length ``Nmax`` (checked), the split
-    count (the caller's ``num_splits``, else :func:`default_num_splits` of ``Nmax``), whether
-    TMA pays at that split length, and the rotation tables' rows.
+    Made once per layout class and settings (the plan's ``key``): the tensors' shapes
+    but the cache's length, dtypes, devices, alignment and the stride classes Triton
+    compiles for, the settings and the :class:`rerope.configs.Config`. What grows with
+    the cache is read per :meth:`run` and passed to the launch: the cache's length
+    ``Nmax`` (checked), the split count (the caller's ``num_splits``, else
+    :func:`default_num_splits` of ``Nmax``), whether TMA pays at that split length, and
+    the rotation tables' rows.
     """
 
-    key: tuple                   # the layout class, settings and Config it was checked for
-    settings: tuple              # rerope_decode's arguments after the tensors, as checked
+    key: tuple                   # the layout class, settings and Config it was made for
+    settings: tuple              # rerope_decode's arguments after the tensors, checked
     config: configs.Config
     batch: int
     q_heads: int
     kv_heads: int
     n_queries: int
     head_dim: int
-    page_size: int               # keys per page of a paged cache, 0 for a contiguous one
+    page_size: int               # keys per page of a paged cache, 0 for contiguous
     window: int
     num_splits: Optional[int]    # the caller's; None: the rule, per length
     split_cap: int               # the rule's most splits: one wave of programs
@@ -883,19 +935,23 @@ class DecodePlan:
     merge_options: dict          # the merge kernel's warps: the split kernel's
     rotation: tuple              # rotation_tables' arguments after the number of keys
     tables: _Tables = field(default_factory=_Tables, compare=False)
-    launches: dict = field(default_factory=dict, compare=False)   # (splits, tma) -> _Launches
+    # (num_splits, tma) -> _Launches
+    launches: dict = field(default_factory=dict, compare=False)
 
     def run(self, q, k_cache, v_cache, cache_seqlens=None, block_table=None):
-        """Run the plan on tensors of its layout class (``ValueError`` otherwise); the cache may
-        have grown since (any ``Nmax``). Arguments and result as :func:`rerope_decode`'s."""
+        """Run the plan on tensors of its layout class (``ValueError`` otherwise); the
+        cache may have grown since (any ``Nmax``). Arguments and result as
+        :func:`rerope_decode`'s."""
         try:
-            same = _call_key(q, k_cache, v_cache, cache_seqlens, block_table) == self.key[0]
+            key = _call_key(q, k_cache, v_cache, cache_seqlens, block_table)
+            same = key == self.key[0]
         except (AttributeError, TypeError):
             same = False
         if not same:
-            raise ValueError("the tensors do not match this DecodePlan (shapes other than the "
-                             "cache's length, dtypes, devices, alignment or stride classes "
-                             "differ): make a plan for them with rerope.decode.decode_plan")
+            raise ValueError("the tensors do not match this DecodePlan (shapes other "
+                             "than the cache's length, dtypes, devices, alignment or "
+                             "stride classes differ): make a plan for them with "
+                             "rerope.decode.decode_plan")
         _check_forward_only(q, k_cache, v_cache)
         return self._run(q, k_cache, v_cache, cache_seqlens, block_table)
 
@@ -904,17 +960,17 @@ class DecodePlan:
         if q.numel() == 0:                         # an empty batch: nothing to attend
             return torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if cache_seqlens is not None:
-            if cache_seqlens.device.type == "cpu":     # free to read here; on a GPU, a sync
+            if cache_seqlens.device.type == "cpu":   # free to read; on a GPU, a sync
                 _check_lengths_on_host(cache_seqlens, self.n_queries, n_max)
                 if block_table is not None:
-                    _check_block_table_on_host(block_table, cache_seqlens, self.page_size,
-                                               k_cache.shape[0])
+                    _check_block_table_on_host(block_table, cache_seqlens,
+                                               self.page_size, k_cache.shape[0])
             cache_seqlens = cache_seqlens.contiguous()    # read with unit stride
         return _launch(self, n_max, q, k_cache, v_cache, cache_seqlens, block_table)
 
     def _cache_length(self, q, k_cache, v_cache, cache_seqlens, block_table):
-        """``Nmax`` of this call, checked: the one part of the validation the plan's key does
-        not cover (a failure reruns the whole of it for its message)."""
+        """``Nmax`` of this call, checked: the one part of the validation the plan's key
+        does not cover (a failure reruns the whole of it for its message)."""
         if self.page_size:
             n_max = block_table.shape[1] * self.page_size
             ok = n_max >= self.n_queries and k_cache.shape[0] == v_cache.shape[0] >= 1
@@ -922,14 +978,16 @@ class DecodePlan:
             n_max = k_cache.shape[2]
             ok = v_cache.shape[2] == n_max >= self.n_queries
         if not ok:
-            _check_decode_args(q, k_cache, v_cache, cache_seqlens, block_table, *self.settings)
-        if self.settings[4] is not None:           # logn_len: the scale at the last position
+            _check_decode_args(q, k_cache, v_cache, cache_seqlens, block_table,
+                               *self.settings)
+        if self.settings[4] is not None:      # logn_len: the scale at the last position
             check_logn_overflow(self.settings[4], n_max, q.dtype)
         return n_max
 
     def splits_for(self, n_max):
         """``(num_splits, tma)``: how a run over a cache of ``n_max`` slots launches."""
-        splits = self.num_splits or max(1, min(self.split_cap, -(-n_max // MIN_KEYS_PER_SPLIT)))
+        rule = max(1, min(self.split_cap, -(-n_max // MIN_KEYS_PER_SPLIT)))
+        splits = self.num_splits or rule
         tma = self.tma_min_keys is not None and -(-n_max // splits) >= self.tma_min_keys
         return splits, tma
 
@@ -946,35 +1004,38 @@ class DecodePlan:
             if num_splits > 1:
                 n_rows = self.batch * self.q_heads * self.n_queries
                 splits_block, lse_block = merge_blocks(num_splits, self.head_dim)
-                merge = Launcher(_decode_merge_kernel, (triton.cdiv(n_rows, MERGE_ROWS),),
-                                 HEAD_DIM=self.head_dim, ROWS=MERGE_ROWS,
-                                 SPLITS_BLOCK=splits_block, LSE_BLOCK=lse_block,
-                                 **self.merge_options)
+                grid = (triton.cdiv(n_rows, MERGE_ROWS),)
+                merge = Launcher(_decode_merge_kernel, grid, HEAD_DIM=self.head_dim,
+                                 ROWS=MERGE_ROWS, SPLITS_BLOCK=splits_block,
+                                 LSE_BLOCK=lse_block, **self.merge_options)
             if tma and not INTERPRET:
-                _ensure_scratch_allocator()   # the descriptors live in a global scratch buffer
+                _ensure_scratch_allocator()   # descriptors live in a scratch buffer
             launches = self.launches[(num_splits, tma)] = _Launches(split, merge)
         return launches
 
     def _rotation_tables(self, n_max):
-        """The four tables of :func:`rerope.rotary.rotation_tables`, with rows for ``n_max``."""
+        """The four tables of :func:`rerope.rotary.rotation_tables`, with rows for
+        ``n_max``."""
         held = self.tables
-        if held.rows < n_max + 256:                # rotation_tables' margin for whole tiles
+        if held.rows < n_max + 256:          # rotation_tables' margin for whole tiles
             tables = rotation_tables(n_max, *self.rotation).tables
             if held.tables is not None:
                 held.retired.append(held.tables)
-            held.rows = min([t.shape[0] for t in tables[::2] if t.dim() == 2] or [1 << 62])
+            rows = [t.shape[0] for t in tables[::2] if t.dim() == 2]
+            held.rows = min(rows or [1 << 62])
             held.tables = tables
         return held.tables
 
 
 def _launch(plan, n_max, q, k_cache, v_cache, cache_seqlens, block_table):
-    """Run ``plan`` for a cache of ``n_max`` slots, lengths and block table checked: allocate
-    the output (and partials), launch the split kernel, then the merge (several splits)."""
+    """Run ``plan`` for a cache of ``n_max`` slots, lengths and block table checked:
+    allocate the output (and partials), launch the split kernel, then the merge (several
+    splits)."""
     num_splits, tma = plan.splits_for(n_max)
     launches = plan._launches(num_splits, tma)
     tables = plan._rotation_tables(n_max)
     dtype = q.dtype
-    if plan.lift:                                  # bf16 under the interpreter: fp32 copies
+    if plan.lift:                         # bf16 under the interpreter: fp32 copies
         q, k_cache, v_cache = q.float(), k_cache.float(), v_cache.float()
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     n_rows = plan.batch * plan.q_heads * plan.n_queries
@@ -985,15 +1046,16 @@ def _launch(plan, n_max, q, k_cache, v_cache, cache_seqlens, block_table):
                            device=q.device)
         lse = torch.empty((num_splits, n_rows), dtype=torch.float32, device=q.device)
     k_strides, v_strides = k_cache.stride(), v_cache.stride()
-    if plan.page_size:    # (page, slot, head, dim) -> the kernel's (page, head, slot, dim)
+    if plan.page_size:    # pools (page, slot, head, dim) in the kernel's order
         k_strides = (k_strides[0], k_strides[2], k_strides[1], k_strides[3])
         v_strides = (v_strides[0], v_strides[2], v_strides[1], v_strides[3])
         table_strides, num_blocks = block_table.stride(), k_cache.shape[0]
     else:
         table_strides, num_blocks = (0, 0), 0
     launches.split(q, k_cache, v_cache, cache_seqlens, block_table, part, lse, *tables,
-                   q.stride(), k_strides, v_strides, table_strides, num_blocks, plan.kv_heads,
-                   plan.q_heads // plan.kv_heads, plan.n_queries, n_max, num_splits,
+                   q.stride(), k_strides, v_strides, table_strides, num_blocks,
+                   plan.kv_heads, plan.q_heads // plan.kv_heads, plan.n_queries, n_max,
+                   num_splits,
                    min(plan.window, n_max), plan.qk_scale, plan.logn_factor)
     if launches.merge is not None:
         launches.merge(part, lse, out, n_rows, num_splits)
@@ -1001,18 +1063,21 @@ def _launch(plan, n_max, q, k_cache, v_cache, cache_seqlens, block_table):
 
 
 def _layout(t, size=0):
-    """What a compiled kernel depends on in a tensor besides its shape: dtype, device, 16-byte
-    alignment, and per stride what Triton specialises on (1, a multiple of 16, 64-bit) and,
-    given the element ``size``, what TMA asks (a multiple of 16 bytes)."""
+    """What a compiled kernel depends on in a tensor besides its shape: dtype, device,
+    16-byte alignment, and per stride what Triton specialises on (1, a multiple of 16,
+    64-bit) and, given the element ``size``, what TMA asks (a multiple of 16 bytes)."""
     return (t.dtype, t.device, t.data_ptr() % 16 == 0,
-            tuple([(s == 1, s % 16 == 0, s * size % 16 == 0, s >> 31) for s in t.stride()]))
+            tuple([(s == 1, s % 16 == 0, s * size % 16 == 0, s >> 31)
+                   for s in t.stride()]))
 
 
 def _call_key(q, k_cache, v_cache, cache_seqlens, block_table):
-    """The tensors' part of a plan's key: everything but the cache's length (``Nmax``: the
-    slot axis of a contiguous cache, the pages of a pool and the block table's width)."""
+    """The tensors' part of a plan's key: everything but the cache's length (``Nmax``:
+    the slot axis of a contiguous cache, the pages of a pool and the block table's
+    width)."""
     if block_table is None:
-        k_shape, v_shape, table = k_cache.shape[:2] + k_cache.shape[3:], v_cache.shape[:2], None
+        k_shape, v_shape = k_cache.shape[:2] + k_cache.shape[3:], v_cache.shape[:2]
+        table = None
     else:
         k_shape, v_shape = k_cache.shape[1:], v_cache.shape[1:]
         table = (block_table.shape[0], _layout(block_table))
@@ -1026,27 +1091,28 @@ def _call_key(q, k_cache, v_cache, cache_seqlens, block_table):
 _PLANS = LRUCache()   # (call key, settings, Config) -> DecodePlan
 
 
-def decode_plan(q, k_cache, v_cache, window, cache_seqlens=None, sm_scale=None, base=10000.0,
-                leaky=None, logn_len=None, rotated=True, num_splits=None, inv_freq=None,
-                block_table=None, group=None):
-    """The :class:`DecodePlan` of a :func:`rerope_decode` call (the same arguments, checked the
-    same way): made and checked on the first call of its layout class and settings under the
-    active :class:`rerope.configs.Config`, then returned as it is, also for a cache that has
-    grown since. ``plan.run(q, k_cache, v_cache, cache_seqlens, block_table)`` runs it."""
+def decode_plan(q, k_cache, v_cache, window, cache_seqlens=None, sm_scale=None,
+                base=10000.0, leaky=None, logn_len=None, rotated=True, num_splits=None,
+                inv_freq=None, block_table=None, group=None):
+    """The :class:`DecodePlan` of a :func:`rerope_decode` call (the same arguments,
+    checked the same way): made and checked on the first call of its layout class and
+    settings under the active :class:`rerope.configs.Config`, then returned as it is,
+    also for a cache that has grown since. ``plan.run(q, k_cache, v_cache,
+    cache_seqlens, block_table)`` runs it."""
     return _plan_for(q, k_cache, v_cache, cache_seqlens, block_table,
                      (window, sm_scale, base, leaky, logn_len, rotated, num_splits,
                       as_frequencies(inv_freq), group))
 
 
 def _plan_for(q, k_cache, v_cache, cache_seqlens, block_table, settings):
-    """The plan of a call (settings as :attr:`DecodePlan.settings`): the kept one of its key,
-    or a new one once the call passes every check."""
+    """The plan of a call (settings as :attr:`DecodePlan.settings`): the kept one of its
+    key, or a new one once the call passes every check."""
     config = configs.current()
     try:
         key = (_call_key(q, k_cache, v_cache, cache_seqlens, block_table), settings,
                tuple(map(type, settings)), config)
         plan = _PLANS.get(key)
-    except (AttributeError, TypeError):    # not tensors, unhashable settings: checks will say
+    except (AttributeError, TypeError):   # not tensors, unhashable settings: checks say
         key, plan = None, None
     if plan is None:
         _check_decode_args(q, k_cache, v_cache, cache_seqlens, block_table, *settings)
@@ -1057,23 +1123,26 @@ def _plan_for(q, k_cache, v_cache, cache_seqlens, block_table, settings):
 
 
 def _make_plan(key, q, k_cache, v_cache, block_table, settings, config):
-    window, sm_scale, base, leaky, logn_len, rotated, num_splits, inv_freq, group = settings
+    (window, sm_scale, base, leaky, logn_len, rotated, num_splits, inv_freq,
+     group) = settings
     batch, hq, n_queries, d = q.shape
     paged = block_table is not None
     hkv = k_cache.shape[2] if paged else k_cache.shape[1]
     q_per_kv = hq // hkv
     launch, programs_per_sm = launch_config(d, config)
     options = {} if INTERPRET else {k: launch[k] for k in ("num_warps", "num_stages")}
-    # no cache holds more keys than an int32 length counts: the window's tables beyond that
-    # are never read
-    rotation = (d, min(int(window), 2**31 - 1), leaky, rotated, q.device, base, inv_freq, group)
+    # no cache holds more keys than an int32 length counts: the window's tables beyond
+    # that are never read
+    rotation = (d, min(int(window), 2**31 - 1), leaky, rotated, q.device, base,
+                inv_freq, group)
     flags = rotation_tables(1, *rotation).flags
-    prepared, _ = prepare_for_device(q, k_cache, v_cache)    # the tensors the kernel sees
+    prepared, _ = prepare_for_device(q, k_cache, v_cache)   # what the kernel sees
     tma_min_keys = None
     if use_tma(prepared[1], prepared[2], paged, 1 << 62, config.tma):
         tma_min_keys = 0 if config.tma == "on" else TMA_MIN_KEYS
     return DecodePlan(
-        key=key, settings=settings, config=config, batch=batch, q_heads=hq, kv_heads=hkv,
+        key=key, settings=settings, config=config, batch=batch, q_heads=hq,
+        kv_heads=hkv,
         n_queries=n_queries, head_dim=d, page_size=k_cache.shape[1] if paged else 0,
         window=int(window), num_splits=num_splits,
         split_cap=_split_cap(batch, hkv, q_per_kv, n_queries, sm_count(q.device),
@@ -1084,33 +1153,37 @@ def _make_plan(key, q, k_cache, v_cache, block_table, settings, config):
         constexprs=dict(HEAD_DIM=d, BLOCK_M=block_m(q_per_kv, n_queries),
                         BLOCK_N=launch["BLOCK_N"], TURN_IN=flags["TURN_IN"],
                         TURN_OUT=flags["TURN_OUT"],
-                        # Self-Extend's ⌊(j0 + r)/G⌋ splits only where G divides the tile
-                        ROW_PER_KEY=group is not None and launch["BLOCK_N"] % group != 0,
-                        LOGN=logn_len is not None, PAGE_SIZE=k_cache.shape[1] if paged else 0,
+                        # Self-Extend's ⌊(j0 + r)/G⌋ splits only where G divides the
+                        # tile
+                        ROW_PER_KEY=(group is not None
+                                     and launch["BLOCK_N"] % group != 0),
+                        LOGN=logn_len is not None,
+                        PAGE_SIZE=k_cache.shape[1] if paged else 0,
                         DOT_PRECISION=dot_precision(prepared[0].dtype), **options),
         merge_options={k: v for k, v in options.items() if k == "num_warps"},
         rotation=rotation)
 
 
 def _check_forward_only(q, k_cache, v_cache):
-    """``rerope_decode`` has no backward: refuse inputs that want one rather than return an
-    output silently cut from the graph."""
+    """``rerope_decode`` has no backward: refuse inputs that want one rather than return
+    an output silently cut from the graph."""
     if torch.is_grad_enabled():
         for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
             if getattr(t, "requires_grad", False):
                 raise ValueError(
-                    f"{name} requires grad, but rerope_decode is forward-only (no backward): "
-                    "use rerope.rerope for gradients, or call rerope_decode under "
-                    "torch.no_grad() / torch.inference_mode()")
+                    f"{name} requires grad, but rerope_decode is forward-only (no "
+                    "backward): use rerope.rerope for gradients, or call rerope_decode "
+                    "under torch.no_grad() / torch.inference_mode()")
 
 
 # Under torch.compile the op is opaque: the compiler calls it as it is (its launches are
-# captured whole by mode="reduce-overhead"'s CUDA graphs) instead of tracing into Triton's
-# launcher. The output is a fresh contiguous tensor of q's shape, in q's dtype.
+# captured whole by mode="reduce-overhead"'s CUDA graphs) instead of tracing into
+# Triton's launcher. The output is a fresh contiguous tensor of q's shape, in q's dtype.
 @torch.library.custom_op("rerope::rerope_decode", mutates_args=())
 def _decode_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-               cache_seqlens: Optional[torch.Tensor], window: int, sm_scale: Optional[float],
-               base: float, leaky: Optional[float], logn_len: Optional[float], rotated: bool,
+               cache_seqlens: Optional[torch.Tensor], window: int,
+               sm_scale: Optional[float], base: float, leaky: Optional[float],
+               logn_len: Optional[float], rotated: bool,
                num_splits: Optional[int], inv_freq: Optional[list[float]] = None,
                block_table: Optional[torch.Tensor] = None,
                group: Optional[int] = None) -> torch.Tensor:
