@@ -340,8 +340,9 @@ def paged_copy(k_cache, v_cache, page_size, seed=0):
 # --- the grid ------------------------------------------------------------------------------------
 
 HEAD_DIMS = (64, 128)
-# decode_config tuples (BLOCK_N, num_warps, num_stages, programs_per_SM) timed beside the
-# default (decode.launch_config) in the sweep, per head dim; none now (perf/NOTES.md)
+# decode_config tuples (BLOCK_N, num_warps, num_stages, programs_per_SM) timed beside
+# the default (decode.launch_config) in the sweep, per head dim; none now
+# (perf/NOTES.md)
 CONFIG_VARIANTS = {}
 SPEC_QUERIES = (2, 4, 8)
 PAGE_SIZES = (16, 32, 64, 128, 256)
@@ -419,8 +420,9 @@ _TUNED = None     # the decode_config --tune chose, for every later row without 
 
 
 def _launch_config(config):
-    """``with _launch_config(config):`` run under ``rerope.using_config(decode_config=config)``
-    (``None``: the tuned one, else the default)."""
+    """``with _launch_config(config):`` run under
+    ``rerope.using_config(decode_config=config)`` (``None``: the tuned one, else the
+    default)."""
     import contextlib
 
     import rerope
@@ -475,8 +477,10 @@ def run(args):
     started = time.perf_counter()
     meta = {**environment(),
             "sms": torch.cuda.get_device_properties(0).multi_processor_count,
-            "config": dict(decode.GPU_CONFIG), "programs_per_sm": decode.launch_config(128)[1],
-            "head_dim_configs": {str(d): decode.launch_config(d)[0] for d in args.head_dim},
+            "config": dict(decode.GPU_CONFIG),
+            "programs_per_sm": decode.launch_config(128)[1],
+            "head_dim_configs": {str(d): decode.launch_config(d)[0]
+                                 for d in args.head_dim},
             "args": vars(args)}
     meta["tma"] = {"mode": rerope.config().tma, "head_dims": list(decode.TMA_HEAD_DIMS),
                    "min_keys_per_split": decode.TMA_MIN_KEYS}
@@ -575,16 +579,16 @@ def run(args):
 SPLITS_SWEEP = (1, 2, 4, 8, 12, 16, 24, 33, 48, 66, 96, 128)
 
 
-# (BLOCK_N, num_warps, num_stages) tried by --tune, each at 1 and 2 programs per SM in the
-# splits rule (measured on the H200: perf/NOTES.md).
+# (BLOCK_N, num_warps, num_stages) tried by --tune, each at 1 and 2 programs per SM in
+# the splits rule (measured on the H200: perf/NOTES.md).
 TUNE_CANDIDATES = [(64, 4, 3), (64, 4, 4), (32, 4, 4), (128, 4, 3)]
 TUNE_SHAPES = [(1, 131072), (8, 131072)]
 
 
 def tune(bandwidth, window=2048):
-    """Time every candidate configuration on TUNE_SHAPES (rotated cache, graph replay); the
-    fastest (least total time) becomes the ``decode_config`` of the rows after. Returns the
-    rows."""
+    """Time every candidate configuration on TUNE_SHAPES (rotated cache, graph replay);
+    the fastest (least total time) becomes the ``decode_config`` of the rows after.
+    Returns the rows."""
     global _TUNED
     import rerope
 
@@ -604,12 +608,14 @@ def tune(bandwidth, window=2048):
                     with rerope.using_config(decode_config=(n, w, s, per_sm)):
                         us = graph_us(lambda: rerope.rerope_decode(q, k, v, window))
                 except Exception as error:
-                    print(f"  tune {(n, w, s)} failed: {describe_error(error)}", flush=True)
+                    print(f"  tune {(n, w, s)} failed: {describe_error(error)}",
+                          flush=True)
                     us = float("inf")
                 total += us
                 row_times.append({"B": batch, "context": context, "us": us,
                                   "hbm_fraction": kv_bytes(batch, context) / bandwidth * 1e6 / us})
-            results.append({"config": [n, w, s], "programs_per_sm": per_sm, "times": row_times})
+            results.append({"config": [n, w, s], "programs_per_sm": per_sm,
+                            "times": row_times})
             print(f"  tune {(n, w, s)} per_sm={per_sm}: "
                   + ", ".join(f"B={r['B']} {r['us']:.1f} us" for r in row_times), flush=True)
             if best is None or total < best[0]:

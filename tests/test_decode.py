@@ -1,18 +1,22 @@
-"""``rerope.rerope_decode``: split-KV decoding against the float64 oracle, and its bad input.
+"""``rerope.rerope_decode``: split-KV decoding against the float64 oracle, and its bad
+input.
 
-CPU (Triton's interpreter, 16-key tiles): ``Nq`` 1, 2, 5 over caches of 1, 17, 100 and 300
-slots, ``cache_seqlens`` different per row (1 and ``Nmax`` among them), GQA groups 1, 2 and 4,
-rotated and raw caches, Leaky ReRoPE and log-n, windows below and above the cache length,
-``num_splits`` 1, 3 and more splits than key tiles. Every slot at or past a row's length is NaN
-(a kernel that reads one returns NaN), and every buffer the launcher allocates starts as NaN
-(``poisoned_empty``: an output element never written shows). The oracle is
-``reference.rerope_from_relative_positions`` in float64, per batch row on the valid keys only.
+CPU (Triton's interpreter, 16-key tiles): ``Nq`` 1, 2, 5 over caches of 1, 17, 100 and
+300 slots, ``cache_seqlens`` different per row (1 and ``Nmax`` among them), GQA groups
+1, 2 and 4, rotated and raw caches, Leaky ReRoPE and log-n, windows below and above the
+cache length, ``num_splits`` 1, 3 and more splits than key tiles. Every slot at or past
+a row's length is NaN (a kernel that reads one returns NaN), and every buffer the
+launcher allocates starts as NaN (``poisoned_empty``: an output element never written
+shows). The oracle is ``reference.rerope_from_relative_positions`` in float64, per batch
+row on the valid keys only.
 
-A decode step must equal the matching rows of a prefill (``rerope.rerope`` and the reference).
+A decode step must equal the matching rows of a prefill (``rerope.rerope`` and the
+reference).
 
-GPU (``-m gpu``, skipped without CUDA): the benchmark shapes at 128k keys against a float32
-reference computed per batch row and KV-head group; out-of-range ``cache_seqlens`` give NaN
-rows; a CUDA-graph replay with lengths updated in place equals eager calls.
+GPU (``-m gpu``, skipped without CUDA): the benchmark shapes at 128k keys against a
+float32 reference computed per batch row and KV-head group; out-of-range
+``cache_seqlens`` give NaN rows; a CUDA-graph replay with lengths updated in place
+equals eager calls.
 """
 
 from dataclasses import asdict, dataclass
@@ -141,9 +145,10 @@ def test_oracle_comparison_catches_a_window_off_by_one(gen):
 
 @pytest.mark.parametrize("block_n", [16, 32])
 def test_tile_sizes_from_the_config(block_n, gen):
-    """``Config.decode_config`` sets the key tile (here under the interpreter too): 16- and
-    32-key tiles are exact for both conventions (the rotated cache turns keys outside the
-    window, the raw one inside), and each configuration gets its own plan."""
+    """``Config.decode_config`` sets the key tile (here under the interpreter too): 16-
+    and 32-key tiles are exact for both conventions (the rotated cache turns keys
+    outside the window, the raw one inside), and each configuration gets its own
+    plan."""
     for rotated in (True, False):
         case = DecodeCase(100, (100, 41), 3, 20, hq=4, hkv=2, rotated=rotated, leaky=4.0,
                           num_splits=3)
@@ -155,7 +160,8 @@ def test_tile_sizes_from_the_config(block_n, gen):
         assert plan.constexprs["BLOCK_N"] == block_n
         problems = close_problems("out", out, oracle(q, k_cache, v_cache, lengths, case),
                                   tolerance(F32))
-        assert not problems, f"BLOCK_N={block_n} rotated={rotated}\n" + "\n".join(problems)
+        where = f"BLOCK_N={block_n} rotated={rotated}"
+        assert not problems, where + "\n" + "\n".join(problems)
 
 
 TMA_CASES = [   # the descriptor path: NaN past every length, ragged rows, both conventions
@@ -170,27 +176,28 @@ TMA_CASES = [   # the descriptor path: NaN past every length, ragged rows, both 
 
 @pytest.mark.parametrize("case", TMA_CASES, ids=DecodeCase.id)
 def test_tma_descriptors_match_oracle_and_pointer_loads(case, gen):
-    """K and V through tensor descriptors (``TMA``, forced by ``tma="on"``: the interpreter
-    runs it too) give the pointer loads' output bit for bit and match the oracle; the slots
-    past each row's length (NaN) stay unread."""
+    """K and V through tensor descriptors (``TMA``, forced by ``tma="on"``: the
+    interpreter runs it too) give the pointer loads' output bit for bit and match the
+    oracle; the slots past each row's length (NaN) stay unread."""
     q, k_cache, v_cache, lengths = make_cache(gen, case, len(case.lengths), kernel_device())
     outs = {}
     for mode in ("off", "on"):
         with rerope.using_config(tma=mode):
             assert decode.use_tma(k_cache, v_cache, False, 1) == (mode == "on")
             outs[mode] = run_kernel(q, k_cache, v_cache, lengths, case)
-    assert torch.isfinite(outs["on"]).all(), "a descriptor load read a slot past a length"
+    assert torch.isfinite(outs["on"]).all(), "a descriptor load read past a length"
     assert torch.equal(outs["on"], outs["off"]), "descriptor and pointer loads differ"
-    problems = close_problems("out", outs["on"], oracle(q, k_cache, v_cache, lengths, case),
-                              tolerance(case.dtype))
+    want = oracle(q, k_cache, v_cache, lengths, case)
+    problems = close_problems("out", outs["on"], want, tolerance(case.dtype))
     assert not problems, describe(gen, **asdict(case)) + "\n" + "\n".join(problems)
 
 
 def test_tma_only_where_the_layout_allows(gen):
-    """Forced or not, no descriptors for a paged cache or a layout TMA cannot take (a start or
-    a row stride that is not 16-byte aligned): those calls read through pointers, and stay
-    exact; under ``tma="auto"`` the interpreter never uses them, nor a GPU for head dims
-    outside ``TMA_HEAD_DIMS`` or splits shorter than ``TMA_MIN_KEYS`` keys."""
+    """Forced or not, no descriptors for a paged cache or a layout TMA cannot take (a
+    start or a row stride that is not 16-byte aligned): those calls read through
+    pointers, and stay exact; under ``tma="auto"`` the interpreter never uses them, nor
+    a GPU for head dims outside ``TMA_HEAD_DIMS`` or splits shorter than
+    ``TMA_MIN_KEYS`` keys."""
     case = DecodeCase(40, (40, 31), 1, 8, hq=4, hkv=2, dtype=F16, d=16)
     q, k_cache, v_cache, lengths = make_cache(gen, case, 2, kernel_device())
     assert decode.use_tma(k_cache, v_cache, False, 1, "on")
@@ -205,7 +212,8 @@ def test_tma_only_where_the_layout_allows(gen):
                               tolerance(F16))
     assert not problems, "\n".join(problems)
     assert not decode.use_tma(k_cache, v_cache, False, 1 << 20, "auto")     # D=16
-    k64, v64 = (torch.zeros(1, 1, 8, 64, dtype=F16, device=k_cache.device) for _ in "kv")
+    k64, v64 = (torch.zeros(1, 1, 8, 64, dtype=F16, device=k_cache.device)
+                for _ in "kv")
     on_hopper = kernel_device() == "cuda" and torch.cuda.get_device_capability()[0] >= 9
     assert decode.use_tma(k64, v64, False, decode.TMA_MIN_KEYS, "auto") == on_hopper
     assert not decode.use_tma(k64, v64, False, decode.TMA_MIN_KEYS - 1, "auto")
@@ -223,15 +231,15 @@ def test_split_counts_agree(gen):
         assert not problems, "\n".join(problems)
 
 
-# --- a decode step is a row of the prefill ---------------------------------------------------
+# --- a decode step is a row of the prefill --------------------------------------------
 
 
 @pytest.mark.parametrize("rotated, leaky, logn_len", [(False, None, None), (True, None, None),
                                                      (True, 8.0, 16)],
                          ids=["raw", "rotated", "rotated-leaky-logn"])
 def test_decode_equals_prefill_rows(rotated, leaky, logn_len, gen):
-    """Prefill ``N`` tokens with ``rerope.rerope``; decoding the tokens ``t - Nq … t - 1`` of
-    each row against the cache of its first ``t`` keys gives the same rows."""
+    """Prefill ``N`` tokens with ``rerope.rerope``; decoding the tokens ``t - Nq … t -
+    1`` of each row against the cache of its first ``t`` keys gives the same rows."""
     device = kernel_device()
     batch, hq, hkv, n, d, window, n_queries = 2, 2, 1, 40, 32, 12, 2
     q, k, v = (randn(gen, batch, h, n, d, dtype=F32, device=device) for h in (hq, hkv, hkv))
@@ -259,13 +267,13 @@ def test_decode_equals_prefill_rows(rotated, leaky, logn_len, gen):
         assert not problems, "\n".join(problems)
 
 
-# --- how a split walks its keys --------------------------------------------------------------
+# --- how a split walks its keys -------------------------------------------------------
 
 
 def chunk_problems(bounds, n_keys, n_queries, window, block_n):
-    """Check ``decode.chunk_map`` against brute force: the splits partition ``[0, n_keys)`` in
-    order; unmasked walks hold only keys of their kind for every query; every visible pair is
-    seen by its product's walks."""
+    """Check ``decode.chunk_map`` against brute force: the splits partition ``[0,
+    n_keys)`` in order; unmasked walks hold only keys of their kind for every query;
+    every visible pair is seen by its product's walks."""
     problems, expected_lo = [], 0
     queries = range(n_keys - n_queries, n_keys)
     for split, (lo, c1, c2, c3, hi) in enumerate(bounds.tolist()):
@@ -306,12 +314,13 @@ def test_chunk_walks(n_keys):
                                       f"splits={num_splits}:\n" + "\n".join(problems[:10]))
 
 
-# --- the splits rule --------------------------------------------------------------------------
+# --- the splits rule ------------------------------------------------------------------
 
 
 def test_default_num_splits():
-    """The documented numbers: one wave of two programs per SM (132 SMs) at batch 1, fewer
-    splits at batch 8, chunks of >= MIN_KEYS_PER_SPLIT keys, never more than MAX_SPLITS."""
+    """The documented numbers: one wave of two programs per SM (132 SMs) at batch 1,
+    fewer splits at batch 8, chunks of >= MIN_KEYS_PER_SPLIT keys, never more than
+    MAX_SPLITS."""
     rule = decode.default_num_splits
     assert rule(1, 8, 4, 1, 131072, 132) == 33
     assert rule(8, 8, 4, 1, 131072, 132) == 4
@@ -328,7 +337,7 @@ def test_default_num_splits():
             assert splits == 1 or n_max / splits >= decode.MIN_KEYS_PER_SPLIT / 2
 
 
-# --- bad input ----------------------------------------------------------------------------------
+# --- bad input ------------------------------------------------------------------------
 
 
 def _inputs(batch=2, hq=4, hkv=2, n_queries=2, n_max=20, d=32, dtype=F32):
@@ -387,15 +396,17 @@ def test_bad_input(what, build, error, words):
 
 
 def test_out_of_range_lengths_give_nan_rows(gen):
-    """Where lengths are not checked on the host (a GPU), the kernel poisons the rows with an
-    out-of-range length and computes the others normally. Here the plan's launch is called
-    past the host check (``decode._launch``) to exercise that path on any device."""
+    """Where lengths are not checked on the host (a GPU), the kernel poisons the rows
+    with an out-of-range length and computes the others normally. Here the plan's launch
+    is called past the host check (``decode._launch``) to exercise that path on any
+    device."""
     case = DecodeCase(20, (20, 1, 21, 9), 2, 4, hq=2, hkv=1, num_splits=2)
     q, k_cache, v_cache, _ = make_cache(gen, DecodeCase(**{**asdict(case), "lengths": (20,) * 4}),
                                         4, kernel_device())
     lengths = _lengths(*case.lengths)
     for splits in (1, 2):
-        plan = decode.decode_plan(q, k_cache, v_cache, case.window, lengths, num_splits=splits)
+        plan = decode.decode_plan(q, k_cache, v_cache, case.window, lengths,
+                                  num_splits=splits)
         with poisoned_empty():
             out = decode._launch(plan, 20, q, k_cache, v_cache, lengths, None)
         assert out[1].isnan().all() and out[2].isnan().all(), "bad rows must be NaN"
@@ -405,13 +416,13 @@ def test_out_of_range_lengths_give_nan_rows(gen):
         assert not problems, "\n".join(problems)
 
 
-# --- plans ----------------------------------------------------------------------------------------
+# --- plans ----------------------------------------------------------------------------
 
 
 def test_a_growing_cache_uses_one_plan(gen):
     """20 decode steps, the cache one key longer each step (a new tensor each time, as a
-    Hugging Face dynamic cache makes it) across the length where the splits rule goes from
-    one split to two: one plan, and every step matches the oracle."""
+    Hugging Face dynamic cache makes it) across the length where the splits rule goes
+    from one split to two: one plan, and every step matches the oracle."""
     case = DecodeCase(270, (270,), 1, 100, hq=4, hkv=2)
     q, k_full, v_full, _ = make_cache(gen, case, 1, kernel_device())
     plans = set()
@@ -429,9 +440,9 @@ def test_a_growing_cache_uses_one_plan(gen):
 
 
 def test_a_plan_runs_grown_caches_and_refuses_other_layouts(gen):
-    """``decode_plan`` / ``DecodePlan.run``: the plan of a short cache runs a cache long enough
-    to outgrow its rotation tables (same result as ``rerope_decode``); tensors of another dtype
-    or with the length below ``Nq`` are refused, naming what is wrong."""
+    """``decode_plan`` / ``DecodePlan.run``: the plan of a short cache runs a cache long
+    enough to outgrow its rotation tables (same result as ``rerope_decode``); tensors of
+    another dtype or with the length below ``Nq`` are refused, naming what is wrong."""
     device = kernel_device()
     q = randn(gen, 1, 2, 2, 16, dtype=F32, device=device)
     k, v = (randn(gen, 1, 1, 4000, 16, dtype=F32, device=device) for _ in "kv")
@@ -444,15 +455,16 @@ def test_a_plan_runs_grown_caches_and_refuses_other_layouts(gen):
     assert decode.decode_plan(q, k, v, 64, num_splits=4) is plan
     assert plan.tables.tables is not first and plan.tables.retired == [first]
     assert torch.equal(got, want)
-    assert not close_problems("long", got, reference.rerope_from_relative_positions(
-        q.double(), k.double(), v.double(), 64, causal=True, rotated=True), tolerance(F32))
+    exact = reference.rerope_from_relative_positions(
+        q.double(), k.double(), v.double(), 64, causal=True, rotated=True)
+    assert not close_problems("long", got, exact, tolerance(F32))
     with pytest.raises(ValueError, match="do not match this DecodePlan"):
         plan.run(q.half(), k.half(), v.half())
     with pytest.raises(ValueError, match="Nq <= Nk"):
         plan.run(q, k[:, :, :1], v[:, :, :1])
 
 
-# --- GPU ------------------------------------------------------------------------------------------
+# --- GPU ------------------------------------------------------------------------------
 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -515,8 +527,8 @@ def test_gpu_128k(batch, n_queries, window, rotated, leaky, logn_len, lengths, g
 @pytest.mark.gpu
 @needs_gpu
 def test_gpu_out_of_range_lengths_and_graph_replay(gen):
-    """On a GPU: out-of-range lengths give NaN rows (no host check); a CUDA graph captured once
-    replays correctly after the lengths change in place."""
+    """On a GPU: out-of-range lengths give NaN rows (no host check); a CUDA graph
+    captured once replays correctly after the lengths change in place."""
     case = DecodeCase(300, (300, 0, 301, 77), 1, 40, hq=4, hkv=2, dtype=F16)
     q, k_cache, v_cache, _ = make_cache(gen, DecodeCase(**{**asdict(case), "lengths": (300,) * 4}),
                                         4, "cuda")
@@ -544,8 +556,8 @@ def test_gpu_out_of_range_lengths_and_graph_replay(gen):
 
 
 def _tma_call(q, k_cache, v_cache, seqlens, d, tma, graph):
-    """One call under the active ``tma`` mode, checking the plan's TMA decision at 32k keys;
-    with ``graph``, also captured in a CUDA graph and replayed (the same bits)."""
+    """One call under the active ``tma`` mode, checking the plan's TMA decision at 32k
+    keys; with ``graph``, also captured in a CUDA graph and replayed (the same bits)."""
     plan = decode.decode_plan(q, k_cache, v_cache, 2048, seqlens)
     splits, uses_tma = plan.splits_for(32768)
     rule = -(-32768 // splits) >= decode.TMA_MIN_KEYS
@@ -556,7 +568,8 @@ def _tma_call(q, k_cache, v_cache, seqlens, d, tma, graph):
     if graph:                        # the bound launches, captured, replayed
         cuda_graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(cuda_graph):
-            captured = rerope.rerope_decode(q, k_cache, v_cache, 2048, cache_seqlens=seqlens)
+            captured = rerope.rerope_decode(q, k_cache, v_cache, 2048,
+                                            cache_seqlens=seqlens)
         for _ in range(3):
             cuda_graph.replay()
         torch.cuda.synchronize()
@@ -568,11 +581,12 @@ def _tma_call(q, k_cache, v_cache, seqlens, d, tma, graph):
 @needs_gpu
 @pytest.mark.parametrize("d", [64, 128])
 def test_gpu_tma_gives_the_pointer_path_bits(d):
-    """Benchmark-sized caches (32k keys, Hq=32, Hkv=8): B=8 in bf16 and fp16, B=1 (33 splits
-    of 993 keys), B=3 with ragged lengths and Nq=4, a transposed cache with ragged lengths: K
-    and V through TMA descriptors (forced) give the output of pointer loads bit for bit, eager
-    and (B=8) replayed from a CUDA graph, under poisoned allocations; ``REROPE_TMA=auto``
-    takes them where the splits are at least ``TMA_MIN_KEYS`` keys long."""
+    """Benchmark-sized caches (32k keys, Hq=32, Hkv=8): B=8 in bf16 and fp16, B=1 (33
+    splits of 993 keys), B=3 with ragged lengths and Nq=4, a transposed cache with
+    ragged lengths: K and V through TMA descriptors (forced) give the output of pointer
+    loads bit for bit, eager and (B=8) replayed from a CUDA graph, under poisoned
+    allocations; ``REROPE_TMA=auto`` takes them where the splits are at least
+    ``TMA_MIN_KEYS`` keys long."""
     torch.manual_seed(d)
     for dtype in (BF16, F16):
         k = torch.randn(8, 8, 32768, d, device="cuda", dtype=dtype)
@@ -594,6 +608,6 @@ def test_gpu_tma_gives_the_pointer_path_bits(d):
             torch.cuda.synchronize()
             assert torch.isfinite(outs["off"]).all()
             for tma in ("on", "auto"):
-                assert torch.equal(outs[tma], outs["off"]), f"{dtype} B={batch} Nq={nq} {tma}"
+                assert torch.equal(outs[tma], outs["off"]), (dtype, batch, nq, tma)
         del k, v
         torch.cuda.empty_cache()

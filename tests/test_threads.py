@@ -1,10 +1,11 @@
 """State that outlives a call: threads, an interrupted launch, a non-finite ``v``.
 
-Triton's CPU interpreter is not thread-safe (it patches ``triton.language`` while a launch runs),
-so the package launches under one lock there (``rerope.runtime.INTERPRETER_LOCK``); calls from
-several threads then give the single-thread bits. A decode launch interrupted part-way leaves
-nothing behind for the next call. An ``inf`` in ``v`` spreads within a tile, no further
-(documented on the ops).
+Triton's CPU interpreter is not thread-safe (it patches ``triton.language`` while a
+launch runs), so the package launches under one lock there
+(``rerope.runtime.INTERPRETER_LOCK``); calls from several threads then give the
+single-thread bits. A decode launch interrupted part-way leaves nothing behind for the
+next call. An ``inf`` in ``v`` spreads within a tile, no further (documented on the
+ops).
 """
 
 import threading
@@ -32,8 +33,8 @@ def _calls(device):
 
 
 def test_threads_give_the_single_thread_bits():
-    """4 threads × 3 calls each (two forward, one decode sharing one plan) equal the results of
-    one thread, bit for bit."""
+    """4 threads × 3 calls each (two forward, one decode sharing one plan) equal the
+    results of one thread, bit for bit."""
     calls = _calls(kernel_device())
     want = [call() for call in calls]
     got, errors = {}, []
@@ -83,9 +84,10 @@ def test_interrupted_interpreted_launch_then_next_call(monkeypatch):
 
 
 def test_inf_in_v_stays_within_its_tiles():
-    """``inf`` in one row of ``v`` (key 200): query tiles that never read its key tile (causal
-    rows below 128, whatever the tile size here) keep their exact output; the key's own tile
-    rows come out non-finite, even rows that give it no weight (the documented limit)."""
+    """``inf`` in one row of ``v`` (key 200): query tiles that never read its key tile
+    (causal rows below 128, whatever the tile size here) keep their exact output; the
+    key's own tile rows come out non-finite, even rows that give it no weight (the
+    documented limit)."""
     device = kernel_device()
     g = torch.Generator().manual_seed(3)
     q, k, v = (torch.randn(1, 1, 256, 16, generator=g) for _ in range(3))

@@ -63,13 +63,13 @@ def _byte_count(name, value):
 
 
 def _decode_config(name, value):
-    """Four positive integers ``BLOCK_N,num_warps,num_stages,programs per SM`` (``BLOCK_N``
-    >= 16 and ``num_warps`` powers of two); unset or empty: ``None``."""
+    """Four positive integers ``BLOCK_N,num_warps,num_stages,programs per SM``
+    (``BLOCK_N`` >= 16 and ``num_warps`` powers of two); unset or empty: ``None``."""
     text = (value or "").strip()
     if not text:
         return None
-    accepted = ("four integers BLOCK_N,num_warps,num_stages,programs_per_SM, e.g. 64,4,3,2 "
-                "(BLOCK_N >= 16 and num_warps powers of two, the others >= 1)")
+    accepted = ("four integers BLOCK_N,num_warps,num_stages,programs_per_SM, e.g. "
+                "64,4,3,2 (BLOCK_N >= 16 and num_warps powers of two, the others >= 1)")
     try:
         fields = tuple(int(x) for x in text.split(","))
     except ValueError:
@@ -107,9 +107,9 @@ class Config:
       descriptors where they are known to pay (Hopper or newer, fp16/bf16, D <= 128, a layout
       TMA accepts); ``"on"`` wherever the layout allows (also under the interpreter: the tests
       run both load paths on CPU); ``"off"`` never.
-    * ``decode_config`` (``REROPE_DECODE_CONFIG``, unset by default): ``(BLOCK_N, num_warps,
-      num_stages, programs_per_SM)`` for the decode kernel (under the interpreter its
-      ``BLOCK_N``), or None.
+    * ``decode_config`` (``REROPE_DECODE_CONFIG``, unset by default): ``(BLOCK_N,
+      num_warps, num_stages, programs_per_SM)`` for the decode kernel (under the
+      interpreter its ``BLOCK_N``), or None.
     * ``preturn_bwd_max_bytes`` (``REROPE_PRETURN_BWD_MAX_BYTES``, unset by default): the most
       extra bytes the pre-turned backward may spend, or None (a sixteenth of the GPU's memory).
 
@@ -147,8 +147,8 @@ class Config:
             if not name.startswith("REROPE_") or name in VARIABLES:
                 continue
             if name in RETIRED:
-                warnings.warn(f"environment variable {name} is no longer read by rerope: "
-                              f"{RETIRED[name]}", stacklevel=2)
+                warnings.warn(f"environment variable {name} is no longer read by "
+                              f"rerope: {RETIRED[name]}", stacklevel=2)
                 continue
             near = difflib.get_close_matches(name, VARIABLES, 1, 0.85)
             if near:

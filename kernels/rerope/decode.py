@@ -794,10 +794,11 @@ def rerope_decode(q, k_cache, v_cache, window, cache_seqlens=None, sm_scale=None
         1 1 1 1 0
         1 1 1 1 1
 
-    Args: q: ``(B, Hq, Nq, D)``, the new queries, ``1 <= Nq <= 16`` (one token, or a few
-        speculative ones), at positions ``L - Nq … L - 1`` of their row; fp16, bf16 or
-        fp32, ``D`` in 16, 32, 64, 128, 256. RoPE-rotated at those positions if
-        ``rotated``, raw otherwise.
+    Args:
+        q: ``(B, Hq, Nq, D)``, the new queries, ``1 <= Nq <= 16`` (one token, or a
+            few speculative ones), at positions ``L - Nq … L - 1`` of their row; fp16,
+            bf16 or fp32, ``D`` in 16, 32, 64, 128, 256. RoPE-rotated at those positions
+            if ``rotated``, raw otherwise.
         k_cache: ``(B, Hkv, Nmax, D)``, the key cache, ``q``'s dtype and device. Slot
             ``j`` holds the key of position ``j`` (RoPE-rotated at ``j`` if
             ``rotated``). Any strides, e.g. a transposed view of a ``(B, Nmax, Hkv, D)``
@@ -851,8 +852,9 @@ def rerope_decode(q, k_cache, v_cache, window, cache_seqlens=None, sm_scale=None
             registers). Tiles split their angles as for ReRoPE when ``G`` divides
             ``BLOCK_N``; otherwise one table row per key (``ROW_PER_KEY``).
 
-    Returns: ``(B, Hq, Nq, D)``, the attention output, in ``q``'s dtype and on its
-        device (empty for an empty batch).
+    Returns:
+        ``(B, Hq, Nq, D)``, the attention output, in ``q``'s dtype and on its device
+        (empty for an empty batch).
 
     The call is :func:`decode_plan` then :meth:`DecodePlan.run`: its checks and plan are
     made once per layout class and settings, so a decode loop over a growing cache
