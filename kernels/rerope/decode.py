@@ -1070,15 +1070,15 @@ def _layout(t, size=0):
     return t.dtype, t.device, t.data_ptr() % 16 == 0, _stride_classes(t.stride(), size)
 
 
-_CLASSES = {}    # (strides, element size) -> their classes: a dict hit per tensor and call
+_CLASSES = {}    # (strides, element size) -> classes: one dict hit per tensor and call
 
 
 def _stride_classes(strides, size):
-    """Per stride what Triton specialises on (1, a multiple of 16, 64-bit) and, given the
-    element ``size``, what TMA asks (a multiple of 16 bytes)."""
+    """Per stride what Triton specialises on (1, a multiple of 16, 64-bit) and, given
+    the element ``size``, what TMA asks (a multiple of 16 bytes)."""
     classes = _CLASSES.get((strides, size))
     if classes is None:
-        if len(_CLASSES) >= 4096:          # bounded: a long run of new layouts starts over
+        if len(_CLASSES) >= 4096:      # bounded: a long run of new layouts starts over
             _CLASSES.clear()
         classes = _CLASSES[strides, size] = tuple(
             [(s == 1, s % 16 == 0, s * size % 16 == 0, s >> 31) for s in strides])
