@@ -957,6 +957,14 @@ class DecodePlan:
         _check_forward_only(q, k_cache, v_cache)
         return self._run(q, k_cache, v_cache, cache_seqlens, block_table)
 
+    @property
+    def bound(self):
+        """Whether the plan has run and every launch it made skips Triton's Python launch
+        path (:attr:`rerope.launch.Launcher.bound`)."""
+        launchers = [launcher for launches in list(self.launches.values())
+                     for launcher in launches if launcher is not None]
+        return bool(launchers) and all(launcher.bound for launcher in launchers)
+
     def _run(self, q, k_cache, v_cache, cache_seqlens, block_table):
         n_max = self._cache_length(q, k_cache, v_cache, cache_seqlens, block_table)
         if q.numel() == 0:                         # an empty batch: nothing to attend
