@@ -959,8 +959,8 @@ class DecodePlan:
 
     @property
     def bound(self):
-        """Whether the plan has run and every launch it made skips Triton's Python launch
-        path (:attr:`rerope.launch.Launcher.bound`)."""
+        """Whether the plan has run and every launch it made skips Triton's Python
+        launch path (:attr:`rerope.launch.Launcher.bound`)."""
         launchers = [launcher for launches in list(self.launches.values())
                      for launcher in launches if launcher is not None]
         return bool(launchers) and all(launcher.bound for launcher in launchers)
