@@ -526,6 +526,45 @@ def test_gpu_128k(batch, n_queries, window, rotated, leaky, logn_len, lengths, g
 
 @pytest.mark.gpu
 @needs_gpu
+@pytest.mark.parametrize("paged", [False, True])
+def test_gpu_growing_cache_one_plan_bound_launches(paged, gen):
+    """A cache growing one key per step on a GPU (contiguous: a new tensor each step,
+    lengths given or not; paged: the lengths grow): one plan per kind of call; from the
+    second call of each split count its launches skip Triton's launch path (tuple
+    strides, ``None`` lengths through the bound launcher) and give the first call's bits;
+    every step matches the float64 oracle."""
+    case = DecodeCase(1040, (1040,), 2, 100, hq=8, hkv=2, d=64, dtype=BF16)
+    q, k_full, v_full, _ = make_cache(gen, case, 2, "cuda")
+    plans = set()
+    for n in range(1020, 1040):
+        k_cache, v_cache = k_full[:, :, :n].contiguous(), v_full[:, :, :n].contiguous()
+        lengths = torch.full((2,), n, dtype=torch.int32, device="cuda")
+        kwargs = {}
+        if paged:       # a fixed pool and table of 16-key pages; the lengths grow
+            k_cache, v_cache = (torch.nn.functional.pad(c, (0, 0, 0, 1056 - 1040))
+                                .reshape(2, 2, 66, 16, 64).permute(0, 2, 3, 1, 4)
+                                .reshape(2 * 66, 16, 2, 64) for c in (k_full, v_full))
+            kwargs["block_table"] = torch.arange(2 * 66, dtype=torch.int32,
+                                                 device="cuda").view(2, 66)
+        seqlens = lengths if paged or n % 2 else None
+        with torch.no_grad():
+            first = rerope.rerope_decode(q, k_cache, v_cache, case.window,
+                                         cache_seqlens=seqlens, **kwargs)
+            again = rerope.rerope_decode(q, k_cache, v_cache, case.window,
+                                         cache_seqlens=seqlens, **kwargs)
+        plan = decode.decode_plan(q, k_cache, v_cache, case.window, seqlens, **kwargs)
+        plans.add((seqlens is None, id(plan)))
+        assert plan.bound, f"step at {n} keys: a launch took Triton's path twice"
+        assert torch.equal(first, again), f"step at {n} keys: the bound launch differs"
+        want = oracle(q, k_full[:, :, :n], v_full[:, :, :n], lengths.cpu(), case)
+        problems = close_problems(f"step at {n} keys", first, want.to(first.device),
+                                  tolerance(BF16, "gpu"))
+        assert not problems, "\n".join(problems)
+    assert len(plans) == (1 if paged else 2), plans
+
+
+@pytest.mark.gpu
+@needs_gpu
 def test_gpu_out_of_range_lengths_and_graph_replay(gen):
     """On a GPU: out-of-range lengths give NaN rows (no host check); a CUDA graph
     captured once replays correctly after the lengths change in place."""
