@@ -464,6 +464,84 @@ def test_a_plan_runs_grown_caches_and_refuses_other_layouts(gen):
         plan.run(q, k[:, :, :1], v[:, :, :1])
 
 
+# --- what the compiler takes (the interpreter accepts more) ----------------------------
+
+
+_COMPILE_CHILD = r'''
+import json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from rerope import decode
+
+def split_source(dtype, paged, lengths, tma):
+    """The split kernel as a launch specialises it: tuple strides (the last one 1),
+    ``None`` for absent lengths and block table."""
+    fn, sig, const, attrs = decode._decode_split_kernel, {}, {}, {}
+    div = [["tt.divisibility", 16]]
+    for i, p in enumerate(fn.params):
+        n = p.name
+        if p.is_constexpr:
+            sig[n] = "constexpr"
+        elif (n == "SeqLens" and not lengths) or (n == "BlockTable" and not paged):
+            sig[n], const[n] = "constexpr", None
+        elif n in ("SeqLens", "BlockTable"):
+            sig[n], attrs[(i,)] = "*i32", div
+        elif n in ("Out", "Lse", "TableIn", "OffsetIn", "TableOut", "OffsetOut"):
+            sig[n], attrs[(i,)] = "*fp32", div
+        elif n[0].isupper():
+            sig[n], attrs[(i,)] = "*" + dtype, div
+        elif n.endswith("_strides"):
+            width = 2 if n == "table_strides" else 4
+            sig[n] = ("i32",) * (width - 1) + ("constexpr",)
+            const[(i, width - 1)] = 1
+            attrs.update({(i, j): div for j in range(width - 1)})
+        else:
+            sig[n] = "fp32" if n in ("qk_scale", "logn_factor") else "i32"
+    const.update(HEAD_DIM=128, BLOCK_M=16, BLOCK_N=64, TURN_IN=False, TURN_OUT=True,
+                 ROW_PER_KEY=paged, LOGN=True, WRITE_LSE=True,
+                 PAGE_SIZE=16 if paged else 0,
+                 TMA=tma, DOT_PRECISION="tf32x3" if dtype == "fp32" else "tf32")
+    return ASTSource(fn, sig, const, attrs)
+
+merge = ASTSource(decode._decode_merge_kernel,
+                  {"Part": "*fp32", "PartLse": "*fp32", "Out": "*bf16", "n_rows": "i32",
+                   "num_splits": "i32", "HEAD_DIM": "constexpr", "ROWS": "constexpr",
+                   "SPLITS_BLOCK": "constexpr", "LSE_BLOCK": "constexpr"},
+                  dict(HEAD_DIM=128, ROWS=1, SPLITS_BLOCK=64, LSE_BLOCK=64), {})
+jobs = [(90, split_source("bf16", False, True, True)),
+        (90, split_source("fp16", True, True, False)),
+        (80, split_source("bf16", False, False, False)),
+        (75, split_source("fp32", False, True, False)), (90, merge)]
+for cap, source in jobs:
+    kernel = triton.compile(source, target=GPUTarget("cuda", cap, 32),
+                            options={"num_warps": 4, "num_stages": 3})
+    print(json.dumps([cap, kernel.metadata.shared]))
+'''
+
+
+def test_kernels_compile_for_every_gpu(tmp_path):
+    """The interpreter runs code the compiler refuses (a plain global in a kernel, say):
+    the split kernel (tuple strides, ``None`` lengths, paged, TMA) and the merge kernel
+    cross-compile for sm_75, sm_80 and sm_90 here, no GPU needed."""
+    import importlib.util
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    if importlib.util.find_spec("triton.backends.nvidia") is None:
+        pytest.skip("this Triton has no NVIDIA backend")
+    root = Path(__file__).resolve().parents[1]
+    script = tmp_path / "compile_decode.py"
+    script.write_text(_COMPILE_CHILD, encoding="utf-8")
+    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_DEFAULT_FP_FUSION": "1",
+           "PYTHONPATH": os.pathsep.join([str(root / "kernels"), str(root)])}
+    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert len(done.stdout.splitlines()) == 5, done.stdout
+
 # --- GPU ------------------------------------------------------------------------------
 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
