@@ -464,7 +464,7 @@ def test_a_plan_runs_grown_caches_and_refuses_other_layouts(gen):
         plan.run(q, k[:, :, :1], v[:, :, :1])
 
 
-# --- what the compiler takes (the interpreter accepts more) ----------------------------
+# --- what the compiler takes (the interpreter accepts more) ---------------------------
 
 
 _COMPILE_CHILD = r'''
@@ -609,8 +609,8 @@ def test_gpu_growing_cache_one_plan_bound_launches(paged, gen):
     """A cache growing one key per step on a GPU (contiguous: a new tensor each step,
     lengths given or not; paged: the lengths grow): one plan per kind of call; from the
     second call of each split count its launches skip Triton's launch path (tuple
-    strides, ``None`` lengths through the bound launcher) and give the first call's bits;
-    every step matches the float64 oracle."""
+    strides, ``None`` lengths through the bound launcher) and give the first call's
+    bits; every step matches the float64 oracle."""
     case = DecodeCase(1040, (1040,), 2, 100, hq=8, hkv=2, d=64, dtype=BF16)
     q, k_full, v_full, _ = make_cache(gen, case, 2, "cuda")
     plans = set()
