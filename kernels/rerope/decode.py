@@ -47,7 +47,6 @@ cache (its length, the split count, the rotation tables' rows) is an argument of
 launch, so a decode loop over a growing cache uses one plan.
 """
 
-import dataclasses
 import functools
 from dataclasses import dataclass, field
 from typing import NamedTuple, Optional
