@@ -28,7 +28,8 @@ def _calls(device):
     return [
         lambda: rerope.rerope(q, k, v, window=5),
         lambda: rerope.rerope(q, k, v, window=7, causal=False),
-        lambda: rerope.rerope_decode(qd, kc, vc, 6, cache_seqlens=lengths, num_splits=3),
+        lambda: rerope.rerope_decode(qd, kc, vc, 6, cache_seqlens=lengths,
+                                     num_splits=3),
     ]
 
 
@@ -42,9 +43,9 @@ def test_threads_give_the_single_thread_bits():
     def work(index):
         try:
             for turn in range(len(calls)):
-                which = (index + turn) % len(calls)       # threads in different ops at once
+                which = (index + turn) % len(calls)   # threads in different ops at once
                 got[index, which] = calls[which]()
-        except Exception as error:                         # reported below, with its thread
+        except Exception as error:                     # reported below, with its thread
             errors.append((index, repr(error)))
 
     threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
@@ -69,7 +70,7 @@ def test_interrupted_interpreted_launch_then_next_call(monkeypatch):
     builder, programs = interpreter.interpreter_builder, []
     set_grid_idx = builder.set_grid_idx
 
-    def stop_at_the_third_program(*index):      # the interpreter starts each program with this
+    def stop_at_the_third_program(*index):    # the interpreter starts each program so
         programs.append(index)
         if len(programs) == 3:
             raise KeyboardInterrupt
@@ -98,4 +99,4 @@ def test_inf_in_v_stays_within_its_tiles():
     assert torch.equal(out[..., :128, :], clean[..., :128, :])
     assert not out[..., 200:, :].isfinite().any()
     want = reference.rerope(q.double(), k.double(), bad.double(), window=8)
-    assert want[..., 201:, :].isinf().any(-1).all()       # the exact answer past key 200: inf
+    assert want[..., 201:, :].isinf().any(-1).all()   # exactly: inf past key 200
