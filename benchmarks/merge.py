@@ -6,8 +6,7 @@
 ``meta`` is the last file's gpu/torch/triton/date, plus ``runs``: every input's
 arguments and elapsed time (an input that is itself a merge contributes its own
 ``runs``). Rows are concatenated; a later file's row replaces an earlier one of the same
-case, so
-``OUT.json OLD.json NEW.json`` refreshes OLD with NEW's cases. No GPU needed.
+case, so ``OUT.json OLD.json NEW.json`` refreshes OLD with NEW's cases. No GPU needed.
 """
 import sys
 
