@@ -347,9 +347,10 @@ def chunk_map(n_keys, n_queries, window, num_splits, block_n):
 # kernel.
 @triton.jit(do_not_specialize=["num_blocks", "n_max", "num_splits", "window"])
 def _decode_split_kernel(
-    Q, K, V, SeqLens, BlockTable, Out, Lse, TableIn, OffsetIn, TableOut, OffsetOut,
+    Q, K, V, SeqLens, BlockTable, Out, Lse,
     q_strides, k_strides, v_strides, table_strides, num_blocks,
     n_kv_heads, q_per_kv, n_queries, n_max, num_splits, window, qk_scale, logn_factor,
+    TableIn, OffsetIn, TableOut, OffsetOut,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     TURN_IN: tl.constexpr, TURN_OUT: tl.constexpr, ROW_PER_KEY: tl.constexpr,
     LOGN: tl.constexpr, WRITE_LSE: tl.constexpr, PAGE_SIZE: tl.constexpr,
@@ -877,10 +878,22 @@ def rerope_decode(q, k_cache, v_cache, window, cache_seqlens=None, sm_scale=None
                           None if inv_freq is None else list(inv_freq), block_table,
                           group)
     _check_forward_only(q, k_cache, v_cache)
-    plan = _plan_for(q, k_cache, v_cache, cache_seqlens, block_table,
-                     (window, sm_scale, base, leaky, logn_len, rotated, num_splits,
-                      as_frequencies(inv_freq), group))
-    return plan._run(q, k_cache, v_cache, cache_seqlens, block_table)
+    return _call(q, k_cache, v_cache, cache_seqlens, block_table,
+                 (window, sm_scale, base, leaky, logn_len, rotated, num_splits,
+                  as_frequencies(inv_freq), group))
+
+
+def _call(q, k_cache, v_cache, cache_seqlens, block_table, settings):
+    """A call: its kept step where this exact signature ran before, else its plan."""
+    try:
+        exact = _exact_key(q, k_cache, v_cache, cache_seqlens, block_table, settings)
+        step = _STEPS.get(exact)
+    except (AttributeError, TypeError):   # not tensors, unhashable settings: checks say
+        exact, step = None, None
+    if step is not None:
+        return _run_step(step, q, k_cache, v_cache, cache_seqlens, block_table)
+    plan = _plan_for(q, k_cache, v_cache, cache_seqlens, block_table, settings)
+    return plan._run(q, k_cache, v_cache, cache_seqlens, block_table, exact)
 
 
 # --- plan and run ---------------------------------------------------------------------
@@ -964,7 +977,7 @@ class DecodePlan:
                      for launcher in launches if launcher is not None]
         return bool(launchers) and all(launcher.bound for launcher in launchers)
 
-    def _run(self, q, k_cache, v_cache, cache_seqlens, block_table):
+    def _run(self, q, k_cache, v_cache, cache_seqlens, block_table, exact=None):
         n_max = self._cache_length(q, k_cache, v_cache, cache_seqlens, block_table)
         if q.numel() == 0:                         # an empty batch: nothing to attend
             return torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -975,7 +988,8 @@ class DecodePlan:
                     _check_block_table_on_host(block_table, cache_seqlens,
                                                self.page_size, k_cache.shape[0])
             cache_seqlens = cache_seqlens.contiguous()    # read with unit stride
-        return _launch(self, n_max, q, k_cache, v_cache, cache_seqlens, block_table)
+        return _launch(self, n_max, q, k_cache, v_cache, cache_seqlens, block_table,
+                       exact)
 
     def _cache_length(self, q, k_cache, v_cache, cache_seqlens, block_table):
         """``Nmax`` of this call, checked: the one part of the validation the plan's key
@@ -1036,24 +1050,18 @@ class DecodePlan:
         return held.tables
 
 
-def _launch(plan, n_max, q, k_cache, v_cache, cache_seqlens, block_table):
+def _launch(plan, n_max, q, k_cache, v_cache, cache_seqlens, block_table, exact=None):
     """Run ``plan`` for a cache of ``n_max`` slots, lengths and block table checked:
     allocate the output (and partials), launch the split kernel, then the merge (several
-    splits)."""
+    splits). With ``exact`` (the call's exact signature), keep the launches with every
+    argument but the call's tensors bound, once bound (:class:`_Step`)."""
     num_splits, tma = plan.splits_for(n_max)
     launches = plan._launches(num_splits, tma)
     tables = plan._rotation_tables(n_max)
     dtype = q.dtype
     if plan.lift:                         # bf16 under the interpreter: fp32 copies
         q, k_cache, v_cache = q.float(), k_cache.float(), v_cache.float()
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    n_rows = plan.batch * plan.q_heads * plan.n_queries
-    if num_splits == 1:
-        part = lse = out
-    else:
-        part = torch.empty((num_splits, n_rows, plan.head_dim), dtype=torch.float32,
-                           device=q.device)
-        lse = torch.empty((num_splits, n_rows), dtype=torch.float32, device=q.device)
+    out, part, lse = _outputs(plan, num_splits, q)
     k_strides, v_strides = k_cache.stride(), v_cache.stride()
     if plan.page_size:    # pools (page, slot, head, dim) in the kernel's order
         k_strides = (k_strides[0], k_strides[2], k_strides[1], k_strides[3])
@@ -1061,13 +1069,75 @@ def _launch(plan, n_max, q, k_cache, v_cache, cache_seqlens, block_table):
         table_strides, num_blocks = block_table.stride(), k_cache.shape[0]
     else:
         table_strides, num_blocks = (0, 0), 0
-    launches.split(q, k_cache, v_cache, cache_seqlens, block_table, part, lse, *tables,
-                   q.stride(), k_strides, v_strides, table_strides, num_blocks,
-                   plan.kv_heads, plan.q_heads // plan.kv_heads, plan.n_queries, n_max,
-                   num_splits,
-                   min(plan.window, n_max), plan.qk_scale, plan.logn_factor)
+    tail = (q.stride(), k_strides, v_strides, table_strides, num_blocks, plan.kv_heads,
+            plan.q_heads // plan.kv_heads, plan.n_queries, n_max, num_splits,
+            min(plan.window, n_max), plan.qk_scale, plan.logn_factor, *tables)
+    launches.split(q, k_cache, v_cache, cache_seqlens, block_table, part, lse, *tail)
+    n_rows = plan.batch * plan.q_heads * plan.n_queries
     if launches.merge is not None:
         launches.merge(part, lse, out, n_rows, num_splits)
+    if exact is not None and (launches.split.bound or INTERPRET):
+        merge = launches.merge
+        merge = None if merge is None else merge.fixed(n_rows, num_splits)
+        _STEPS.put(exact, _Step(plan, num_splits, launches.split.fixed(*tail), merge))
+    return out.to(dtype) if plan.lift else out
+
+
+def _outputs(plan, num_splits, q):
+    """``(out, part, lse)``: the output, and the partials and their log-sum-exps (the
+    output itself for one split)."""
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if num_splits == 1:
+        return out, out, out
+    n_rows = plan.batch * plan.q_heads * plan.n_queries
+    return (out, torch.empty((num_splits, n_rows, plan.head_dim), dtype=torch.float32,
+                             device=q.device),
+            torch.empty((num_splits, n_rows), dtype=torch.float32, device=q.device))
+
+
+class _Step(NamedTuple):
+    """A call signature met before, shapes and strides exactly: its plan, split count
+    and launches with all but the call's tensors bound (:meth:`Launcher.fixed`), so a
+    repeated call is a lookup, an allocation and the launches (the checks its signature
+    passed hold again; lengths and block tables on the CPU are still read)."""
+
+    plan: DecodePlan
+    num_splits: int
+    split: object
+    merge: object
+
+
+_STEPS = LRUCache()   # (exact signature, settings, Config) -> _Step
+
+
+def _exact_key(q, k_cache, v_cache, cache_seqlens, block_table, settings):
+    """A call's exact signature (what a :class:`_Step` is kept for): every tensor's
+    shape, strides, dtype, device and 16-byte alignment, the settings and the Config."""
+    return (tuple([None if t is None else
+                   (t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16 == 0)
+                   for t in (q, k_cache, v_cache, cache_seqlens, block_table)]),
+            settings, tuple(map(type, settings)), configs.current())
+
+
+def _run_step(step, q, k_cache, v_cache, cache_seqlens, block_table):
+    """A repeated call: its kept launches (:class:`_Step`)."""
+    plan = step.plan
+    if cache_seqlens is not None:
+        if cache_seqlens.device.type == "cpu":     # free to read; on a GPU, a sync
+            n_max = (k_cache.shape[2] if not plan.page_size
+                     else block_table.shape[1] * plan.page_size)
+            _check_lengths_on_host(cache_seqlens, plan.n_queries, n_max)
+            if block_table is not None:
+                _check_block_table_on_host(block_table, cache_seqlens, plan.page_size,
+                                           k_cache.shape[0])
+        cache_seqlens = cache_seqlens.contiguous()    # read with unit stride
+    dtype = q.dtype
+    if plan.lift:                         # bf16 under the interpreter: fp32 copies
+        q, k_cache, v_cache = q.float(), k_cache.float(), v_cache.float()
+    out, part, lse = _outputs(plan, step.num_splits, q)
+    step.split(q, k_cache, v_cache, cache_seqlens, block_table, part, lse)
+    if step.merge is not None:
+        step.merge(part, lse, out)
     return out.to(dtype) if plan.lift else out
 
 
@@ -1209,10 +1279,9 @@ def _decode_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                block_table: Optional[torch.Tensor] = None,
                group: Optional[int] = None) -> torch.Tensor:
     # inv_freq comes checked by rerope_decode: kept as it is (no per-call conversion)
-    plan = _plan_for(q, k_cache, v_cache, cache_seqlens, block_table,
-                     (window, sm_scale, base, leaky, logn_len, rotated, num_splits,
-                      None if inv_freq is None else Frequencies(inv_freq), group))
-    return plan._run(q, k_cache, v_cache, cache_seqlens, block_table)
+    return _call(q, k_cache, v_cache, cache_seqlens, block_table,
+                 (window, sm_scale, base, leaky, logn_len, rotated, num_splits,
+                  None if inv_freq is None else Frequencies(inv_freq), group))
 
 
 @_decode_op.register_fake
