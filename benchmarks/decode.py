@@ -340,8 +340,10 @@ def paged_copy(k_cache, v_cache, page_size, seed=0):
 # --- the grid ------------------------------------------------------------------------------------
 
 HEAD_DIMS = (64, 128)
-# launch configurations timed beside the default (decode.launch_config) in the sweep
-CONFIG_VARIANTS = {}   # 4 stages and evict-first loads: perf/runs/decode_round2_h200.json
+# decode_config tuples (BLOCK_N, num_warps, num_stages, programs_per_SM) timed beside
+# the default (decode.launch_config) in the sweep, per head dim; none now
+# (perf/NOTES.md)
+CONFIG_VARIANTS = {}
 SPEC_QUERIES = (2, 4, 8)
 PAGE_SIZES = (16, 32, 64, 128, 256)
 
@@ -381,7 +383,7 @@ def grid(args):
             for batch, context in ((1, 131072), (8, 131072), (32, 32768)):
                 for variant in CONFIG_VARIANTS.get(d, ()):  # launch configurations
                     add(d, batch, context, dtype, "rerope_decode", args.window[0],
-                        config=tuple(sorted(variant.items())), sweep=True)
+                        config=tuple(variant), sweep=True)
             if d == 128:                                     # the number of splits
                 for batch, context in ((1, 4096), (1, 131072), (8, 4096), (8, 131072)):
                     for splits in SPLITS_SWEEP:
@@ -414,31 +416,26 @@ def warm_spec(d, batch, context, dtype, window, extra):
             extra.get("rotated", True), extra.get("config"))
 
 
-class _launch_config:
-    """``with _launch_config(d, items):`` run with ``decode.HEAD_DIM_CONFIGS[d] = dict(items)``
-    (``None``: the default)."""
+_TUNED = None     # the decode_config --tune chose, for every later row without its own
 
-    def __init__(self, d, items):
-        self.d, self.items = d, items
 
-    def __enter__(self):
-        from rerope import decode
+def _launch_config(config):
+    """``with _launch_config(config):`` run under
+    ``rerope.using_config(decode_config=config)`` (``None``: the tuned one, else the
+    default)."""
+    import contextlib
 
-        self.saved = dict(decode.HEAD_DIM_CONFIGS)
-        if self.items is not None:
-            decode.HEAD_DIM_CONFIGS[self.d] = dict(self.items)
+    import rerope
 
-    def __exit__(self, *exc):
-        from rerope import decode
-
-        decode.HEAD_DIM_CONFIGS.clear()
-        decode.HEAD_DIM_CONFIGS.update(self.saved)
+    config = config or _TUNED
+    return contextlib.nullcontext() if config is None else rerope.using_config(
+        decode_config=tuple(config))
 
 
 def warm(spec):
     """Compile one variant on a small cache with the same specialisation (worker process)."""
     d, batch, nq, dtype, window, splits, page, rotated, config = spec
-    with _launch_config(d, config):
+    with _launch_config(config):
         _warm(d, batch, nq, dtype, window, splits, page, rotated)
     return spec
 
@@ -480,12 +477,12 @@ def run(args):
     started = time.perf_counter()
     meta = {**environment(),
             "sms": torch.cuda.get_device_properties(0).multi_processor_count,
-            "config": dict(decode.GPU_CONFIG), "programs_per_sm": decode.PROGRAMS_PER_SM,
-            "head_dim_configs": {str(d): dict(decode.launch_config(d)) for d in args.head_dim},
+            "config": dict(decode.GPU_CONFIG),
+            "programs_per_sm": decode.launch_config(128)[1],
+            "head_dim_configs": {str(d): decode.launch_config(d)[0]
+                                 for d in args.head_dim},
             "args": vars(args)}
-    from rerope import configs
-
-    meta["tma"] = {"mode": configs.TMA, "head_dims": list(decode.TMA_HEAD_DIMS),
+    meta["tma"] = {"mode": rerope.config().tma, "head_dims": list(decode.TMA_HEAD_DIMS),
                    "min_keys_per_split": decode.TMA_MIN_KEYS}
     rows, sweep = [], []
     groups = grid(args)
@@ -507,8 +504,7 @@ def run(args):
           f"read {meta['read_tb_s']:.2f} TB/s, copy {meta['copy_tb_s']:.2f} TB/s", flush=True)
     if args.tune:
         meta["tuning"] = tune(read)
-        meta["config"] = dict(decode.GPU_CONFIG)
-        meta["programs_per_sm"] = decode.PROGRAMS_PER_SM
+        meta["decode_config"] = list(_TUNED)
     meta["checks"] = []
     for (d, batch, context, dtype), cases in groups.items():
         if time.perf_counter() - started > args.budget_s:
@@ -539,7 +535,7 @@ def run(args):
             config = extra.pop("config", None)
             info = dict(D=d, dtype=dtype, Nq=nq, **extra)
             if config is not None:
-                info["config"] = dict(config)
+                info["config"] = list(config)
             try:
                 if impl == "rerope_decode":
                     info.setdefault("num_splits", decode.default_num_splits(
@@ -557,7 +553,7 @@ def run(args):
                     step = build_step(impl, q, k_cache, v_cache, window,
                                       rope_cos_sin(context + window + 1, d, BASE, "cuda", dt)
                                       if impl == "rerotate_torch" else None)
-                with _launch_config(d, config):
+                with _launch_config(config):
                     row = measure(impl, step, batch, window, context, bound_us,
                                   eager=not is_sweep, **info)
             except Exception as error:
@@ -583,21 +579,18 @@ def run(args):
 SPLITS_SWEEP = (1, 2, 4, 8, 12, 16, 24, 33, 48, 66, 96, 128)
 
 
-# (BLOCK_N, ANGLES, num_warps, num_stages) tried by --tune, each at 1 and 2 programs per SM in
-# the splits rule. A first H200 run (2026-12-01) swept a wider set: 8 warps were 1.45x slower
-# than 4 at 128k keys, 32-key tiles 1.25x; decode.GPU_CONFIG is the winner of the run in
-# book/data/decode_h200.json.
-TUNE_CANDIDATES = [(64, 0, 4, 3), (64, 3, 4, 3), (64, 0, 4, 4), (64, 3, 4, 4), (32, 0, 4, 4),
-                   (64, 1, 4, 3)]
+# (BLOCK_N, num_warps, num_stages) tried by --tune, each at 1 and 2 programs per SM in
+# the splits rule (measured on the H200: perf/NOTES.md).
+TUNE_CANDIDATES = [(64, 4, 3), (64, 4, 4), (32, 4, 4), (128, 4, 3)]
 TUNE_SHAPES = [(1, 131072), (8, 131072)]
 
 
 def tune(bandwidth, window=2048):
-    """Time every candidate configuration on TUNE_SHAPES (rotated cache, graph replay); set
-    the fastest (least total time) as ``decode.GPU_CONFIG`` / ``PROGRAMS_PER_SM``. Returns the
-    rows."""
+    """Time every candidate configuration on TUNE_SHAPES (rotated cache, graph replay);
+    the fastest (least total time) becomes the ``decode_config`` of the rows after.
+    Returns the rows."""
+    global _TUNED
     import rerope
-    from rerope import decode
 
     dtype = getattr(torch, DTYPE)
     caches = {}
@@ -607,29 +600,28 @@ def tune(bandwidth, window=2048):
         caches[batch, context] = (torch.randn(batch, HQ, 1, D, device="cuda", dtype=dtype), k,
                                   torch.randn_like(k))
     results, best = [], None
-    for n, a, w, s in TUNE_CANDIDATES:
-        decode.GPU_CONFIG = dict(BLOCK_N=n, ANGLES=a, num_warps=w, num_stages=s)
+    for n, w, s in TUNE_CANDIDATES:
         for per_sm in (1, 2):
-            decode.PROGRAMS_PER_SM = per_sm
             total, row_times = 0.0, []
             for (batch, context), (q, k, v) in caches.items():
                 try:
-                    us = graph_us(lambda: rerope.rerope_decode(q, k, v, window))
+                    with rerope.using_config(decode_config=(n, w, s, per_sm)):
+                        us = graph_us(lambda: rerope.rerope_decode(q, k, v, window))
                 except Exception as error:
-                    print(f"  tune {(n, a, w, s)} failed: {describe_error(error)}", flush=True)
+                    print(f"  tune {(n, w, s)} failed: {describe_error(error)}",
+                          flush=True)
                     us = float("inf")
                 total += us
                 row_times.append({"B": batch, "context": context, "us": us,
                                   "hbm_fraction": kv_bytes(batch, context) / bandwidth * 1e6 / us})
-            results.append({"config": [n, a, w, s], "programs_per_sm": per_sm, "times": row_times})
-            print(f"  tune {(n, a, w, s)} per_sm={per_sm}: "
+            results.append({"config": [n, w, s], "programs_per_sm": per_sm,
+                            "times": row_times})
+            print(f"  tune {(n, w, s)} per_sm={per_sm}: "
                   + ", ".join(f"B={r['B']} {r['us']:.1f} us" for r in row_times), flush=True)
             if best is None or total < best[0]:
-                best = (total, (n, a, w, s), per_sm)
-    _, (n, a, w, s), per_sm = best
-    decode.GPU_CONFIG = dict(BLOCK_N=n, ANGLES=a, num_warps=w, num_stages=s)
-    decode.PROGRAMS_PER_SM = per_sm
-    print(f"tuned: {decode.GPU_CONFIG}, {per_sm} programs per SM", flush=True)
+                best = (total, (n, w, s, per_sm))
+    _TUNED = best[1]
+    print(f"tuned: decode_config={_TUNED}", flush=True)
     del caches
     gc.collect()
     torch.cuda.empty_cache()

@@ -3,10 +3,10 @@
 
     python -m benchmarks.merge OUT.json IN1.json IN2.json ...
 
-``meta`` is the last file's gpu/torch/triton/date, plus ``runs``: every input's arguments and
-elapsed time (an input that is itself a merge contributes its own ``runs``). Rows are
-concatenated; a later file's row replaces an earlier one of the same case, so
-``OUT.json OLD.json NEW.json`` refreshes OLD with NEW's cases. No GPU needed.
+``meta`` is the last file's gpu/torch/triton/date, plus ``runs``: every input's
+arguments and elapsed time (an input that is itself a merge contributes its own
+``runs``). Rows are concatenated; a later file's row replaces an earlier one of the same
+case, so ``OUT.json OLD.json NEW.json`` refreshes OLD with NEW's cases. No GPU needed.
 """
 import sys
 
@@ -16,13 +16,15 @@ KEY = ("impl", "mode", "causal", "B", "H", "N", "D", "window", "dtype")
 
 
 def merge(out, *inputs):
-    """Write the merge of the results files ``inputs`` to ``out``; returns the number of rows."""
+    """Write the merge of the results files ``inputs`` to ``out``; returns the number of
+    rows."""
     merged, meta, runs = {}, None, []
     for path in inputs:
         data = read_results(path)
         meta = {k: data["meta"][k] for k in ("gpu", "torch", "triton", "date")}
         runs += data["meta"].get("runs") or [{"args": data["meta"].get("args"),
-                                              "elapsed_s": data["meta"].get("elapsed_s"),
+                                              "elapsed_s":
+                                                  data["meta"].get("elapsed_s"),
                                               "date": data["meta"].get("date")}]
         for row in data["rows"]:
             merged[tuple(row[k] for k in KEY)] = row

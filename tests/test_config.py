@@ -40,10 +40,11 @@ def settings(**env):
     return configs.Settings.from_environment(env)
 
 
-BAD = [("REROPE_DECODE_CONFIG", "128,3"), ("REROPE_DECODE_CONFIG", "64,3,4,3,x"),
-       ("REROPE_DECODE_CONFIG", "48,3,4,3,2"), ("REROPE_PRETURN_BWD_MAX_BYTES", "lots"),
+BAD = [("REROPE_DECODE_CONFIG", "128,3"), ("REROPE_DECODE_CONFIG", "64,4,3,x"),
+       ("REROPE_DECODE_CONFIG", "48,4,3,2"), ("REROPE_DECODE_CONFIG", "64,3,4,3,2"),
+       ("REROPE_PRETURN_BWD_MAX_BYTES", "lots"),
        ("REROPE_PRETURN_BWD_MAX_BYTES", "-1"), ("REROPE_PRETURN_BWD_MAX_BYTES", "1.5"),
-       ("REROPE_TMA", "maybe"), ("REROPE_AUTOTUNE", "2"), ("REROPE_FUSED_MERGE", "sometimes")]
+       ("REROPE_TMA", "maybe"), ("REROPE_AUTOTUNE", "2")]
 
 
 @pytest.mark.parametrize("name, value", BAD, ids=[f"{n}={v}" for n, v in BAD])
@@ -66,16 +67,13 @@ def test_good_spellings():
     for word in ("0", "false", "No", "OFF"):
         assert settings(REROPE_AUTOTUNE=word).autotune is False
         assert settings(REROPE_TMA=word).tma == "off"
-        assert settings(REROPE_FUSED_MERGE=word).fused_merge is False
     for word in ("1", "True", "yes", "on"):
         assert settings(REROPE_AUTOTUNE=word).autotune is True
         assert settings(REROPE_TMA=word).tma == "on"
-        assert settings(REROPE_FUSED_MERGE=word).fused_merge is True
     assert settings(REROPE_TMA="AUTO").tma == "auto" and settings(REROPE_TMA="").tma == "auto"
-    assert settings(REROPE_FUSED_MERGE="Rule").fused_merge is None
     assert settings(REROPE_PRETURN_BWD_MAX_BYTES="1e9").preturn_bwd_max_bytes == 10**9
     assert settings(REROPE_PRETURN_BWD_MAX_BYTES="2_000").preturn_bwd_max_bytes == 2000
-    assert settings(REROPE_DECODE_CONFIG=" 128,3,8,2,1").decode_config == (128, 3, 8, 2, 1)
+    assert settings(REROPE_DECODE_CONFIG=" 128,8,2,1").decode_config == (128, 8, 2, 1)
     assert settings() == configs.Settings()          # unset: the defaults
 
 
@@ -87,18 +85,25 @@ def test_misspelt_variable_warns():
         settings(REROPE_FUZZ_PROFILE="long", REROPE_BENCH_RESULTS="x", REROPE_DECODE_RESULTS="y")
 
 
+def test_retired_variable_warns():
+    """``REROPE_FUSED_MERGE`` (the decode merge fused into the split kernel, removed) is
+    no longer read: set, it says so, whatever its value."""
+    for value in ("1", "rule", "sometimes"):
+        with pytest.warns(UserWarning, match="REROPE_FUSED_MERGE is no longer read"):
+            assert settings(REROPE_FUSED_MERGE=value) == configs.Settings()
+
+
 def test_settings_reach_the_modules():
     """Good spellings, read at import, land in the names the code reads."""
     done = run_python(
         "from rerope import configs, attention, decode\n"
-        "print(configs.AUTOTUNE, configs.TMA, decode.FUSED_MERGE, attention.PRETURN_BWD_MAX_BYTES,"
-        " decode.GPU_CONFIG, decode.PROGRAMS_PER_SM, decode.HEAD_DIM_CONFIGS)",
-        REROPE_AUTOTUNE="false", REROPE_TMA="off", REROPE_FUSED_MERGE="RULE",
-        REROPE_PRETURN_BWD_MAX_BYTES="1e9", REROPE_DECODE_CONFIG="128,1,8,2,3")
+        "print(configs.AUTOTUNE, configs.TMA, attention.PRETURN_BWD_MAX_BYTES,"
+        " decode.launch_config(64))",
+        REROPE_AUTOTUNE="false", REROPE_TMA="off",
+        REROPE_PRETURN_BWD_MAX_BYTES="1e9", REROPE_DECODE_CONFIG="128,8,2,3")
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split("\n")[0] == (
-        "False 0 None 1000000000 {'BLOCK_N': 128, 'ANGLES': 1, 'num_warps': 8, 'num_stages': 2} "
-        "3 {}")
+        "False 0 1000000000 ({'BLOCK_N': 128, 'num_warps': 8, 'num_stages': 2}, 3)")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter is chosen without CUDA")

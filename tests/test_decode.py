@@ -1,18 +1,22 @@
-"""``rerope.rerope_decode``: split-KV decoding against the float64 oracle, and its bad input.
+"""``rerope.rerope_decode``: split-KV decoding against the float64 oracle, and its bad
+input.
 
-CPU (Triton's interpreter, 16-key tiles): ``Nq`` 1, 2, 5 over caches of 1, 17, 100 and 300
-slots, ``cache_seqlens`` different per row (1 and ``Nmax`` among them), GQA groups 1, 2 and 4,
-rotated and raw caches, Leaky ReRoPE and log-n, windows below and above the cache length,
-``num_splits`` 1, 3 and more splits than key tiles. Every slot at or past a row's length is NaN
-(a kernel that reads one returns NaN), and every buffer the launcher allocates starts as NaN
-(``poisoned_empty``: an output element never written shows). The oracle is
-``reference.rerope_from_relative_positions`` in float64, per batch row on the valid keys only.
+CPU (Triton's interpreter, 16-key tiles): ``Nq`` 1, 2, 5 over caches of 1, 17, 100 and
+300 slots, ``cache_seqlens`` different per row (1 and ``Nmax`` among them), GQA groups
+1, 2 and 4, rotated and raw caches, Leaky ReRoPE and log-n, windows below and above the
+cache length, ``num_splits`` 1, 3 and more splits than key tiles. Every slot at or past
+a row's length is NaN (a kernel that reads one returns NaN), and every buffer the
+launcher allocates starts as NaN (``poisoned_empty``: an output element never written
+shows). The oracle is ``reference.rerope_from_relative_positions`` in float64, per batch
+row on the valid keys only.
 
-A decode step must equal the matching rows of a prefill (``rerope.rerope`` and the reference).
+A decode step must equal the matching rows of a prefill (``rerope.rerope`` and the
+reference).
 
-GPU (``-m gpu``, skipped without CUDA): the benchmark shapes at 128k keys against a float32
-reference computed per batch row and KV-head group; out-of-range ``cache_seqlens`` give NaN
-rows; a CUDA-graph replay with lengths updated in place equals eager calls.
+GPU (``-m gpu``, skipped without CUDA): the benchmark shapes at 128k keys against a
+float32 reference computed per batch row and KV-head group; out-of-range
+``cache_seqlens`` give NaN rows; a CUDA-graph replay with lengths updated in place
+equals eager calls.
 """
 
 from dataclasses import asdict, dataclass
@@ -21,7 +25,7 @@ import pytest
 import torch
 
 import rerope
-from rerope import configs, decode, reference, rope
+from rerope import decode, reference, rope
 from rerope_testing import (close_problems, describe, kernel_device, poisoned_empty, randn,
                             tolerance)
 
@@ -139,20 +143,25 @@ def test_oracle_comparison_catches_a_window_off_by_one(gen):
     assert close_problems("out", wrong, want, tolerance(F32))
 
 
-@pytest.mark.parametrize("angles", [0, 1, 2, 3])
-def test_every_angle_variant(angles, gen, monkeypatch):
-    """Each way of getting a key tile's angles (``ANGLES``, see ``decode._decode_pass``) is
-    exact, for both conventions (the rotated cache turns keys outside, the raw one inside)."""
-    config = decode.GPU_CONFIG if kernel_device() == "cuda" else decode.INTERPRETER_CONFIG
-    monkeypatch.setitem(config, "ANGLES", angles)
+@pytest.mark.parametrize("block_n", [16, 32])
+def test_tile_sizes_from_the_config(block_n, gen):
+    """``Config.decode_config`` sets the key tile (here under the interpreter too): 16-
+    and 32-key tiles are exact for both conventions (the rotated cache turns keys
+    outside the window, the raw one inside), and each configuration gets its own
+    plan."""
     for rotated in (True, False):
         case = DecodeCase(100, (100, 41), 3, 20, hq=4, hkv=2, rotated=rotated, leaky=4.0,
                           num_splits=3)
         q, k_cache, v_cache, lengths = make_cache(gen, case, 2, kernel_device())
-        out = run_kernel(q, k_cache, v_cache, lengths, case)
+        with rerope.using_config(decode_config=(block_n, 4, 3, 2)):
+            out = run_kernel(q, k_cache, v_cache, lengths, case)
+            plan = decode.decode_plan(q, k_cache, v_cache, case.window, lengths,
+                                      leaky=case.leaky, rotated=rotated, num_splits=3)
+        assert plan.constexprs["BLOCK_N"] == block_n
         problems = close_problems("out", out, oracle(q, k_cache, v_cache, lengths, case),
                                   tolerance(F32))
-        assert not problems, f"ANGLES={angles} rotated={rotated}\n" + "\n".join(problems)
+        where = f"BLOCK_N={block_n} rotated={rotated}"
+        assert not problems, where + "\n" + "\n".join(problems)
 
 
 TMA_CASES = [   # the descriptor path: NaN past every length, ragged rows, both conventions
@@ -166,50 +175,48 @@ TMA_CASES = [   # the descriptor path: NaN past every length, ragged rows, both 
 
 
 @pytest.mark.parametrize("case", TMA_CASES, ids=DecodeCase.id)
-def test_tma_descriptors_match_oracle_and_pointer_loads(case, gen, monkeypatch):
-    """K and V through tensor descriptors (``TMA``, forced by ``REROPE_TMA=1``: the
-    interpreter runs it too) give the pointer loads' output bit for bit and match the oracle;
-    the slots past each row's length (NaN) stay unread."""
-    from rerope import configs
-
+def test_tma_descriptors_match_oracle_and_pointer_loads(case, gen):
+    """K and V through tensor descriptors (``TMA``, forced by ``tma="on"``: the
+    interpreter runs it too) give the pointer loads' output bit for bit and match the
+    oracle; the slots past each row's length (NaN) stay unread."""
     q, k_cache, v_cache, lengths = make_cache(gen, case, len(case.lengths), kernel_device())
     outs = {}
-    for mode in ("0", "1"):
-        monkeypatch.setattr(configs, "TMA", mode)
-        assert decode.use_tma(k_cache, v_cache, False, 1) == (mode == "1")
-        outs[mode] = run_kernel(q, k_cache, v_cache, lengths, case)
-    assert torch.isfinite(outs["1"]).all(), "a descriptor load read a slot past a length"
-    assert torch.equal(outs["1"], outs["0"]), "descriptor and pointer loads differ"
-    problems = close_problems("out", outs["1"], oracle(q, k_cache, v_cache, lengths, case),
-                              tolerance(case.dtype))
+    for mode in ("off", "on"):
+        with rerope.using_config(tma=mode):
+            assert decode.use_tma(k_cache, v_cache, False, 1) == (mode == "on")
+            outs[mode] = run_kernel(q, k_cache, v_cache, lengths, case)
+    assert torch.isfinite(outs["on"]).all(), "a descriptor load read past a length"
+    assert torch.equal(outs["on"], outs["off"]), "descriptor and pointer loads differ"
+    want = oracle(q, k_cache, v_cache, lengths, case)
+    problems = close_problems("out", outs["on"], want, tolerance(case.dtype))
     assert not problems, describe(gen, **asdict(case)) + "\n" + "\n".join(problems)
 
 
-def test_tma_only_where_the_layout_allows(gen, monkeypatch):
-    """Forced or not, no descriptors for a paged cache or a layout TMA cannot take (a start or
-    a row stride that is not 16-byte aligned): those calls read through pointers, and stay
-    exact; under ``REROPE_TMA=auto`` the interpreter never uses them, nor a GPU for splits
-    shorter than ``TMA_MIN_KEYS`` keys."""
-    from rerope import configs
-
-    monkeypatch.setattr(configs, "TMA", "1")
+def test_tma_only_where_the_layout_allows(gen):
+    """Forced or not, no descriptors for a paged cache or a layout TMA cannot take (a
+    start or a row stride that is not 16-byte aligned): those calls read through
+    pointers, and stay exact; under ``tma="auto"`` the interpreter never uses them, nor
+    a GPU for head dims outside ``TMA_HEAD_DIMS`` or splits shorter than
+    ``TMA_MIN_KEYS`` keys."""
     case = DecodeCase(40, (40, 31), 1, 8, hq=4, hkv=2, dtype=F16, d=16)
     q, k_cache, v_cache, lengths = make_cache(gen, case, 2, kernel_device())
-    assert decode.use_tma(k_cache, v_cache, False, 1)
-    assert not decode.use_tma(k_cache, v_cache, True, 1 << 20)
+    assert decode.use_tma(k_cache, v_cache, False, 1, "on")
+    assert not decode.use_tma(k_cache, v_cache, True, 1 << 20, "on")
     wide = torch.zeros(2, 2, 40, 17, dtype=F16, device=k_cache.device)
     wide[..., 1:] = k_cache
     shifted = wide[..., 1:]          # unaligned start, 34-byte row stride
-    assert not decode.use_tma(shifted, v_cache, False, 1 << 20)
-    out = run_kernel(q, shifted, v_cache, lengths, case)
+    assert not decode.use_tma(shifted, v_cache, False, 1 << 20, "on")
+    with rerope.using_config(tma="on"):
+        out = run_kernel(q, shifted, v_cache, lengths, case)
     problems = close_problems("out", out, oracle(q, shifted, v_cache, lengths, case),
                               tolerance(F16))
     assert not problems, "\n".join(problems)
-    monkeypatch.setattr(configs, "TMA", "auto")
-    monkeypatch.setattr(decode, "TMA_HEAD_DIMS", (16,))
+    assert not decode.use_tma(k_cache, v_cache, False, 1 << 20, "auto")     # D=16
+    k64, v64 = (torch.zeros(1, 1, 8, 64, dtype=F16, device=k_cache.device)
+                for _ in "kv")
     on_hopper = kernel_device() == "cuda" and torch.cuda.get_device_capability()[0] >= 9
-    assert decode.use_tma(k_cache, v_cache, False, decode.TMA_MIN_KEYS) == on_hopper
-    assert not decode.use_tma(k_cache, v_cache, False, decode.TMA_MIN_KEYS - 1)
+    assert decode.use_tma(k64, v64, False, decode.TMA_MIN_KEYS, "auto") == on_hopper
+    assert not decode.use_tma(k64, v64, False, decode.TMA_MIN_KEYS - 1, "auto")
 
 
 def test_split_counts_agree(gen):
@@ -224,15 +231,15 @@ def test_split_counts_agree(gen):
         assert not problems, "\n".join(problems)
 
 
-# --- a decode step is a row of the prefill ---------------------------------------------------
+# --- a decode step is a row of the prefill --------------------------------------------
 
 
 @pytest.mark.parametrize("rotated, leaky, logn_len", [(False, None, None), (True, None, None),
                                                      (True, 8.0, 16)],
                          ids=["raw", "rotated", "rotated-leaky-logn"])
 def test_decode_equals_prefill_rows(rotated, leaky, logn_len, gen):
-    """Prefill ``N`` tokens with ``rerope.rerope``; decoding the tokens ``t - Nq … t - 1`` of
-    each row against the cache of its first ``t`` keys gives the same rows."""
+    """Prefill ``N`` tokens with ``rerope.rerope``; decoding the tokens ``t - Nq … t -
+    1`` of each row against the cache of its first ``t`` keys gives the same rows."""
     device = kernel_device()
     batch, hq, hkv, n, d, window, n_queries = 2, 2, 1, 40, 32, 12, 2
     q, k, v = (randn(gen, batch, h, n, d, dtype=F32, device=device) for h in (hq, hkv, hkv))
@@ -260,13 +267,13 @@ def test_decode_equals_prefill_rows(rotated, leaky, logn_len, gen):
         assert not problems, "\n".join(problems)
 
 
-# --- how a split walks its keys --------------------------------------------------------------
+# --- how a split walks its keys -------------------------------------------------------
 
 
 def chunk_problems(bounds, n_keys, n_queries, window, block_n):
-    """Check ``decode.chunk_map`` against brute force: the splits partition ``[0, n_keys)`` in
-    order; unmasked walks hold only keys of their kind for every query; every visible pair is
-    seen by its product's walks."""
+    """Check ``decode.chunk_map`` against brute force: the splits partition ``[0,
+    n_keys)`` in order; unmasked walks hold only keys of their kind for every query;
+    every visible pair is seen by its product's walks."""
     problems, expected_lo = [], 0
     queries = range(n_keys - n_queries, n_keys)
     for split, (lo, c1, c2, c3, hi) in enumerate(bounds.tolist()):
@@ -307,12 +314,13 @@ def test_chunk_walks(n_keys):
                                       f"splits={num_splits}:\n" + "\n".join(problems[:10]))
 
 
-# --- the splits rule --------------------------------------------------------------------------
+# --- the splits rule ------------------------------------------------------------------
 
 
 def test_default_num_splits():
-    """The documented numbers: one wave of two programs per SM (132 SMs) at batch 1, fewer
-    splits at batch 8, chunks of >= MIN_KEYS_PER_SPLIT keys, never more than MAX_SPLITS."""
+    """The documented numbers: one wave of two programs per SM (132 SMs) at batch 1,
+    fewer splits at batch 8, chunks of >= MIN_KEYS_PER_SPLIT keys, never more than
+    MAX_SPLITS."""
     rule = decode.default_num_splits
     assert rule(1, 8, 4, 1, 131072, 132) == 33
     assert rule(8, 8, 4, 1, 131072, 132) == 4
@@ -329,7 +337,7 @@ def test_default_num_splits():
             assert splits == 1 or n_max / splits >= decode.MIN_KEYS_PER_SPLIT / 2
 
 
-# --- bad input ----------------------------------------------------------------------------------
+# --- bad input ------------------------------------------------------------------------
 
 
 def _inputs(batch=2, hq=4, hkv=2, n_queries=2, n_max=20, d=32, dtype=F32):
@@ -387,18 +395,20 @@ def test_bad_input(what, build, error, words):
     assert words in str(raised.value), f"{what}: message {str(raised.value)!r} lacks {words!r}"
 
 
-def test_out_of_range_lengths_give_nan_rows(monkeypatch, gen):
-    """Where lengths are not checked on the host (a GPU), the kernel poisons the rows with an
-    out-of-range length and computes the others normally. Here the host check is switched off
-    to exercise that path on any device."""
-    monkeypatch.setattr(decode, "_check_lengths_on_host", lambda *args: None)
+def test_out_of_range_lengths_give_nan_rows(gen):
+    """Where lengths are not checked on the host (a GPU), the kernel poisons the rows
+    with an out-of-range length and computes the others normally. Here the plan's launch
+    is called past the host check (``decode._launch``) to exercise that path on any
+    device."""
     case = DecodeCase(20, (20, 1, 21, 9), 2, 4, hq=2, hkv=1, num_splits=2)
     q, k_cache, v_cache, _ = make_cache(gen, DecodeCase(**{**asdict(case), "lengths": (20,) * 4}),
                                         4, kernel_device())
     lengths = _lengths(*case.lengths)
     for splits in (1, 2):
-        out = run_kernel(q, k_cache, v_cache, lengths, DecodeCase(**{**asdict(case),
-                                                                    "num_splits": splits}))
+        plan = decode.decode_plan(q, k_cache, v_cache, case.window, lengths,
+                                  num_splits=splits)
+        with poisoned_empty():
+            out = decode._launch(plan, 20, q, k_cache, v_cache, lengths, None)
         assert out[1].isnan().all() and out[2].isnan().all(), "bad rows must be NaN"
         good = DecodeCase(**{**asdict(case), "lengths": (20, 9)})
         want = oracle(q[[0, 3]], k_cache[[0, 3]], v_cache[[0, 3]], _lengths(20, 9), good)
@@ -406,117 +416,133 @@ def test_out_of_range_lengths_give_nan_rows(monkeypatch, gen):
         assert not problems, "\n".join(problems)
 
 
-# --- the merge folded into the split kernel ------------------------------------------------------
+# --- plans ----------------------------------------------------------------------------
 
 
-def _plan_of(q, k_cache, v_cache, lengths, case, block_table=None):
-    return decode._plan(q, k_cache, v_cache, case.window, lengths, case.sm_scale, 10000.0,
-                        case.leaky, case.logn_len, case.rotated, case.num_splits, None,
-                        block_table)
+def test_a_growing_cache_uses_one_plan(gen):
+    """20 decode steps, the cache one key longer each step (a new tensor each time, as a
+    Hugging Face dynamic cache makes it) across the length where the splits rule goes
+    from one split to two: one plan, and every step matches the oracle."""
+    case = DecodeCase(270, (270,), 1, 100, hq=4, hkv=2)
+    q, k_full, v_full, _ = make_cache(gen, case, 1, kernel_device())
+    plans = set()
+    for n in range(250, 270):
+        k_cache, v_cache = k_full[:, :, :n].contiguous(), v_full[:, :, :n].contiguous()
+        with torch.no_grad():
+            out = rerope.rerope_decode(q, k_cache, v_cache, case.window)
+        plan = decode.decode_plan(q, k_cache, v_cache, case.window)
+        plans.add(id(plan))
+        want = oracle(q, k_cache, v_cache, _lengths(n), case)
+        problems = close_problems(f"step at {n} keys", out, want, tolerance(F32))
+        assert not problems, "\n".join(problems)
+    assert len(plans) == 1, f"{len(plans)} plans for one growing cache"
+    assert {key[0] for key in plan.launches} == {1, 2}, "the split count did not change"
 
 
-def counters_all_zero():
-    """Whether every merge-counter buffer (every device and stream) is back to zero."""
-    return all(not bool(c.any()) for c in decode._COUNTERS.values())
+def test_a_plan_runs_grown_caches_and_refuses_other_layouts(gen):
+    """``decode_plan`` / ``DecodePlan.run``: the plan of a short cache runs a cache long
+    enough to outgrow its rotation tables (same result as ``rerope_decode``); tensors of
+    another dtype or with the length below ``Nq`` are refused, naming what is wrong."""
+    device = kernel_device()
+    q = randn(gen, 1, 2, 2, 16, dtype=F32, device=device)
+    k, v = (randn(gen, 1, 1, 4000, 16, dtype=F32, device=device) for _ in "kv")
+    plan = decode.decode_plan(q, k[:, :, :10], v[:, :, :10], 64, num_splits=4)
+    with torch.no_grad():
+        plan.run(q, k[:, :, :10], v[:, :, :10])
+        first = plan.tables.tables
+        got = plan.run(q, k, v)
+        want = rerope.rerope_decode(q, k, v, 64, num_splits=4)
+    assert decode.decode_plan(q, k, v, 64, num_splits=4) is plan
+    assert plan.tables.tables is not first and plan.tables.retired == [first]
+    assert torch.equal(got, want)
+    exact = reference.rerope_from_relative_positions(
+        q.double(), k.double(), v.double(), 64, causal=True, rotated=True)
+    assert not close_problems("long", got, exact, tolerance(F32))
+    with pytest.raises(ValueError, match="do not match this DecodePlan"):
+        plan.run(q.half(), k.half(), v.half())
+    with pytest.raises(ValueError, match="Nq <= Nk"):
+        plan.run(q, k[:, :, :1], v[:, :, :1])
 
 
-FUSED_CASES = [   # (case, MERGE_ROWS, other decode settings)
-    # one split: nothing to merge, one launch either way
-    (DecodeCase(100, (100, 37), 1, 20, hq=4, hkv=2, num_splits=1), 1, {}),
-    # GQA, batch 3, Nq 1 and 3, a few splits
-    (DecodeCase(100, (100, 37, 64), 1, 20, hq=4, hkv=2, num_splits=3), 1, {}),
-    (DecodeCase(100, (100, 5), 3, 20, hq=8, hkv=2, num_splits=4, leaky=8.0), 4, {}),
-    # more splits than key tiles (100 keys, 7 tiles): the spare splits weigh nothing
-    (DecodeCase(100, (100, 60), 2, 33, hq=4, hkv=1, num_splits=40), 1, {}),
-    # two row blocks per KV head (16 heads x 5 queries = 80 rows > MAX_BLOCK_M = 64), rows
-    # merged 4 at a time (the last block: 16 rows)
-    (DecodeCase(40, (40, 23), 5, 9, hq=16, hkv=1, num_splits=2, rotated=False), 4, {}),
-    # splits beyond one merge step (4 per step): the two passes (log-sum-exps, then partials)
-    (DecodeCase(300, (300, 250), 2, 33, hq=4, hkv=2, num_splits=11, logn_len=32), 2,
-     {"MERGE_SPLITS_BLOCK": 4}),
-]
+# --- what the compiler takes (the interpreter accepts more) ---------------------------
 
 
-@pytest.mark.parametrize("case, merge_rows, settings", FUSED_CASES,
-                         ids=[f"{c.id()}-rows{r}" + "".join(f"-{k}{v}" for k, v in o.items())
-                              for c, r, o in FUSED_CASES])
-def test_fused_merge_equals_two_launches(case, merge_rows, settings, gen, monkeypatch):
-    """The split kernel's own merge (``FUSED_MERGE``, one launch) gives the bits of the
-    two-launch path (split kernel, then the merge kernel) and matches the float64 oracle;
-    under poisoned allocations; the counters are zero after each call and a repeated call
-    gives the same output. Both paths merge ``merge_rows`` rows at once here; the merge in
-    one step and in two passes (:func:`decode.merge_blocks`) are both run."""
-    monkeypatch.setattr(decode, "MERGE_ROWS", merge_rows)
-    monkeypatch.setattr(decode, "FUSED_MERGE_ROWS", merge_rows)
-    for name, value in settings.items():
-        monkeypatch.setattr(decode, name, value)
-    one_step = case.num_splits <= decode.merge_blocks(case.num_splits, case.d, merge_rows)[0]
-    assert one_step == (not settings)
-    q, k_cache, v_cache, lengths = make_cache(gen, case, len(case.lengths), kernel_device())
-    outs = {}
-    for fused in (False, True):
-        monkeypatch.setattr(decode, "FUSED_MERGE", fused)
-        plan = _plan_of(q, k_cache, v_cache, lengths, case)
-        assert plan.fused == (fused and case.num_splits > 1)
-        outs[fused] = run_kernel(q, k_cache, v_cache, lengths, case)
-        assert counters_all_zero(), "a merge counter was left non-zero"
-    assert torch.equal(outs[True], outs[False]), "fused merge differs from the merge kernel"
-    again = run_kernel(q, k_cache, v_cache, lengths, case)
-    assert torch.equal(again, outs[True]) and counters_all_zero()
-    problems = close_problems("out", outs[True], oracle(q, k_cache, v_cache, lengths, case),
-                              tolerance(case.dtype))
-    assert not problems, "\n".join(problems)
+_COMPILE_CHILD = r'''
+import json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from rerope import decode
+
+def split_source(dtype, paged, lengths, tma):
+    """The split kernel as a launch specialises it: tuple strides (the last one 1),
+    ``None`` for absent lengths and block table."""
+    fn, sig, const, attrs = decode._decode_split_kernel, {}, {}, {}
+    div = [["tt.divisibility", 16]]
+    for i, p in enumerate(fn.params):
+        n = p.name
+        if p.is_constexpr:
+            sig[n] = "constexpr"
+        elif (n == "SeqLens" and not lengths) or (n == "BlockTable" and not paged):
+            sig[n], const[n] = "constexpr", None
+        elif n in ("SeqLens", "BlockTable"):
+            sig[n], attrs[(i,)] = "*i32", div
+        elif n in ("Out", "Lse", "TableIn", "OffsetIn", "TableOut", "OffsetOut"):
+            sig[n], attrs[(i,)] = "*fp32", div
+        elif n[0].isupper():
+            sig[n], attrs[(i,)] = "*" + dtype, div
+        elif n.endswith("_strides"):
+            width = 2 if n == "table_strides" else 4
+            sig[n] = ("i32",) * (width - 1) + ("constexpr",)
+            const[(i, width - 1)] = 1
+            attrs.update({(i, j): div for j in range(width - 1)})
+        else:
+            sig[n] = "fp32" if n in ("qk_scale", "logn_factor") else "i32"
+    const.update(HEAD_DIM=128, BLOCK_M=16, BLOCK_N=64, TURN_IN=False, TURN_OUT=True,
+                 ROW_PER_KEY=paged, LOGN=True, WRITE_LSE=True,
+                 PAGE_SIZE=16 if paged else 0,
+                 TMA=tma, DOT_PRECISION="tf32x3" if dtype == "fp32" else "tf32")
+    return ASTSource(fn, sig, const, attrs)
+
+merge = ASTSource(decode._decode_merge_kernel,
+                  {"Part": "*fp32", "PartLse": "*fp32", "Out": "*bf16", "n_rows": "i32",
+                   "num_splits": "i32", "HEAD_DIM": "constexpr", "ROWS": "constexpr",
+                   "SPLITS_BLOCK": "constexpr", "LSE_BLOCK": "constexpr"},
+                  dict(HEAD_DIM=128, ROWS=1, SPLITS_BLOCK=64, LSE_BLOCK=64), {})
+jobs = [(90, split_source("bf16", False, True, True)),
+        (90, split_source("fp16", True, True, False)),
+        (80, split_source("bf16", False, False, False)),
+        (75, split_source("fp32", False, True, False)), (90, merge)]
+for cap, source in jobs:
+    kernel = triton.compile(source, target=GPUTarget("cuda", cap, 32),
+                            options={"num_warps": 4, "num_stages": 3})
+    print(json.dumps([cap, kernel.metadata.shared]))
+'''
 
 
-def test_fused_merge_rule_and_bad_lengths(monkeypatch, gen):
-    """The rule: the merge is fused where it is one step for the program's rows (at most
-    ``FUSED_MERGE_ROWS`` rows, every split in one load: 16 splits at D=128, 32 at D=64), and
-    ``FUSED_MERGE`` forces either path; rows with an out-of-range length come out NaN through
-    the fused merge too (the host check switched off), the others right."""
-    rule, splits = decode.fused_merge, decode.default_num_splits
-    def setting(value):
-        return configs.Settings.from_environment({"REROPE_FUSED_MERGE": value}).fused_merge
-    assert setting("0") is False and not rule(4, 4, 128)    # the default
-    with pytest.raises(ValueError, match="REROPE_FUSED_MERGE"):
-        setting("sometimes")
-    monkeypatch.setattr(decode, "FUSED_MERGE", None)                          # the rule
-    assert rule(splits(8, 8, 4, 1, 131072), 4, 128) and rule(splits(1, 8, 4, 1, 4096), 4, 128)
-    assert not rule(splits(1, 8, 4, 1, 131072), 4, 128)             # 33 splits: two launches
-    assert rule(32, 4, 64) and not rule(33, 4, 64) and not rule(16, 4, 256)
-    assert not rule(4, 8, 128) and not rule(1, 4, 128) and rule(2, 1, 128)
-    monkeypatch.setattr(decode, "FUSED_MERGE", False)
-    assert not rule(3, 4, 128)
-    monkeypatch.setattr(decode, "FUSED_MERGE", True)
-    assert not rule(1, 4, 128) and rule(64, 64, 128)
-    monkeypatch.setattr(decode, "_check_lengths_on_host", lambda *args: None)
-    case = DecodeCase(20, (20, 1, 21, 9), 2, 4, hq=2, hkv=1, num_splits=3)
-    q, k_cache, v_cache, _ = make_cache(gen, DecodeCase(**{**asdict(case), "lengths": (20,) * 4}),
-                                        4, kernel_device())
-    out = run_kernel(q, k_cache, v_cache, _lengths(*case.lengths), case)
-    assert out[1].isnan().all() and out[2].isnan().all(), "bad rows must be NaN"
-    assert counters_all_zero()
-    good = DecodeCase(**{**asdict(case), "lengths": (20, 9)})
-    want = oracle(q[[0, 3]], k_cache[[0, 3]], v_cache[[0, 3]], _lengths(20, 9), good)
-    assert not close_problems("good rows", out[[0, 3]], want, tolerance(F32))
+def test_kernels_compile_for_every_gpu(tmp_path):
+    """The interpreter runs code the compiler refuses (a plain global in a kernel, say):
+    the split kernel (tuple strides, ``None`` lengths, paged, TMA) and the merge kernel
+    cross-compile for sm_75, sm_80 and sm_90 here, no GPU needed."""
+    import importlib.util
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
 
+    if importlib.util.find_spec("triton.backends.nvidia") is None:
+        pytest.skip("this Triton has no NVIDIA backend")
+    root = Path(__file__).resolve().parents[1]
+    script = tmp_path / "compile_decode.py"
+    script.write_text(_COMPILE_CHILD, encoding="utf-8")
+    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_DEFAULT_FP_FUSION": "1",
+           "PYTHONPATH": os.pathsep.join([str(root / "kernels"), str(root)])}
+    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert len(done.stdout.splitlines()) == 5, done.stdout
 
-def test_merge_counters_grow_and_stay(monkeypatch):
-    """``merge_counters``: at least ``MIN_COUNTERS`` zeros per (device, stream), the same
-    buffer while it is large enough, a larger one when not (the outgrown one kept alive: a
-    captured graph may still use it)."""
-    monkeypatch.setattr(decode, "_COUNTERS", {})
-    monkeypatch.setattr(decode, "_RETIRED", [])
-    device = torch.device(kernel_device(), 0) if kernel_device() == "cuda" else torch.device("cpu")
-    first = decode.merge_counters(device, 10)
-    assert first.dtype == torch.int32 and first.numel() == decode.MIN_COUNTERS
-    assert not first.any() and first.device == device
-    assert decode.merge_counters(device, decode.MIN_COUNTERS) is first
-    bigger = decode.merge_counters(device, decode.MIN_COUNTERS + 1)
-    assert bigger.numel() == decode.MIN_COUNTERS + 1 and not bigger.any()
-    assert decode._RETIRED == [first] and decode.merge_counters(device, 5) is bigger
-
-
-# --- GPU ------------------------------------------------------------------------------------------
+# --- GPU ------------------------------------------------------------------------------
 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -578,9 +604,48 @@ def test_gpu_128k(batch, n_queries, window, rotated, leaky, logn_len, lengths, g
 
 @pytest.mark.gpu
 @needs_gpu
+@pytest.mark.parametrize("paged", [False, True])
+def test_gpu_growing_cache_one_plan_bound_launches(paged, gen):
+    """A cache growing one key per step on a GPU (contiguous: a new tensor each step,
+    lengths given or not; paged: the lengths grow): one plan per kind of call; from the
+    second call of each split count its launches skip Triton's launch path (tuple
+    strides, ``None`` lengths through the bound launcher) and give the first call's
+    bits; every step matches the float64 oracle."""
+    case = DecodeCase(1040, (1040,), 2, 100, hq=8, hkv=2, d=64, dtype=BF16)
+    q, k_full, v_full, _ = make_cache(gen, case, 2, "cuda")
+    plans = set()
+    for n in range(1020, 1040):
+        k_cache, v_cache = k_full[:, :, :n].contiguous(), v_full[:, :, :n].contiguous()
+        lengths = torch.full((2,), n, dtype=torch.int32, device="cuda")
+        kwargs = {}
+        if paged:       # a fixed pool and table of 16-key pages; the lengths grow
+            k_cache, v_cache = (torch.nn.functional.pad(c, (0, 0, 0, 1056 - 1040))
+                                .reshape(2, 2, 66, 16, 64).permute(0, 2, 3, 1, 4)
+                                .reshape(2 * 66, 16, 2, 64) for c in (k_full, v_full))
+            kwargs["block_table"] = torch.arange(2 * 66, dtype=torch.int32,
+                                                 device="cuda").view(2, 66)
+        seqlens = lengths if paged or n % 2 else None
+        with torch.no_grad():
+            first = rerope.rerope_decode(q, k_cache, v_cache, case.window,
+                                         cache_seqlens=seqlens, **kwargs)
+            again = rerope.rerope_decode(q, k_cache, v_cache, case.window,
+                                         cache_seqlens=seqlens, **kwargs)
+        plan = decode.decode_plan(q, k_cache, v_cache, case.window, seqlens, **kwargs)
+        plans.add((seqlens is None, id(plan)))
+        assert plan.bound, f"step at {n} keys: a launch took Triton's path twice"
+        assert torch.equal(first, again), f"step at {n} keys: the bound launch differs"
+        want = oracle(q, k_full[:, :, :n], v_full[:, :, :n], lengths.cpu(), case)
+        problems = close_problems(f"step at {n} keys", first, want.to(first.device),
+                                  tolerance(BF16, "gpu"))
+        assert not problems, "\n".join(problems)
+    assert len(plans) == (1 if paged else 2), plans
+
+
+@pytest.mark.gpu
+@needs_gpu
 def test_gpu_out_of_range_lengths_and_graph_replay(gen):
-    """On a GPU: out-of-range lengths give NaN rows (no host check); a CUDA graph captured once
-    replays correctly after the lengths change in place."""
+    """On a GPU: out-of-range lengths give NaN rows (no host check); a CUDA graph
+    captured once replays correctly after the lengths change in place."""
     case = DecodeCase(300, (300, 0, 301, 77), 1, 40, hq=4, hkv=2, dtype=F16)
     q, k_cache, v_cache, _ = make_cache(gen, DecodeCase(**{**asdict(case), "lengths": (300,) * 4}),
                                         4, "cuda")
@@ -607,86 +672,38 @@ def test_gpu_out_of_range_lengths_and_graph_replay(gen):
         assert not problems, "\n".join(problems)
 
 
-@pytest.mark.gpu
-@needs_gpu
-@pytest.mark.parametrize("d, merge_rows", [(64, 1), (128, 1), (128, 4)])
-def test_gpu_fused_merge_equals_two_launches(d, merge_rows, monkeypatch):
-    """Benchmark-sized caches (32k keys, bf16, Hq=32, Hkv=8): B=1 (33 splits), B=8 (4), Nq 8
-    (32-row tiles), Nq 4 with per-row lengths: the fused merge gives the two-launch path's bits
-    (both merging ``merge_rows`` rows at once),
-    under poisoned allocations, and leaves every counter at zero."""
-    monkeypatch.setattr(decode, "MERGE_ROWS", merge_rows)
-    monkeypatch.setattr(decode, "FUSED_MERGE_ROWS", merge_rows)
-    torch.manual_seed(d)
-    k = torch.randn(8, 8, 32768, d, device="cuda", dtype=BF16)
-    v = torch.randn_like(k)
-    for batch, nq, lengths in ((1, 1, None), (8, 1, None), (1, 8, None),
-                               (3, 4, (32768, 5000, 17))):
-        q = torch.randn(batch, 32, nq, d, device="cuda", dtype=BF16)
-        seqlens = torch.tensor(lengths or (32768,) * batch, dtype=torch.int32, device="cuda")
-        outs = {}
-        for fused in (False, True):
-            monkeypatch.setattr(decode, "FUSED_MERGE", fused)
-            with poisoned_empty():
-                outs[fused] = rerope.rerope_decode(q, k[:batch], v[:batch], 2048,
-                                                   cache_seqlens=seqlens)
-        torch.cuda.synchronize()
-        assert torch.isfinite(outs[True]).all()
-        assert torch.equal(outs[True], outs[False]), f"B={batch} Nq={nq}: fused differs"
-        assert counters_all_zero(), f"B={batch} Nq={nq}: a counter was left non-zero"
-
-
-@pytest.mark.gpu
-@needs_gpu
-def test_gpu_fused_merge_graphs_and_streams(gen, monkeypatch):
-    """CUDA graphs of the fused merge (opted in: the rule): captured on a stream that never ran
-    a decode step (its counters are allocated and zeroed inside the capture), then again on
-    that stream (its buffer kept); replayed several times they equal the eager call and leave
-    the counters at zero (no memset per replay needed). Two other streams get buffers of their
-    own."""
-    monkeypatch.setattr(decode, "FUSED_MERGE", None)
-    case = DecodeCase(4096, (4096, 1000, 3001), 1, 512, hq=32, hkv=8, d=128, dtype=BF16,
-                      num_splits=8)
-    q, k_cache, v_cache, lengths = make_cache(gen, case, 3, "cuda")
-    settings = dict(cache_seqlens=lengths, num_splits=8)
-    want = rerope.rerope_decode(q, k_cache, v_cache, case.window, **settings)
-    assert _plan_of(q, k_cache, v_cache, lengths, case).fused
-    stream = torch.cuda.Stream()
-    graphs = []
-    for _ in range(2):
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream):
-            out = rerope.rerope_decode(q, k_cache, v_cache, case.window, **settings)
-        graphs.append((graph, out))
-    for graph, out in graphs + graphs[::-1]:
+def _tma_call(q, k_cache, v_cache, seqlens, d, tma, graph):
+    """One call under the active ``tma`` mode, checking the plan's TMA decision at 32k
+    keys; with ``graph``, also captured in a CUDA graph and replayed (the same bits)."""
+    plan = decode.decode_plan(q, k_cache, v_cache, 2048, seqlens)
+    splits, uses_tma = plan.splits_for(32768)
+    rule = -(-32768 // splits) >= decode.TMA_MIN_KEYS
+    assert uses_tma == {"off": False, "on": True,
+                        "auto": rule and d in decode.TMA_HEAD_DIMS}[tma], (tma, splits)
+    with poisoned_empty():
+        out = rerope.rerope_decode(q, k_cache, v_cache, 2048, cache_seqlens=seqlens)
+    if graph:                        # the bound launches, captured, replayed
+        cuda_graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(cuda_graph):
+            captured = rerope.rerope_decode(q, k_cache, v_cache, 2048,
+                                            cache_seqlens=seqlens)
         for _ in range(3):
-            graph.replay()
+            cuda_graph.replay()
         torch.cuda.synchronize()
-        assert torch.equal(out, want), "a graph replay differs from the eager call"
-        assert counters_all_zero()
-    sides = torch.cuda.Stream(), torch.cuda.Stream()
-    outs = []
-    for side in sides:
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            outs.append(rerope.rerope_decode(q, k_cache, v_cache, case.window, **settings))
-    torch.cuda.synchronize()
-    assert all(torch.equal(out, want) for out in outs) and counters_all_zero()
-    streams = {stream for (device, stream) in decode._COUNTERS if device.type == "cuda"}
-    assert {s.cuda_stream for s in (stream, *sides)} <= streams
+        assert torch.equal(captured, out), ("graph", q.dtype, tma)
+    return out
 
 
 @pytest.mark.gpu
 @needs_gpu
 @pytest.mark.parametrize("d", [64, 128])
-def test_gpu_tma_gives_the_pointer_path_bits(d, monkeypatch):
-    """Benchmark-sized caches (32k keys, Hq=32, Hkv=8): B=8 in bf16 and fp16, B=1 (33 splits
-    of 993 keys), B=3 with ragged lengths and Nq=4, a transposed cache with ragged lengths: K
-    and V through TMA descriptors (forced) give the output of pointer loads bit for bit, eager
-    and (B=8) replayed from a CUDA graph, under poisoned allocations; ``REROPE_TMA=auto``
-    takes them where the splits are at least ``TMA_MIN_KEYS`` keys long."""
-    from rerope import configs
-
+def test_gpu_tma_gives_the_pointer_path_bits(d):
+    """Benchmark-sized caches (32k keys, Hq=32, Hkv=8): B=8 in bf16 and fp16, B=1 (33
+    splits of 993 keys), B=3 with ragged lengths and Nq=4, a transposed cache with
+    ragged lengths: K and V through TMA descriptors (forced) give the output of pointer
+    loads bit for bit, eager and (B=8) replayed from a CUDA graph, under poisoned
+    allocations; ``REROPE_TMA=auto`` takes them where the splits are at least
+    ``TMA_MIN_KEYS`` keys long."""
     torch.manual_seed(d)
     for dtype in (BF16, F16):
         k = torch.randn(8, 8, 32768, d, device="cuda", dtype=dtype)
@@ -701,28 +718,13 @@ def test_gpu_tma_gives_the_pointer_path_bits(d, monkeypatch):
             seqlens = torch.tensor(lengths or (32768,) * batch, dtype=torch.int32,
                                    device="cuda")
             outs = {}
-            for tma in ("0", "1", "auto"):
-                monkeypatch.setattr(configs, "TMA", tma)
-                plan = decode._plan(q, kc[:batch], vc[:batch], 2048, seqlens, None, 10000.0,
-                                    None, None, True, None)
-                rule = -(-32768 // plan.num_splits) >= decode.TMA_MIN_KEYS
-                want_tma = {"0": False, "1": True, "auto": rule and d in decode.TMA_HEAD_DIMS}
-                assert plan.split.constexprs["TMA"] == want_tma[tma], (tma, plan.num_splits)
-                with poisoned_empty():
-                    outs[tma] = rerope.rerope_decode(q, kc[:batch], vc[:batch], 2048,
-                                                     cache_seqlens=seqlens)
-                if batch == 8 and tma != "auto":     # the bound launches, captured, replayed
-                    graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph):
-                        captured = rerope.rerope_decode(q, kc[:batch], vc[:batch], 2048,
-                                                        cache_seqlens=seqlens)
-                    for _ in range(3):
-                        graph.replay()
-                    torch.cuda.synchronize()
-                    assert torch.equal(captured, outs[tma]), ("graph", dtype, tma)
+            for tma in ("off", "on", "auto"):
+                with rerope.using_config(tma=tma):
+                    outs[tma] = _tma_call(q, kc[:batch], vc[:batch], seqlens, d, tma,
+                                          graph=batch == 8 and tma != "auto")
             torch.cuda.synchronize()
-            assert torch.isfinite(outs["0"]).all()
-            for tma in ("1", "auto"):
-                assert torch.equal(outs[tma], outs["0"]), f"{dtype} B={batch} Nq={nq} {tma}"
+            assert torch.isfinite(outs["off"]).all()
+            for tma in ("on", "auto"):
+                assert torch.equal(outs[tma], outs["off"]), (dtype, batch, nq, tma)
         del k, v
         torch.cuda.empty_cache()

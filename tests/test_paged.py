@@ -1,16 +1,18 @@
-"""``rerope.rerope_decode`` on a paged KV cache (``block_table``, FlashAttention's layout).
+"""``rerope.rerope_decode`` on a paged KV cache (``block_table``, FlashAttention's
+layout).
 
 The same data as a contiguous cache, scattered into random, non-monotone pages of a pool
-``(num_blocks, block_size, Hkv, D)``: the paged call must give the contiguous call's output
-(and the float64 oracle's). Every page a row does not use, and every slot past a row's length
-inside its last page, is NaN; block-table entries past a row's length point at NaN pages or
-out of the pool (a kernel that read one would return NaN, or fail). Per-row lengths, GQA,
-``Nq > 1``, rotated and raw caches, Leaky ReRoPE, batch > 1, pages smaller and larger than
-the key tile (the interpreter's 16-key tiles, and 64-key ones). Bad block tables raise errors
-naming the argument; on a GPU an out-of-range entry gives NaN rows (no host check). The
-``torch.library`` op is opchecked on a paged call, and a paged call compiles under
-``torch.compile(fullgraph=True)``. CPU (Triton's interpreter), small and fast; ``-m gpu``: 32k-key
-caches in pages, a CUDA graph over a changing block table.
+``(num_blocks, block_size, Hkv, D)``: the paged call must give the contiguous call's
+output (and the float64 oracle's). Every page a row does not use, and every slot past a
+row's length inside its last page, is NaN; block-table entries past a row's length point
+at NaN pages or out of the pool (a kernel that read one would return NaN, or fail).
+Per-row lengths, GQA, ``Nq > 1``, rotated and raw caches, Leaky ReRoPE, batch > 1, pages
+smaller and larger than the key tile (the interpreter's 16-key tiles, and 64-key ones).
+Bad block tables raise errors naming the argument; on a GPU an out-of-range entry gives
+NaN rows (no host check). The ``torch.library`` op is opchecked on a paged call, and a
+paged call compiles under ``torch.compile(fullgraph=True)``. CPU (Triton's interpreter),
+small and fast; ``-m gpu``: 32k-key caches in pages, a CUDA graph over a changing block
+table.
 """
 
 from dataclasses import dataclass
@@ -61,16 +63,17 @@ CASES = [
     PagedCase(64, (130, 5), n_queries=5, window=7, hq=2, hkv=2, dtype=F16, num_splits=2),
     PagedCase(256, (300, 257), window=100, hq=4, hkv=2, dtype=BF16, max_blocks=3),
     PagedCase(16, (48, 48), n_queries=2, window=200, rotated=False),     # window > cache
-    # Self-Extend: G divides the interpreter's 16-key tile (angles split per tile) or not
+    # Self-Extend: G divides the interpreter's 16-key tile (angles split per tile) or
+    # not
     PagedCase(16, (70, 41), n_queries=2, window=20, group=4),
     PagedCase(32, (66,), window=20, group=5, hkv=1),
 ]
 
 
 def build(gen, case, device):
-    """``q``, the contiguous caches (NaN past each length), the paged pools, the block table
-    (random pages, non-monotone; entries past a row's length point at NaN pages or far out of
-    the pool) and the lengths."""
+    """``q``, the contiguous caches (NaN past each length), the paged pools, the block
+    table (random pages, non-monotone; entries past a row's length point at NaN pages or
+    far out of the pool) and the lengths."""
     batch, page = len(case.lengths), case.page
     max_blocks = case.max_blocks or -(-max(case.lengths) // page)
     n_max = max_blocks * page
@@ -129,39 +132,33 @@ def test_paged_equals_contiguous(case, gen):
     assert not problems, case.id() + "\n" + "\n".join(problems)
 
 
-@pytest.mark.parametrize("block_n, page, loads", [(64, 16, None), (64, 32, None), (32, 64, None),
-                                                  (128, 16, None), (64, 16, 0)])
-def test_pages_smaller_and_larger_than_the_tile(block_n, page, loads, gen, monkeypatch):
-    """Pages smaller than the key tile (table entries per page of the tile: scalar loads up to
-    ``MAX_SCALAR_PAGES`` pages, a gather per key beyond or when forced) and larger
-    (one entry per tile)."""
-    if kernel_device() == "cuda":
-        pytest.skip("the interpreter's tile size is changed here; the GPU runs its own")
-    monkeypatch.setitem(decode.INTERPRETER_CONFIG, "BLOCK_N", block_n)
-    monkeypatch.setattr(decode, "PAGE_LOADS_RULE", loads)
-    assert decode.page_loads(128, 16) == (0 if loads is None else loads)
-    decode._PLANS.clear()
+@pytest.mark.parametrize("block_n, page", [(64, 16), (64, 32), (32, 64), (128, 16)])
+def test_pages_smaller_and_larger_than_the_tile(block_n, page, gen):
+    """Pages smaller than the key tile (table entries per page of the tile: scalar loads
+    up to ``MAX_SCALAR_PAGES`` pages, a gather per key beyond: 128-key tiles of 16-key
+    pages) and larger (one entry per tile), the tile set through
+    ``Config.decode_config``."""
     case = PagedCase(page, (150, 70, 9), n_queries=2, hq=4, hkv=2, num_splits=2)
     q, k, v, k_pages, v_pages, table, lengths = build(gen, case, kernel_device())
-    got = decode_call(q, k_pages, v_pages, lengths, case, block_table=table)
+    with rerope.using_config(decode_config=(block_n, 4, 3, 2)):
+        got = decode_call(q, k_pages, v_pages, lengths, case, block_table=table)
     problems = close_problems("paged", got, oracle(q, k, v, lengths, case), tolerance(F32))
-    decode._PLANS.clear()
     assert not problems, "\n".join(problems)
 
 
 def test_paged_strided_pools_tables_and_the_plan(gen):
-    """Pools that are views of a ``(num_blocks, block_size, 2, Hkv, D)`` buffer and a block
-    table that is a slice of a wider one (any strides), and the plan: built once, reused by the
-    next call with the same shapes."""
+    """Pools that are views of a ``(num_blocks, block_size, 2, Hkv, D)`` buffer and a
+    block table that is a slice of a wider one (any strides), and the plan: made once,
+    reused by the next call with the same layout, and by one whose block table and pool
+    have grown."""
     case = PagedCase(16, (50, 31), n_queries=2)
     q, k, v, k_pages, v_pages, table, lengths = build(gen, case, kernel_device())
     joint = torch.stack([k_pages, v_pages], dim=2)           # (blocks, page, 2, Hkv, D)
-    decode._PLANS.clear()
+    plan = decode.decode_plan(q, joint[:, :, 0], joint[:, :, 1], case.window, lengths,
+                              block_table=table, num_splits=case.num_splits)
+    assert plan.page_size == 16
     got = decode_call(q, joint[:, :, 0], joint[:, :, 1], lengths, case, block_table=table)
     again = decode_call(q, joint[:, :, 0], joint[:, :, 1], lengths, case, block_table=table)
-    assert len(decode._PLANS) == 1
-    plan = next(iter(decode._PLANS.values()))
-    assert plan.page_size == 16 and plan.n_max == table.shape[1] * 16
     want = decode_call(q, k, v, lengths, case)
     assert not close_problems("strided pools", got, want, tolerance(F32))
     assert torch.equal(got, again)
@@ -170,41 +167,30 @@ def test_paged_strided_pools_tables_and_the_plan(gen):
     wide[:, :table.shape[1]] = table                          # a strided view of a wider table
     sliced = decode_call(q, k_pages, v_pages, lengths, case, block_table=wide[:, :table.shape[1]])
     assert torch.equal(sliced, got)
-
-
-@pytest.mark.parametrize("case", [
-    PagedCase(16, (100, 17, 64), n_queries=3, hq=8, hkv=2, num_splits=3),
-    PagedCase(32, (90, 33), n_queries=1, hq=4, hkv=1, num_splits=9, rotated=False),  # > tiles
-], ids=PagedCase.id)
-def test_paged_fused_merge_equals_two_launches(case, gen, monkeypatch):
-    """On a paged cache too, the split kernel's own merge gives the two-launch path's bits
-    (both merging the same rows at once; and the contiguous call's, and the oracle's), and
-    leaves every merge counter at zero."""
-    monkeypatch.setattr(decode, "MERGE_ROWS", decode.FUSED_MERGE_ROWS)
-    q, k, v, k_pages, v_pages, table, lengths = build(gen, case, kernel_device())
-    outs = {}
-    for fused in (False, True):
-        monkeypatch.setattr(decode, "FUSED_MERGE", fused)
-        outs[fused] = decode_call(q, k_pages, v_pages, lengths, case, block_table=table)
-        assert all(not bool(c.any()) for c in decode._COUNTERS.values())
-    assert torch.equal(outs[True], outs[False]), "fused merge differs from the merge kernel"
-    assert torch.equal(outs[True], decode_call(q, k, v, lengths, case))
-    problems = close_problems("fused paged vs float64", outs[True],
-                              oracle(q, k, v, lengths, case), tolerance(case.dtype))
-    assert not problems, "\n".join(problems)
+    grown = torch.cat([joint, joint[:2]])            # two more pages
+    longer = torch.cat([table, table[:, :1]], dim=1)  # one more entry
+    assert decode.decode_plan(q, grown[:, :, 0], grown[:, :, 1], case.window, lengths,
+                              block_table=longer, num_splits=case.num_splits) is plan
+    again = plan.run(q, grown[:, :, 0], grown[:, :, 1], lengths, longer)
+    assert torch.equal(again, got)
 
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")     # numpy on the NaN rows
-def test_out_of_range_entry_gives_nan_rows_without_host_check(gen, monkeypatch):
-    """What a GPU does (no host check there): a used entry outside the pool makes its row NaN,
-    the other rows stay right, and nothing outside the pool is read."""
+def test_out_of_range_entry_gives_nan_rows_without_host_check(gen):
+    """What a GPU does (no host check there; here the plan's launch is called past it):
+    a used entry outside the pool makes its row NaN, the other rows stay right, and
+    nothing outside the pool is read."""
     case = PagedCase(16, (40, 40, 20), num_splits=2)
     q, k, v, k_pages, v_pages, table, lengths = build(gen, case, kernel_device())
-    monkeypatch.setattr(decode, "_check_block_table_on_host", lambda *args: None)
     bad = table.clone()
     bad[1, 1] = k_pages.shape[0]                             # one past the last page
     bad[2, 0] = -1
-    got = decode_call(q, k_pages, v_pages, lengths, case, block_table=bad)
+    plan = decode.decode_plan(q, k_pages, v_pages, case.window, lengths,
+                              block_table=bad, rotated=case.rotated,
+                              num_splits=case.num_splits)
+    with poisoned_empty(), torch.no_grad():
+        got = decode._launch(plan, table.shape[1] * 16, q, k_pages, v_pages, lengths,
+                             bad)
     assert got[1:].isnan().all()
     assert not close_problems("row 0", got[:1], oracle(q, k, v, lengths, case)[:1],
                               tolerance(F32))
@@ -279,8 +265,8 @@ def test_opcheck_paged_decode_op(gen):
 
 
 def test_compile_paged_decode_fullgraph(gen):
-    """A paged call inside ``torch.compile(fullgraph=True)`` goes to the opaque op with its
-    block table and gives the eager result."""
+    """A paged call inside ``torch.compile(fullgraph=True)`` goes to the opaque op with
+    its block table and gives the eager result."""
     import torch._dynamo
 
     case = PagedCase(16, (40, 23), n_queries=2)
@@ -367,9 +353,9 @@ needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CU
 @needs_gpu
 @pytest.mark.parametrize("d", [64, 128])
 def test_gpu_paged_equals_contiguous_at_32k(d):
-    """Benchmark-sized caches (B=3, 32k keys, bf16) in random pages of 16, 64 and 256 keys:
-    bit-identical to the contiguous call (the same tiles in the same order), rows of different
-    lengths; pages past a length are NaN."""
+    """Benchmark-sized caches (B=3, 32k keys, bf16) in random pages of 16, 64 and 256
+    keys: bit-identical to the contiguous call (the same tiles in the same order), rows
+    of different lengths; pages past a length are NaN."""
     from benchmarks import decode as bench_decode
 
     torch.manual_seed(0)
@@ -391,8 +377,9 @@ def test_gpu_paged_equals_contiguous_at_32k(d):
 @pytest.mark.gpu
 @needs_gpu
 def test_gpu_paged_graph_replay_and_bad_entries(gen):
-    """A CUDA graph captured once replays a paged call after the lengths and the block table
-    change in place (a sequence moved to other pages); an out-of-range entry gives a NaN row."""
+    """A CUDA graph captured once replays a paged call after the lengths and the block
+    table change in place (a sequence moved to other pages); an out-of-range entry gives
+    a NaN row."""
     case = PagedCase(64, (300, 130, 64), n_queries=2, hq=8, hkv=2, d=64, dtype=F16,
                      num_splits=3, max_blocks=6)
     q, k, v, k_pages, v_pages, table, lengths = build(gen, case, "cuda")

@@ -1,10 +1,11 @@
-"""State that outlives a call: threads, the fused merge's counters, a non-finite ``v``.
+"""State that outlives a call: threads, an interrupted launch, a non-finite ``v``.
 
-Triton's CPU interpreter is not thread-safe (it patches ``triton.language`` while a launch runs),
-so the package launches under one lock there (``rerope.runtime.INTERPRETER_LOCK``); calls from
-several threads then give the single-thread bits. The opt-in fused decode merge keeps counters
-between calls: an interrupted interpreted launch leaves them set, and the next call must not
-inherit them. An ``inf`` in ``v`` spreads within a tile, no further (documented on the ops).
+Triton's CPU interpreter is not thread-safe (it patches ``triton.language`` while a
+launch runs), so the package launches under one lock there
+(``rerope.runtime.INTERPRETER_LOCK``); calls from several threads then give the
+single-thread bits. A decode launch interrupted part-way leaves nothing behind for the
+next call. An ``inf`` in ``v`` spreads within a tile, no further (documented on the
+ops).
 """
 
 import threading
@@ -13,7 +14,7 @@ import pytest
 import torch
 
 import rerope
-from rerope import decode, reference
+from rerope import reference
 from rerope_testing import kernel_device
 
 
@@ -27,14 +28,14 @@ def _calls(device):
     return [
         lambda: rerope.rerope(q, k, v, window=5),
         lambda: rerope.rerope(q, k, v, window=7, causal=False),
-        lambda: rerope.rerope_decode(qd, kc, vc, 6, cache_seqlens=lengths, num_splits=3),
+        lambda: rerope.rerope_decode(qd, kc, vc, 6, cache_seqlens=lengths,
+                                     num_splits=3),
     ]
 
 
-def test_threads_give_the_single_thread_bits(monkeypatch):
-    """4 threads × 3 calls each (two forward, one decode with the fused merge, whose counters
-    are shared by every call on the CPU) equal the results of one thread, bit for bit."""
-    monkeypatch.setattr(decode, "FUSED_MERGE", True)
+def test_threads_give_the_single_thread_bits():
+    """4 threads × 3 calls each (two forward, one decode sharing one plan) equal the
+    results of one thread, bit for bit."""
     calls = _calls(kernel_device())
     want = [call() for call in calls]
     got, errors = {}, []
@@ -42,9 +43,9 @@ def test_threads_give_the_single_thread_bits(monkeypatch):
     def work(index):
         try:
             for turn in range(len(calls)):
-                which = (index + turn) % len(calls)       # threads in different ops at once
+                which = (index + turn) % len(calls)   # threads in different ops at once
                 got[index, which] = calls[which]()
-        except Exception as error:                         # reported below, with its thread
+        except Exception as error:                     # reported below, with its thread
             errors.append((index, repr(error)))
 
     threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
@@ -58,33 +59,18 @@ def test_threads_give_the_single_thread_bits(monkeypatch):
         assert torch.equal(out, want[which]), f"thread {index}, call {which} differs"
 
 
-def test_fused_merge_after_an_interrupted_call(monkeypatch):
-    """Counters left non-zero (what an interpreted launch stopped part-way leaves: the programs
-    that ran have counted) must not spoil the next call: it gives the bits of an undisturbed
-    call, and leaves the counters at zero."""
-    monkeypatch.setattr(decode, "FUSED_MERGE", True)
-    decode_call = _calls(kernel_device())[2]
-    want = decode_call()
-    for counters in decode._COUNTERS.values():
-        counters.copy_(torch.arange(counters.numel(), dtype=torch.int32) % 5 + 1)
-    if rerope.runtime.INTERPRET:
-        assert torch.equal(decode_call(), want), "a call after an interrupted one differs"
-    assert all(not bool(c.any()) for c in decode._COUNTERS.values()) or not rerope.runtime.INTERPRET
-
-
 def test_interrupted_interpreted_launch_then_next_call(monkeypatch):
-    """A real interruption: the fused split launch raises after some programs ran (the
+    """A real interruption: the split launch raises after some programs ran (the
     interpreter's grid stops part-way); the next call is still right."""
     if not rerope.runtime.INTERPRET:
         pytest.skip("the interpreter runs programs one by one; a GPU kernel runs whole")
-    monkeypatch.setattr(decode, "FUSED_MERGE", True)
     decode_call = _calls("cpu")[2]
     want = decode_call()
     from triton.runtime import interpreter
     builder, programs = interpreter.interpreter_builder, []
     set_grid_idx = builder.set_grid_idx
 
-    def stop_at_the_third_program(*index):      # the interpreter starts each program with this
+    def stop_at_the_third_program(*index):    # the interpreter starts each program so
         programs.append(index)
         if len(programs) == 3:
             raise KeyboardInterrupt
@@ -94,14 +80,15 @@ def test_interrupted_interpreted_launch_then_next_call(monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         decode_call()
     monkeypatch.setattr(builder, "set_grid_idx", set_grid_idx)
-    assert any(bool(c.any()) for c in decode._COUNTERS.values()), "no count left: not interrupted"
+    assert len(programs) == 3, "not interrupted"
     assert torch.equal(decode_call(), want)
 
 
 def test_inf_in_v_stays_within_its_tiles():
-    """``inf`` in one row of ``v`` (key 200): query tiles that never read its key tile (causal
-    rows below 128, whatever the tile size here) keep their exact output; the key's own tile
-    rows come out non-finite, even rows that give it no weight (the documented limit)."""
+    """``inf`` in one row of ``v`` (key 200): query tiles that never read its key tile
+    (causal rows below 128, whatever the tile size here) keep their exact output; the
+    key's own tile rows come out non-finite, even rows that give it no weight (the
+    documented limit)."""
     device = kernel_device()
     g = torch.Generator().manual_seed(3)
     q, k, v = (torch.randn(1, 1, 256, 16, generator=g) for _ in range(3))
@@ -112,4 +99,4 @@ def test_inf_in_v_stays_within_its_tiles():
     assert torch.equal(out[..., :128, :], clean[..., :128, :])
     assert not out[..., 200:, :].isfinite().any()
     want = reference.rerope(q.double(), k.double(), bad.double(), window=8)
-    assert want[..., 201:, :].isinf().any(-1).all()       # the exact answer past key 200: inf
+    assert want[..., 201:, :].isinf().any(-1).all()   # exactly: inf past key 200

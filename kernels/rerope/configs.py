@@ -63,31 +63,31 @@ def _byte_count(name, value):
 
 
 def _decode_config(name, value):
-    """Five positive integers ``BLOCK_N,ANGLES,num_warps,num_stages,programs per SM``
-    (``BLOCK_N`` >= 16 and ``num_warps`` powers of two, ``ANGLES`` 0 to 3); unset or empty:
-    ``None``."""
+    """Four positive integers ``BLOCK_N,num_warps,num_stages,programs per SM``
+    (``BLOCK_N`` >= 16 and ``num_warps`` powers of two); unset or empty: ``None``."""
     text = (value or "").strip()
     if not text:
         return None
-    accepted = ("five integers BLOCK_N,ANGLES,num_warps,num_stages,programs_per_SM, e.g. "
-                "64,3,4,3,2 (BLOCK_N >= 16 and num_warps powers of two, ANGLES 0-3, the others "
-                ">= 1)")
+    accepted = ("four integers BLOCK_N,num_warps,num_stages,programs_per_SM, e.g. "
+                "64,4,3,2 (BLOCK_N >= 16 and num_warps powers of two, the others >= 1)")
     try:
         fields = tuple(int(x) for x in text.split(","))
     except ValueError:
         raise _bad(name, value, accepted) from None
-    if len(fields) != 5:
+    if len(fields) != 4:
         raise _bad(name, value, accepted)
-    block_n, angles, warps, stages, per_sm = fields
+    block_n, warps, stages, per_sm = fields
     power_of_two = lambda n: n > 0 and n & (n - 1) == 0    # noqa: E731
-    if not (block_n >= 16 and power_of_two(block_n) and 0 <= angles <= 3 and power_of_two(warps)
+    if not (block_n >= 16 and power_of_two(block_n) and power_of_two(warps)
             and stages >= 1 and per_sm >= 1):
         raise _bad(name, value, accepted)
     return fields
 
 
-VARIABLES = ("REROPE_AUTOTUNE", "REROPE_TMA", "REROPE_FUSED_MERGE", "REROPE_DECODE_CONFIG",
+VARIABLES = ("REROPE_AUTOTUNE", "REROPE_TMA", "REROPE_DECODE_CONFIG",
              "REROPE_PRETURN_BWD_MAX_BYTES")
+# Variables of earlier versions: set, they warn that they are no longer read.
+RETIRED = {"REROPE_FUSED_MERGE": "the decode merge is always its own launch"}
 
 
 @dataclass(frozen=True)
@@ -107,9 +107,9 @@ class Config:
       descriptors where they are known to pay (Hopper or newer, fp16/bf16, D <= 128, a layout
       TMA accepts); ``"on"`` wherever the layout allows (also under the interpreter: the tests
       run both load paths on CPU); ``"off"`` never.
-    * ``fused_merge`` (``REROPE_FUSED_MERGE``: a boolean, default off, or ``rule``).
-    * ``decode_config`` (``REROPE_DECODE_CONFIG``, unset by default): ``(BLOCK_N, ANGLES,
-      num_warps, num_stages, programs_per_SM)`` for the decode kernel on a GPU, or None.
+    * ``decode_config`` (``REROPE_DECODE_CONFIG``, unset by default): ``(BLOCK_N,
+      num_warps, num_stages, programs_per_SM)`` for the decode kernel (under the
+      interpreter its ``BLOCK_N``), or None.
     * ``preturn_bwd_max_bytes`` (``REROPE_PRETURN_BWD_MAX_BYTES``, unset by default): the most
       extra bytes the pre-turned backward may spend, or None (a sixteenth of the GPU's memory).
 
@@ -125,7 +125,6 @@ class Config:
     """
     autotune: bool = True
     tma: str = "auto"
-    fused_merge: Optional[bool] = False
     decode_config: Optional[tuple] = None
     preturn_bwd_max_bytes: Optional[int] = None
     preturn_min_keys: int = 2048
@@ -147,16 +146,18 @@ class Config:
         for name in environ:           # a misspelt name would otherwise be ignored silently
             if not name.startswith("REROPE_") or name in VARIABLES:
                 continue
+            if name in RETIRED:
+                warnings.warn(f"environment variable {name} is no longer read by "
+                              f"rerope: {RETIRED[name]}", stacklevel=2)
+                continue
             near = difflib.get_close_matches(name, VARIABLES, 1, 0.85)
             if near:
                 warnings.warn(f"environment variable {name} is not read by rerope: did you "
                               f"mean {near[0]}? (it reads {', '.join(VARIABLES)})", stacklevel=2)
         tma = _switch("REROPE_TMA", get("REROPE_TMA"), "auto", ("auto",))
-        fused = _switch("REROPE_FUSED_MERGE", get("REROPE_FUSED_MERGE"), False, ("rule",))
         return cls(
             autotune=_switch("REROPE_AUTOTUNE", get("REROPE_AUTOTUNE"), True),
             tma={True: "on", False: "off"}.get(tma, tma),
-            fused_merge=None if fused == "rule" else fused,
             decode_config=_decode_config("REROPE_DECODE_CONFIG", get("REROPE_DECODE_CONFIG")),
             preturn_bwd_max_bytes=_byte_count("REROPE_PRETURN_BWD_MAX_BYTES",
                                               get("REROPE_PRETURN_BWD_MAX_BYTES")))
