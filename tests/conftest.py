@@ -270,16 +270,9 @@ def all_launch_configs(kernel, head_dim, capability, elem_bytes=2, launch_config
     ``REROPE_AUTOTUNE`` says."""
     from rerope import configs
 
-    saved = getattr(configs, "AUTOTUNE", None)
-    configs.AUTOTUNE = True
-    try:
+    with configs.using(autotune=True):
         return (launch_configs or configs.launch_configs)(kernel, head_dim, capability,
                                                           elem_bytes, split)
-    finally:
-        if saved is None:
-            del configs.AUTOTUNE
-        else:
-            configs.AUTOTUNE = saved
 
 
 # --- the shared grid of cases -----------------------------------------------------------------

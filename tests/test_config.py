@@ -1,6 +1,6 @@
 """The package's environment variables and Triton's mode (``rerope.configs``, ``rerope.runtime``).
 
-Every ``REROPE_*`` variable is read once, at import, by ``configs.Settings``: a bad value fails
+Every ``REROPE_*`` variable is read once, at import, by ``configs.Config``: a bad value fails
 ``import rerope`` with a ``ValueError`` that names the variable, the value and the accepted values;
 booleans take ``0/1, true/false, yes/no, on/off`` in any case. Without CUDA, ``import rerope``
 runs its own kernels in Triton's interpreter without writing ``TRITON_INTERPRET`` into
@@ -37,7 +37,7 @@ def run_python(code, **env):
 
 
 def settings(**env):
-    return configs.Settings.from_environment(env)
+    return configs.Config.from_environment(env)
 
 
 BAD = [("REROPE_DECODE_CONFIG", "128,3"), ("REROPE_DECODE_CONFIG", "64,3,4,3,x"),
@@ -76,7 +76,7 @@ def test_good_spellings():
     assert settings(REROPE_PRETURN_BWD_MAX_BYTES="1e9").preturn_bwd_max_bytes == 10**9
     assert settings(REROPE_PRETURN_BWD_MAX_BYTES="2_000").preturn_bwd_max_bytes == 2000
     assert settings(REROPE_DECODE_CONFIG=" 128,3,8,2,1").decode_config == (128, 3, 8, 2, 1)
-    assert settings() == configs.Settings()          # unset: the defaults
+    assert settings() == configs.Config()          # unset: the defaults
 
 
 def test_misspelt_variable_warns():
@@ -90,14 +90,14 @@ def test_misspelt_variable_warns():
 def test_settings_reach_the_modules():
     """Good spellings, read at import, land in the names the code reads."""
     done = run_python(
-        "from rerope import configs, attention, decode\n"
-        "print(configs.AUTOTUNE, configs.TMA, decode.FUSED_MERGE, attention.PRETURN_BWD_MAX_BYTES,"
+        "import rerope\nfrom rerope import decode\nc = rerope.config()\n"
+        "print(c.autotune, c.tma, decode.FUSED_MERGE, c.preturn_bwd_max_bytes,"
         " decode.GPU_CONFIG, decode.PROGRAMS_PER_SM, decode.HEAD_DIM_CONFIGS)",
         REROPE_AUTOTUNE="false", REROPE_TMA="off", REROPE_FUSED_MERGE="RULE",
         REROPE_PRETURN_BWD_MAX_BYTES="1e9", REROPE_DECODE_CONFIG="128,1,8,2,3")
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split("\n")[0] == (
-        "False 0 None 1000000000 {'BLOCK_N': 128, 'ANGLES': 1, 'num_warps': 8, 'num_stages': 2} "
+        "False off None 1000000000 {'BLOCK_N': 128, 'ANGLES': 1, 'num_warps': 8, 'num_stages': 2} "
         "3 {}")
 
 

@@ -120,7 +120,7 @@ def forced_configs(index):
 
     original = configs.launch_configs
 
-    def one(kernel, head_dim, capability, elem_bytes=2, split=False):
+    def one(kernel, head_dim, capability, elem_bytes=2, split=False, autotune=None):
         found = all_launch_configs(kernel, head_dim, capability, elem_bytes, original, split)
         return [found[index % len(found)]]
 

@@ -29,7 +29,7 @@ on CPU tensors: it is chosen for this package's kernels only, ``os.environ`` is 
 
 Configuration: the environment variables ``REROPE_AUTOTUNE``, ``REROPE_TMA``,
 ``REROPE_FUSED_MERGE``, ``REROPE_DECODE_CONFIG`` and ``REROPE_PRETURN_BWD_MAX_BYTES``, read once at
-import and checked (:class:`rerope.configs.Settings`).
+import and checked (:class:`rerope.Config`).
 """
 
 from . import runtime  # noqa: F401  (first: decides compiled vs interpreted before any @triton.jit)

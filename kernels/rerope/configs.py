@@ -6,9 +6,10 @@ On a GPU each kernel is autotuned over the candidates below that fit the GPU's s
 ``tests/test_compile.py`` compiles every configuration for sm_75, sm_80, sm_89 and sm_90 and
 checks the shared memory the compiler reports against the estimate used for pruning.
 
-The package's environment variables are read here, once, at import (:class:`Settings`,
-:data:`SETTINGS`); a bad value fails ``import rerope`` with a ``ValueError`` that names the
-variable, the value found and the values accepted.
+The package's environment variables are read here, once, at import, into one frozen
+:class:`Config` (``rerope.config()``; change it for a block with ``rerope.using_config``); a
+bad value fails ``import rerope`` with a ``ValueError`` that names the variable, the value
+found and the values accepted. Every plan is made for, and keyed by, the active ``Config``.
 """
 
 import contextlib
@@ -196,10 +197,8 @@ def using(config=None, **changes):
         _CURRENT.reset(token)
 
 
-# Transitional names (to be removed when every reader takes the Config of its plan).
-Settings = Config
-SETTINGS = current()
-AUTOTUNE = SETTINGS.autotune
+# removed once decode reads configs.current(): the import-time configuration in decode's words
+Settings, SETTINGS = Config, current()
 TMA = {"on": "1", "off": "0"}.get(SETTINGS.tma, SETTINGS.tma)
 
 
@@ -287,16 +286,19 @@ def candidate_configs(kernel, head_dim, split=False):
     return list(fused or _CANDIDATES[kernel][head_dim])
 
 
-def launch_configs(kernel, head_dim, capability, elem_bytes=2, split=False):
+def launch_configs(kernel, head_dim, capability, elem_bytes=2, split=False, autotune=None):
     """The ``triton.Config`` list to autotune on a GPU of ``capability`` (e.g. ``(9, 0)``).
 
     Candidates whose estimated shared memory exceeds the GPU's are pruned; if none is left, the
     first fallback that fits is used (the compile test proves the choice fits every GPU). With
-    the environment variable ``REROPE_AUTOTUNE=0`` only the first fitting candidate is
-    returned: no autotuning, one compilation per kernel (quicker first calls).
+    ``autotune`` off (default: the active :class:`Config`'s, ``REROPE_AUTOTUNE``) only the first
+    fitting candidate is returned: one compilation per kernel (quicker first calls).
     """
+    if autotune is None:
+        autotune = current().autotune
     major, minor = capability
-    limit = SHARED_MEMORY.get(10 * major + minor, SHARED_MEMORY[75] if major < 8 else SHARED_MEMORY[86])
+    limit = SHARED_MEMORY.get(10 * major + minor,
+                              SHARED_MEMORY[75] if major < 8 else SHARED_MEMORY[86])
 
     def fits(c):
         return estimate_shared_memory(kernel, c[0], c[1], c[3], head_dim, elem_bytes,
@@ -305,4 +307,4 @@ def launch_configs(kernel, head_dim, capability, elem_bytes=2, split=False):
     chosen = ([c for c in candidate_configs(kernel, head_dim, split) if fits(c)]
               or [next((c for c in _FALLBACKS if fits(c)), _FALLBACKS[-1])])
     return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s)
-            for bm, bn, w, s in (chosen if AUTOTUNE else chosen[:1])]
+            for bm, bn, w, s in (chosen if autotune else chosen[:1])]
