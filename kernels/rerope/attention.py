@@ -797,10 +797,12 @@ def _cached_plan(make, tensors, settings, compiling=False):
     argument and raises on bad ones), stored. Arguments that cannot form a key (not tensors,
     unhashable settings) always go to ``make``, whose checks then say what is wrong; so does
     tracing under ``torch.compile`` (the compiled graph keeps the result, and fake tensors have
-    no data pointer): ``compiling``, the caller's ``torch.compiler.is_compiling()``."""
-    config = configs.current()
+    no data pointer): ``compiling``, the caller's ``torch.compiler.is_compiling()``. Such a
+    traced plan has no ``config``: its graph calls the ``torch.library`` ops, which plan their
+    launches when they run (:func:`_op_plan`; the compiler cannot trace a ``ContextVar``)."""
     if compiling:
-        return make(config, *tensors, *settings)
+        return make(None, *tensors, *settings)
+    config = configs.current()
     try:
         key = (make, signature(*tensors), _settings_key(settings), _needs_grad(*tensors),
                config)
@@ -816,7 +818,7 @@ class FivePlan:
     planned under, and its bound launches (``launchers``, :func:`_bound`), filled by its
     first call."""
 
-    config: configs.Config
+    config: Optional[configs.Config]      # None when traced by torch.compile
     window: int         # at most N: any window >= N means the same
     causal: bool
     scale: float
@@ -899,7 +901,7 @@ class FusedPlan:
     its rotation operands (tables and flags) and its bound launches (``launchers``,
     :func:`_bound`), filled by its first call."""
 
-    config: configs.Config
+    config: Optional[configs.Config]      # None when traced by torch.compile
     window: int         # at most Nk: any window >= Nk means the same
     causal: bool
     scale: float
