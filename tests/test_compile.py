@@ -76,14 +76,14 @@ def _configs(kernel, form, head_dim, cap, elem_bytes):
     from rerope import configs
     from rerope_testing import all_launch_configs
 
-    split = form == "fused"
+    fused = form == "fused"
     out = []
-    for c in all_launch_configs(kernel, head_dim, cap, elem_bytes, split=split):
+    for c in all_launch_configs(kernel, head_dim, cap, elem_bytes, fused=fused):
         bm, bn = c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]
         out.append({"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": c.num_warps,
                     "num_stages": c.num_stages,
                     "estimate": configs.estimate_shared_memory(kernel, bm, bn, c.num_stages,
-                                                               head_dim, elem_bytes, split)})
+                                                               head_dim, elem_bytes, fused)})
     return out
 
 

@@ -11,8 +11,7 @@ gradient is needed and the kernels themselves where none is: the lightest paths 
 the kernels (short sequences are bound by host time). Under ``torch.compile``, ops registered
 with ``torch.library`` (``torch.ops.rerope.*``, with fake implementations and autograd
 formulas), which the compiler treats as opaque instead of tracing into Triton; in eager mode
-they would cost 90 µs more per forward call (measured on the H200 host,
-perf/runs/host_fused_v1.json). Both doors keep a plan per call signature (:func:`_cached_plan`,
+they would cost about 90 µs more per forward call (``perf/NOTES.md``). Both doors keep a plan per call signature (:func:`_cached_plan`,
 :func:`_op_plan`), so a repeated call, eager or from a compiled graph, is a lookup plus the
 plan's kept, bound launches.
 """
@@ -70,12 +69,7 @@ def heads_first(n_k, programs=1, config=None):
     blocks last, a tail the whole GPU waits for: heads first starts every head's longest block
     before any head's second, and the short ones fill the last wave. But then all heads' K and V
     are read at once, which overflows the L2 cache at long sequences, where the tail is a small
-    share anyway. Measured on the H200 (fp16 causal, B=1 H=32, heads first against blocks
-    first): the forward at N=2048 1.33x faster in GPU time (``book/data/short_n_h200.json``),
-    at 2k-4k keys 1.07-1.19x in the benchmark's rows (``bench_h200.json``, across runs); at 8k
-    keys from 1.06x faster to 1.13x slower (the five-tensor form at D=128), at 16k up to 1.08x
-    slower; forward + backward at 8k keys 1.02-1.03x faster at D=64 and 1.01-1.04x slower at
-    D=128 (one run, alternating: ``perf/runs/grid_order_ab_h200.json``).
+    share anyway. The threshold's measurements are in ``perf/NOTES.md`` (grid order).
     """
     config = config or configs.current()
     return n_k <= config.heads_first_max_keys or programs > GRID_Y_MAX
@@ -175,13 +169,13 @@ def _tma_of(launchers, where, mode, *tensors):
 class Operands:
     """What the kernels need to know about their operands, beyond the tensors.
 
-    ``split=False``: the five-tensor form (``q1, q2, k1, k2`` given). ``split=True``: ``q, k``
+    ``fused=False``: the five-tensor form (``q1, q2, k1, k2`` given). ``fused=True``: ``q, k``
     as a model holds them; ``tables`` are ``(inside table, inside offset, outside table,
     outside offset)`` from :mod:`rerope.rotary` and ``flags`` its switches ``TURN_IN``,
     ``SHIFT_IN``, ``TURN_OUT``, ``SHIFT_OUT``.
     """
 
-    split: bool
+    fused: bool
     tables: tuple
     flags: dict
     logn_factor: float = 0.0
@@ -190,7 +184,7 @@ class Operands:
         """The kernels' flag groups: ``INSIDE_FLAGS`` / ``OUTSIDE_FLAGS`` ``None`` (five
         tensors) or the product's ``(TURN, SHIFT)``, plus ``TURN_KEYS`` where ``turn_keys``
         (the forward's: whether it turns each product's key tiles) is given."""
-        if not self.split:
+        if not self.fused:
             return dict(LOGN=False, INSIDE_FLAGS=None, OUTSIDE_FLAGS=None)
         f = self.flags
         inside, outside = (f["TURN_IN"], f["SHIFT_IN"]), (f["TURN_OUT"], f["SHIFT_OUT"])
@@ -203,7 +197,7 @@ _NO_ROTATION = dict(TURN_IN=False, SHIFT_IN=False, TURN_OUT=False, SHIFT_OUT=Fal
 
 
 def _five_tensors(placeholder):
-    return Operands(split=False, tables=(placeholder,) * 4, flags=_NO_ROTATION)
+    return Operands(fused=False, tables=(placeholder,) * 4, flags=_NO_ROTATION)
 
 
 _OPERANDS = LRUCache()
@@ -220,7 +214,7 @@ def _rotations(n_k, head_dim, base, window, leaky, logn_len, rotated, device, in
     if operands is None:
         rotation = rotation_tables(n_k, head_dim, window, leaky, rotated, device, base, inv_freq,
                                    group)
-        operands = _OPERANDS[key] = Operands(split=True, tables=rotation.tables,
+        operands = _OPERANDS[key] = Operands(fused=True, tables=rotation.tables,
                                              flags=rotation.flags,
                                              logn_factor=logn_factor(logn_len))
     return operands
@@ -417,9 +411,9 @@ def rerope_backward(dout, q1, q2, k1, k2, v, out, lse, window, causal, sm_scale,
     config = config or configs.current()
     if launchers is not None:
         launchers = launchers.setdefault(("backward", *signature(dout)), {})
-    split = operands is not None
+    fused = operands is not None
     call_key = ("backward call", preturn)
-    if launchers is not None and split:            # the fused form's plan: its call
+    if launchers is not None and fused:            # the fused form's plan: its call
         call = launchers.get(call_key)
         if call is not None:
             return call(dout, q1, k1, v, out, lse)
@@ -436,7 +430,7 @@ def rerope_backward(dout, q1, q2, k1, k2, v, out, lse, window, causal, sm_scale,
     operands = operands or _five_tensors(lse)
     constexprs = dict(operands.constexprs(), PRETURNED=False)
     turn = None
-    if split:
+    if fused:
         outside = _has_outside(n_k, window)
         writes, extra = _preturned_shapes(q1, k1, operands, outside)
         if any(writes) and (preturn_backward(n_k, extra, q1.device, config) if preturn is None
@@ -447,8 +441,9 @@ def rerope_backward(dout, q1, q2, k1, k2, v, out, lse, window, causal, sm_scale,
             if launchers is not None:       # for the plan's later calls: kept, bound
                 turn = _operand_turns(operands, n_k - n_q, outside, launchers, (q_in, k_in))
             constexprs.update(PRETURNED=True)
-    dq = [torch.empty(q1.shape, dtype=q1.dtype, device=q1.device) for _ in range(1 if split else 2)]
-    dk = [torch.empty(k1.shape, dtype=k1.dtype, device=k1.device) for _ in range(1 if split else 2)]
+    grads = 1 if fused else 2
+    dq = [torch.empty(q1.shape, dtype=q1.dtype, device=q1.device) for _ in range(grads)]
+    dk = [torch.empty(k1.shape, dtype=k1.dtype, device=k1.device) for _ in range(grads)]
     dv = torch.empty(k1.shape, dtype=k1.dtype, device=k1.device)
     strides = _strides(q1, q2, k1, k2, v, dout)
     common = dict(HEAD_DIM=head_dim, CAUSAL=causal,
@@ -466,11 +461,11 @@ def rerope_backward(dout, q1, q2, k1, k2, v, out, lse, window, causal, sm_scale,
     dq_launcher = _launch("dq", "BLOCK_M", n_q, batch * n_heads, launchers=launchers,
                           autotune=config.autotune,
                           args=dq_args, **common)
-    if launchers is not None and split:
+    if launchers is not None and fused:
         launchers[call_key] = _backward_call(
             (delta_launcher, args[3:]), turn, (dkdv, tuple(dkdv_args[11:])),
             (dq_launcher, tuple(dq_args[10:])), dq[0], dk[0])
-    return (dq[0], dk[0], dv) if split else (dq[0], dq[1], dk[0], dk[1], dv)
+    return (dq[0], dk[0], dv) if fused else (dq[0], dq[1], dk[0], dk[1], dv)
 
 
 def _operand_turns(operands, first_query, outside=True, launchers=None, like=None):
@@ -1035,8 +1030,14 @@ def rerope(q, k, v, window, causal=True, sm_scale=None, base=10000.0, leaky=None
     ``v``, and ``0 * inf`` is NaN).
     """
     if _decode_step(q, k, v, causal):     # split-KV (chapter 8), checked and planned there
-        return rerope_decode(q, k, v, window, sm_scale=sm_scale, base=base, leaky=leaky,
-                             logn_len=logn_len, rotated=rotated, inv_freq=inv_freq, group=group)
+        try:
+            return rerope_decode(q, k, v, window, sm_scale=sm_scale, base=base, leaky=leaky,
+                                 logn_len=logn_len, rotated=rotated, inv_freq=inv_freq,
+                                 group=group)
+        except (TypeError, ValueError):   # a bad argument: say so in this function's words
+            _plan_fused(None, q, k, v, window, causal, sm_scale, base, leaky, logn_len,
+                        rotated, as_frequencies(inv_freq), group)
+            raise
     inv_freq = as_frequencies(inv_freq)   # read per call (never by identity): D/2 floats
     tensors = (q, k, v)
     settings = (window, causal, sm_scale, base, leaky, logn_len, rotated, inv_freq, group)

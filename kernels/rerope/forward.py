@@ -1,44 +1,47 @@
-"""The ReRoPE forward kernel: tiled online softmax, one loop per region. Chapters 4 and 7.
+"""The ReRoPE forward kernel: tiled online softmax, one loop per region (chapters 4, 7).
 
-One program per (query block, batch · query head). It keeps a query block on chip and walks
-the key axis in ``BLOCK_N`` tiles, in six passes laid out by :func:`rerope.regions._schedule`
-(all outside-the-window passes first, then all inside passes, so one query block is live):
+One program per (query block, batch · query head). It keeps a query block on chip and
+walks the key axis in ``BLOCK_N`` tiles, in six passes laid out by
+:func:`rerope.regions._schedule` (all outside-the-window passes first, then all inside
+passes, so one query block is live):
 
-* the outside product over the tiles fully outside the window, and the inside product over
-  those fully inside — the long, hot loops: one product, no mask, no branch (the product is a
-  compile-time constant);
-* both products over the thin band of tiles that straddle ``|i - j| = w``, each masked to its
-  side of the window;
+* the outside product over the tiles fully outside the window, and the inside product
+  over those fully inside — the long, hot loops: one product, no mask, no branch (the
+  product is a compile-time constant);
+* both products over the thin band of tiles that straddle ``|i - j| = w``, each masked
+  to its side of the window;
 * the same two over the few tiles that need the causal or end-of-sequence mask.
 
-The online softmax does not care in which order tiles arrive, so visiting a band tile twice,
-once per product, is exact.
+The online softmax does not care in which order tiles arrive, so visiting a band tile
+twice, once per product, is exact.
 
-The kernel reads its operands in one of two forms (the compile-time flag groups ``INSIDE`` and
-``OUTSIDE``: ``None`` for the five tensors, a tuple for the fused-rotation form):
+The kernel reads its operands in one of two forms (the compile-time flag groups
+``INSIDE_FLAGS`` and ``OUTSIDE_FLAGS``: ``None`` for the five tensors, a tuple for the
+fused-rotation form):
 
-* **five tensors** (chapter 4): the inside product is ``q1 · k1``, the outside one ``q2 · k2``,
-  tensors the caller built;
-* **q and k as the model holds them** (chapter 7): raw, or already rotated by RoPE at their
-  positions. Each product rotates what it reads, in registers — the query block once per
-  program, each key tile as it arrives — by the angles of :mod:`rerope.rotary`, loading the
-  two halves of the head dim separately, so a score is two ``D/2``-wide products into one
-  accumulator. Nothing rotated is ever written to memory.
+* **five tensors** (chapter 4): the inside product is ``q1 · k1``, the outside one
+  ``q2 · k2``, tensors the caller built;
+* **q and k as the model holds them** (chapter 7): raw, or already rotated by RoPE at
+  their positions. Each product rotates what it reads, in registers — the query block
+  once per program, each key tile as it arrives — by the angles of :mod:`rerope.rotary`,
+  loading the two halves of the head dim separately, so a score is two ``D/2``-wide
+  products into one accumulator. Nothing rotated is ever written to memory.
 
-Queries may be the last ``Nq`` of ``Nk`` positions (``Nq <= Nk``, chunked prefill): positions
-are absolute, query row ``r`` sits at ``Nk - Nq + r``.
+Queries may be the last ``Nq`` of ``Nk`` positions (``Nq <= Nk``, chunked prefill):
+positions are absolute, query row ``r`` sits at ``Nk - Nq + r``.
 
 Numerics as FlashAttention-2: fp32 accumulators, scores turned into log2 units by
-``qk_scale = sm_scale · log2(e)`` (inside one fused multiply-add) so every exponential is an
-``exp2``, and the per-row log-sum-exp (log2 units) saved for the backward pass.
+``qk_scale = sm_scale · log2(e)`` (inside one fused multiply-add) so every exponential
+is an ``exp2``, and the per-row log-sum-exp (log2 units) saved for the backward pass.
 
-Tiles are read through :func:`_tiles` / :func:`_load_tile`: TMA tensor descriptors on Hopper
-(fp16/bf16, aligned layouts), pointer loads elsewhere; the launcher picks (``TMA``).
+Tiles are read through :func:`_tiles` / :func:`_load_tile`: TMA tensor descriptors on
+Hopper (fp16/bf16, aligned layouts), pointer loads elsewhere; the launcher picks
+(``TMA``).
 
-Strides travel as tuples (``x.stride()``: batch, head, row, column), so a kernel takes one
-argument per tensor; Triton still specialises each entry (a unit column stride is a
-compile-time 1). Compile-time tuples are indexed, never unpacked: Triton 3.4 cannot unpack
-them.
+Strides travel as tuples (``x.stride()``: batch, head, row, column), so a kernel takes
+one argument per tensor; Triton still specialises each entry (a unit column stride is a
+compile-time 1). Compile-time tuples are indexed, never unpacked: Triton 3.4 cannot
+unpack them.
 """
 
 import triton
@@ -54,8 +57,8 @@ def _load_rows(Base, idx, strides, dims, n_ctx, MASKED: tl.constexpr):
     """Load rows ``idx`` (columns ``dims``) of an ``(N, D)`` slice with ``strides`` (the
     tensor's four: only the last two are read); zeros past ``n_ctx``.
 
-    Row offsets are 64-bit: a strided view (a packed QKV buffer at long context, say) can put
-    rows more than 2³¹ elements apart.
+    Row offsets are 64-bit: a strided view (a packed QKV buffer at long context, say)
+    can put rows more than 2³¹ elements apart.
     """
     ptrs = Base + idx.to(tl.int64)[:, None] * strides[2] + dims[None, :] * strides[3]
     if MASKED:
@@ -67,14 +70,16 @@ def _load_rows(Base, idx, strides, dims, n_ctx, MASKED: tl.constexpr):
 @triton.jit
 def _tiles(Base, strides, n_ctx, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr,
            TMA: tl.constexpr):
-    """How a kernel reads ``BLOCK``-row tiles of one ``(N, D)`` slice starting at ``Base``.
+    """How a kernel reads ``BLOCK``-row tiles of one ``(N, D)`` slice starting at
+    ``Base``.
 
-    With ``TMA`` (Hopper and newer, row stride 16-byte aligned, unit column stride): a tensor
-    descriptor, so tiles arrive by the bulk tensor-copy engine, zero-filled past ``n_ctx``.
-    Otherwise the pointer itself, for :func:`_load_tile`'s pointer loads.
+    With ``TMA`` (Hopper and newer, row stride 16-byte aligned, unit column stride): a
+    tensor descriptor, so tiles arrive by the bulk tensor-copy engine, zero-filled past
+    ``n_ctx``. Otherwise the pointer itself, for :func:`_load_tile`'s pointer loads.
     """
     if TMA:
-        return tl.make_tensor_descriptor(Base, shape=[n_ctx, HEAD_DIM], strides=[strides[2], 1],
+        return tl.make_tensor_descriptor(Base, shape=[n_ctx, HEAD_DIM],
+                                         strides=[strides[2], 1],
                                          block_shape=[BLOCK, HEAD_DIM])
     else:
         return Base
@@ -83,22 +88,23 @@ def _tiles(Base, strides, n_ctx, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr,
 @triton.jit
 def _load_tile(src, start, strides, n_ctx, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr,
                MASKED: tl.constexpr, TMA: tl.constexpr):
-    """Rows ``start .. start + BLOCK`` of the slice behind ``src`` (from :func:`_tiles`)."""
+    """Rows ``start .. start + BLOCK`` of the slice behind ``src`` (:func:`_tiles`)."""
     if TMA:
         return src.load([start, 0])
     else:
-        return _load_rows(src, start + tl.arange(0, BLOCK), strides, tl.arange(0, HEAD_DIM),
-                          n_ctx, MASKED)
+        return _load_rows(src, start + tl.arange(0, BLOCK), strides,
+                          tl.arange(0, HEAD_DIM), n_ctx, MASKED)
 
 
 @triton.jit
 def _keep(q_pos, k_pos, valid, window, PRODUCT: tl.constexpr, CAUSAL: tl.constexpr):
-    """Which scores of a masked tile count for this product: valid, causal, on the product's side
-    of the window (``|i - j| < w`` inside).
+    """Which scores of a masked tile count for this product: valid, causal, on the
+    product's side of the window (``|i - j| < w`` inside).
 
-    ``q_pos``/``k_pos`` are query/key positions broadcast to the tile, ``valid`` the in-range
-    entries: ``(BLOCK_M, 1)``, ``(1, BLOCK_N)`` in the forward and dQ kernels, where queries run
-    down the tile, and the transposed shapes in dK/dV — one mask for every kernel.
+    ``q_pos``/``k_pos`` are query/key positions broadcast to the tile, ``valid`` the
+    in-range entries: ``(BLOCK_M, 1)``, ``(1, BLOCK_N)`` in the forward and dQ kernels,
+    where queries run down the tile, and the transposed shapes in dK/dV — one mask for
+    every kernel.
     """
     diff = q_pos - k_pos
     keep = (diff < window) & (diff > -window)
@@ -112,9 +118,10 @@ def _keep(q_pos, k_pos, valid, window, PRODUCT: tl.constexpr, CAUSAL: tl.constex
 
 @triton.jit
 def _program(HEADS_FIRST: tl.constexpr):
-    """``(batch · head, block, blocks)`` of this program. The grid is ``(B · H, blocks)`` with
-    ``HEADS_FIRST``, else ``(blocks, B · H)``; the GPU starts programs in grid order, first axis
-    fastest (the launcher's choice: :func:`rerope.attention.heads_first`)."""
+    """``(batch · head, block, blocks)`` of this program. The grid is ``(B · H,
+    blocks)`` with ``HEADS_FIRST``, else ``(blocks, B · H)``; the GPU starts programs in
+    grid order, first axis fastest (the launcher's choice:
+    :func:`rerope.attention.heads_first`)."""
     if HEADS_FIRST:
         return tl.program_id(0), tl.program_id(1), tl.num_programs(1)
     else:
@@ -127,7 +134,7 @@ def _slice(X, strides, batch, head):
     return X + batch.to(tl.int64) * strides[0] + head.to(tl.int64) * strides[1]
 
 
-# --- operands: the five tensors as stored, or halves of q and k turned in registers -------------
+# --- operands: the five tensors as stored, or halves of q and k turned in registers ---
 
 
 @triton.jit
@@ -147,19 +154,21 @@ def _halves(Base, strides, n_rows, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr,
 @triton.jit
 def _join_halves(a, b):
     """``[a | b]`` along the last dimension."""
-    return tl.reshape(tl.permute(tl.join(a, b), (0, 2, 1)), (a.shape[0], 2 * a.shape[1]))
+    joined = tl.permute(tl.join(a, b), (0, 2, 1))
+    return tl.reshape(joined, (a.shape[0], 2 * a.shape[1]))
 
 
 @triton.jit
 def _split_halves(x):
     """The inverse of :func:`_join_halves`: ``(x[:, :D/2], x[:, D/2:])``."""
-    return tl.split(tl.permute(tl.reshape(x, (x.shape[0], 2, x.shape[1] // 2)), (0, 2, 1)))
+    pairs = tl.reshape(x, (x.shape[0], 2, x.shape[1] // 2))
+    return tl.split(tl.permute(pairs, (0, 2, 1)))
 
 
 @triton.jit
 def _pair(a, b, TWO_DOTS: tl.constexpr):
-    """Halves as the products take them: two halves (``TWO_DOTS``) or one joined tile twice
-    (``D/2 < 16``, below ``tl.dot``'s minimum width)."""
+    """Halves as the products take them: two halves (``TWO_DOTS``) or one joined tile
+    twice (``D/2 < 16``, below ``tl.dot``'s minimum width)."""
     if TWO_DOTS:
         return a, b
     else:
@@ -171,12 +180,14 @@ def _pair(a, b, TWO_DOTS: tl.constexpr):
 def _operand(Xa, Xb, start, strides, n_rows, positions, turn, logn_factor,
              TURN: tl.constexpr, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr,
              MASKED: tl.constexpr, TMA: tl.constexpr):
-    """Rows ``start .. start + BLOCK`` of ``q`` or ``k`` (at ``positions``), ready for a product.
+    """Rows ``start .. start + BLOCK`` of ``q`` or ``k`` (at ``positions``), ready for a
+    product.
 
-    ``TURN``: ``None`` for the five-tensor form (the tile as stored), else ``(TABLE, SHIFT,
-    SIGN, LOGN)``: the two halves, scaled by log-n (``LOGN``, queries only) and turned in fp32
-    by :func:`rerope.rotary._angles` (``TABLE``: by ``speed · p`` from ``turn[0]``, ``SHIFT``:
-    by ``SIGN ·`` the offset ``turn[1]``), rounded once to the input dtype.
+    ``TURN``: ``None`` for the five-tensor form (the tile as stored), else ``(TABLE,
+    SHIFT, SIGN, LOGN)``: the two halves, scaled by log-n (``LOGN``, queries only) and
+    turned in fp32 by :func:`rerope.rotary._angles` (``TABLE``: by ``speed · p`` from
+    ``turn[0]``, ``SHIFT``: by ``SIGN ·`` the offset ``turn[1]``), rounded once to the
+    input dtype.
     """
     if TURN is not None:
         a = _load_tile(Xa, start, strides, n_rows, BLOCK, HEAD_DIM // 2, MASKED, TMA)
@@ -187,8 +198,8 @@ def _operand(Xa, Xb, start, strides, n_rows, positions, turn, logn_factor,
                 scale = _logn_scale(positions, logn_factor)[:, None]
                 a32, b32 = a32 * scale, b32 * scale
             if TURN[0] or TURN[1]:
-                cos, sin = _angles(turn[0], positions, turn[1], TURN[0], TURN[1], TURN[2],
-                                   HEAD_DIM // 2)
+                cos, sin = _angles(turn[0], positions, turn[1], TURN[0], TURN[1],
+                                   TURN[2], HEAD_DIM // 2)
                 a32, b32 = _rotate(a32, b32, cos, sin)
             a, b = a32.to(a.dtype), b32.to(b.dtype)
         return _pair(a, b, HEAD_DIM >= 32)
@@ -199,15 +210,16 @@ def _operand(Xa, Xb, start, strides, n_rows, positions, turn, logn_factor,
 
 @triton.jit
 def _fwd_pass(acc, l_i, m_i, q_a, q_b, Ka, Kb, V, sk, sv, turn, rows, walk, n_k, window,
-              qk_scale, PRODUCT: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
-              TURN: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-              DOT_PRECISION: tl.constexpr, TMA: tl.constexpr):
+              qk_scale, PRODUCT: tl.constexpr, MASKED: tl.constexpr,
+              CAUSAL: tl.constexpr, TURN: tl.constexpr, BLOCK_N: tl.constexpr,
+              HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr):
     """Fold the key tiles of ``walk`` into the online-softmax state, with one product.
 
-    ``q_a, q_b`` is the product's query operand and ``Ka, Kb`` its key sources (``q1``/``K1``
-    for ``PRODUCT == INSIDE``, ``q2``/``K2`` for ``OUTSIDE`` in the five-tensor form); ``TURN``
-    says how each key tile becomes an operand (:func:`_operand`; ``turn``: its table).
-    ``MASKED`` tiles get the window, causal and sequence-end masks; the others none at all.
+    ``q_a, q_b`` is the product's query operand and ``Ka, Kb`` its key sources
+    (``q1``/``K1`` for ``PRODUCT == INSIDE``, ``q2``/``K2`` for ``OUTSIDE`` in the
+    five-tensor form); ``TURN`` says how each key tile becomes an operand
+    (:func:`_operand`; ``turn``: its table). ``MASKED`` tiles get the window, causal and
+    sequence-end masks; the others none at all.
     """
     offs_n = tl.arange(0, BLOCK_N)
     lo1, hi1, lo2, hi2 = walk
@@ -221,37 +233,38 @@ def _fwd_pass(acc, l_i, m_i, q_a, q_b, Ka, Kb, V, sk, sv, turn, rows, walk, n_k,
                          DOT_PRECISION)
         if MASKED:
             cols = (start_n + offs_n)[None, :]
-            scores = tl.where(_keep(rows[:, None], cols, cols < n_k, window, PRODUCT, CAUSAL),
-                              scores, float("-inf"))
+            keep = _keep(rows[:, None], cols, cols < n_k, window, PRODUCT, CAUSAL)
+            scores = tl.where(keep, scores, float("-inf"))
         acc, l_i, m_i = _softmax_step(acc, l_i, m_i, scores, v, qk_scale, DOT_PRECISION)
     return acc, l_i, m_i
 
 
 @triton.jit
-def _fwd_product(acc, l_i, m_i, Q, sq, Ka, Kb, sk, V, sv, turn, logn_factor, start_m, rows,
-                 walks, n_q, n_k, window, qk_scale, PRODUCT: tl.constexpr,
+def _fwd_product(acc, l_i, m_i, Q, sq, Ka, Kb, sk, V, sv, turn, logn_factor, start_m,
+                 rows, walks, n_q, n_k, window, qk_scale, PRODUCT: tl.constexpr,
                  FLAGS: tl.constexpr, LOGN: tl.constexpr, CAUSAL: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
                  DOT_PRECISION: tl.constexpr, TMA: tl.constexpr):
-    """Everything one product adds to a query block: its query operand (``Q`` is the block's
-    ``(N, D)`` slice), then its three ``walks`` — the tiles entirely on its side of the window
-    (no mask), the band, its masked edge tiles. ``FLAGS``: ``None`` (five tensors) or the
-    product's ``(TURN, SHIFT, TURN_KEYS)``; ``TURN_KEYS``: each key tile is turned as it
-    arrives (off when the launcher pre-turned this product's keys, or its speed is 0)."""
+    """Everything one product adds to a query block: its query operand (``Q`` is the
+    block's ``(N, D)`` slice), then its three ``walks`` — the tiles entirely on its side
+    of the window (no mask), the band, its masked edge tiles. ``FLAGS``: ``None`` (five
+    tensors) or the product's ``(TURN, SHIFT, TURN_KEYS)``; ``TURN_KEYS``: each key tile
+    is turned as it arrives (off when the launcher pre-turned this product's keys, or
+    its speed is 0)."""
     QUERIES: tl.constexpr = None if FLAGS is None else (FLAGS[0], FLAGS[1], 1, LOGN)
     KEYS: tl.constexpr = None if FLAGS is None else (FLAGS[2], False, 1, False)
     Qa, Qb = _halves(Q, sq, n_q, BLOCK_M, HEAD_DIM, FLAGS is not None, TMA)
-    q_a, q_b = _operand(Qa, Qb, start_m, sq, n_q, rows, turn, logn_factor, QUERIES, BLOCK_M,
-                        HEAD_DIM, True, TMA)
+    q_a, q_b = _operand(Qa, Qb, start_m, sq, n_q, rows, turn, logn_factor, QUERIES,
+                        BLOCK_M, HEAD_DIM, True, TMA)
     acc, l_i, m_i = _fwd_pass(acc, l_i, m_i, q_a, q_b, Ka, Kb, V, sk, sv, turn, rows,
-                              walks[0], n_k, window, qk_scale, PRODUCT, False, CAUSAL, KEYS,
-                              BLOCK_N, HEAD_DIM, DOT_PRECISION, TMA)
+                              walks[0], n_k, window, qk_scale, PRODUCT, False, CAUSAL,
+                              KEYS, BLOCK_N, HEAD_DIM, DOT_PRECISION, TMA)
     acc, l_i, m_i = _fwd_pass(acc, l_i, m_i, q_a, q_b, Ka, Kb, V, sk, sv, turn, rows,
-                              walks[1], n_k, window, qk_scale, PRODUCT, True, CAUSAL, KEYS,
-                              BLOCK_N, HEAD_DIM, DOT_PRECISION, TMA)
+                              walks[1], n_k, window, qk_scale, PRODUCT, True, CAUSAL,
+                              KEYS, BLOCK_N, HEAD_DIM, DOT_PRECISION, TMA)
     acc, l_i, m_i = _fwd_pass(acc, l_i, m_i, q_a, q_b, Ka, Kb, V, sk, sv, turn, rows,
-                              walks[2], n_k, window, qk_scale, PRODUCT, True, CAUSAL, KEYS,
-                              BLOCK_N, HEAD_DIM, DOT_PRECISION, TMA)
+                              walks[2], n_k, window, qk_scale, PRODUCT, True, CAUSAL,
+                              KEYS, BLOCK_N, HEAD_DIM, DOT_PRECISION, TMA)
     return acc, l_i, m_i
 
 
@@ -264,35 +277,38 @@ def _rerope_fwd_kernel(
     LOGN: tl.constexpr, INSIDE_FLAGS: tl.constexpr, OUTSIDE_FLAGS: tl.constexpr,
 ):
     """Grid ``(cdiv(Nq, BLOCK_M), B * Hq)``, or ``(B * Hq, cdiv(Nq, BLOCK_M))`` with
-    ``HEADS_FIRST`` (:func:`_program`). Writes ``Out`` and ``Lse`` (log2 units, ``(B·Hq, Nq)``).
-    ``s*``: each tensor's four strides (``x.stride()``).
+    ``HEADS_FIRST`` (:func:`_program`). Writes ``Out`` and ``Lse`` (log2 units, ``(B·Hq,
+    Nq)``). ``s*``: each tensor's four strides (``x.stride()``).
 
-    Five-tensor form (``INSIDE_FLAGS`` and ``OUTSIDE_FLAGS`` ``None``): ``Q1, Q2, K1, K2`` as
-    given; ``Tables`` is not read. Fused-rotation form: ``Q1``/``K1`` are the model's
-    ``q``/``k`` (``Q2`` is not read); ``Tables`` is ``(inside table, inside offset, outside
-    table, outside offset)`` (:mod:`rerope.rotary`) and each product's flags are ``(TURN,
-    SHIFT, TURN_KEYS)``: ``TURN`` where its speed is not 0, ``SHIFT`` where its offset is not
-    0, ``TURN_KEYS`` where this kernel turns its key tiles — off although ``TURN`` is on, the
-    launcher passed that product's keys already turned (``K1`` / ``K2``, see
-    :func:`rerope.rotary.turn_keys`), otherwise ``K1`` is ``k`` for both products. ``LOGN``
-    scales the queries by log-n (``logn_factor``).
+    Five-tensor form (``INSIDE_FLAGS`` and ``OUTSIDE_FLAGS`` ``None``): ``Q1, Q2, K1,
+    K2`` as given; ``Tables`` is not read. Fused-rotation form: ``Q1``/``K1`` are the
+    model's ``q``/``k`` (``Q2`` is not read); ``Tables`` is ``(inside table, inside
+    offset, outside table, outside offset)`` (:mod:`rerope.rotary`) and each product's
+    flags are ``(TURN, SHIFT, TURN_KEYS)``: ``TURN`` where its speed is not 0, ``SHIFT``
+    where its offset is not 0, ``TURN_KEYS`` where this kernel turns its key tiles — off
+    although ``TURN`` is on, the launcher passed that product's keys already turned
+    (``K1`` / ``K2``, see :func:`rerope.rotary.turn_keys`), otherwise ``K1`` is ``k``
+    for both products. ``LOGN`` scales the queries by log-n (``logn_factor``).
     """
-    DOT_PRECISION: tl.constexpr = "tf32x3" if Q1.dtype.element_ty == tl.float32 else "tf32"
+    FP32: tl.constexpr = Q1.dtype.element_ty == tl.float32
+    DOT_PRECISION: tl.constexpr = "tf32x3" if FP32 else "tf32"       # 3xTF32: near fp32
     FUSED: tl.constexpr = INSIDE_FLAGS is not None
     bh, block, n_blocks = _program(HEADS_FIRST)
     if CAUSAL:   # the last query blocks have the most keys: start them first
         block = n_blocks - 1 - block
-    start_m = block * BLOCK_M                # a row of q; its position is n_k - n_q + row
+    start_m = block * BLOCK_M            # a row of q; its position is n_k - n_q + row
     start_pos = n_k - n_q + start_m
     batch = bh // n_heads
     head = bh % n_heads
     kv_head = head // group                  # grouped-query attention: shared K/V heads
-    K1a, K1b = _halves(_slice(K1, sk1, batch, kv_head), sk1, n_k, BLOCK_N, HEAD_DIM, FUSED,
-                       TMA)
+    K1a, K1b = _halves(_slice(K1, sk1, batch, kv_head), sk1, n_k, BLOCK_N, HEAD_DIM,
+                       FUSED, TMA)
     if FUSED:                                # one q serves both products
         Q2, sq2 = Q1, sq1
-    if FUSED and INSIDE_FLAGS[2] == INSIDE_FLAGS[0] and OUTSIDE_FLAGS[2] == OUTSIDE_FLAGS[0]:
-        K2a, K2b = K1a, K1b                  # and one k
+    ONE_K: tl.constexpr = FUSED and (INSIDE_FLAGS[2] == INSIDE_FLAGS[0]
+                                     and OUTSIDE_FLAGS[2] == OUTSIDE_FLAGS[0])
+    if ONE_K:                                # and one k (no product's keys pre-turned)
+        K2a, K2b = K1a, K1b
         sk2 = sk1
     else:
         K2a, K2b = _halves(_slice(K2, sk2, batch, kv_head), sk2, n_k, BLOCK_N, HEAD_DIM,
@@ -300,25 +316,26 @@ def _rerope_fwd_kernel(
     V = _tiles(_slice(V, sv, batch, kv_head), sv, n_k, BLOCK_N, HEAD_DIM, TMA)
 
     rows = start_pos + tl.arange(0, BLOCK_M)
-    # the running max starts at -inf; _softmax_step keeps a row that has seen only masked
-    # scores at exactly zero weight
+    # the running max starts at -inf; _softmax_step keeps a row that has seen only
+    # masked scores at exactly zero weight
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     outside_clean, inside_clean, band, edge_inside, edge_outside = _schedule(
         start_pos, BLOCK_M, BLOCK_N, n_k, window, CAUSAL, True)
 
-    # every outside pass, then every inside pass: only one query operand is live at a time
+    # every outside pass, then every inside pass: only one query operand is live at a
+    # time
     acc, l_i, m_i = _fwd_product(
         acc, l_i, m_i, _slice(Q2, sq2, batch, head), sq2, K2a, K2b, sk2, V, sv,
-        (Tables[2], Tables[3]), logn_factor, start_m, rows, (outside_clean, band, edge_outside),
-        n_q, n_k, window, qk_scale, OUTSIDE, OUTSIDE_FLAGS, LOGN, CAUSAL, BLOCK_M, BLOCK_N,
-        HEAD_DIM, DOT_PRECISION, TMA)
+        (Tables[2], Tables[3]), logn_factor, start_m, rows,
+        (outside_clean, band, edge_outside), n_q, n_k, window, qk_scale, OUTSIDE,
+        OUTSIDE_FLAGS, LOGN, CAUSAL, BLOCK_M, BLOCK_N, HEAD_DIM, DOT_PRECISION, TMA)
     acc, l_i, m_i = _fwd_product(
         acc, l_i, m_i, _slice(Q1, sq1, batch, head), sq1, K1a, K1b, sk1, V, sv,
-        (Tables[0], Tables[1]), logn_factor, start_m, rows, (inside_clean, band, edge_inside),
-        n_q, n_k, window, qk_scale, INSIDE, INSIDE_FLAGS, LOGN, CAUSAL, BLOCK_M, BLOCK_N,
-        HEAD_DIM, DOT_PRECISION, TMA)
+        (Tables[0], Tables[1]), logn_factor, start_m, rows,
+        (inside_clean, band, edge_inside), n_q, n_k, window, qk_scale, INSIDE,
+        INSIDE_FLAGS, LOGN, CAUSAL, BLOCK_M, BLOCK_N, HEAD_DIM, DOT_PRECISION, TMA)
 
     q_rows = start_m + tl.arange(0, BLOCK_M)
     tl.store(Lse + bh.to(tl.int64) * n_q + q_rows, m_i + tl.math.log2(l_i),

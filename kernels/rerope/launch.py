@@ -57,8 +57,8 @@ def signature(*tensors):
 
 class PlanCache(LRUCache):
     """The :class:`rerope.caches.LRUCache` of an op's plans, counting the plans it was given
-    (``built``): a test or a measurement sees a plan made, or a call served from one, without
-    reading the entries."""
+    (``built``, since the last :meth:`clear`): a test or a measurement sees a plan made, or a
+    call served from one, without reading the entries."""
 
     def __init__(self, size=CACHE_SIZE):
         super().__init__(size)
@@ -69,6 +69,11 @@ class PlanCache(LRUCache):
         return super().put(key, value)
 
     __setitem__ = put
+
+    def clear(self):
+        """Drop every plan; ``built`` counts from 0 again."""
+        super().clear()
+        self.built = 0
 
 
 class Launcher:

@@ -148,8 +148,8 @@ def _scores(x_a, x_b, y_a, y_b, TWO_DOTS: tl.constexpr, DOT_PRECISION: tl.conste
     """``x · yᵀ`` (fp32) for rows given as halves ``[x_a | x_b]``, ``[y_a | y_b]``
     (``TWO_DOTS``), or as whole rows ``x_a``, ``y_a`` (``x_b``, ``y_b`` unread).
 
-    Halves take two ``D/2``-wide dots into one accumulator, so ``rotate_half`` needs no data
-    movement; halves narrower than ``tl.dot``'s minimum of 16 are summed elementwise.
+    Halves take two ``D/2``-wide dots into one accumulator, so ``rotate_half`` needs no
+    data movement; halves narrower than ``tl.dot``'s minimum of 16 are summed elementwise.
     """
     if not TWO_DOTS:
         return tl.dot(x_a, tl.trans(y_a), input_precision=DOT_PRECISION)
@@ -157,5 +157,6 @@ def _scores(x_a, x_b, y_a, y_b, TWO_DOTS: tl.constexpr, DOT_PRECISION: tl.conste
         s = tl.dot(x_a, tl.trans(y_a), input_precision=DOT_PRECISION)
         return tl.dot(x_b, tl.trans(y_b), s, input_precision=DOT_PRECISION)
     else:
-        return (tl.sum(x_a.to(tl.float32)[:, None, :] * y_a.to(tl.float32)[None, :, :], 2)
-                + tl.sum(x_b.to(tl.float32)[:, None, :] * y_b.to(tl.float32)[None, :, :], 2))
+        a = x_a.to(tl.float32)[:, None, :] * y_a.to(tl.float32)[None, :, :]
+        b = x_b.to(tl.float32)[:, None, :] * y_b.to(tl.float32)[None, :, :]
+        return tl.sum(a, 2) + tl.sum(b, 2)
