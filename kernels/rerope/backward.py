@@ -94,8 +94,8 @@ def _zeros(BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, TWO_DOTS: tl.constexpr):
         return (tl.zeros([BLOCK, HEAD_DIM // 2], tl.float32),
                 tl.zeros([BLOCK, HEAD_DIM // 2], tl.float32))
     else:
-        whole = tl.zeros([BLOCK, HEAD_DIM], tl.float32)
-        return whole, whole
+        return (tl.zeros([BLOCK, HEAD_DIM], tl.float32),
+                tl.zeros([BLOCK, HEAD_DIM], tl.float32))
 
 
 @triton.jit
@@ -112,8 +112,8 @@ def _store_rows(Base, rows, n_rows, x, COL0: tl.constexpr, WIDTH: tl.constexpr,
                 ROW_STRIDE: tl.constexpr):
     """Store ``x`` into columns ``COL0 .. COL0 + WIDTH`` of rows ``rows`` of a
     contiguous ``(N, ROW_STRIDE)`` slice; rows ``>= n_rows`` are left alone."""
-    cols = COL0 + tl.arange(0, WIDTH)[None, :]
-    ptrs = Base + rows.to(tl.int64)[:, None] * ROW_STRIDE + cols
+    ptrs = (Base + rows.to(tl.int64)[:, None] * ROW_STRIDE + COL0
+            + tl.arange(0, WIDTH)[None, :])
     tl.store(ptrs, x.to(Base.dtype.element_ty), mask=rows[:, None] < n_rows)
 
 
