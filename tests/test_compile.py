@@ -166,7 +166,7 @@ def _source(job):
             signature[name] = ("i32", "i32", "i32", "constexpr")
             attrs.update({(index, i): divisible for i in range(3)})
             constexprs[(index, 3)] = 1
-        elif name == "group":                                # MHA: a group of one
+        elif name == "q_per_kv":                             # MHA: one query head per kv
             signature[name] = "constexpr"
             constexprs[name] = 1
         else:                                                # strides, head counts, N, window

@@ -492,11 +492,12 @@ def test_preturn_policy_and_extra_bytes(gen):
                        ("logn_len", "rotated"): qb}[tuple(sorted(kw))]
         assert attention._preturned_shapes(q, k, ops, outside=False)[1] == inside_only, kw
     # the forward's keys: from preturn_min_keys keys on, where a key tile is read at least
-    # twice (group · cdiv(Nq, 128) programs)
+    # twice (q_per_kv · cdiv(Nq, 128) programs)
     m = rerope.config().preturn_min_keys
     assert attention.preturn_keys(m, 4096) and not attention.preturn_keys(m - 1, 4096)
     assert not attention.preturn_keys(m, 128) and attention.preturn_keys(m, 129)
-    assert attention.preturn_keys(m, 1, group=2) and not attention.preturn_keys(m, 1, group=1)
+    assert attention.preturn_keys(m, 1, q_per_kv=2)
+    assert not attention.preturn_keys(m, 1, q_per_kv=1)
     with rerope.using_config(preturn_bwd_max_bytes=1000) as config:
         assert attention.preturn_memory_limit("cpu") == 1000
         assert attention.preturn_backward(1 << 20, 1000, "cpu")

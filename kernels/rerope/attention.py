@@ -225,10 +225,10 @@ def _rotations(n_k, head_dim, base, window, leaky, logn_len, rotated, device, in
 PRETURN_BLOCK_M = 128        # the forward's largest query block (configs.py)
 
 
-def preturn_keys(n_k, n_q=PRETURN_BLOCK_M + 1, group=1, config=None):
+def preturn_keys(n_k, n_q=PRETURN_BLOCK_M + 1, q_per_kv=1, config=None):
     """Whether the fused forward turns a product's keys once, before the kernel, rather than
     every key tile in every query block that reads it (:func:`rerope.rotary.turn_keys`), for
-    ``n_k`` keys, ``n_q`` queries and ``group`` query heads per key head (``config``:
+    ``n_k`` keys, ``n_q`` queries and ``q_per_kv`` query heads per key head (``config``:
     :class:`rerope.Config`, default the active one).
 
     Pre-turning costs one more launch and one pass over ``k`` (``Hkv`` heads: small under
@@ -236,12 +236,12 @@ def preturn_keys(n_k, n_q=PRETURN_BLOCK_M + 1, group=1, config=None):
     turned tile through shared memory per (query block, key tile) of that product — most of
     the key axis for rotated inputs, whose outside product turns keys. From
     ``config.preturn_min_keys`` keys on, and only where a key tile would be turned at least twice in
-    registers, by the ``group · cdiv(Nq, 128)`` programs that read it (a chunk of at most 128
+    registers, by the ``q_per_kv · cdiv(Nq, 128)`` programs that read it (a chunk of at most 128
     queries without grouped-query attention reads each key once: the extra pass would be pure
     cost). The threshold's measurements are in ``perf/NOTES.md`` (pre-turned keys).
     """
     config = config or configs.current()
-    return n_k >= config.preturn_min_keys and group * -(-n_q // PRETURN_BLOCK_M) >= 2
+    return n_k >= config.preturn_min_keys and q_per_kv * -(-n_q // PRETURN_BLOCK_M) >= 2
 
 
 def _preturned_shapes(q, k, operands, outside=True):
@@ -419,7 +419,7 @@ def rerope_backward(dout, q1, q2, k1, k2, v, out, lse, window, causal, sm_scale,
             return call(dout, q1, k1, v, out, lse)
     batch, n_heads, n_q, head_dim = q1.shape
     n_kv_heads, n_k = k1.shape[1], k1.shape[2]
-    group = n_heads // n_kv_heads
+    q_per_kv = n_heads // n_kv_heads
     delta = torch.empty_like(lse)
     args = (out, dout, delta, *_strides(out, dout), n_heads, n_q)
     grid = (batch * n_heads, triton.cdiv(n_q, configs.DELTA_BLOCK_M))
@@ -450,13 +450,13 @@ def rerope_backward(dout, q1, q2, k1, k2, v, out, lse, window, causal, sm_scale,
                   TMA=_tma_of(launchers, "bwd", config.tma, q1, q2, k1, k2, v, dout),
                   HEADS_FIRST=heads_first(n_k, batch * n_heads, config), **constexprs)
     dkdv_args = [q1, q2, k1, k2, v, dout, lse, delta, dk[0], dk[-1], dv, operands.tables,
-                 *strides, n_heads, group, n_q, n_k, window, sm_scale * LOG2E,
+                 *strides, n_heads, q_per_kv, n_q, n_k, window, sm_scale * LOG2E,
                  sm_scale, operands.logn_factor]
     dkdv = _launch("dkdv", "BLOCK_N", n_k, batch * n_kv_heads, launchers=launchers,
                    autotune=config.autotune,
                    args=dkdv_args, **common)
     dq_args = [q1, q2, k1, k2, v, dout, lse, delta, dq[0], dq[-1], operands.tables, *strides,
-               n_heads, group, n_q, n_k, window, sm_scale * LOG2E, sm_scale,
+               n_heads, q_per_kv, n_q, n_k, window, sm_scale * LOG2E, sm_scale,
                operands.logn_factor]
     dq_launcher = _launch("dq", "BLOCK_M", n_q, batch * n_heads, launchers=launchers,
                           autotune=config.autotune,

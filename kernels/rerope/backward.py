@@ -209,7 +209,7 @@ def _dkdv_pass(dk_a, dk_b, dv, k_a, k_b, v, Qa, Qb, DO, Lse, Delta, sq, sdo, key
 
 @triton.jit
 def _dkdv_product(dv, v, K, sk, Q, sq, DO, sdo, Lse, Delta, DK, batch, kv_head, start_n,
-                  keys, walks, n_heads, group, n_q, n_k, window, qk_scale, sm_scale,
+                  keys, walks, n_heads, q_per_kv, n_q, n_k, window, qk_scale, sm_scale,
                   turn, logn_factor, PRODUCT: tl.constexpr, FLAGS: tl.constexpr,
                   LOGN: tl.constexpr, PRETURNED: tl.constexpr, ADD: tl.constexpr,
                   CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -230,8 +230,8 @@ def _dkdv_product(dv, v, K, sk, Q, sq, DO, sdo, Lse, Delta, DK, batch, kv_head, 
     k_a, k_b = _operand(Ka, Kb, start_n, sk, n_k, keys, turn, 0.0, KEYS, BLOCK_N,
                         HEAD_DIM, True, TMA)
     dk_a, dk_b = _zeros(BLOCK_N, HEAD_DIM, FUSED and HEAD_DIM >= 32)
-    for g in range(group):                # every query head that shares this K/V head
-        head = kv_head * group + g
+    for g in range(q_per_kv):             # every query head that shares this K/V head
+        head = kv_head * q_per_kv + g
         Qa, Qb = _halves(_slice(Q, sq, batch, head), sq, n_q, BLOCK_M, HEAD_DIM, FUSED,
                          TMA)
         do = _tiles(_slice(DO, sdo, batch, head), sdo, n_q, BLOCK_M, HEAD_DIM, TMA)
@@ -258,7 +258,7 @@ def _dkdv_product(dv, v, K, sk, Q, sq, DO, sdo, Lse, Delta, DK, batch, kv_head, 
 def _bwd_dkdv_kernel(
     Q1, Q2, K1, K2, V, DO, Lse, Delta, DK1, DK2, DV, Tables,
     sq1, sq2, sk1, sk2, sv, sdo,
-    n_heads, group, n_q, n_k, window, qk_scale, sm_scale, logn_factor,
+    n_heads, q_per_kv, n_q, n_k, window, qk_scale, sm_scale, logn_factor,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, TMA: tl.constexpr, HEADS_FIRST: tl.constexpr,
     LOGN: tl.constexpr, INSIDE_FLAGS: tl.constexpr, OUTSIDE_FLAGS: tl.constexpr,
@@ -280,7 +280,7 @@ def _bwd_dkdv_kernel(
     ONE_GRAD: tl.constexpr = INSIDE_FLAGS is not None      # dk: both products' parts
     bh, block, _ = _program(HEADS_FIRST)
     start_n = block * BLOCK_N
-    n_kv_heads = n_heads // group
+    n_kv_heads = n_heads // q_per_kv
     batch = (bh // n_kv_heads).to(tl.int64)
     kv_head = (bh % n_kv_heads).to(tl.int64)
     q_offset = n_k - n_q
@@ -300,7 +300,7 @@ def _bwd_dkdv_kernel(
     DK = DK1 + out_offset
     dv = _dkdv_product(dv, v, _slice(K1, sk1, batch, kv_head), sk1, Q1, sq1, DO, sdo,
                        Lse, Delta, DK, batch, kv_head, start_n, keys,
-                       (inside_clean, band, edge_inside), n_heads, group, n_q, n_k,
+                       (inside_clean, band, edge_inside), n_heads, q_per_kv, n_q, n_k,
                        window, qk_scale, sm_scale, (Tables[0], Tables[1]), logn_factor,
                        INSIDE, INSIDE_FLAGS, LOGN, PRETURNED, False, CAUSAL, BLOCK_M,
                        BLOCK_N, HEAD_DIM, DOT_PRECISION, TMA)
@@ -308,7 +308,7 @@ def _bwd_dkdv_kernel(
         DK = DK2 + out_offset
     dv = _dkdv_product(dv, v, _slice(K2, sk2, batch, kv_head), sk2, Q2, sq2, DO, sdo,
                        Lse, Delta, DK, batch, kv_head, start_n, keys,
-                       (outside_clean, band, edge_outside), n_heads, group, n_q, n_k,
+                       (outside_clean, band, edge_outside), n_heads, q_per_kv, n_q, n_k,
                        window, qk_scale, sm_scale, (Tables[2], Tables[3]), logn_factor,
                        OUTSIDE, OUTSIDE_FLAGS, LOGN, PRETURNED, ONE_GRAD, CAUSAL,
                        BLOCK_M, BLOCK_N, HEAD_DIM, DOT_PRECISION, TMA)
@@ -384,7 +384,7 @@ def _dq_product(do, lse, delta, Q, sq, Ka, Kb, sk, V, sv, DQ, turn, logn_factor,
 def _bwd_dq_kernel(
     Q1, Q2, K1, K2, V, DO, Lse, Delta, DQ1, DQ2, Tables,
     sq1, sq2, sk1, sk2, sv, sdo,
-    n_heads, group, n_q, n_k, window, qk_scale, sm_scale, logn_factor,
+    n_heads, q_per_kv, n_q, n_k, window, qk_scale, sm_scale, logn_factor,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, TMA: tl.constexpr, HEADS_FIRST: tl.constexpr,
     LOGN: tl.constexpr, INSIDE_FLAGS: tl.constexpr, OUTSIDE_FLAGS: tl.constexpr,
@@ -406,7 +406,7 @@ def _bwd_dq_kernel(
     start_pos = n_k - n_q + start_m
     batch = (bh // n_heads).to(tl.int64)
     head = (bh % n_heads).to(tl.int64)
-    kv_head = head // group
+    kv_head = head // q_per_kv
     if FUSED:                             # one q and one k serve both products
         Q2, sq2, K2, sk2 = Q1, sq1, K1, sk1
     K1a, K1b = _halves(_slice(K1, sk1, batch, kv_head), sk1, n_k, BLOCK_N, HEAD_DIM,

@@ -271,7 +271,7 @@ def _fwd_product(acc, l_i, m_i, Q, sq, Ka, Kb, sk, V, sv, turn, logn_factor, sta
 @triton.jit
 def _rerope_fwd_kernel(
     Q1, Q2, K1, K2, V, Out, Lse, Tables, sq1, sq2, sk1, sk2, sv, so,
-    n_heads, group, n_q, n_k, window, qk_scale, logn_factor,
+    n_heads, q_per_kv, n_q, n_k, window, qk_scale, logn_factor,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, TMA: tl.constexpr, HEADS_FIRST: tl.constexpr,
     LOGN: tl.constexpr, INSIDE_FLAGS: tl.constexpr, OUTSIDE_FLAGS: tl.constexpr,
@@ -300,7 +300,7 @@ def _rerope_fwd_kernel(
     start_pos = n_k - n_q + start_m
     batch = bh // n_heads
     head = bh % n_heads
-    kv_head = head // group                  # grouped-query attention: shared K/V heads
+    kv_head = head // q_per_kv               # grouped-query attention: shared K/V heads
     K1a, K1b = _halves(_slice(K1, sk1, batch, kv_head), sk1, n_k, BLOCK_N, HEAD_DIM,
                        FUSED, TMA)
     if FUSED:                                # one q serves both products
