@@ -189,6 +189,31 @@ def test_no_grad_five_tensor_call_skips_autograd(gen):
     assert torch.equal(plain, tracked.detach())
 
 
+def test_config_is_part_of_the_plan_key(gen):
+    """A call under another ``rerope.Config`` gets its own plan, made for that configuration;
+    back under the first, the first plan serves again (nothing rebuilt)."""
+    attention.PLANS.clear()
+    q, k, v = _fused_qkv(gen)
+    first = rerope.rerope(q, k, v, 5)
+    with rerope.using_config(heads_first_max_keys=0) as blocks_first:
+        other = rerope.rerope(q, k, v, 5)
+    again = rerope.rerope(q, k, v, 5)
+    assert attention.PLANS.built == 2 and len(attention.PLANS) == 2
+    assert sorted(p.config.heads_first_max_keys for p in attention.PLANS.values()) == sorted(
+        [blocks_first.heads_first_max_keys, rerope.config().heads_first_max_keys])
+    assert torch.equal(first, other) and torch.equal(first, again)
+
+
+def test_kernel_signatures_stay_short():
+    """The kernels take a tuple per tensor's strides and one flag group per product: the
+    forward at most 30 parameters, the backward kernels at most 36."""
+    from rerope import backward, forward
+
+    assert len(forward._rerope_fwd_kernel.arg_names) <= 30
+    assert len(backward._bwd_dkdv_kernel.arg_names) <= 36
+    assert len(backward._bwd_dq_kernel.arg_names) <= 35
+
+
 def test_wrong_device_still_raises_every_call(gen):
     """The device check moved into the plan: a call on the wrong device raises each time (no
     plan is kept for it)."""
