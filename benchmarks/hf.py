@@ -310,7 +310,7 @@ def main():
     env = environment(DEVICE, day=True)
     meta = {"gpu": env["gpu"], "torch": env["torch"], "triton": env["triton"],
             "transformers": transformers.__version__, "python": platform.python_version(),
-            "date": env["date"], "autotune": rerope.configs.AUTOTUNE,
+            "date": env["date"], "autotune": rerope.config().autotune,
             "model": dict(layers=LAYERS, hidden=HIDDEN, heads=HEADS, kv_heads=KV_HEADS,
                           head_dim=HEAD_DIM, mlp=MLP, vocab=VOCAB, rope_theta=BASE,
                           rope=args.rope,

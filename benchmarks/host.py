@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 import rerope
-from rerope import attention, configs, decode
+from rerope import attention, decode
 
 from .harness import back_to_back_us as host_time
 from .harness import environment, write_results
@@ -48,7 +48,7 @@ def _plan_launchers(launchers):
 def _all_bound():
     """Whether every launcher the op plans and the old per-argument cache keep is bound."""
     launchers = list(attention._LAUNCHERS.values())
-    for plan in attention._OP_PLANS.values():
+    for plan in attention.PLANS.values():
         launchers += _plan_launchers(getattr(plan, "launchers", {}))
     return bool(launchers) and all(l.bound for l in launchers)
 PROFILE = os.environ.get("HOST_PROFILE")      # a path prefix: write cProfile tables there
@@ -90,8 +90,7 @@ def rows_for(n, calls):
                          decode_equal=bool(torch.equal(first_decode, again_decode)),
                          op_equal=all(torch.equal(a, b) for a, b in zip(first_op, again_op)),
                          fwd_bound=_all_bound(),
-                         decode_bound=all(p.split.bound
-                                          for p in decode._PLANS.values()))
+                         decode_bound=all(p.bound for p in decode.PLANS.values()))
     with torch.no_grad():
         timings["rerope_fwd"] = host_time(ours, calls)
         timings["sdpa_fwd"] = host_time(sdpa, calls)
@@ -148,7 +147,7 @@ def main():
         print(row, flush=True)
     env = environment(day=True)
     meta = {"gpu": env["gpu"], "torch": env["torch"], "triton": env["triton"],
-            "date": env["date"], "autotune": configs.AUTOTUNE,
+            "date": env["date"], "autotune": rerope.config().autotune,
             "shapes": "fwd, fwd_bwd: B=1 H=32 D=64 fp16 causal, raw q, k, window 32; decode: "
                       "B=1 Hq=32 Hkv=8 D=64 bf16, one query, window 32",
             "unit": f"microseconds of host time per call ({args.calls} calls, one sync)",

@@ -21,8 +21,8 @@ import json
 
 import torch
 
-import rerope  # noqa: F401  (before triton: the interpreter is chosen at import)
-from rerope import attention, configs
+import rerope  # (before triton: the interpreter is chosen at import)
+from rerope import attention
 
 import triton  # noqa: I100
 import triton.testing
@@ -74,8 +74,8 @@ def main():
         print(json.dumps(rows[-1]), flush=True)
     env = environment(day=True)
     meta = {"gpu": env["gpu"], "torch": env["torch"], "triton": env["triton"],
-            "date": env["date"], "autotune": configs.AUTOTUNE,
-            "PRETURN_MIN_KEYS": attention.PRETURN_MIN_KEYS}
+            "date": env["date"], "autotune": rerope.config().autotune,
+            "PRETURN_MIN_KEYS": rerope.config().preturn_min_keys}
     write_results(args.out, rows, meta)
 
 

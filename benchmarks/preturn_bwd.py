@@ -20,7 +20,7 @@ Three parts, one process (plus compile warm-up workers):
 3. Timing, forward + backward, with the benchmark's own ``benchmarks.attention.measure_case`` (median
    of CUDA-event timings, L2 flushed, inputs requiring grad, ``torch.autograd.grad``):
    ``rerope_raw`` / ``rerope_rotated`` with each backward path (forced through
-   ``attention.PRETURN_BWD_MIN_KEYS``), and ``rope_sdpa_cudnn``; N = 8192 for fp16 and bf16,
+   ``Config.preturn_bwd_min_keys``), and ``rope_sdpa_cudnn``; N = 8192 for fp16 and bf16,
    D = 64 and 128, and the sweep N = 1k … 32k for fp16 (``--lengths``: fewer; the file's rows of
    the others are kept). Rows ``part: "core"`` at N = 8192: plain SDPA cuDNN, the five-tensor
    core op and the forwards alone (:func:`core_rows`).
@@ -34,6 +34,7 @@ kept.
 """
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -43,14 +44,14 @@ import time
 import torch
 
 import rerope
-from rerope import attention, configs, reference
+from rerope import attention, reference
 
 from . import attention as bench
 from .harness import environment, read_results, write_results
 
 WINDOW = 2048
 HEADS = 32
-PATHS = {"in_registers": 1 << 62, "preturned": 0}     # PRETURN_BWD_MIN_KEYS forcing each path
+PATHS = {"in_registers": 1 << 62, "preturned": 0}     # preturn_bwd_min_keys forcing each
 SWEEP = (1024, 2048, 4096, 8192, 16384, 32768)
 
 
@@ -60,16 +61,20 @@ def _inputs(n, d, dtype, seed):
             for _ in range(4)]
 
 
+def forced(path):
+    """The configuration that forces one backward path (memory is plenty)."""
+    return rerope.using_config(preturn_bwd_min_keys=PATHS[path], preturn_bwd_max_bytes=1 << 62)
+
+
 def warm(job):
     """Compile the kernels of one (dtype, D, convention, path) at N = 1024 and 4096 (4096 only
     for bf16, or where every length measured is >= 4096)."""
     dtype, d, rotated, path, short = job
-    attention.PRETURN_BWD_MIN_KEYS = PATHS[path]
-    attention.PRETURN_BWD_MAX_BYTES = 1 << 62
     for n in (1024, 4096) if dtype == "float16" and short else (4096,):
         q, k, v, dout = (t.requires_grad_() for t in _inputs(n, d, getattr(torch, dtype), 0))
-        out = rerope.rerope(q, k, v, WINDOW, rotated=rotated)
-        torch.autograd.grad(out, (q, k, v), dout)
+        with forced(path):
+            out = rerope.rerope(q, k, v, WINDOW, rotated=rotated)
+            torch.autograd.grad(out, (q, k, v), dout)
     torch.cuda.synchronize()
 
 
@@ -117,9 +122,8 @@ def check(dtype, d, rotated):
 
 def timing(impl, path, dtype, d, n):
     shape = bench.Shape(B=1, H=HEADS, N=n, D=d, window=WINDOW, dtype=dtype, causal=True)
-    if path is not None:
-        attention.PRETURN_BWD_MIN_KEYS = PATHS[path]
-    ms, peak, _ = bench.measure_case(impl, "fwd+bwd", shape)
+    with forced(path) if path is not None else contextlib.nullcontext():
+        ms, peak, _ = bench.measure_case(impl, "fwd+bwd", shape)
     torch.cuda.empty_cache()
     return {"part": "time", "impl": impl, "path": path, "mode": "fwd+bwd", "dtype": dtype,
             "D": d, "N": n, "B": 1, "H": HEADS, "window": WINDOW, "ms": ms,
@@ -163,12 +167,12 @@ def main():
     if args.warm:
         warm(json.loads(args.warm))
         return
-    default_min_keys = attention.PRETURN_BWD_MIN_KEYS
+    config = rerope.config()
     env = environment()
     meta = {"gpu": env["gpu"], "torch": env["torch"], "triton": env["triton"],
-            "date": env["date"], "autotune": configs.AUTOTUNE,
-            "PRETURN_MIN_KEYS": attention.PRETURN_MIN_KEYS,
-            "PRETURN_BWD_MIN_KEYS": default_min_keys,
+            "date": env["date"], "autotune": config.autotune,
+            "PRETURN_MIN_KEYS": config.preturn_min_keys,
+            "PRETURN_BWD_MIN_KEYS": config.preturn_bwd_min_keys,
             "preturn_memory_limit": attention.preturn_memory_limit(torch.device("cuda")),
             "paths": "forced per row (PRETURN_BWD_MIN_KEYS 0 or 2**62), not the policy",
             "timing": "benchmarks.attention.measure_case (median CUDA events, L2 flushed)"}
@@ -192,7 +196,6 @@ def main():
         print(json.dumps(row), flush=True)
         write_results(args.out, rows + old_rows, meta, **kept)
 
-    attention.PRETURN_BWD_MAX_BYTES = 1 << 62       # the paths are forced, memory is plenty
     if not args.no_warm:
         warm_all(short=min(lengths) < 4096)
     for dtype in (torch.float16, torch.bfloat16):
@@ -212,7 +215,6 @@ def main():
                 row = timing(impl, path, dtype, d, n)
                 row["vs_rope_cudnn"] = round(base["ms"] / row["ms"], 3)
                 save(row)
-    attention.PRETURN_BWD_MIN_KEYS = default_min_keys
 
 
 if __name__ == "__main__":

@@ -38,7 +38,7 @@ from .harness import back_to_back_us, environment, event_times_ms, write_results
 B, H, N, D = 1, 32, 2048, 64
 DEFAULT = (128, 64, 4, 3)
 # (config or None for the default, TMA mode, pre-turn keys)
-VARIANTS = [(None, "auto", False), (None, "0", False), (None, "auto", True),
+VARIANTS = [(None, "auto", False), (None, "off", False), (None, "auto", True),
             ((128, 64, 8, 3), "auto", False), ((64, 64, 4, 3), "auto", False),
             ((64, 64, 4, 4), "auto", False), ((128, 128, 8, 3), "auto", False),
             ((128, 32, 4, 3), "auto", False), ((64, 32, 4, 3), "auto", False),
@@ -48,9 +48,9 @@ VARIANTS = [(None, "auto", False), (None, "0", False), (None, "auto", True),
 @contextmanager
 def variant(cfg, tma, preturn):
     """Force one forward launch configuration (fresh plans and launchers)."""
-    original, tma_before, min_keys = configs.launch_configs, configs.TMA, attention.PRETURN_MIN_KEYS
+    original = configs.launch_configs
 
-    def patched(name, head_dim, capability, elem_bytes=2, split=False):
+    def patched(name, head_dim, capability, elem_bytes=2, split=False, autotune=None):
         found = original(name, head_dim, capability, elem_bytes, split)
         if name == "fwd" and cfg is not None:
             bm, bn, w, s = cfg
@@ -59,17 +59,16 @@ def variant(cfg, tma, preturn):
 
     def clear():
         attention._autotuned.cache_clear()
-        attention._OP_PLANS.clear()
+        attention.PLANS.clear()
         attention._LAUNCHERS.clear()
 
     clear()
-    configs.launch_configs, configs.TMA = patched, tma
-    attention.PRETURN_MIN_KEYS = 0 if preturn else 1 << 40
+    configs.launch_configs = patched
     try:
-        yield
+        with rerope.using_config(tma=tma, preturn_min_keys=0 if preturn else 1 << 40):
+            yield
     finally:
-        configs.launch_configs, configs.TMA = original, tma_before
-        attention.PRETURN_MIN_KEYS = min_keys
+        configs.launch_configs = original
         clear()
 
 

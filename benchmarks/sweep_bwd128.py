@@ -71,7 +71,7 @@ from contextlib import contextmanager
 
 import torch
 
-import rerope  # noqa: F401  (before triton: the interpreter is chosen at import)
+import rerope  # (before triton: the interpreter is chosen at import)
 from rerope import attention, configs
 
 import triton  # noqa: I100
@@ -107,7 +107,7 @@ def forced(kernel=None, cfg=None):
     every cache that keeps a compiled kernel or a bound launch is cleared on entry and exit."""
     original = configs.launch_configs
 
-    def patched(name, head_dim, capability, elem_bytes=2, split=False):
+    def patched(name, head_dim, capability, elem_bytes=2, split=False, autotune=None):
         if name == kernel and not split:
             bm, bn, w, s = cfg
             return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s)]
@@ -116,7 +116,7 @@ def forced(kernel=None, cfg=None):
     def clear():
         attention._autotuned.cache_clear()
         attention._LAUNCHERS.clear()
-        attention._OP_PLANS.clear()
+        attention.PLANS.clear()
 
     clear()
     configs.launch_configs = patched
@@ -519,7 +519,7 @@ def main():
 
     env = environment()
     meta = {"gpu": env["gpu"], "torch": env["torch"], "triton": env["triton"], "date": env["date"],
-            "autotune": configs.AUTOTUNE, "tma": configs.TMA,
+            "autotune": rerope.config().autotune, "tma": rerope.config().tma,
             "shape": dict(B=1, H=HEADS, N=N, D=D, window=WINDOW, causal=True),
             "first_candidates": {k: configs.candidate_configs(k, D)[0] for k in ("dkdv", "dq")},
             "timing": TIMING}

@@ -264,22 +264,15 @@ def window_contrast_inputs(gen, batch, hq, hkv, n, d, dtype, strong, contrast=6.
 
 
 def all_launch_configs(kernel, head_dim, capability, elem_bytes=2, launch_configs=None,
-                       split=False):
+                       fused=False):
     """``configs.launch_configs`` (or the given function) with autotuning on: all fitting
-    configurations (of the five-tensor form, or the fused one: ``split``), whatever
+    configurations (of the five-tensor form, or the fused one: ``fused``), whatever
     ``REROPE_AUTOTUNE`` says."""
     from rerope import configs
 
-    saved = getattr(configs, "AUTOTUNE", None)
-    configs.AUTOTUNE = True
-    try:
+    with configs.using(autotune=True):
         return (launch_configs or configs.launch_configs)(kernel, head_dim, capability,
-                                                          elem_bytes, split)
-    finally:
-        if saved is None:
-            del configs.AUTOTUNE
-        else:
-            configs.AUTOTUNE = saved
+                                                          elem_bytes, fused)
 
 
 # --- the shared grid of cases -----------------------------------------------------------------

@@ -31,7 +31,7 @@ def test_matches_reference(case, gen):
 
 
 # Both ways of reading tiles: tensor descriptors (TMA on Hopper) and pointer loads. Under the
-# interpreter the default is pointers; REROPE_TMA=1 (configs.TMA) forces descriptors wherever
+# interpreter the default is pointers; tma="on" (REROPE_TMA=1) forces descriptors wherever
 # the layout allows, and the interpreter then runs the descriptor code path.
 TMA_CASES = [Case(77, 15, dtype=F16), Case(77, 30, causal=False), Case(1, 1),
              Case(24, 12, hq=4, hkv=1, d=64, dtype=F16),
@@ -40,16 +40,17 @@ TMA_CASES = [Case(77, 15, dtype=F16), Case(77, 30, causal=False), Case(1, 1),
 
 
 @pytest.mark.parametrize("case", TMA_CASES, ids=Case.id)
-@pytest.mark.parametrize("mode", ["0", "1"], ids=["pointers", "descriptors"])
-def test_both_load_paths(case, mode, gen, monkeypatch):
-    from rerope import attention, configs
+@pytest.mark.parametrize("mode", ["off", "on"], ids=["pointers", "descriptors"])
+def test_both_load_paths(case, mode, gen):
+    from rerope import attention
 
-    monkeypatch.setattr(configs, "TMA", mode)
     tensors, dout = make_inputs(gen, case.batch, case.hq, case.hkv, case.n, case.d, case.dtype,
                                 layout=case.layout)
-    assert attention._use_tma(*tensors, dout) == (mode == "1"), "the path under test is not taken"
-    check_kernel_against_reference(tensors, dout, case.window, case.causal, case.sm_scale,
-                                   context=describe(gen, tma=mode, **asdict(case)))
+    assert attention._use_tma(mode, *tensors, dout) == (mode == "on"), (
+        "the path under test is not taken")
+    with rerope.using_config(tma=mode):
+        check_kernel_against_reference(tensors, dout, case.window, case.causal, case.sm_scale,
+                                       context=describe(gen, tma=mode, **asdict(case)))
 
 
 def test_descriptor_layout_rules():
@@ -195,7 +196,7 @@ def test_window_near_int32_max(window, gen):
 
 
 @pytest.mark.parametrize("fused", [False, True], ids=["five_tensors", "raw_qk"])
-def test_grid_orders_agree(fused, gen, monkeypatch):
+def test_grid_orders_agree(fused, gen):
     """Heads first or blocks first (``attention.heads_first``: the grid's axis order) runs the
     same programs, so forward and gradients are bit-identical; and right (float64 reference).
     GQA, batch 2, causal, an odd N whose last query block is ragged."""
@@ -209,12 +210,12 @@ def test_grid_orders_agree(fused, gen, monkeypatch):
         raw, dout = make_inputs(gen, 2, 2, 1, n, d, F32)
 
     def run(max_keys):
-        monkeypatch.setattr(attention, "HEADS_FIRST_MAX_KEYS", max_keys)
-        assert attention.heads_first(n) == (max_keys >= n)
-        leaves = [t.detach().clone().requires_grad_() for t in raw]
-        out = (rerope.rerope(*leaves, window) if fused
-               else rerope.rerope_attention(*leaves, window))
-        out.backward(dout)
+        with rerope.using_config(heads_first_max_keys=max_keys):
+            assert attention.heads_first(n) == (max_keys >= n)
+            leaves = [t.detach().clone().requires_grad_() for t in raw]
+            out = (rerope.rerope(*leaves, window) if fused
+                   else rerope.rerope_attention(*leaves, window))
+            out.backward(dout)
         return [out.detach(), *(t.grad for t in leaves)]
 
     heads, blocks = run(n), run(0)

@@ -121,8 +121,8 @@ def test_inv_freq_changed_through_data_is_read_again(gen):
 def test_every_cache_is_bounded_by_one_constant():
     """The package's caches: LRU caches of ``CACHE_SIZE`` entries, and ``functools.lru_cache``
     functions of the same size."""
-    for cache in (rotary._TABLES, rotary._OFFSETS, attention._OPERANDS, attention._OP_PLANS,
-                  attention._LAUNCHERS, decode._PLANS):
+    for cache in (rotary._TABLES, rotary._OFFSETS, attention._OPERANDS, attention.PLANS,
+                  attention._LAUNCHERS, decode.PLANS):
         assert isinstance(cache, LRUCache) and cache.size == CACHE_SIZE
     for function in (attention._autotuned, attention._device_memory, decode._sm_count,
                      launch._capability):
@@ -152,7 +152,7 @@ def test_many_settings_keep_the_tables_bounded(setting, gen):
         for value in values:
             rerope.rerope(q, k, v, 2, **{setting: value})
             assert len(rotary._TABLES) <= CACHE_SIZE and len(rotary._OFFSETS) <= CACHE_SIZE
-    assert len(attention._OPERANDS) <= CACHE_SIZE and len(attention._OP_PLANS) <= CACHE_SIZE
+    assert len(attention._OPERANDS) <= CACHE_SIZE and len(attention.PLANS) <= CACHE_SIZE
     assert len(rotary._TABLES) == CACHE_SIZE, "the tables should have filled the cache"
     for value in (values[0], values[-1]):
         got = rerope.rerope(q, k, v, 2, **{setting: value})

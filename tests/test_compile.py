@@ -52,20 +52,21 @@ TORCH_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.flo
 
 # integer arguments that are floats at launch, and pointers to fp32 row statistics
 FLOAT_ARGS = {"qk_scale", "sm_scale", "logn_factor"}
-FP32_POINTERS = {"Lse", "Delta", "TabIn", "OffIn", "TabOut", "OffOut"}
+FP32_POINTERS = {"Lse", "Delta"}
+TABLES = "Tables"            # a tuple of four fp32 pointers (two per product)
 
-# The forms the kernels read (``SPLIT``): the five tensors of ``rerope_attention``, and
-# ``q, k`` of ``rerope`` with every rotation switched on (Leaky ReRoPE from raw inputs rotates
-# both operands of both products) and log-n: the most the fused form ever does. "preturned":
-# the backward of ``rerope`` on pre-turned operands (five-tensor reads, gradients turned back
-# and summed in the store, ``TURN_BACK``); the forward has no such form.
+# The forms the kernels read (the flag groups ``INSIDE_FLAGS`` / ``OUTSIDE_FLAGS``): the five
+# tensors of ``rerope_attention`` (``None``), and ``q, k`` of ``rerope`` with every rotation
+# switched on (Leaky ReRoPE from raw inputs rotates both operands of both products) and log-n:
+# the most the fused form ever does. "preturned": the backward of ``rerope`` on pre-turned
+# operands (five-tensor reads, gradients turned back and summed in the store, ``PRETURNED``);
+# the forward has no such form.
 FORMS = {
-    "five": dict(SPLIT=False, LOGN=False, TURN_IN=False, SHIFT_IN=False, TURN_OUT=False,
-                 SHIFT_OUT=False, TURN_BACK=False),
-    "fused": dict(SPLIT=True, LOGN=True, TURN_IN=True, SHIFT_IN=False, TURN_OUT=True,
-                  SHIFT_OUT=True, TURN_BACK=False),
-    "preturned": dict(SPLIT=False, LOGN=True, TURN_IN=True, SHIFT_IN=False, TURN_OUT=True,
-                      SHIFT_OUT=True, TURN_BACK=True),
+    "five": dict(LOGN=False, INSIDE_FLAGS=None, OUTSIDE_FLAGS=None, PRETURNED=False),
+    "fused": dict(LOGN=True, INSIDE_FLAGS=(True, False), OUTSIDE_FLAGS=(True, True),
+                  PRETURNED=False),
+    "preturned": dict(LOGN=True, INSIDE_FLAGS=(True, False), OUTSIDE_FLAGS=(True, True),
+                      PRETURNED=True),
 }
 BACKWARD_ONLY = {"preturned"}
 
@@ -75,14 +76,14 @@ def _configs(kernel, form, head_dim, cap, elem_bytes):
     from rerope import configs
     from rerope_testing import all_launch_configs
 
-    split = FORMS[form]["SPLIT"]
+    fused = form == "fused"
     out = []
-    for c in all_launch_configs(kernel, head_dim, cap, elem_bytes, split=split):
+    for c in all_launch_configs(kernel, head_dim, cap, elem_bytes, fused=fused):
         bm, bn = c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]
         out.append({"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": c.num_warps,
                     "num_stages": c.num_stages,
                     "estimate": configs.estimate_shared_memory(kernel, bm, bn, c.num_stages,
-                                                               head_dim, elem_bytes, split)})
+                                                               head_dim, elem_bytes, fused)})
     return out
 
 
@@ -145,7 +146,6 @@ def _source(job):
     from triton.compiler import ASTSource
 
     from rerope.attention import _KERNELS
-    from rerope.runtime import dot_precision
 
     fn = _KERNELS[job["kernel"]]
     signature, constexprs, attrs = {}, {}, {}
@@ -154,26 +154,33 @@ def _source(job):
         name = param.name
         if param.is_constexpr:
             signature[name] = "constexpr"
+        elif name == TABLES:                                 # (table, offset) per product
+            signature[name] = ("*fp32",) * 4
+            attrs.update({(index, i): divisible for i in range(4)})
         elif name[0].isupper():                              # a pointer (Q1, K2, Out, Lse, …)
             signature[name] = "*fp32" if name in FP32_POINTERS else "*" + job["dtype"]
             attrs[(index,)] = divisible
         elif name in FLOAT_ARGS:
             signature[name] = "fp32"
-        elif name.endswith("_d") or name == "group":         # unit stride; MHA group of one
+        elif name.startswith("s"):                           # strides: batch, head, row, 1
+            signature[name] = ("i32", "i32", "i32", "constexpr")
+            attrs.update({(index, i): divisible for i in range(3)})
+            constexprs[(index, 3)] = 1
+        elif name == "q_per_kv":                             # MHA: one query head per kv
             signature[name] = "constexpr"
             constexprs[name] = 1
         else:                                                # strides, head counts, N, window
             signature[name] = "i32"
             attrs[(index,)] = divisible
     constexprs.update(HEAD_DIM=job["head_dim"], BLOCK_M=job["BLOCK_M"], BLOCK_N=job["BLOCK_N"],
-                      CAUSAL=True, DOT_PRECISION=dot_precision(TORCH_DTYPES[job["dtype"]]),
-                      TMA=uses_tma(job), TWO_DOTS=FORMS[job["form"]]["SPLIT"] and
-                      job["head_dim"] >= 32, **FORMS[job["form"]])
+                      CAUSAL=True, TMA=uses_tma(job), **FORMS[job["form"]])
     # the grid's axis order (attention.heads_first) only swaps the program ids: one of the two
     constexprs["HEADS_FIRST"] = True
     if job["kernel"] == "fwd":          # key tiles turned in the kernel (not pre-turned)
-        constexprs.update(TURN_K_IN=constexprs["TURN_IN"], TURN_K_OUT=constexprs["TURN_OUT"])
-        del constexprs["TURN_BACK"]         # a backward-only switch
+        for product in ("INSIDE_FLAGS", "OUTSIDE_FLAGS"):
+            flags = constexprs[product]
+            constexprs[product] = None if flags is None else (*flags, flags[0])
+        del constexprs["PRETURNED"]         # a backward-only switch
     missing = [p.name for p in fn.params if p.is_constexpr and p.name not in constexprs]
     if missing:
         raise RuntimeError(f"no value for constexpr parameters {missing} of {job['kernel']}")

@@ -1,6 +1,6 @@
 """The package's environment variables and Triton's mode (``rerope.configs``, ``rerope.runtime``).
 
-Every ``REROPE_*`` variable is read once, at import, by ``configs.Settings``: a bad value fails
+Every ``REROPE_*`` variable is read once, at import, by ``configs.Config``: a bad value fails
 ``import rerope`` with a ``ValueError`` that names the variable, the value and the accepted values;
 booleans take ``0/1, true/false, yes/no, on/off`` in any case. Without CUDA, ``import rerope``
 runs its own kernels in Triton's interpreter without writing ``TRITON_INTERPRET`` into
@@ -37,7 +37,7 @@ def run_python(code, **env):
 
 
 def settings(**env):
-    return configs.Settings.from_environment(env)
+    return configs.Config.from_environment(env)
 
 
 BAD = [("REROPE_DECODE_CONFIG", "128,3"), ("REROPE_DECODE_CONFIG", "64,4,3,x"),
@@ -74,7 +74,7 @@ def test_good_spellings():
     assert settings(REROPE_PRETURN_BWD_MAX_BYTES="1e9").preturn_bwd_max_bytes == 10**9
     assert settings(REROPE_PRETURN_BWD_MAX_BYTES="2_000").preturn_bwd_max_bytes == 2000
     assert settings(REROPE_DECODE_CONFIG=" 128,8,2,1").decode_config == (128, 8, 2, 1)
-    assert settings() == configs.Settings()          # unset: the defaults
+    assert settings() == configs.Config()          # unset: the defaults
 
 
 def test_misspelt_variable_warns():
@@ -90,20 +90,19 @@ def test_retired_variable_warns():
     no longer read: set, it says so, whatever its value."""
     for value in ("1", "rule", "sometimes"):
         with pytest.warns(UserWarning, match="REROPE_FUSED_MERGE is no longer read"):
-            assert settings(REROPE_FUSED_MERGE=value) == configs.Settings()
+            assert settings(REROPE_FUSED_MERGE=value) == configs.Config()
 
 
 def test_settings_reach_the_modules():
     """Good spellings, read at import, land in the names the code reads."""
     done = run_python(
-        "from rerope import configs, attention, decode\n"
-        "print(configs.AUTOTUNE, configs.TMA, attention.PRETURN_BWD_MAX_BYTES,"
-        " decode.launch_config(64))",
+        "import rerope\nfrom rerope import decode\nc = rerope.config()\n"
+        "print(c.autotune, c.tma, c.preturn_bwd_max_bytes, decode.launch_config(64))",
         REROPE_AUTOTUNE="false", REROPE_TMA="off",
         REROPE_PRETURN_BWD_MAX_BYTES="1e9", REROPE_DECODE_CONFIG="128,8,2,3")
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split("\n")[0] == (
-        "False 0 1000000000 ({'BLOCK_N': 128, 'num_warps': 8, 'num_stages': 2}, 3)")
+        "False off 1000000000 ({'BLOCK_N': 128, 'num_warps': 8, 'num_stages': 2}, 3)")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter is chosen without CUDA")

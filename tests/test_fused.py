@@ -9,6 +9,7 @@ kind of tile; chunked prefill puts ``Nq`` queries at the last positions of ``Nk`
 makes the dK/dV kernel's query axis start before its first key block (negative offsets).
 """
 
+import contextlib
 from dataclasses import asdict, dataclass
 
 import pytest
@@ -133,16 +134,17 @@ def test_matches_oracle(case, gen):
 
 
 @pytest.mark.parametrize("rotated", [False, True], ids=["raw", "rotated"])
-@pytest.mark.parametrize("mode", ["0", "1"], ids=["pointers", "descriptors"])
-def test_both_load_paths(rotated, mode, gen, monkeypatch):
+@pytest.mark.parametrize("mode", ["off", "on"], ids=["pointers", "descriptors"])
+def test_both_load_paths(rotated, mode, gen):
     """The halves are read through two tensor descriptors (TMA) or two pointer loads."""
-    from rerope import attention, configs
+    from rerope import attention
 
-    monkeypatch.setattr(configs, "TMA", mode)
     case = C(33, 60, 11, rotated=rotated, dtype=F16, hq=2, hkv=1)
     leaves, dout = fused_inputs(gen, case)
-    assert attention._use_tma(*leaves, dout) == (mode == "1"), "the path under test is not taken"
-    got = fused_results(leaves, dout, case.window, **settings(case))
+    assert attention._use_tma(mode, *leaves, dout) == (mode == "on"), (
+        "the path under test is not taken")
+    with rerope.using_config(tma=mode):
+        got = fused_results(leaves, dout, case.window, **settings(case))
     want = oracle_results(leaves, dout, case.window, **settings(case))
     problems = results_problems(got, want, tolerance(case.dtype))
     assert not problems, describe(gen, tma=mode, **asdict(case)) + "\n" + "\n".join(problems)
@@ -227,12 +229,11 @@ def test_preturn_skips_the_product_with_no_tile(rotated, gen, monkeypatch):
     monkeypatch.setattr(attention, "turn_operands", lambda x, inside, outside, *a, **kw: (
         seen.append((inside is not None, outside is not None)) or real(x, inside, outside, *a,
                                                                         **kw)))
-    for name in ("PRETURN_MIN_KEYS", "PRETURN_BWD_MIN_KEYS"):
-        monkeypatch.setattr(attention, name, 0)
-    monkeypatch.setattr(attention, "PRETURN_BWD_MAX_BYTES", 1 << 62)
     case = C(20, 24, window=24, hq=2, hkv=1, rotated=rotated, dtype=F16)
     leaves, dout = fused_inputs(gen, case)
-    got = fused_results(leaves, dout, case.window, **settings(case))
+    with rerope.using_config(preturn_min_keys=0, preturn_bwd_min_keys=0,
+                             preturn_bwd_max_bytes=1 << 62):
+        got = fused_results(leaves, dout, case.window, **settings(case))
     # raw: the forward's keys, then the backward's q and k, each for the inside product only
     assert seen == ([] if rotated else [(True, False)] * 3), seen
     want = oracle_results(leaves, dout, case.window, **settings(case))
@@ -325,10 +326,11 @@ def test_bad_input(bad, error, match):
 
 @pytest.fixture
 def backward_path(monkeypatch):
-    """``force(path)``: make the fused backward pre-turn its operands (``"preturned"``) or turn
-    tiles in registers (``"in_registers"``) whatever the size; returns the calls of
-    ``turn_operands`` seen since, to prove which path ran (the plans are emptied, so the next
-    call is a plan's first, which turns through ``turn_operands``)."""
+    """``force(path, **config)``: make the fused backward pre-turn its operands
+    (``"preturned"``) or turn tiles in registers (``"in_registers"``) whatever the size, for
+    the rest of the test (``rerope.using_config``, with ``config``'s further changes); returns
+    the calls of ``turn_operands`` seen since, to prove which path ran (the plans are emptied,
+    so the next call is a plan's first, which turns through ``turn_operands``)."""
     from rerope import attention
 
     calls = []
@@ -336,15 +338,16 @@ def backward_path(monkeypatch):
     monkeypatch.setattr(attention, "turn_operands",
                         lambda *a, **kw: calls.append(a[0].shape) or real(*a, **kw))
 
-    def force(path):
-        min_keys = 0 if path == "preturned" else 1 << 62
-        monkeypatch.setattr(attention, "PRETURN_BWD_MIN_KEYS", min_keys)
-        monkeypatch.setattr(attention, "PRETURN_BWD_MAX_BYTES", 1 << 62)
-        attention._OP_PLANS.clear()     # a plan's later calls turn through its kept turn
-        calls.clear()
-        return calls
+    with contextlib.ExitStack() as stack:
+        def force(path, **config):
+            changes = dict(preturn_bwd_min_keys=0 if path == "preturned" else 1 << 62,
+                           preturn_bwd_max_bytes=1 << 62)
+            stack.enter_context(rerope.using_config(**{**changes, **config}))
+            attention.PLANS.clear()     # a plan's later calls turn through its kept turn
+            calls.clear()
+            return calls
 
-    return force
+        yield force
 
 
 @pytest.mark.parametrize("case", CASES, ids=FusedCase.id)
@@ -470,10 +473,10 @@ def test_turn_operands_queries_are_rope_at_each_products_angle(rotated, logn_len
         torch.testing.assert_close(got.double(), want, rtol=0, atol=2e-5)
 
 
-def test_preturn_policy_and_extra_bytes(gen, monkeypatch):
+def test_preturn_policy_and_extra_bytes(gen):
     """The extra memory is one ``q``-sized tensor per product that changes its query operand and
     one ``k``-sized per product that turns keys; over the byte limit, or below
-    ``PRETURN_BWD_MIN_KEYS`` keys, the backward turns tiles in registers."""
+    ``preturn_bwd_min_keys`` keys, the backward turns tiles in registers."""
     from rerope import attention
 
     q = torch.empty(2, 4, 10, 32, dtype=F16)
@@ -488,25 +491,23 @@ def test_preturn_policy_and_extra_bytes(gen, monkeypatch):
         inside_only = {(): qb + kb, ("rotated",): 0, ("leaky",): qb + kb,
                        ("logn_len", "rotated"): qb}[tuple(sorted(kw))]
         assert attention._preturned_shapes(q, k, ops, outside=False)[1] == inside_only, kw
-    # the forward's keys: from PRETURN_MIN_KEYS keys on, where a key tile is read at least
-    # twice (group · cdiv(Nq, 128) programs)
-    m = attention.PRETURN_MIN_KEYS
+    # the forward's keys: from preturn_min_keys keys on, where a key tile is read at least
+    # twice (q_per_kv · cdiv(Nq, 128) programs)
+    m = rerope.config().preturn_min_keys
     assert attention.preturn_keys(m, 4096) and not attention.preturn_keys(m - 1, 4096)
     assert not attention.preturn_keys(m, 128) and attention.preturn_keys(m, 129)
-    assert attention.preturn_keys(m, 1, group=2) and not attention.preturn_keys(m, 1, group=1)
-    monkeypatch.setattr(attention, "PRETURN_BWD_MAX_BYTES", 1000)
-    assert attention.preturn_memory_limit("cpu") == 1000
-    assert attention.preturn_backward(1 << 20, 1000, "cpu")
-    assert not attention.preturn_backward(1 << 20, 1001, "cpu")
-    assert not attention.preturn_backward(attention.PRETURN_BWD_MIN_KEYS - 1, 0, "cpu")
+    assert attention.preturn_keys(m, 1, q_per_kv=2)
+    assert not attention.preturn_keys(m, 1, q_per_kv=1)
+    with rerope.using_config(preturn_bwd_max_bytes=1000) as config:
+        assert attention.preturn_memory_limit("cpu") == 1000
+        assert attention.preturn_backward(1 << 20, 1000, "cpu")
+        assert not attention.preturn_backward(1 << 20, 1001, "cpu")
+        assert not attention.preturn_backward(config.preturn_bwd_min_keys - 1, 0, "cpu")
 
 
-def test_backward_falls_back_to_registers_when_memory_is_tight(gen, backward_path, monkeypatch):
+def test_backward_falls_back_to_registers_when_memory_is_tight(gen, backward_path):
     """Long enough to pre-turn, but over the byte limit: the in-register path runs, and is right."""
-    from rerope import attention
-
-    calls = backward_path("preturned")
-    monkeypatch.setattr(attention, "PRETURN_BWD_MAX_BYTES", 0)
+    calls = backward_path("preturned", preturn_bwd_max_bytes=0)
     case = C(40, window=9, rotated=True)
     leaves, dout = fused_inputs(gen, case)
     got = fused_results(leaves, dout, case.window, **settings(case))

@@ -44,17 +44,17 @@ def _qkv(gen, b=1, hq=2, hkv=1, n=12, d=16, dtype=F32, n_queries=None):
 
 def test_plan_cache_hits_and_misses(gen):
     """A repeated call reuses its plan; a changed stride, dtype or setting builds a new one."""
-    attention._OP_PLANS.clear()
+    attention.PLANS.clear()
     q, k, v = _qkv(gen)
     first = rerope.rerope(q, k, v, 5, causal=False)
-    assert len(attention._OP_PLANS) == 1
+    assert len(attention.PLANS) == 1
     again = rerope.rerope(q.clone(), k.clone(), v.clone(), 5, causal=False)
-    assert len(attention._OP_PLANS) == 1, "the same signature built a second plan"
+    assert len(attention.PLANS) == 1, "the same signature built a second plan"
     assert torch.equal(first, again)
     rerope.rerope(q.transpose(2, 3).contiguous().transpose(2, 3), k, v, 5, causal=False)
-    assert len(attention._OP_PLANS) == 2, "a changed stride did not build a new plan"
+    assert len(attention.PLANS) == 2, "a changed stride did not build a new plan"
     rerope.rerope(q.double().float(), k, v, 6, causal=False)
-    assert len(attention._OP_PLANS) == 3, "a changed window did not build a new plan"
+    assert len(attention.PLANS) == 3, "a changed window did not build a new plan"
     with pytest.raises(TypeError, match="window must be an int"):
         rerope.rerope(q, k, v, 5.0, causal=False)      # 5.0 == 5 hashes alike: still checked
     with pytest.raises(TypeError, match="causal must be a bool"):
@@ -62,35 +62,36 @@ def test_plan_cache_hits_and_misses(gen):
 
 
 def test_plan_cache_dtype_and_grad_mode(gen):
-    """Whether a gradient is needed is part of the key (it decides the route to decoding)."""
-    attention._OP_PLANS.clear()
+    """Whether a gradient is needed decides the route to decoding, before any planning: a
+    decode step is checked and planned by ``rerope_decode`` alone."""
+    attention.PLANS.clear()
     q, k, v = _qkv(gen, n=8, n_queries=2)
     with torch.no_grad():
         rerope.rerope(q, k, v, 3)
-    plans = list(attention._OP_PLANS.values())
-    assert plans[0].decode
+    assert len(attention.PLANS) == 0 and attention.PLANS.built == 0, "planned twice"
     q.requires_grad_()
     out = rerope.rerope(q, k, v, 3)
     assert out.requires_grad, "a call needing a gradient took the forward-only decode route"
-    assert len(attention._OP_PLANS) == 2
+    assert len(attention.PLANS) == 1
 
 
 @pytest.mark.parametrize("preturn, rotated", [(False, False), (True, True)],
                          ids=["in_registers-raw", "preturned-rotated"])
-def test_repeated_call_runs_the_kept_call(preturn, rotated, gen, monkeypatch):
+def test_repeated_call_runs_the_kept_call(preturn, rotated, gen):
     """From its second call on, a plan runs the forward and backward it kept (launchers and the
     arguments after the tensors; keys and operands pre-turned or not as on the first call):
     the same outputs and gradients, bit for bit, and new data gives new results."""
-    monkeypatch.setattr(attention, "PRETURN_MIN_KEYS", 0 if preturn else 2 ** 62)
-    monkeypatch.setattr(attention, "PRETURN_BWD_MIN_KEYS", 0 if preturn else 2 ** 62)
-    attention._OP_PLANS.clear()
+    min_keys = 0 if preturn else 2 ** 62
+    attention.PLANS.clear()
     first, second = _qkv(gen, hq=4, hkv=2, n=24, d=16), _qkv(gen, hq=4, hkv=2, n=24, d=16)
     results = []
-    for data in (first, first, second):
-        q, k, v = (t.clone().requires_grad_() for t in data)
-        out = rerope.rerope(q, k, v, 7, rotated=rotated)
-        results.append((out, *torch.autograd.grad(out, (q, k, v), torch.ones_like(out) / 3)))
-    (plan,) = attention._OP_PLANS.values()
+    with rerope.using_config(preturn_min_keys=min_keys, preturn_bwd_min_keys=min_keys):
+        for data in (first, first, second):
+            q, k, v = (t.clone().requires_grad_() for t in data)
+            out = rerope.rerope(q, k, v, 7, rotated=rotated)
+            results.append((out, *torch.autograd.grad(out, (q, k, v),
+                                                      torch.ones_like(out) / 3)))
+    (plan,) = attention.PLANS.values()
     calls = [key[0] for key in plan.launchers if isinstance(key[0], str)]
     backward = [key[0] for sub in plan.launchers.values() if isinstance(sub, dict) for key in sub
                 if isinstance(key[0], str)]
@@ -109,17 +110,23 @@ def test_plan_cache_is_bounded():
     assert cache.get(9) is not None and cache.get(0) is not None and cache.get(1) is None
 
 
-def test_decode_plan_key_has_strides(gen):
-    """Two caches of one shape but other strides (a transposed view) get their own plans, and
-    both give the contiguous call's result."""
-    decode._PLANS.clear()
+def test_decode_plan_key_has_stride_classes(gen):
+    """The decode plan is keyed by each stride's class, not its value: a transposed copy
+    (every stride still a multiple of 16) reuses the contiguous cache's plan, a padded
+    cache (rows 17 elements apart) gets a plan of its own; all three give the same rows."""
+    decode.PLANS.clear()
     q, k, v = _qkv(gen, b=2, hq=4, hkv=2, n=40, n_queries=1)
     want = rerope.rerope_decode(q, k, v, 7)
     k_t = k.transpose(1, 2).contiguous().transpose(1, 2)
     v_t = v.transpose(1, 2).contiguous().transpose(1, 2)
-    got = rerope.rerope_decode(q, k_t, v_t, 7)
-    assert len(decode._PLANS) == 2
-    assert torch.equal(got, want)
+    assert torch.equal(rerope.rerope_decode(q, k_t, v_t, 7), want)
+    assert len(decode.PLANS) == 1
+    k_p = torch.cat([k, k[..., :1]], dim=-1)[..., :16]
+    v_p = torch.cat([v, v[..., :1]], dim=-1)[..., :16]
+    assert k_p.stride(2) == 17
+    assert torch.equal(rerope.rerope_decode(q, k_p, v_p, 7), want)
+    assert len(decode.PLANS) == 2
+    assert decode.decode_plan(q, k, v, 7) is not decode.decode_plan(q, k_p, v_p, 7)
 
 
 # --- custom ops over layouts ----------------------------------------------------------------------
@@ -357,8 +364,7 @@ def test_gpu_launchers_are_bound(gen):
         a = rerope.rerope_decode(q[:, :, -1:], k, v, 37)
         b = rerope.rerope_decode(q[:, :, -1:], k, v, 37)
     assert torch.equal(a, b)
-    plan = next(iter(decode._PLANS.values()))
-    assert plan.split.bound
+    assert decode.decode_plan(q[:, :, -1:], k, v, 37).bound
 
 
 @pytest.mark.gpu

@@ -120,8 +120,8 @@ def forced_configs(index):
 
     original = configs.launch_configs
 
-    def one(kernel, head_dim, capability, elem_bytes=2, split=False):
-        found = all_launch_configs(kernel, head_dim, capability, elem_bytes, original, split)
+    def one(kernel, head_dim, capability, elem_bytes=2, fused=False, autotune=None):
+        found = all_launch_configs(kernel, head_dim, capability, elem_bytes, original, fused)
         return [found[index % len(found)]]
 
     attention._autotuned.cache_clear()

@@ -537,8 +537,10 @@ def test_unsupported_attention_layouts_raise():
 
 
 def test_training_mode_needs_no_dropout_and_backpropagates():
-    """In train mode the prefill op is differentiable; attention dropout is refused."""
-    model = hf.enable_rerope(build(tiny_config(attention_dropout=0.1)), window=3)
+    """In train mode the prefill op is differentiable, and every weight's gradient is the one
+    of the same model with the float64 reference attention; attention dropout is refused."""
+    config = tiny_config(attention_dropout=0.1)
+    model = hf.enable_rerope(build(config), window=3)
     ids = torch.randint(0, VOCAB, (1, 8), generator=torch.Generator().manual_seed(10))
     model.train()
     with pytest.raises(ValueError, match="attention dropout 0.1"):
@@ -546,11 +548,25 @@ def test_training_mode_needs_no_dropout_and_backpropagates():
     model.config.attention_dropout = 0.0
     for layer in model.model.layers:
         layer.self_attn.attention_dropout = 0.0
-    loss = model(ids, labels=ids).loss
-    loss.backward()
-    grad = model.model.layers[0].self_attn.q_proj.weight.grad
-    assert grad is not None and torch.isfinite(grad).all() and grad.abs().max() > 0
-    assert math.isfinite(loss.item())
+    expected = build(tiny_config())                     # the same weights (same seed)
+    expected.set_attn_implementation(
+        register_reference(3, config.rope_parameters["rope_theta"]))
+    expected.train()
+    losses = []
+    for m in (model, expected):
+        loss = m(ids, labels=ids).loss
+        loss.backward()
+        losses.append(loss.item())
+    assert math.isfinite(losses[0]) and abs(losses[0] - losses[1]) < 1e-5, losses
+    compared = 0
+    for (name, got), (_, want) in zip(model.named_parameters(), expected.named_parameters()):
+        if want.grad is None:
+            continue
+        compared += 1
+        assert got.grad is not None, name
+        error = (got.grad - want.grad).abs().max().item()
+        assert error <= 1e-4 * max(want.grad.abs().max().item(), 1e-6), (name, error)
+    assert compared > 0 and model.model.layers[0].self_attn.q_proj.weight.grad.abs().max() > 0
 
 
 # --- chapter 10's Triton exercise ------------------------------------------------------------------

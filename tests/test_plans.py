@@ -39,8 +39,8 @@ def _fused_qkv(gen, b=1, h=2, n=20, d=16, dtype=F32):
 
 
 def _op_plans():
-    return [plan for plan in attention._OP_PLANS.values()
-            if isinstance(plan, attention._OpPlan)]
+    return [plan for plan in attention.PLANS.values()
+            if isinstance(plan, attention.OpPlan)]
 
 
 def _call_keys(launchers):
@@ -75,7 +75,7 @@ def test_fused_ops_reuse_their_plan(leaky, gen):
     """The second call of ``rerope_fwd`` / ``rerope_bwd`` with one signature builds no plan and
     runs the kept forward and backward calls: bit-identical outputs and gradients; other data
     through the same plan gives other results (the kept calls read their inputs)."""
-    attention._OP_PLANS.clear()
+    attention.PLANS.clear()
     settings = (*SETTINGS[:4], leaky, *SETTINGS[5:])
     first, second = _fused_qkv(gen), _fused_qkv(gen)
     dout = randn(gen, *first[0].shape, dtype=F32, device=kernel_device())
@@ -98,7 +98,7 @@ def test_fused_ops_reuse_their_plan(leaky, gen):
 def test_fused_op_backward_keyed_by_out_layout(gen):
     """The backward op's kept call is per layout of ``out`` too: a strided ``out`` (an op's
     caller may pass any) gets its own launchers and the contiguous one's gradients."""
-    attention._OP_PLANS.clear()
+    attention.PLANS.clear()
     q, k, v = _fused_qkv(gen)
     dout = randn(gen, *q.shape, dtype=F32, device=kernel_device())
     out, lse = torch.ops.rerope.rerope_fwd(q, k, v, *SETTINGS)
@@ -112,7 +112,7 @@ def test_fused_op_backward_keyed_by_out_layout(gen):
 
 
 def test_five_tensor_ops_reuse_their_plan(gen):
-    attention._OP_PLANS.clear()
+    attention.PLANS.clear()
     device = kernel_device()
     tensors = [randn(gen, 1, 2, 20, 16, dtype=F32, device=device) for _ in range(5)]
     dout = randn(gen, 1, 2, 20, 16, dtype=F32, device=device)
@@ -142,7 +142,7 @@ def test_compiled_block_runs_through_op_plans(gen):
     torch._dynamo.reset()
     compiled_block.forward = torch.compile(compiled_block.forward, fullgraph=True,
                                            backend="aot_eager")
-    attention._OP_PLANS.clear()
+    attention.PLANS.clear()
     first = _block_results(compiled_block, x)
     plans = _op_plans()
     assert len(plans) == 1, "the compiled graph did not call the ops through one plan"
@@ -161,7 +161,7 @@ def test_compiled_block_runs_through_op_plans(gen):
 def test_no_grad_call_skips_autograd(rotated, gen):
     """Without a gradient the op runs the kernels directly (no autograd node): the same output,
     bit for bit, as a call that records one, and both the float64 oracle's."""
-    attention._OP_PLANS.clear()
+    attention.PLANS.clear()
     q, k, v = _fused_qkv(gen)
     with torch.no_grad():
         plain = rerope.rerope(q, k, v, 6, rotated=rotated)
@@ -170,7 +170,7 @@ def test_no_grad_call_skips_autograd(rotated, gen):
     tracked = rerope.rerope(q_, k_, v_, 6, rotated=rotated)
     assert tracked.grad_fn is not None, "a call that needs a gradient lost its autograd node"
     assert torch.equal(plain, tracked.detach())
-    plans = list(attention._OP_PLANS.values())
+    plans = list(attention.PLANS.values())
     assert sorted(p.grad for p in plans) == [False, True]
     want = rerope_from_relative_positions(*(t.double().cpu() for t in (q, k, v)), 6,
                                           rotated=rotated)
@@ -179,7 +179,7 @@ def test_no_grad_call_skips_autograd(rotated, gen):
 
 
 def test_no_grad_five_tensor_call_skips_autograd(gen):
-    attention._OP_PLANS.clear()
+    attention.PLANS.clear()
     device = kernel_device()
     tensors = [randn(gen, 1, 2, 9, 16, dtype=F32, device=device) for _ in range(5)]
     with torch.no_grad():
@@ -187,6 +187,31 @@ def test_no_grad_five_tensor_call_skips_autograd(gen):
     tracked = rerope.rerope_attention(*(t.clone().requires_grad_() for t in tensors), 3)
     assert plain.grad_fn is None and tracked.grad_fn is not None
     assert torch.equal(plain, tracked.detach())
+
+
+def test_config_is_part_of_the_plan_key(gen):
+    """A call under another ``rerope.Config`` gets its own plan, made for that configuration;
+    back under the first, the first plan serves again (nothing rebuilt)."""
+    attention.PLANS.clear()
+    q, k, v = _fused_qkv(gen)
+    first = rerope.rerope(q, k, v, 5)
+    with rerope.using_config(heads_first_max_keys=0) as blocks_first:
+        other = rerope.rerope(q, k, v, 5)
+    again = rerope.rerope(q, k, v, 5)
+    assert attention.PLANS.built == 2 and len(attention.PLANS) == 2
+    assert sorted(p.config.heads_first_max_keys for p in attention.PLANS.values()) == sorted(
+        [blocks_first.heads_first_max_keys, rerope.config().heads_first_max_keys])
+    assert torch.equal(first, other) and torch.equal(first, again)
+
+
+def test_kernel_signatures_stay_short():
+    """The kernels take a tuple per tensor's strides and one flag group per product: the
+    forward at most 30 parameters, the backward kernels at most 36."""
+    from rerope import backward, forward
+
+    assert len(forward._rerope_fwd_kernel.arg_names) <= 30
+    assert len(backward._bwd_dkdv_kernel.arg_names) <= 36
+    assert len(backward._bwd_dq_kernel.arg_names) <= 35
 
 
 def test_wrong_device_still_raises_every_call(gen):
@@ -205,29 +230,29 @@ def test_wrong_device_still_raises_every_call(gen):
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("preturn", [False, True], ids=["in_registers", "preturned"])
-def test_gpu_plan_launchers_are_bound(preturn, gen, monkeypatch):
+def test_gpu_plan_launchers_are_bound(preturn, gen):
     """Eagerly and through the ops, every launcher a plan keeps is bound to its compiled kernel
     after the first call, and the second call (bound launches, tables passed as addresses)
     gives the first's results bit for bit; ``preturned``: with the forward's key turn and the
     backward's operand turns (kept turns, :func:`rerope.rotary.kept_turn`)."""
-    for name in ("PRETURN_MIN_KEYS", "PRETURN_BWD_MIN_KEYS"):
-        monkeypatch.setattr(attention, name, 0 if preturn else 1 << 62)
-    attention._OP_PLANS.clear()
+    min_keys = 0 if preturn else 1 << 62
+    attention.PLANS.clear()
     q, k, v = (t.to(torch.float16).requires_grad_() for t in _fused_qkv(gen, h=4, n=300, d=64))
     dout = torch.randn_like(q)
     runs = []
-    for _ in range(2):
-        out = rerope.rerope(q, k, v, 37, leaky=8.0)
-        runs.append((out, *torch.autograd.grad(out, (q, k, v), dout)))
-        o, lse = torch.ops.rerope.rerope_fwd(q, k, v, 37, True, 0.125, 10000.0, 8.0, None,
-                                             False)
-        runs[-1] += (o, *torch.ops.rerope.rerope_bwd(dout, q, k, v, o, lse, 37, True, 0.125,
-                                                     10000.0, 8.0, None, False))
+    with rerope.using_config(preturn_min_keys=min_keys, preturn_bwd_min_keys=min_keys):
+        for _ in range(2):
+            out = rerope.rerope(q, k, v, 37, leaky=8.0)
+            runs.append((out, *torch.autograd.grad(out, (q, k, v), dout)))
+            o, lse = torch.ops.rerope.rerope_fwd(q, k, v, 37, True, 0.125, 10000.0, 8.0, None,
+                                                 False)
+            runs[-1] += (o, *torch.ops.rerope.rerope_bwd(dout, q, k, v, o, lse, 37, True,
+                                                         0.125, 10000.0, 8.0, None, False))
     for a, b in zip(*runs):
         assert torch.equal(a, b)
-    launchers = [l for plan in attention._OP_PLANS.values()
+    launchers = [l for plan in attention.PLANS.values()
                  for l in _launchers(plan.launchers)]
     assert len(launchers) >= 8 and all(l.bound for l in launchers)
-    turns = [key for plan in attention._OP_PLANS.values()
+    turns = [key for plan in attention.PLANS.values()
              for key, _ in _keyed_launchers(plan.launchers) if key[0][0] == "turn operands"]
     assert bool(turns) == preturn, turns

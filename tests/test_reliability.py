@@ -279,11 +279,15 @@ def test_row_offsets_past_2_31_elements(op_name):
 
 
 @pytest.mark.parametrize("shape", [(1, 1, 16, 1), (2, 2, 16, 1)], ids=["B1H1", "B2H2"])
-def test_tma_with_one_row_and_an_unaligned_row_stride(shape, monkeypatch, gen):
+def test_tma_with_one_row_and_an_unaligned_row_stride(shape, gen):
     """Item 5. ``randn(1, 1, 16, 1).permute(0, 1, 3, 2)`` is ``(1, 1, 1, 16)`` with row stride 1
     (2 bytes) and reports ``is_contiguous()``. Under ``REROPE_TMA=1`` the kernels must still
     read it right (plain loads, or a descriptor that does not use the size-1 dim's stride)."""
-    monkeypatch.setattr(configs, "TMA", "1")
+    with rerope.using_config(tma="on"):
+        _check_one_row_permuted(shape, gen)
+
+
+def _check_one_row_permuted(shape, gen):
     device = kernel_device()
 
     def permuted():

@@ -11,6 +11,7 @@ import torch
 
 import rerope
 from rerope import reference
+from rerope.rope import apply_rope
 from rerope.runtime import INTERPRET
 
 DEVICE = "cpu" if INTERPRET else "cuda"
@@ -200,14 +201,42 @@ def test_raw_op_names_its_arguments():
         rerope.rerope(*raw(k=zeros(1, 1, 8, 16, dtype=torch.float16)), 4)
 
 
+def _plain_rope_attention(q, k, v, sm_scale):
+    """Causal softmax attention of RoPE-rotated ``q, k`` (float64, GQA by repeating heads):
+    what any window ``>= N`` must give."""
+    positions = torch.arange(q.shape[2], dtype=torch.float64)
+    q, k = apply_rope(q.double(), positions), apply_rope(k.double(), positions)
+    return _causal_attention(q, k, v, sm_scale)
+
+
+def _causal_attention(q, k, v, sm_scale):
+    repeat = q.shape[1] // k.shape[1]
+    k, v = (t.double().repeat_interleave(repeat, dim=1) for t in (k, v))
+    scores = (q.double() @ k.transpose(-1, -2)) * sm_scale
+    n = q.shape[2]
+    scores = scores.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+    return scores.softmax(-1) @ v
+
+
 @pytest.mark.parametrize("window", [np.int64(3), 3, 10 ** 9, 10 ** 400])
 def test_accepted_edge_values(window):
     """Integer-like windows (numpy ints too), windows far beyond N (beyond any float too),
-    sm_scale as an int."""
-    out = rerope.rerope_attention(*five(n=5), window, sm_scale=1)
-    assert out.shape == (1, 2, 5, 16) and torch.isfinite(out).all()
-    out = rerope.rerope(*raw(n=5), window, sm_scale=1)
-    assert out.shape == (1, 2, 5, 16) and torch.isfinite(out).all()
+    sm_scale as an int: the float64 reference's answer, and for a window ``>= N`` plain RoPE
+    attention (the five-tensor op: plain attention of ``q1, k1``)."""
+    gen = torch.Generator().manual_seed(3)
+    rand = [torch.randn(1, h, 5, 16, generator=gen, dtype=torch.float64)
+            for h in (2, 2, 1, 1, 1)]
+    q1, q2, k1, k2, v = (t.float().to(DEVICE) for t in rand)
+    huge = window >= 5
+    out = rerope.rerope_attention(q1, q2, k1, k2, v, window, sm_scale=1)
+    want = (_causal_attention(*rand[0:3:2], rand[4], 1.0) if huge
+            else reference.rerope_attention(*rand, int(window), sm_scale=1))
+    torch.testing.assert_close(out.double().cpu(), want, rtol=1e-5, atol=1e-5)
+    q, k = q1, k1
+    out = rerope.rerope(q, k, v, window, sm_scale=1)
+    want = (_plain_rope_attention(rand[0], rand[2], rand[4], 1.0) if huge
+            else reference.rerope(rand[0], rand[2], rand[4], int(window), sm_scale=1))
+    torch.testing.assert_close(out.double().cpu(), want, rtol=1e-5, atol=1e-5)
 
 
 def test_references_take_sm_scales_the_kernels_refuse():

@@ -162,17 +162,18 @@ def test_kernels_match_reference(case, gen):
                                                     **asdict(case)))
 
 
-def test_descriptor_path_matches_reference(gen, monkeypatch):
+def test_descriptor_path_matches_reference(gen):
     """The TMA tensor-descriptor path (``REROPE_TMA=1``) through this Triton's interpreter:
     its descriptor API is the part that changed most across Triton releases."""
-    from rerope import attention, configs
+    import rerope
+    from rerope import attention
 
-    monkeypatch.setattr(configs, "TMA", "1")
     case = Case(77, 30, causal=False, dtype=F16)
     tensors, dout = make_inputs(gen, 1, 2, 1, case.n, case.d, case.dtype)
-    assert attention._use_tma(*tensors, dout), "the descriptor path is not taken"
-    check_kernel_against_reference(tensors, dout, case.window, case.causal,
-                                   context=describe(gen, tma="1", **asdict(case)))
+    assert attention._use_tma("on", *tensors, dout), "the descriptor path is not taken"
+    with rerope.using_config(tma="on"):
+        check_kernel_against_reference(tensors, dout, case.window, case.causal,
+                                       context=describe(gen, tma="on", **asdict(case)))
 
 
 def test_descriptor_path_compiles_for_hopper():

@@ -17,6 +17,9 @@ Read in the order the book teaches:
 10. :mod:`rerope.decode`         split-KV decoding against a KV cache (8)
 11. :mod:`rerope.exercises`      the checkers of the book's Triton exercises
 
+:mod:`rerope.teach` holds the chapters' teaching kernels, one module per stage (three
+regions, backward, fused rotation, split decode): short, checked against the kernels above.
+
 The benchmarks are not part of the package: ``python -m benchmarks.attention`` and
 ``python -m benchmarks.decode`` from a checkout (chapters 6 and 8).
 
@@ -27,9 +30,10 @@ With no CUDA device, ``rerope``'s kernels run in Triton's CPU interpreter, so th
 on CPU tensors: it is chosen for this package's kernels only, ``os.environ`` is left as it was
 (see :mod:`rerope.runtime`).
 
-Configuration: the environment variables ``REROPE_AUTOTUNE``, ``REROPE_TMA``,
-``REROPE_FUSED_MERGE``, ``REROPE_DECODE_CONFIG`` and ``REROPE_PRETURN_BWD_MAX_BYTES``, read once at
-import and checked (:class:`rerope.configs.Settings`).
+Configuration is data: a frozen :class:`rerope.Config` read once at import from the
+environment variables ``REROPE_AUTOTUNE``, ``REROPE_TMA``, ``REROPE_DECODE_CONFIG`` and
+``REROPE_PRETURN_BWD_MAX_BYTES`` (checked), ``rerope.config()`` the active one,
+``rerope.using_config(...)`` another for a block of code; plans are keyed by it.
 """
 
 from . import runtime  # noqa: F401  (first: decides compiled vs interpreted before any @triton.jit)

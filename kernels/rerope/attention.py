@@ -11,8 +11,7 @@ gradient is needed and the kernels themselves where none is: the lightest paths 
 the kernels (short sequences are bound by host time). Under ``torch.compile``, ops registered
 with ``torch.library`` (``torch.ops.rerope.*``, with fake implementations and autograd
 formulas), which the compiler treats as opaque instead of tracing into Triton; in eager mode
-they would cost 90 µs more per forward call (measured on the H200 host,
-perf/runs/host_fused_v1.json). Both doors keep a plan per call signature (:func:`_cached_plan`,
+they would cost about 90 µs more per forward call (``perf/NOTES.md``). Both doors keep a plan per call signature (:func:`_cached_plan`,
 :func:`_op_plan`), so a repeated call, eager or from a compiled graph, is a lookup plus the
 plan's kept, bound launches.
 """
@@ -29,59 +28,55 @@ from ._validate import (Frequencies, as_frequencies, check_flag, check_head_dim,
                         check_logn_overflow, check_qkv, check_rope_settings, check_sm_scale,
                         check_window)
 from .backward import _bwd_delta_kernel, _bwd_dkdv_kernel, _bwd_dq_kernel
-from .decode import rerope_decode
+from .decode import MAX_QUERIES, rerope_decode
 from .forward import _rerope_fwd_kernel
 from .online_softmax import LOG2E
 from .caches import CACHE_SIZE, LRUCache
-from .launch import (Launcher, _capability, _ensure_scratch_allocator, _tma_layout_ok,
-                     kept_launcher, signature)
+from .launch import (Launcher, PlanCache, _capability, _ensure_scratch_allocator,
+                     _tma_layout_ok, kept_launcher, signature)
 from .rotary import kept_turn, logn_factor, rotation_tables, turn_operands
-from .runtime import INTERPRET, dot_precision, prepare_for_device
+from .runtime import INTERPRET, prepare_for_device
 
 _KERNELS = {"fwd": _rerope_fwd_kernel, "dkdv": _bwd_dkdv_kernel, "dq": _bwd_dq_kernel}
-DECODE_MAX_QUERIES = 16      # rerope.rerope sends shorter causal inference calls to decoding
 
 
 @functools.lru_cache(maxsize=CACHE_SIZE)
-def _autotuned(kernel, head_dim, capability, elem_bytes, split):
+def _autotuned(kernel, head_dim, capability, elem_bytes, fused, autotune=True):
     """The kernel wrapped in ``triton.autotune`` over the configs that fit this GPU (for the
-    five-tensor or the fused form: ``split``).
+    five-tensor or the fused-rotation form: ``fused``; all candidates, or the first alone).
 
     The window is not part of the key: it moves work between regions, not the best tile shape.
     """
     return triton.autotune(
-        configs=configs.launch_configs(kernel, head_dim, capability, elem_bytes, split),
-        key=["n_q", "n_k", "HEAD_DIM", "CAUSAL", "SPLIT", "LOGN"],
+        configs=configs.launch_configs(kernel, head_dim, capability, elem_bytes, fused,
+                                       autotune),
+        key=["n_q", "n_k", "HEAD_DIM", "CAUSAL", "LOGN"],
     )(_KERNELS[kernel])
 
 
-HEADS_FIRST_MAX_KEYS = 4096   # up to this many keys, the kernels' grids put heads first
 GRID_Y_MAX = 65535            # CUDA's limit on a grid's second axis (the first: 2**31 - 1)
 
 
-def heads_first(n_k, programs=1):
+def heads_first(n_k, programs=1, config=None):
     """Whether the forward and backward kernels' grids run batch · heads along their first axis
     (``(B·H, blocks)``) rather than blocks (``(blocks, B·H)``), for a call with ``n_k`` keys
-    (an int, ``k.shape[2]``): up to :data:`HEADS_FIRST_MAX_KEYS`, and whatever the length
-    when ``programs`` (``B·H``, the most of any of the call's kernels) is more than the second
-    axis can hold (:data:`GRID_Y_MAX`).
+    (an int, ``k.shape[2]``): up to ``config.heads_first_max_keys`` (:class:`rerope.Config`,
+    default the active one), and whatever the length when ``programs`` (``B·H``, the most of
+    any of the call's kernels) is more than the second axis can hold (:data:`GRID_Y_MAX`).
 
     The GPU starts programs in grid order, first axis fastest. Causal blocks differ in length
     (each kernel starts its longest first), and blocks first starts the last heads' longest
     blocks last, a tail the whole GPU waits for: heads first starts every head's longest block
     before any head's second, and the short ones fill the last wave. But then all heads' K and V
     are read at once, which overflows the L2 cache at long sequences, where the tail is a small
-    share anyway. Measured on the H200 (fp16 causal, B=1 H=32, heads first against blocks
-    first): the forward at N=2048 1.33x faster in GPU time (``book/data/short_n_h200.json``),
-    at 2k-4k keys 1.07-1.19x in the benchmark's rows (``bench_h200.json``, across runs); at 8k
-    keys from 1.06x faster to 1.13x slower (the five-tensor form at D=128), at 16k up to 1.08x
-    slower; forward + backward at 8k keys 1.02-1.03x faster at D=64 and 1.01-1.04x slower at
-    D=128 (one run, alternating: ``perf/runs/grid_order_ab_h200.json``).
+    share anyway. The threshold's measurements are in ``perf/NOTES.md`` (grid order).
     """
-    return n_k <= HEADS_FIRST_MAX_KEYS or programs > GRID_Y_MAX
+    config = config or configs.current()
+    return n_k <= config.heads_first_max_keys or programs > GRID_Y_MAX
 
 
-def _launch(kernel, blocks_of, rows, programs, args, launchers=None, **constexprs):
+def _launch(kernel, blocks_of, rows, programs, args, launchers=None, autotune=True,
+            **constexprs):
     """Launch ``kernel`` over ``(cdiv(rows, meta[blocks_of]), programs)``, or ``(programs,
     cdiv(rows, meta[blocks_of]))`` with the constexpr ``HEADS_FIRST`` (:func:`heads_first`).
 
@@ -100,11 +95,12 @@ def _launch(kernel, blocks_of, rows, programs, args, launchers=None, **constexpr
         if constexprs["TMA"]:
             _ensure_scratch_allocator()
         tuned = _autotuned(kernel, constexprs["HEAD_DIM"], _capability(args[0].device),
-                           args[0].element_size(), constexprs["SPLIT"])
+                           args[0].element_size(), constexprs["INSIDE_FLAGS"] is not None
+                           and not constexprs.get("PRETURNED", False), autotune)
         return Launcher(tuned, lambda meta: grid(triton.cdiv(rows, meta[blocks_of])),
                         **constexprs)
 
-    launcher = _bound((kernel, rows, programs), args, constexprs, make, launchers)
+    launcher = _bound((kernel, rows, programs, autotune), args, constexprs, make, launchers)
     launcher(*args)
     return launcher
 
@@ -122,37 +118,47 @@ def _bound(where, args, constexprs, make, launchers=None):
     by dtype and pointer alignment (what Triton specialises a compiled kernel on)."""
     if launchers is not None:
         return kept_launcher(launchers, where, constexprs, make)
-    key = (where, tuple(constexprs.items()),
-           tuple((a.dtype, a.data_ptr() % 16 == 0) if isinstance(a, torch.Tensor) else a
-                 for a in args))
+    key = (where, tuple(constexprs.items()), tuple(map(_arg_key, args)))
     launcher = _LAUNCHERS.get(key)
     return launcher if launcher is not None else _LAUNCHERS.put(key, make())
 
 
+def _arg_key(arg):
+    """What Triton specialises a compiled kernel on for one argument: a tensor's dtype and
+    pointer alignment (also inside a tuple), any other value itself."""
+    if isinstance(arg, torch.Tensor):
+        return arg.dtype, arg.data_ptr() % 16 == 0
+    if isinstance(arg, tuple):
+        return tuple(map(_arg_key, arg))
+    return arg
+
+
 def _strides(*tensors):
-    return [s for t in tensors for s in t.stride()]
+    """Each tensor's strides, one tuple per tensor (the kernels index them)."""
+    return [t.stride() for t in tensors]
 
 
-def _use_tma(*tensors):
-    """Whether the kernels read tiles through TMA tensor descriptors (see ``configs.TMA``)."""
-    if configs.TMA == "0":
+def _use_tma(mode, *tensors):
+    """Whether the kernels read tiles through TMA tensor descriptors (``mode``:
+    :attr:`rerope.Config.tma`)."""
+    if mode == "off":
         return False
     t = tensors[0]
-    if configs.TMA != "1" and (INTERPRET or not configs.tma_pays(
+    if mode != "on" and (INTERPRET or not configs.tma_pays(
             _capability(t.device), t.element_size(), t.shape[-1])):
         return False
     return all(_tma_layout_ok(t) for t in tensors)   # the cheap checks first: this runs per call
 
 
-def _tma_of(launchers, where, *tensors):
+def _tma_of(launchers, where, mode, *tensors):
     """:func:`_use_tma`, decided once per plan (``launchers``, see :func:`_bound`: the plan's
-    call signature fixes every layout and alignment it looks at) and ``REROPE_TMA`` mode."""
+    call signature fixes every layout and alignment it looks at, its config the mode)."""
     if launchers is None:
-        return _use_tma(*tensors)
-    key = ("tma", where, configs.TMA)
+        return _use_tma(mode, *tensors)
+    key = ("tma", where)
     tma = launchers.get(key)
     if tma is None:
-        tma = launchers[key] = _use_tma(*tensors)
+        tma = launchers[key] = _use_tma(mode, *tensors)
     return tma
 
 
@@ -163,26 +169,35 @@ def _tma_of(launchers, where, *tensors):
 class Operands:
     """What the kernels need to know about their operands, beyond the tensors.
 
-    ``split=False``: the five-tensor form (``q1, q2, k1, k2`` given). ``split=True``: ``q, k``
+    ``fused=False``: the five-tensor form (``q1, q2, k1, k2`` given). ``fused=True``: ``q, k``
     as a model holds them; ``tables`` are ``(inside table, inside offset, outside table,
-    outside offset)`` from :mod:`rerope.rotary` and ``flags`` the compile-time switches.
+    outside offset)`` from :mod:`rerope.rotary` and ``flags`` its switches ``TURN_IN``,
+    ``SHIFT_IN``, ``TURN_OUT``, ``SHIFT_OUT``.
     """
 
-    split: bool
+    fused: bool
     tables: tuple
     flags: dict
     logn_factor: float = 0.0
 
-    def constexprs(self, head_dim):
-        return dict(SPLIT=self.split, TWO_DOTS=self.split and head_dim >= 32,
-                    LOGN=self.logn_factor != 0.0, **self.flags)
+    def constexprs(self, *turn_keys):
+        """The kernels' flag groups: ``INSIDE_FLAGS`` / ``OUTSIDE_FLAGS`` ``None`` (five
+        tensors) or the product's ``(TURN, SHIFT)``, plus ``TURN_KEYS`` where ``turn_keys``
+        (the forward's: whether it turns each product's key tiles) is given."""
+        if not self.fused:
+            return dict(LOGN=False, INSIDE_FLAGS=None, OUTSIDE_FLAGS=None)
+        f = self.flags
+        inside, outside = (f["TURN_IN"], f["SHIFT_IN"]), (f["TURN_OUT"], f["SHIFT_OUT"])
+        if turn_keys:
+            inside, outside = (*inside, turn_keys[0]), (*outside, turn_keys[1])
+        return dict(LOGN=self.logn_factor != 0.0, INSIDE_FLAGS=inside, OUTSIDE_FLAGS=outside)
 
 
 _NO_ROTATION = dict(TURN_IN=False, SHIFT_IN=False, TURN_OUT=False, SHIFT_OUT=False)
 
 
 def _five_tensors(placeholder):
-    return Operands(split=False, tables=(placeholder,) * 4, flags=_NO_ROTATION)
+    return Operands(fused=False, tables=(placeholder,) * 4, flags=_NO_ROTATION)
 
 
 _OPERANDS = LRUCache()
@@ -199,7 +214,7 @@ def _rotations(n_k, head_dim, base, window, leaky, logn_len, rotated, device, in
     if operands is None:
         rotation = rotation_tables(n_k, head_dim, window, leaky, rotated, device, base, inv_freq,
                                    group)
-        operands = _OPERANDS[key] = Operands(split=True, tables=rotation.tables,
+        operands = _OPERANDS[key] = Operands(fused=True, tables=rotation.tables,
                                              flags=rotation.flags,
                                              logn_factor=logn_factor(logn_len))
     return operands
@@ -207,42 +222,26 @@ def _rotations(n_k, head_dim, base, window, leaky, logn_len, rotated, device, in
 
 # --- launchers -----------------------------------------------------------------------------------
 
-PRETURN_MIN_KEYS = 2048      # from this many keys on, the forward pre-turns keys (see below)
 PRETURN_BLOCK_M = 128        # the forward's largest query block (configs.py)
 
 
-def preturn_keys(n_k, n_q=PRETURN_BLOCK_M + 1, group=1):
+def preturn_keys(n_k, n_q=PRETURN_BLOCK_M + 1, q_per_kv=1, config=None):
     """Whether the fused forward turns a product's keys once, before the kernel, rather than
     every key tile in every query block that reads it (:func:`rerope.rotary.turn_keys`), for
-    ``n_k`` keys, ``n_q`` queries and ``group`` query heads per key head.
+    ``n_k`` keys, ``n_q`` queries and ``q_per_kv`` query heads per key head (``config``:
+    :class:`rerope.Config`, default the active one).
 
     Pre-turning costs one more launch and one pass over ``k`` (``Hkv`` heads: small under
     grouped-query attention); turning in registers costs elementwise work and a trip of the
     turned tile through shared memory per (query block, key tile) of that product — most of
     the key axis for rotated inputs, whose outside product turns keys. From
-    ``PRETURN_MIN_KEYS`` keys on, and only where a key tile would be turned at least twice in
-    registers, by the ``group · cdiv(Nq, 128)`` programs that read it (a chunk of at most 128
+    ``config.preturn_min_keys`` keys on, and only where a key tile would be turned at least twice in
+    registers, by the ``q_per_kv · cdiv(Nq, 128)`` programs that read it (a chunk of at most 128
     queries without grouped-query attention reads each key once: the extra pass would be pure
-    cost). Measured on the H200 with the turn's launch bound in the plan
-    (book/data/preturn_h200.json, chapter 7): from 4096 keys on faster in all but one case
-    (raw inputs, D=128, 32k keys: 2 % slower), up to 1.35x for rotated inputs; in GPU time
-    from 1024 keys on (raw inputs at 2048 keys: 1.10x at D=64, 1.17x at D=128). A plan keeps
-    its turn for later calls with every argument but ``k`` bound
-    (:func:`rerope.rotary.kept_turn`), and with that the host's share no longer decides at
-    2048 keys: through ``rerope.rerope`` at B=1 H=32 N=2048 from raw ``q, k``, two rounds
-    alternating 4096 and 2048, the forward took 0.091-0.095 against 0.099 ms at D=64 (fp16
-    and bf16) and 0.152 against 0.179 ms at D=128; forward + backward 0.787-0.800 against
-    0.815-0.826 ms at D=128, and at D=64 (host-bound, noisy) 0.47-0.59 against 0.48-0.53 ms
-    (perf/runs/probe_bwd_host_h200_s7_call1.json).
+    cost). The threshold's measurements are in ``perf/NOTES.md`` (pre-turned keys).
     """
-    return n_k >= PRETURN_MIN_KEYS and group * -(-n_q // PRETURN_BLOCK_M) >= 2
-
-
-PRETURN_BWD_MIN_KEYS = 4096  # from this many keys on, the backward pre-turns its operands ...
-# ... unless that needs more extra memory than this many bytes: ``None`` means a sixteenth of the
-# GPU's memory (2 GiB under the interpreter); the environment variable
-# REROPE_PRETURN_BWD_MAX_BYTES sets it (read by rerope.configs)
-PRETURN_BWD_MAX_BYTES = configs.SETTINGS.preturn_bwd_max_bytes
+    config = config or configs.current()
+    return n_k >= config.preturn_min_keys and q_per_kv * -(-n_q // PRETURN_BLOCK_M) >= 2
 
 
 def _preturned_shapes(q, k, operands, outside=True):
@@ -264,15 +263,17 @@ def _device_memory(device):
     return torch.cuda.get_device_properties(device).total_memory
 
 
-def preturn_memory_limit(device):
-    """The most extra bytes :func:`preturn_backward` spends: ``PRETURN_BWD_MAX_BYTES``, or a
-    sixteenth of the GPU's memory (H200: 8.8 GB; a 16 GB T4: 1 GB)."""
-    if PRETURN_BWD_MAX_BYTES is not None:
-        return PRETURN_BWD_MAX_BYTES
+def preturn_memory_limit(device, config=None):
+    """The most extra bytes :func:`preturn_backward` spends: ``config.preturn_bwd_max_bytes``
+    (``REROPE_PRETURN_BWD_MAX_BYTES``), or where that is ``None`` a sixteenth of the GPU's
+    memory (H200: 8.8 GB; a 16 GB T4: 1 GB; 2 GiB under the interpreter)."""
+    limit = (config or configs.current()).preturn_bwd_max_bytes
+    if limit is not None:
+        return limit
     return 2 ** 31 if INTERPRET else _device_memory(torch.device(device)) // 16
 
 
-def preturn_backward(n_k, extra_bytes, device):
+def preturn_backward(n_k, extra_bytes, device, config=None):
     """Whether the fused backward runs on pre-turned operands (:func:`rerope.rotary.
     turn_operands`: one pass over ``q`` and one over ``k`` write each product's operands that
     differ from the inputs) rather than turning tiles in registers inside its two kernels.
@@ -287,27 +288,32 @@ def preturn_backward(n_k, extra_bytes, device):
     each; Leaky from raw inputs, or log-n, up to two of each (B=1, H=32, N=8192, fp16: 100 MB
     raw and 67 MB rotated at D=64, twice that at D=128).
 
-    Pre-turns from ``PRETURN_BWD_MIN_KEYS`` keys on, while ``extra_bytes`` is within
-    :func:`preturn_memory_limit`. Measured on the H200 (book/data/preturn_bwd_h200.json): at
-    N = 8192 forward + backward 1.26-1.43x faster than in registers; from 4096 keys on faster
-    everywhere; below, the call is bound by host time and the extra launches do not pay.
+    Pre-turns from ``config.preturn_bwd_min_keys`` keys on (:class:`rerope.Config`, default
+    the active one), while ``extra_bytes`` is within :func:`preturn_memory_limit`; the
+    threshold's measurements are in ``perf/NOTES.md`` (pre-turned backward).
     """
-    return n_k >= PRETURN_BWD_MIN_KEYS and extra_bytes <= preturn_memory_limit(device)
+    config = config or configs.current()
+    return (n_k >= config.preturn_bwd_min_keys
+            and extra_bytes <= preturn_memory_limit(device, config))
 
 
 def rerope_forward(q1, q2, k1, k2, v, window, causal, sm_scale, operands=None, preturn=None,
-                   launchers=None):
+                   launchers=None, config=None):
     """Run the forward kernel; returns ``(out, lse)`` (``lse`` in log2 units, ``(B·Hq, Nq)``).
 
     ``operands=None``: the five-tensor form. Otherwise ``q1 is q2`` is ``q``, ``k1 is k2`` is
     ``k`` and ``operands`` (:class:`Operands`) says how they are rotated; ``preturn`` whether
     the products that turn keys get them turned once first (``None``: :func:`preturn_keys`).
+    ``launchers``: the plan's (see :func:`_bound`), made for ``config`` (the plan's
+    :class:`rerope.Config`; default the active one).
     """
+    config = config or configs.current()
     batch, n_heads, n_q, head_dim = q1.shape
     n_k = k1.shape[2]
-    pre = preturn_keys(n_k, n_q, n_heads // k1.shape[1]) if preturn is None else preturn
-    first = heads_first(n_k, batch * n_heads)
-    call_key = ("forward call", pre, configs.TMA, first)
+    pre = (preturn_keys(n_k, n_q, n_heads // k1.shape[1], config) if preturn is None
+           else preturn)
+    first = heads_first(n_k, batch * n_heads, config)
+    call_key = ("forward call", pre, first)
     if launchers is not None and operands is not None:     # the fused form's plan: its call
         call = launchers.get(call_key)
         if call is not None:
@@ -324,14 +330,15 @@ def rerope_forward(q1, q2, k1, k2, v, window, causal, sm_scale, operands=None, p
                        else None)
         k1, k2 = _turned_keys(k1, k2, *turn_tables, launchers)
         turn_keys_in = turn_keys_out = False
-    args = [q1, q2, k1, k2, v, out, lse, *operands.tables, *_strides(q1, q2, k1, k2, v, out),
+    args = [q1, q2, k1, k2, v, out, lse, operands.tables, *_strides(q1, q2, k1, k2, v, out),
             n_heads, n_heads // k1.shape[1], n_q, n_k, window, sm_scale * LOG2E,
             operands.logn_factor]
     launcher = _launch(
         "fwd", "BLOCK_M", n_q, batch * n_heads, launchers=launchers, args=args,
-        HEAD_DIM=head_dim, CAUSAL=causal, DOT_PRECISION=dot_precision(q1.dtype),
-        TMA=_tma_of(launchers, "fwd", q1, q2, k1, k2, v), TURN_K_IN=turn_keys_in,
-        TURN_K_OUT=turn_keys_out, HEADS_FIRST=first, **operands.constexprs(head_dim))
+        autotune=config.autotune,
+        HEAD_DIM=head_dim, CAUSAL=causal,
+        TMA=_tma_of(launchers, "fwd", config.tma, q1, q2, k1, k2, v),
+        HEADS_FIRST=first, **operands.constexprs(turn_keys_in, turn_keys_out))
     if launchers is not None and fused:
         launchers[call_key] = _forward_call(launcher, out, lse, keys, turn_tables,
                                             tuple(args[7:]), launchers)
@@ -389,7 +396,7 @@ def _forward_call(launcher, out, lse, keys, turn_tables, tail, launchers):
 
 
 def rerope_backward(dout, q1, q2, k1, k2, v, out, lse, window, causal, sm_scale, operands=None,
-                    preturn=None, launchers=None):
+                    preturn=None, launchers=None, config=None):
     """Run the three backward kernels: ``(dq1, dq2, dk1, dk2, dv)`` in the five-tensor form,
     ``(dq, dk, dv)`` with ``operands`` (see :func:`rerope_forward`).
 
@@ -399,19 +406,20 @@ def rerope_backward(dout, q1, q2, k1, k2, v, out, lse, window, causal, sm_scale,
     of the input dtype, contiguous, equal within rounding (``dq`` bit for bit where both run
     one dot per score, D = 16). ``launchers``: the forward's plan's (see :func:`_bound`); the
     backward keeps its own per layout of ``dout``, the one argument the plan does not fix.
+    ``config``: the plan's :class:`rerope.Config` (default the active one).
     """
+    config = config or configs.current()
     if launchers is not None:
         launchers = launchers.setdefault(("backward", *signature(dout)), {})
-    split = operands is not None
-    call_key = ("backward call", preturn, PRETURN_BWD_MIN_KEYS, PRETURN_BWD_MAX_BYTES,
-                configs.TMA, HEADS_FIRST_MAX_KEYS)
-    if launchers is not None and split:            # the fused form's plan: its call
+    fused = operands is not None
+    call_key = ("backward call", preturn)
+    if launchers is not None and fused:            # the fused form's plan: its call
         call = launchers.get(call_key)
         if call is not None:
             return call(dout, q1, k1, v, out, lse)
     batch, n_heads, n_q, head_dim = q1.shape
     n_kv_heads, n_k = k1.shape[1], k1.shape[2]
-    group = n_heads // n_kv_heads
+    q_per_kv = n_heads // n_kv_heads
     delta = torch.empty_like(lse)
     args = (out, dout, delta, *_strides(out, dout), n_heads, n_q)
     grid = (batch * n_heads, triton.cdiv(n_q, configs.DELTA_BLOCK_M))
@@ -420,41 +428,44 @@ def rerope_backward(dout, q1, q2, k1, k2, v, out, lse, window, causal, sm_scale,
                             lambda: Launcher(_bwd_delta_kernel, grid, **constexprs), launchers)
     delta_launcher(*args)
     operands = operands or _five_tensors(lse)
-    constexprs = operands.constexprs(head_dim)
+    constexprs = dict(operands.constexprs(), PRETURNED=False)
     turn = None
-    if split:
+    if fused:
         outside = _has_outside(n_k, window)
         writes, extra = _preturned_shapes(q1, k1, operands, outside)
-        if any(writes) and (preturn_backward(n_k, extra, q1.device) if preturn is None
+        if any(writes) and (preturn_backward(n_k, extra, q1.device, config) if preturn is None
                               else preturn):
             # the five-tensor kernels on each product's operands, gradients turned back
             q_in, k_in = q1, k1
             q1, q2, k1, k2 = _operand_turns(operands, n_k - n_q, outside, launchers)(q1, k1)
             if launchers is not None:       # for the plan's later calls: kept, bound
                 turn = _operand_turns(operands, n_k - n_q, outside, launchers, (q_in, k_in))
-            constexprs.update(SPLIT=False, TWO_DOTS=False, TURN_BACK=True)
-    dq = [torch.empty(q1.shape, dtype=q1.dtype, device=q1.device) for _ in range(1 if split else 2)]
-    dk = [torch.empty(k1.shape, dtype=k1.dtype, device=k1.device) for _ in range(1 if split else 2)]
+            constexprs.update(PRETURNED=True)
+    grads = 1 if fused else 2
+    dq = [torch.empty(q1.shape, dtype=q1.dtype, device=q1.device) for _ in range(grads)]
+    dk = [torch.empty(k1.shape, dtype=k1.dtype, device=k1.device) for _ in range(grads)]
     dv = torch.empty(k1.shape, dtype=k1.dtype, device=k1.device)
     strides = _strides(q1, q2, k1, k2, v, dout)
-    common = dict(HEAD_DIM=head_dim, CAUSAL=causal, DOT_PRECISION=dot_precision(q1.dtype),
-                  TMA=_tma_of(launchers, "bwd", q1, q2, k1, k2, v, dout),
-                  HEADS_FIRST=heads_first(n_k, batch * n_heads), **constexprs)
-    dkdv_args = [q1, q2, k1, k2, v, dout, lse, delta, dk[0], dk[-1], dv, *operands.tables,
-                 *strides, n_heads, n_kv_heads, group, n_q, n_k, window, sm_scale * LOG2E,
+    common = dict(HEAD_DIM=head_dim, CAUSAL=causal,
+                  TMA=_tma_of(launchers, "bwd", config.tma, q1, q2, k1, k2, v, dout),
+                  HEADS_FIRST=heads_first(n_k, batch * n_heads, config), **constexprs)
+    dkdv_args = [q1, q2, k1, k2, v, dout, lse, delta, dk[0], dk[-1], dv, operands.tables,
+                 *strides, n_heads, q_per_kv, n_q, n_k, window, sm_scale * LOG2E,
                  sm_scale, operands.logn_factor]
     dkdv = _launch("dkdv", "BLOCK_N", n_k, batch * n_kv_heads, launchers=launchers,
+                   autotune=config.autotune,
                    args=dkdv_args, **common)
-    dq_args = [q1, q2, k1, k2, v, dout, lse, delta, dq[0], dq[-1], *operands.tables, *strides,
-               n_heads, group, n_q, n_k, window, sm_scale * LOG2E, sm_scale,
+    dq_args = [q1, q2, k1, k2, v, dout, lse, delta, dq[0], dq[-1], operands.tables, *strides,
+               n_heads, q_per_kv, n_q, n_k, window, sm_scale * LOG2E, sm_scale,
                operands.logn_factor]
     dq_launcher = _launch("dq", "BLOCK_M", n_q, batch * n_heads, launchers=launchers,
+                          autotune=config.autotune,
                           args=dq_args, **common)
-    if launchers is not None and split:
+    if launchers is not None and fused:
         launchers[call_key] = _backward_call(
             (delta_launcher, args[3:]), turn, (dkdv, tuple(dkdv_args[11:])),
             (dq_launcher, tuple(dq_args[10:])), dq[0], dk[0])
-    return (dq[0], dk[0], dv) if split else (dq[0], dq[1], dk[0], dk[1], dv)
+    return (dq[0], dk[0], dv) if fused else (dq[0], dq[1], dk[0], dk[1], dv)
 
 
 def _operand_turns(operands, first_query, outside=True, launchers=None, like=None):
@@ -508,23 +519,25 @@ def _backward_call(delta, turn, dkdv, dq, dq_first, dk_first):
 
 
 @dataclass(frozen=True)
-class _OpPlan:
+class OpPlan:
     """A custom op's real call, planned once per call signature (:func:`_op_plan`): the
-    rotation operands (``None`` for the five-tensor form) and the bound launches and kept calls
-    (:func:`_bound`, :func:`_forward_call`, :func:`_backward_call`), filled by its first call."""
+    configuration it was planned under, the rotation operands (``None`` for the five-tensor
+    form) and the bound launches and kept calls (:func:`_bound`, :func:`_forward_call`,
+    :func:`_backward_call`), filled by its first call."""
 
+    config: configs.Config
     operands: Optional[Operands]
     launchers: dict = field(default_factory=dict)
 
 
-def _make_five_op_plan(window, causal, sm_scale):
-    return _OpPlan(None)
+def _make_five_op_plan(config, window, causal, sm_scale):
+    return OpPlan(config, None)
 
 
-def _make_fused_op_plan(n_k, head_dim, device, window, causal, sm_scale, base, leaky, logn_len,
-                        rotated, inv_freq, group):
-    return _OpPlan(_rotations(n_k, head_dim, base, window, leaky, logn_len, rotated, device,
-                              _op_frequencies(inv_freq), group))
+def _make_fused_op_plan(config, n_k, head_dim, device, window, causal, sm_scale, base, leaky,
+                        logn_len, rotated, inv_freq, group):
+    return OpPlan(config, _rotations(n_k, head_dim, base, window, leaky, logn_len, rotated,
+                                     device, _op_frequencies(inv_freq), group))
 
 
 def _op_plan(make, tensors, settings):
@@ -532,19 +545,21 @@ def _op_plan(make, tensors, settings):
     calls ``torch.ops.rerope.*``) runs the ops' implementations, and from its second call with
     a signature (:func:`rerope.launch.signature` of ``tensors``, and the op's settings) each is
     a lookup plus the plan's kept, bound launches, as in eager mode. The ops' arguments come
-    checked from the public functions, so no check runs here. ``make(*settings)`` for the
-    five-tensor form, ``make(Nk, D, device, *settings)`` for the fused one."""
+    checked from the public functions, so no check runs here. ``make(config, *settings)`` for
+    the five-tensor form, ``make(config, Nk, D, device, *settings)`` for the fused one, with
+    the active :class:`rerope.Config` (part of the key)."""
     q, k = tensors[0], tensors[-1]
+    config = configs.current()
     try:
-        key = (make, signature(*tensors), _settings_key(settings))
-        plan = _OP_PLANS.get(key)
+        key = (make, signature(*tensors), _settings_key(settings), config)
+        plan = PLANS.get(key)
     except (AttributeError, TypeError, RuntimeError):   # no data pointer, unhashable settings
         key, plan = None, None
     if plan is None:
-        plan = (make(*settings) if make is _make_five_op_plan
-                else make(k.shape[2], q.shape[-1], q.device, *settings))
+        plan = (make(config, *settings) if make is _make_five_op_plan
+                else make(config, k.shape[2], q.shape[-1], q.device, *settings))
         if key is not None:
-            _OP_PLANS.put(key, plan)
+            PLANS.put(key, plan)
     return plan
 
 
@@ -562,7 +577,8 @@ def _five_fwd(q1: torch.Tensor, q2: torch.Tensor, k1: torch.Tensor, k2: torch.Te
               v: torch.Tensor, window: int, causal: bool,
               sm_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     plan = _op_plan(_make_five_op_plan, (q1, q2, k1, k2, v), (window, causal, sm_scale))
-    return rerope_forward(q1, q2, k1, k2, v, window, causal, sm_scale, launchers=plan.launchers)
+    return rerope_forward(q1, q2, k1, k2, v, window, causal, sm_scale, launchers=plan.launchers,
+                          config=plan.config)
 
 
 @torch.library.custom_op("rerope::rerope_attention_bwd", mutates_args=())
@@ -571,7 +587,8 @@ def _five_bwd(dout: torch.Tensor, q1: torch.Tensor, q2: torch.Tensor, k1: torch.
               window: int, causal: bool, sm_scale: float) -> list[torch.Tensor]:
     plan = _op_plan(_make_five_op_plan, (q1, q2, k1, k2, v), (window, causal, sm_scale))
     return list(rerope_backward(dout.contiguous(), q1, q2, k1, k2, v, out, lse, window, causal,
-                                sm_scale, launchers=_op_backward_launchers(plan, out, lse)))
+                                sm_scale, launchers=_op_backward_launchers(plan, out, lse),
+                                config=plan.config))
 
 
 def _op_frequencies(inv_freq):
@@ -593,7 +610,7 @@ def _fused_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int, c
     plan = _op_plan(_make_fused_op_plan, (q, k, v), _fused_op_settings(
         window, causal, sm_scale, base, leaky, logn_len, rotated, inv_freq, group))
     return rerope_forward(q, q, k, k, v, window, causal, sm_scale, plan.operands,
-                          launchers=plan.launchers)
+                          launchers=plan.launchers, config=plan.config)
 
 
 @torch.library.custom_op("rerope::rerope_bwd", mutates_args=())
@@ -606,7 +623,8 @@ def _fused_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
         window, causal, sm_scale, base, leaky, logn_len, rotated, inv_freq, group))
     return list(rerope_backward(dout.contiguous(), q, q, k, k, v, out, lse, window, causal,
                                 sm_scale, plan.operands,
-                                launchers=_op_backward_launchers(plan, out, lse)))
+                                launchers=_op_backward_launchers(plan, out, lse),
+                                config=plan.config))
 
 
 def _contiguous_like(t):
@@ -681,12 +699,12 @@ def _first_order_only(backward):
 
 class _FiveTensorAttention(torch.autograd.Function):
     """Eager autograd for the five-tensor op (see the module docstring); ``plan``: the call's
-    :class:`_FivePlan` (settings and launchers)."""
+    :class:`FivePlan` (settings, configuration and launchers)."""
 
     @staticmethod
     def forward(ctx, q1, q2, k1, k2, v, plan):
         out, lse = rerope_forward(q1, q2, k1, k2, v, plan.window, plan.causal, plan.scale,
-                                  launchers=plan.launchers)
+                                  launchers=plan.launchers, config=plan.config)
         ctx.save_for_backward(q1, q2, k1, k2, v, out, lse)
         ctx.plan = plan
         return out
@@ -697,19 +715,18 @@ class _FiveTensorAttention(torch.autograd.Function):
         *tensors, out, lse = ctx.saved_tensors
         plan = ctx.plan
         grads = rerope_backward(dout, *tensors, out, lse, plan.window, plan.causal, plan.scale,
-                                launchers=plan.launchers)
+                                launchers=plan.launchers, config=plan.config)
         return (*grads, None)
 
 
 class _FusedAttention(torch.autograd.Function):
     """Eager autograd for the fused-rotation op (see the module docstring); ``plan``: the
-    call's :class:`_FusedPlan` (settings, operands and launchers)."""
+    call's :class:`FusedPlan` (settings, configuration, operands and launchers)."""
 
     @staticmethod
     def forward(ctx, q, k, v, plan):
-        window, causal, scale = plan.settings[:3]
-        out, lse = rerope_forward(q, q, k, k, v, window, causal, scale, plan.operands,
-                                  launchers=plan.launchers)
+        out, lse = rerope_forward(q, q, k, k, v, plan.window, plan.causal, plan.scale,
+                                  plan.operands, launchers=plan.launchers, config=plan.config)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.plan = plan
         return out
@@ -719,9 +736,9 @@ class _FusedAttention(torch.autograd.Function):
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         plan = ctx.plan
-        window, causal, scale = plan.settings[:3]
-        grads = rerope_backward(dout, q, q, k, k, v, out, lse, window, causal, scale,
-                                plan.operands, launchers=plan.launchers)
+        grads = rerope_backward(dout, q, q, k, k, v, out, lse, plan.window, plan.causal,
+                                plan.scale, plan.operands, launchers=plan.launchers,
+                                config=plan.config)
         return (*grads, None)
 
 
@@ -750,7 +767,9 @@ _apply_five, _apply_fused = _direct_apply(_FiveTensorAttention), _direct_apply(_
 
 # --- the public ops: checked and planned once per call signature ----------------------------------
 
-_OP_PLANS = LRUCache()
+PLANS = PlanCache()
+"""The plans of ``rerope``, ``rerope_attention`` and their ``torch.library`` ops (a
+:class:`rerope.launch.PlanCache`: ``len(PLANS)``, ``PLANS.built``, ``PLANS.clear()``)."""
 
 
 def _settings_key(settings):
@@ -768,28 +787,34 @@ def _needs_grad(*tensors):
 
 
 def _cached_plan(make, tensors, settings, compiling=False):
-    """The plan of a call: from :data:`_OP_PLANS` when this signature was seen, else
-    ``make(*tensors, *settings)`` (which checks every argument and raises on bad ones), stored.
-    Arguments that cannot form a key (not tensors, unhashable settings) always go to ``make``,
-    whose checks then say what is wrong; so does tracing under ``torch.compile`` (the compiled
-    graph keeps the result, and fake tensors have no data pointer): ``compiling``, the
-    caller's ``torch.compiler.is_compiling()``."""
+    """The plan of a call: from :data:`PLANS` when this signature was seen under the active
+    :class:`rerope.Config`, else ``make(config, *tensors, *settings)`` (which checks every
+    argument and raises on bad ones), stored. Arguments that cannot form a key (not tensors,
+    unhashable settings) always go to ``make``, whose checks then say what is wrong; so does
+    tracing under ``torch.compile`` (the compiled graph keeps the result, and fake tensors have
+    no data pointer): ``compiling``, the caller's ``torch.compiler.is_compiling()``. Such a
+    traced plan has no ``config``: its graph calls the ``torch.library`` ops, which plan their
+    launches when they run (:func:`_op_plan`; the compiler cannot trace a ``ContextVar``)."""
     if compiling:
-        return make(*tensors, *settings)
+        return make(None, *tensors, *settings)
+    config = configs.current()
     try:
-        key = (make, signature(*tensors), _settings_key(settings), _needs_grad(*tensors))
-        plan = _OP_PLANS.get(key)
+        key = (make, signature(*tensors), _settings_key(settings), _needs_grad(*tensors),
+               config)
+        plan = PLANS.get(key)
     except (AttributeError, TypeError):
-        return make(*tensors, *settings)
-    return plan if plan is not None else _OP_PLANS.put(key, make(*tensors, *settings))
+        return make(config, *tensors, *settings)
+    return plan if plan is not None else PLANS.put(key, make(config, *tensors, *settings))
 
 
 @dataclass(frozen=True)
-class _FivePlan:
-    """A ``rerope.rerope_attention`` call's checked settings and its bound launches
-    (:func:`_bound`), filled by its first call."""
+class FivePlan:
+    """A checked ``rerope.rerope_attention`` call: its settings, the configuration it was
+    planned under, and its bound launches (``launchers``, :func:`_bound`), filled by its
+    first call."""
 
-    window: int
+    config: Optional[configs.Config]      # None when traced by torch.compile
+    window: int         # at most N: any window >= N means the same
     causal: bool
     scale: float
     grad: bool          # whether the call needs a gradient (part of the plan's key)
@@ -797,17 +822,16 @@ class _FivePlan:
     launchers: dict = field(default_factory=dict)
 
 
-def _plan_five(q1, q2, k1, k2, v, window, causal, sm_scale):
+def _plan_five(config, q1, q2, k1, k2, v, window, causal, sm_scale):
     check_qkv({"q1": q1, "q2": q2}, {"k1": k1, "k2": k2, "v": v})
     check_head_dim(q1.shape[-1])
     check_window(window)
     check_flag("causal", causal)
     check_sm_scale(sm_scale)
     scale = q1.shape[-1] ** -0.5 if sm_scale is None else float(sm_scale)
-    # every pair has |i - j| <= N - 1, so any window >= N means the same (and the kernels'
-    # int32 index arithmetic never sees a huge window)
-    return _FivePlan(min(int(window), q1.shape[2]), causal, scale,
-                     _needs_grad(q1, q2, k1, k2, v), _lifted(q1))
+    # the kernels' int32 index arithmetic never sees a huge window
+    return FivePlan(config, min(int(window), q1.shape[2]), causal, scale,
+                    _needs_grad(q1, q2, k1, k2, v), _lifted(q1))
 
 
 def rerope_attention(q1, q2, k1, k2, v, window, causal=True, sm_scale=None):
@@ -862,27 +886,29 @@ def rerope_attention(q1, q2, k1, k2, v, window, causal=True, sm_scale=None):
         out = _apply_five(q1, q2, k1, k2, v, plan)
     else:                               # no gradient: no autograd node either
         out = rerope_forward(q1, q2, k1, k2, v, plan.window, plan.causal, plan.scale,
-                             launchers=plan.launchers)[0]
+                             launchers=plan.launchers, config=plan.config)[0]
     return out.to(dtype) if plan.lift else out
 
 
 @dataclass(frozen=True)
-class _FusedPlan:
-    """A ``rerope.rerope`` call's checked settings, its rotation operands, its route
-    (``decode`` for a decode step, see :func:`rerope`) and its bound launches (:func:`_bound`),
-    filled by its first call."""
+class FusedPlan:
+    """A checked ``rerope.rerope`` call: its settings, the configuration it was planned under,
+    its rotation operands (tables and flags) and its bound launches (``launchers``,
+    :func:`_bound`), filled by its first call."""
 
-    settings: tuple     # (window, causal, scale, base, leaky, logn_len, rotated, inv_freq,
-    #                      group), checked
+    config: Optional[configs.Config]      # None when traced by torch.compile
+    window: int         # at most Nk: any window >= Nk means the same
+    causal: bool
+    scale: float
+    rope: tuple         # (base, leaky, logn_len, rotated, inv_freq, group), checked
     operands: Operands
-    decode: bool
     grad: bool          # whether the call needs a gradient (part of the plan's key)
     lift: bool          # bf16 under the interpreter: computed in fp32 (rerope.runtime)
     launchers: dict = field(default_factory=dict)
 
 
-def _plan_fused(q, k, v, window, causal, sm_scale, base, leaky, logn_len, rotated, inv_freq,
-                group):
+def _plan_fused(config, q, k, v, window, causal, sm_scale, base, leaky, logn_len, rotated,
+                inv_freq, group):
     check_qkv({"q": q}, {"k": k, "v": v}, fewer_queries=True)
     check_head_dim(q.shape[-1])
     inv_freq = check_rope_settings(window, base, leaky, logn_len, rotated, inv_freq,
@@ -895,14 +921,13 @@ def _plan_fused(q, k, v, window, causal, sm_scale, base, leaky, logn_len, rotate
     check_sm_scale(sm_scale)
     scale = q.shape[-1] ** -0.5 if sm_scale is None else float(sm_scale)
     window = min(int(window), k.shape[2])     # as in rerope_attention: >= Nk means plain RoPE
-    settings = (window, causal, scale, float(base), None if leaky is None else float(leaky),
-                None if logn_len is None else float(logn_len), rotated, inv_freq,
-                None if group is None else int(group))
-    grad = _needs_grad(q, k, v)
-    decode = causal and q.shape[2] <= DECODE_MAX_QUERIES and not grad
-    operands = None if decode else _rotations(k.shape[2], q.shape[-1], float(base), window,
-                                              *settings[4:7], q.device, inv_freq, settings[8])
-    return _FusedPlan(settings, operands, decode, grad, _lifted(q))
+    rope = (float(base), None if leaky is None else float(leaky),
+            None if logn_len is None else float(logn_len), rotated, inv_freq,
+            None if group is None else int(group))
+    operands = _rotations(k.shape[2], q.shape[-1], rope[0], window, *rope[1:4], q.device,
+                          inv_freq, rope[5])
+    return FusedPlan(config, window, causal, scale, rope, operands, _needs_grad(q, k, v),
+                     _lifted(q))
 
 
 def _lifted(q):
@@ -912,6 +937,14 @@ def _lifted(q):
     device."""
     prepare_for_device(q[..., :0])
     return INTERPRET and q.dtype == torch.bfloat16
+
+
+def _decode_step(q, k, v, causal):
+    """Whether a ``rerope`` call is a decode step: causal, at most ``MAX_QUERIES`` queries,
+    no gradient needed. Looked at before anything is checked: ``rerope_decode`` checks it."""
+    return (causal is True and isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor)
+            and isinstance(v, torch.Tensor) and q.dim() == 4 and q.shape[2] <= MAX_QUERIES
+            and not _needs_grad(q, k, v))
 
 
 def rerope(q, k, v, window, causal=True, sm_scale=None, base=10000.0, leaky=None, logn_len=None,
@@ -982,10 +1015,10 @@ def rerope(q, k, v, window, causal=True, sm_scale=None, base=10000.0, leaky=None
     rotates tiles in registers (:mod:`rerope.rotary`). Arguments out of range raise
     ``TypeError`` or ``ValueError`` naming the argument.
 
-    A decode step — ``causal``, at most ``DECODE_MAX_QUERIES`` (16) queries, no gradient needed
-    (grad mode off, or no input requires grad) — goes to the split-KV kernel of
-    :func:`rerope.rerope_decode`, which spreads the keys over the whole GPU; the prefill kernels
-    would give each query head a single program.
+    A decode step — ``causal``, at most ``rerope.decode.MAX_QUERIES`` (16) queries, no gradient
+    needed (grad mode off, or no input requires grad) — goes to the split-KV kernel of
+    :func:`rerope.rerope_decode` (which checks and plans it), which spreads the keys over the
+    whole GPU; the prefill kernels would give each query head a single program.
 
     Threads: the op may be called from several threads at once (its plans are shared safely,
     :mod:`rerope.launch`); under the CPU interpreter, which is not thread-safe, the package's
@@ -996,18 +1029,24 @@ def rerope(q, k, v, window, causal=True, sm_scale=None, base=10000.0, leaky=None
     exact answer is finite (the kernels multiply whole tiles of probabilities by whole tiles of
     ``v``, and ``0 * inf`` is NaN).
     """
+    if _decode_step(q, k, v, causal):     # split-KV (chapter 8), checked and planned there
+        try:
+            return rerope_decode(q, k, v, window, sm_scale=sm_scale, base=base, leaky=leaky,
+                                 logn_len=logn_len, rotated=rotated, inv_freq=inv_freq,
+                                 group=group)
+        except (TypeError, ValueError):   # a bad argument: say so in this function's words
+            _plan_fused(None, q, k, v, window, causal, sm_scale, base, leaky, logn_len,
+                        rotated, as_frequencies(inv_freq), group)
+            raise
     inv_freq = as_frequencies(inv_freq)   # read per call (never by identity): D/2 floats
     tensors = (q, k, v)
     settings = (window, causal, sm_scale, base, leaky, logn_len, rotated, inv_freq, group)
     compiling = torch.compiler.is_compiling()
     plan = _cached_plan(_plan_fused, tensors, settings, compiling)
-    if plan.decode:                   # a decode step: split-KV (chapter 8)
-        return rerope_decode(q, k, v, window, sm_scale=sm_scale, base=base, leaky=leaky,
-                             logn_len=logn_len, rotated=rotated, inv_freq=inv_freq, group=group)
     if compiling:
         (q, k, v), restore = prepare_for_device(q, k, v)
-        *settings, inv_freq, group = plan.settings
-        return restore(_fused_fwd(q, k, v, *settings,
+        *rope, inv_freq, group = plan.rope
+        return restore(_fused_fwd(q, k, v, plan.window, plan.causal, plan.scale, *rope,
                                   None if inv_freq is None else list(inv_freq), group)[0])
     dtype = q.dtype
     if plan.lift:
@@ -1015,7 +1054,6 @@ def rerope(q, k, v, window, causal=True, sm_scale=None, base=10000.0, leaky=None
     if plan.grad:
         out = _apply_fused(q, k, v, plan)
     else:                               # no gradient: no autograd node either
-        window, causal, scale = plan.settings[:3]
-        out = rerope_forward(q, q, k, k, v, window, causal, scale, plan.operands,
-                             launchers=plan.launchers)[0]
+        out = rerope_forward(q, q, k, k, v, plan.window, plan.causal, plan.scale,
+                             plan.operands, launchers=plan.launchers, config=plan.config)[0]
     return out.to(dtype) if plan.lift else out

@@ -6,9 +6,10 @@ On a GPU each kernel is autotuned over the candidates below that fit the GPU's s
 ``tests/test_compile.py`` compiles every configuration for sm_75, sm_80, sm_89 and sm_90 and
 checks the shared memory the compiler reports against the estimate used for pruning.
 
-The package's environment variables are read here, once, at import (:class:`Settings`,
-:data:`SETTINGS`); a bad value fails ``import rerope`` with a ``ValueError`` that names the
-variable, the value found and the values accepted.
+The package's environment variables are read here, once, at import, into one frozen
+:class:`Config` (``rerope.config()``; change it for a block with ``rerope.using_config``); a
+bad value fails ``import rerope`` with a ``ValueError`` that names the variable, the value
+found and the values accepted. Every plan is made for, and keyed by, the active ``Config``.
 """
 
 import contextlib
@@ -197,13 +198,6 @@ def using(config=None, **changes):
         _CURRENT.reset(token)
 
 
-# Transitional names (to be removed when every reader takes the Config of its plan).
-Settings = Config
-SETTINGS = current()
-AUTOTUNE = SETTINGS.autotune
-TMA = {"on": "1", "off": "0"}.get(SETTINGS.tma, SETTINGS.tma)
-
-
 def tma_pays(capability, elem_bytes, head_dim):
     """The hardware/dtype half of ``TMA="auto"``: a Hopper-or-newer GPU, 16-bit inputs, D <= 128
     (the launcher also needs a layout TMA accepts)."""
@@ -213,7 +207,7 @@ def tma_pays(capability, elem_bytes, head_dim):
 SHARED_MEMORY = {75: 65536, 80: 166912, 86: 101376, 89: 101376, 90: 232448}
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages). BLOCK_M is the query tile, BLOCK_N the key tile.
-# First: the configuration that won most often on the H200 (perf/NOTES.md, v4 with TMA loads);
+# First: the configuration that won most often where measured (perf/NOTES.md);
 # used alone when REROPE_AUTOTUNE=0.
 _CANDIDATES = {
     "fwd": {
@@ -221,10 +215,7 @@ _CANDIDATES = {
         128: [(128, 64, 8, 3), (128, 128, 8, 2), (128, 64, 4, 3), (64, 64, 4, 3)],
         256: [(64, 64, 8, 2), (64, 32, 4, 2)],
     },
-    # The pre-turned backward of rerope.rerope (SPLIT off, TURN_BACK) uses these lists too; at
-    # D=128 its first candidates beat 9 other dK/dV and 8 other dQ configurations, fp16 and bf16
-    # (perf/runs/sweep_bwd128_h200.json: dK/dV 2.09 ms, next 32x64/4/3 2.28; dQ 1.50-1.51, next
-    # 64x32/4/3 1.61-1.64).
+    # the pre-turned backward of rerope.rerope reads like the five tensors: these lists too
     "dkdv": {   # one program per key block of BLOCK_N, walking query tiles of BLOCK_M
         64: [(64, 64, 4, 3), (64, 64, 4, 2), (32, 128, 4, 3), (64, 128, 8, 3)],
         128: [(64, 64, 4, 2), (32, 128, 8, 3), (64, 128, 8, 2), (32, 64, 4, 3)],
@@ -236,9 +227,8 @@ _CANDIDATES = {
         256: [(64, 32, 8, 2), (32, 16, 4, 2)],
     },
 }
-# The fused-rotation form (``rerope.rerope``, ``split``) where its best differs: it holds the
-# rotation's operands in registers too, so at D=128 the backward prefers thinner tiles
-# (H200 sweep, perf/runs/sweep_fused.json: dK/dV 32x64 -21 %, dQ 64x32 -12 % of fwd+bwd).
+# The fused-rotation form where its best differs: it holds the rotation's operands in
+# registers too, so at D=128 the backward prefers thinner tiles (perf/NOTES.md).
 _FUSED_CANDIDATES = {
     "dkdv": {128: [(32, 64, 4, 3), (32, 64, 4, 2), (32, 128, 8, 3), (64, 128, 8, 2)]},
     "dq": {128: [(64, 32, 4, 3), (128, 64, 8, 2), (128, 32, 8, 3), (64, 64, 4, 2)]},
@@ -255,13 +245,13 @@ def _head_dim_class(head_dim):
 
 
 def estimate_shared_memory(kernel, block_m, block_n, num_stages, head_dim, elem_bytes=2,
-                           split=False):
+                           fused=False):
     """A conservative estimate of a configuration's shared memory (bytes).
 
     Every pass streams two tiles per pipeline stage: ``k, v`` (``BLOCK_N × D``) in the forward
     and dQ kernels, ``q, dO`` (``BLOCK_M × D``) in dK/dV. The blocks a program keeps (``q1, q2``;
     ``q1, q2, dO``; ``k1, k2, v``), one fp32 score tile for layout conversions and a few KB for
-    barriers come on top. The fused-rotation form (``split``) rotates each streamed ``k`` (or
+    barriers come on top. The fused-rotation form (``fused``) rotates each streamed ``k`` (or
     ``q`` in dK/dV) tile in registers and stages the result for the tensor cores: one more tile.
     """
     streamed_rows = block_m if kernel == "dkdv" else block_n
@@ -271,7 +261,7 @@ def estimate_shared_memory(kernel, block_m, block_n, num_stages, head_dim, elem_
     else:
         streamed = num_stages * 2 * block_n * head_dim * elem_bytes
         resident = (3 if kernel == "dq" else 2) * block_m * head_dim * elem_bytes
-    if split:
+    if fused:
         resident += streamed_rows * head_dim * elem_bytes
     scratch = block_m * block_n * 4 + 4096       # a score tile, barriers and alignment
     total = streamed + resident + scratch
@@ -280,30 +270,33 @@ def estimate_shared_memory(kernel, block_m, block_n, num_stages, head_dim, elem_
     return int(total * 1.25) if elem_bytes == 4 else total
 
 
-def candidate_configs(kernel, head_dim, split=False):
+def candidate_configs(kernel, head_dim, fused=False):
     """All candidate ``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` for a kernel and head dim
-    (of the five-tensor form, or the fused-rotation one: ``split``)."""
+    (of the five-tensor form, or the fused-rotation one: ``fused``)."""
     head_dim = _head_dim_class(head_dim)
-    fused = _FUSED_CANDIDATES.get(kernel, {}).get(head_dim) if split else None
-    return list(fused or _CANDIDATES[kernel][head_dim])
+    found = _FUSED_CANDIDATES.get(kernel, {}).get(head_dim) if fused else None
+    return list(found or _CANDIDATES[kernel][head_dim])
 
 
-def launch_configs(kernel, head_dim, capability, elem_bytes=2, split=False):
+def launch_configs(kernel, head_dim, capability, elem_bytes=2, fused=False, autotune=None):
     """The ``triton.Config`` list to autotune on a GPU of ``capability`` (e.g. ``(9, 0)``).
 
     Candidates whose estimated shared memory exceeds the GPU's are pruned; if none is left, the
     first fallback that fits is used (the compile test proves the choice fits every GPU). With
-    the environment variable ``REROPE_AUTOTUNE=0`` only the first fitting candidate is
-    returned: no autotuning, one compilation per kernel (quicker first calls).
+    ``autotune`` off (default: the active :class:`Config`'s, ``REROPE_AUTOTUNE``) only the first
+    fitting candidate is returned: one compilation per kernel (quicker first calls).
     """
+    if autotune is None:
+        autotune = current().autotune
     major, minor = capability
-    limit = SHARED_MEMORY.get(10 * major + minor, SHARED_MEMORY[75] if major < 8 else SHARED_MEMORY[86])
+    limit = SHARED_MEMORY.get(10 * major + minor,
+                              SHARED_MEMORY[75] if major < 8 else SHARED_MEMORY[86])
 
     def fits(c):
         return estimate_shared_memory(kernel, c[0], c[1], c[3], head_dim, elem_bytes,
-                                      split) <= limit
+                                      fused) <= limit
 
-    chosen = ([c for c in candidate_configs(kernel, head_dim, split) if fits(c)]
+    chosen = ([c for c in candidate_configs(kernel, head_dim, fused) if fits(c)]
               or [next((c for c in _FALLBACKS if fits(c)), _FALLBACKS[-1])])
     return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s)
-            for bm, bn, w, s in (chosen if AUTOTUNE else chosen[:1])]
+            for bm, bn, w, s in (chosen if autotune else chosen[:1])]

@@ -59,8 +59,8 @@ from . import configs
 from ._validate import (Frequencies, as_frequencies, check_alike, check_head_dim,
                         check_logn_overflow, check_qkv, check_rope_args, check_sm_scale)
 from .caches import CACHE_SIZE, LRUCache
-from .launch import Launcher, _capability, _ensure_scratch_allocator, _tma_layout_ok
-from .online_softmax import LOG2E, _softmax_step
+from .launch import Launcher, PlanCache, _capability, _ensure_scratch_allocator, _tma_layout_ok
+from .online_softmax import LOG2E, _scores, _softmax_step
 from .regions import INSIDE, OUTSIDE, _nth_tile, _tile_count
 from .rotary import (_logn_scale, _rotate, _table_rows, _unrotate, logn_factor,
                      rotation_tables)
@@ -99,19 +99,6 @@ MERGE_ROWS = 1            # rows per merge program: its programs run side by sid
 
 
 # --- the split kernel -----------------------------------------------------------------
-
-
-@triton.jit
-def _scores(q_a, q_b, k_a, k_b, HALF: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """``q · kᵀ`` as two ``D/2``-wide products (``tl.dot`` needs ``D/2 >= 16``; D=16
-    sums)."""
-    if HALF >= 16:
-        scores = tl.dot(q_a, tl.trans(k_a), input_precision=DOT_PRECISION)
-        return tl.dot(q_b, tl.trans(k_b), scores, input_precision=DOT_PRECISION)
-    else:
-        a = q_a.to(tl.float32)[:, None, :] * k_a.to(tl.float32)[None, :, :]
-        b = q_b.to(tl.float32)[:, None, :] * k_b.to(tl.float32)[None, :, :]
-        return tl.sum(a, 2) + tl.sum(b, 2)
 
 
 @triton.jit
@@ -189,7 +176,7 @@ def _decode_pass(state, q, kv, turn, row, walk, PRODUCT: tl.constexpr,
                 cos, sin = cos_r, sin_r
             k_a, k_b = _rotate(k_a.to(tl.float32), k_b.to(tl.float32), cos, sin)
             k_a, k_b = k_a.to(dtype), k_b.to(dtype)
-        scores = _scores(qd_a, qd_b, k_a, k_b, HALF, DOT_PRECISION)
+        scores = _scores(qd_a, qd_b, k_a, k_b, True, DOT_PRECISION)
         if MASKED:
             distance = positions[:, None] - cols[None, :]
             if PRODUCT == INSIDE:
@@ -1179,7 +1166,10 @@ def _call_key(q, k_cache, v_cache, cache_seqlens, block_table):
             _layout(v_cache, size), lengths, table)
 
 
-_PLANS = LRUCache()   # (call key, settings, Config) -> DecodePlan
+PLANS = PlanCache()
+"""The plans of ``rerope_decode`` (and of ``rerope``'s decode steps), keyed by layout class,
+settings and :class:`rerope.Config` (a :class:`rerope.launch.PlanCache`: ``len(PLANS)``,
+``PLANS.built``, ``PLANS.clear()``)."""
 
 
 def decode_plan(q, k_cache, v_cache, window, cache_seqlens=None, sm_scale=None,
@@ -1202,14 +1192,14 @@ def _plan_for(q, k_cache, v_cache, cache_seqlens, block_table, settings):
     try:
         key = (_call_key(q, k_cache, v_cache, cache_seqlens, block_table), settings,
                tuple(map(type, settings)), config)
-        plan = _PLANS.get(key)
+        plan = PLANS.get(key)
     except (AttributeError, TypeError):   # not tensors, unhashable settings: checks say
         key, plan = None, None
     if plan is None:
         _check_decode_args(q, k_cache, v_cache, cache_seqlens, block_table, *settings)
         plan = _make_plan(key, q, k_cache, v_cache, block_table, settings, config)
         if key is not None:
-            _PLANS.put(key, plan)
+            PLANS.put(key, plan)
     return plan
 
 

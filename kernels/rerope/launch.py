@@ -43,7 +43,7 @@ import inspect
 import torch
 import triton
 
-from .caches import CACHE_SIZE
+from .caches import CACHE_SIZE, LRUCache
 from .runtime import INTERPRET, INTERPRETER_LOCK
 
 
@@ -53,6 +53,27 @@ def signature(*tensors):
     return tuple([None if t is None else
                   (t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16 == 0)
                   for t in tensors])
+
+
+class PlanCache(LRUCache):
+    """The :class:`rerope.caches.LRUCache` of an op's plans, counting the plans it was given
+    (``built``, since the last :meth:`clear`): a test or a measurement sees a plan made, or a
+    call served from one, without reading the entries."""
+
+    def __init__(self, size=CACHE_SIZE):
+        super().__init__(size)
+        self.built = 0
+
+    def put(self, key, value):
+        self.built += 1
+        return super().put(key, value)
+
+    __setitem__ = put
+
+    def clear(self):
+        """Drop every plan; ``built`` counts from 0 again."""
+        super().clear()
+        self.built = 0
 
 
 class Launcher:
@@ -137,8 +158,7 @@ class Launcher:
             return lambda *args: self(*args, *fixed)
         compiled, grid, stream, device = self._compiled, self._grid3, self._stream, self._device
         run, function, metadata = compiled.run, compiled.function, compiled.packed_metadata
-        tail = tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in fixed)
-        tail += self._tail
+        tail = tuple(map(_address, fixed)) + self._tail
 
         def call(*args):
             if not _no_launch_hooks():
@@ -152,6 +172,16 @@ class Launcher:
     def bound(self):
         """Whether later calls skip Triton's Python launch path."""
         return self._compiled is not None
+
+
+def _address(arg):
+    """A fixed argument as the compiled launcher takes it: a tensor (also inside a tuple, such
+    as a kernel's tables) as its device address."""
+    if isinstance(arg, torch.Tensor):
+        return arg.data_ptr()
+    if isinstance(arg, tuple):
+        return tuple(map(_address, arg))
+    return arg
 
 
 def kept_launcher(launchers, where, constexprs, make):

@@ -152,3 +152,22 @@ def plain_attention(q, k, v, causal=True, sm_scale=None, block_m=16, block_n=16)
         CAUSAL=causal, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=d,
         DOT_PRECISION=dot_precision(q.dtype))
     return restore(out.view(b, h, n, d))
+
+
+@triton.jit
+def _scores(x_a, x_b, y_a, y_b, TWO_DOTS: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """``x · yᵀ`` (fp32) for rows given as halves ``[x_a | x_b]``, ``[y_a | y_b]``
+    (``TWO_DOTS``), or as whole rows ``x_a``, ``y_a`` (``x_b``, ``y_b`` unread).
+
+    Halves take two ``D/2``-wide dots into one accumulator, so ``rotate_half`` needs no
+    data movement; halves narrower than ``tl.dot``'s minimum of 16 are summed elementwise.
+    """
+    if not TWO_DOTS:
+        return tl.dot(x_a, tl.trans(y_a), input_precision=DOT_PRECISION)
+    elif x_a.shape[1] >= 16:
+        s = tl.dot(x_a, tl.trans(y_a), input_precision=DOT_PRECISION)
+        return tl.dot(x_b, tl.trans(y_b), s, input_precision=DOT_PRECISION)
+    else:
+        a = x_a.to(tl.float32)[:, None, :] * y_a.to(tl.float32)[None, :, :]
+        b = x_b.to(tl.float32)[:, None, :] * y_b.to(tl.float32)[None, :, :]
+        return tl.sum(a, 2) + tl.sum(b, 2)

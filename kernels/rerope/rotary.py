@@ -226,19 +226,20 @@ def _angles(Table, positions, Offset, TURN: tl.constexpr, SHIFT: tl.constexpr,
 
 
 @triton.jit
-def _turn_keys_kernel(K, Out, Table, sk_b, sk_h, sk_n, sk_d, n_heads, n_k,
-                      HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr):
+def _turn_keys_kernel(K, Out, Table, sk, n_heads, n_k, HEAD_DIM: tl.constexpr,
+                      BLOCK: tl.constexpr):
     """Grid ``(B · Hkv, cdiv(Nk, BLOCK))``: rows ``j`` of one key head turned by ``R(speed · j)``
-    from ``Table``, in fp32, rounded once to ``Out``'s dtype (``Out`` contiguous)."""
+    from ``Table``, in fp32, rounded once to ``Out``'s dtype (``Out`` contiguous; ``sk``:
+    ``K``'s four strides)."""
     batch = tl.program_id(0) // n_heads
     head = tl.program_id(0) % n_heads
     rows = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     half = tl.arange(0, HEAD_DIM // 2)[None, :]
     keep = rows[:, None] < n_k
-    src = (K + batch.to(tl.int64) * sk_b + head.to(tl.int64) * sk_h
-           + rows.to(tl.int64)[:, None] * sk_n)
-    a = tl.load(src + half * sk_d, mask=keep, other=0.0)
-    b = tl.load(src + (half + HEAD_DIM // 2) * sk_d, mask=keep, other=0.0)
+    src = (K + batch.to(tl.int64) * sk[0] + head.to(tl.int64) * sk[1]
+           + rows.to(tl.int64)[:, None] * sk[2])
+    a = tl.load(src + half * sk[3], mask=keep, other=0.0)
+    b = tl.load(src + (half + HEAD_DIM // 2) * sk[3], mask=keep, other=0.0)
     cos, sin = _table_rows(Table, rows, HEAD_DIM // 2)
     a32, b32 = _rotate(a.to(tl.float32), b.to(tl.float32), cos, sin)
     dst = Out + (tl.program_id(0).to(tl.int64) * n_k + rows.to(tl.int64)[:, None]) * HEAD_DIM
@@ -259,7 +260,7 @@ def turn_keys(k, table):
     batch, heads, n_k, head_dim = k.shape
     out = torch.empty((batch, heads, n_k, head_dim), dtype=k.dtype, device=k.device)
     _turn_keys_kernel[(batch * heads, triton.cdiv(n_k, 64))](
-        k, out, table, *k.stride(), heads, n_k, HEAD_DIM=head_dim, BLOCK=64)
+        k, out, table, k.stride(), heads, n_k, HEAD_DIM=head_dim, BLOCK=64)
     return out
 
 
@@ -273,50 +274,50 @@ def _logn_scale(positions, logn_factor):
 
 
 @triton.jit
-def _turn_operand(a, b, positions, Table, Offset, logn_factor, TURN: tl.constexpr,
-                  SHIFT: tl.constexpr, LOGN: tl.constexpr, HALF: tl.constexpr):
+def _turn_operand(a, b, positions, turn, logn_factor, FLAGS: tl.constexpr, LOGN: tl.constexpr,
+                  HALF: tl.constexpr):
     """One product's operand from the halves ``a, b`` (input dtype): scaled by log-n, turned by
-    ``R(speed · p + offset)``, in fp32, rounded once — the arithmetic of
-    :func:`rerope.forward._operand` (``SHIFT_SIGN`` 1), so the result is the tile a kernel
-    turns in registers, bit for bit."""
+    ``R(speed · p + offset)`` (``turn``: its table and offset; ``FLAGS``: ``(TURN, SHIFT)``),
+    in fp32, rounded once — the arithmetic of :func:`rerope.forward._operand` (offset sign 1),
+    so the result is the tile a kernel turns in registers, bit for bit."""
     a32, b32 = a.to(tl.float32), b.to(tl.float32)
     if LOGN:
         scale = _logn_scale(positions, logn_factor)[:, None]
         a32, b32 = a32 * scale, b32 * scale
-    if TURN or SHIFT:
-        cos, sin = _angles(Table, positions, Offset, TURN, SHIFT, 1, HALF)
+    if FLAGS[0] or FLAGS[1]:
+        cos, sin = _angles(turn[0], positions, turn[1], FLAGS[0], FLAGS[1], 1, HALF)
         a32, b32 = _rotate(a32, b32, cos, sin)
     return a32.to(a.dtype), b32.to(b.dtype)
 
 
 @triton.jit
-def _turn_operands_kernel(X, Out1, Out2, Tab1, Off1, Tab2, Off2, sx_b, sx_h, sx_n, sx_d,
-                          n_heads, n_rows, first_position, logn_factor,
-                          HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, LOGN: tl.constexpr,
-                          WRITE1: tl.constexpr, TURN1: tl.constexpr, SHIFT1: tl.constexpr,
-                          WRITE2: tl.constexpr, TURN2: tl.constexpr, SHIFT2: tl.constexpr):
+def _turn_operands_kernel(X, Out1, Out2, Tables, sx, n_heads, n_rows, first_position,
+                          logn_factor, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr,
+                          LOGN: tl.constexpr, FIRST: tl.constexpr, SECOND: tl.constexpr):
     """Grid ``(B · H, cdiv(N, BLOCK))``: rows of one head of ``X`` (at positions
-    ``first_position + row``) read once, turned for each product that needs it (``WRITE1``,
-    ``WRITE2``) and stored to ``Out1`` / ``Out2`` (contiguous ``(B, H, N, D)``)."""
+    ``first_position + row``; ``sx``: its four strides) read once, turned for each product that
+    needs it and stored to ``Out1`` / ``Out2`` (contiguous ``(B, H, N, D)``). ``FIRST`` /
+    ``SECOND``: ``None`` for a product not written, else its ``(TURN, SHIFT)``; ``Tables``:
+    ``(table, offset)`` of each."""
     batch = tl.program_id(0) // n_heads
     head = tl.program_id(0) % n_heads
     rows = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     positions = first_position + rows
     half = tl.arange(0, HEAD_DIM // 2)[None, :]
     keep = rows[:, None] < n_rows
-    src = (X + batch.to(tl.int64) * sx_b + head.to(tl.int64) * sx_h
-           + rows.to(tl.int64)[:, None] * sx_n)
-    a = tl.load(src + half * sx_d, mask=keep, other=0.0)
-    b = tl.load(src + (half + HEAD_DIM // 2) * sx_d, mask=keep, other=0.0)
+    src = (X + batch.to(tl.int64) * sx[0] + head.to(tl.int64) * sx[1]
+           + rows.to(tl.int64)[:, None] * sx[2])
+    a = tl.load(src + half * sx[3], mask=keep, other=0.0)
+    b = tl.load(src + (half + HEAD_DIM // 2) * sx[3], mask=keep, other=0.0)
     dst = (tl.program_id(0).to(tl.int64) * n_rows + rows.to(tl.int64)[:, None]) * HEAD_DIM + half
-    if WRITE1:
-        a1, b1 = _turn_operand(a, b, positions, Tab1, Off1, logn_factor, TURN1, SHIFT1, LOGN,
-                               HEAD_DIM // 2)
+    if FIRST is not None:
+        a1, b1 = _turn_operand(a, b, positions, (Tables[0], Tables[1]), logn_factor, FIRST,
+                               LOGN, HEAD_DIM // 2)
         tl.store(Out1 + dst, a1, mask=keep)
         tl.store(Out1 + dst + HEAD_DIM // 2, b1, mask=keep)
-    if WRITE2:
-        a2, b2 = _turn_operand(a, b, positions, Tab2, Off2, logn_factor, TURN2, SHIFT2, LOGN,
-                               HEAD_DIM // 2)
+    if SECOND is not None:
+        a2, b2 = _turn_operand(a, b, positions, (Tables[2], Tables[3]), logn_factor, SECOND,
+                               LOGN, HEAD_DIM // 2)
         tl.store(Out2 + dst, a2, mask=keep)
         tl.store(Out2 + dst + HEAD_DIM // 2, b2, mask=keep)
 
@@ -377,9 +378,10 @@ def _turn_launch(x, inside, outside, first_position, logn_factor, launchers):
         p if p is not None else (*other[:2], False, False)
         for p, other in ((inside, outside), (outside, inside)))
     grid = (batch * heads, triton.cdiv(n_rows, 64))
-    constexprs = dict(HEAD_DIM=head_dim, BLOCK=64, LOGN=logn, WRITE1=writes[0], TURN1=turn1,
-                      SHIFT1=shift1, WRITE2=writes[1], TURN2=turn2, SHIFT2=shift2)
-    tail = (tab1, off1, tab2, off2, *x.stride(), heads, n_rows, first_position, logn_factor)
+    constexprs = dict(HEAD_DIM=head_dim, BLOCK=64, LOGN=logn,
+                      FIRST=(turn1, shift1) if writes[0] else None,
+                      SECOND=(turn2, shift2) if writes[1] else None)
+    tail = ((tab1, off1, tab2, off2), x.stride(), heads, n_rows, first_position, logn_factor)
     if launchers is None:
         return writes, lambda *xs: _turn_operands_kernel[grid](*xs, *tail, **constexprs)
     launcher = kept_launcher(launchers, ("turn operands", grid), constexprs,
