@@ -307,17 +307,17 @@ def rerope_forward(q1, q2, k1, k2, v, window, causal, sm_scale, operands=None, p
     ``launchers``: the plan's (see :func:`_bound`), made for ``config`` (the plan's
     :class:`rerope.Config`; default the active one).
     """
+    call_key = ("forward call", preturn)    # the plan fixes the shapes and the Config, so
+    if launchers is not None and operands is not None:     # the decisions below: its call
+        call = launchers.get(call_key)
+        if call is not None:
+            return call(q1, q2, k1, k2, v)
     config = config or configs.current()
     batch, n_heads, n_q, head_dim = q1.shape
     n_k = k1.shape[2]
     pre = (preturn_keys(n_k, n_q, n_heads // k1.shape[1], config) if preturn is None
            else preturn)
     first = heads_first(n_k, batch * n_heads, config)
-    call_key = ("forward call", pre, first)
-    if launchers is not None and operands is not None:     # the fused form's plan: its call
-        call = launchers.get(call_key)
-        if call is not None:
-            return call(q1, q2, k1, k2, v)
     out = torch.empty(q1.shape, dtype=q1.dtype, device=q1.device)
     lse = torch.empty(batch * n_heads, n_q, dtype=torch.float32, device=q1.device)
     fused, keys = operands is not None, k1      # keys: as given (the plan's layout)
