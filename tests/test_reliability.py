@@ -139,14 +139,20 @@ def test_double_backward_raises_clearly_or_is_right(op_name, gen):
 
 @pytest.mark.parametrize("op_name", ["rerope", "rerope_attention"])
 def test_row_with_very_negative_scores_is_finite(op_name, gen):
-    """Item 2. ``q[0,0,0] = 1e15, k[0,0,0] = -1e15``, causal: row 0 sees key 0 only, with a score
-    of -D·1e30·sm_scale = -4e30, below the kernels' running-max start (-1e30). A softmax over one
-    key is that key's value: row 0 must be ``v[0]``, not 0/0 = NaN."""
+    """Item 2. ``q[0,0,0,0] = 1e16, k[0,0,0,0] = -1e16``, causal: row 0 sees key 0 only, with a
+    score of -1e32·sm_scale = -2.5e31, below the kernels' running-max start (-1e30). A softmax
+    over one key is that key's value: row 0 must be ``v[0]``, not 0/0 = NaN.
+
+    The other rows' dimensions 0 and d/2 (the pair RoPE turns key 0's dimension 0 into) are
+    zero, so only row 0 meets an extreme score: a row whose largest score is near +1e15 is beyond what
+    fp32 can differentiate (the backward recomputes scores in another summation order, ~1e-7
+    relative and so ~1e7 absolute away from the forward's, and ``exp2`` of that overflows)."""
     n, d, window = 8, 16, 4
     raw = raw_leaves(gen, 1, 1, 1, n, d, F32)
     with torch.no_grad():
-        raw[0][0, 0, 0] = 1e15
-        raw[1][0, 0, 0] = -1e15
+        raw[0][0, 0, 1:, [0, d // 2]] = 0.0
+        raw[0][0, 0, 0, 0] = 1e16
+        raw[1][0, 0, 0, 0] = -1e16
     dout = randn(gen, 1, 1, n, d, dtype=F32, device=raw[0].device)
     if op_name == "rerope":
         out = rerope.rerope(*raw, window)
