@@ -144,9 +144,10 @@ def test_row_with_very_negative_scores_is_finite(op_name, gen):
     over one key is that key's value: row 0 must be ``v[0]``, not 0/0 = NaN.
 
     The other rows' dimensions 0 and d/2 (the pair RoPE turns key 0's dimension 0 into) are
-    zero, so only row 0 meets an extreme score: a row whose largest score is near +1e15 is beyond what
-    fp32 can differentiate (the backward recomputes scores in another summation order, ~1e-7
-    relative and so ~1e7 absolute away from the forward's, and ``exp2`` of that overflows)."""
+    zero, so only row 0 meets an extreme score. A row whose largest score is near +1e15 is
+    beyond what fp32 can differentiate: the backward recomputes scores in another summation
+    order, ~1e-7 relative and so ~1e8 absolute away from the forward's, and ``exp2`` of that
+    overflows."""
     n, d, window = 8, 16, 4
     raw = raw_leaves(gen, 1, 1, 1, n, d, F32)
     with torch.no_grad():
