@@ -942,24 +942,38 @@ class FusedPlan:
 def _plan_fused(config, q, k, v, window, causal, sm_scale, base, leaky, logn_len, rotated,
                 inv_freq, group):
     check_qkv({"q": q}, {"k": k, "v": v}, fewer_queries=True)
+    window, scale, rope, operands = fused_settings(
+        q, k.shape[2], window, causal, sm_scale, base, leaky, logn_len, rotated, inv_freq,
+        group)
+    return FusedPlan(config, window, causal, scale, rope, operands, _needs_grad(q, k, v),
+                     _lifted(q))
+
+
+def fused_settings(q, n_k, window, causal, sm_scale, base, leaky, logn_len, rotated,
+                   inv_freq, group):
+    """Check the settings of a fused-form call (``rerope``'s arguments after ``q, k, v``;
+    ``q``: a query tensor, for its head dim, dtype and device, ``n_k``: the most keys a
+    sequence has) and return ``(window, scale, rope, operands)``: the window clamped to
+    ``n_k``, the score scale, the checked position settings ``(base, leaky, logn_len,
+    rotated, inv_freq, group)`` and the :class:`Operands` (rotation tables with rows for
+    ``n_k`` positions). Shared by :func:`rerope` and :func:`rerope.rerope_varlen`."""
     check_head_dim(q.shape[-1])
     inv_freq = check_rope_settings(window, base, leaky, logn_len, rotated, inv_freq,
                                    q.shape[-1], group)
-    check_logn_overflow(logn_len, k.shape[2], q.dtype)
+    check_logn_overflow(logn_len, n_k, q.dtype)
     check_flag("causal", causal)
     if group is not None and not causal:
         raise ValueError("group (Self-Extend) needs causal=True: its grouped positions are "
                          "defined for keys at or before the query only")
     check_sm_scale(sm_scale)
     scale = q.shape[-1] ** -0.5 if sm_scale is None else float(sm_scale)
-    window = min(int(window), k.shape[2])     # as in rerope_attention: >= Nk means plain RoPE
+    window = min(int(window), n_k)     # as in rerope_attention: >= Nk means plain RoPE
     rope = (float(base), None if leaky is None else float(leaky),
             None if logn_len is None else float(logn_len), rotated, inv_freq,
             None if group is None else int(group))
-    operands = _rotations(k.shape[2], q.shape[-1], rope[0], window, *rope[1:4], q.device,
+    operands = _rotations(n_k, q.shape[-1], rope[0], window, *rope[1:4], q.device,
                           inv_freq, rope[5])
-    return FusedPlan(config, window, causal, scale, rope, operands, _needs_grad(q, k, v),
-                     _lifted(q))
+    return window, scale, rope, operands
 
 
 def _lifted(q):
