@@ -270,6 +270,20 @@ def _check_lengths_on_host(cu_q, cu_k, max_q, max_k, total_q, total_k):
                          "of its key positions, so Lq <= Lk is needed")
 
 
+def _check_pages_on_host(block_table, lengths, page_size, num_blocks):
+    """Every entry a sequence's keys use (``j < cdiv(Lk_b, block_size)``) names a page of
+    the pool (CPU tensors only)."""
+    starts = torch.arange(block_table.shape[1])[None, :] * page_size
+    bad = (starts < lengths[:, None].long()) & ((block_table < 0)
+                                                | (block_table >= num_blocks))
+    if bool(bad.any()):
+        row, entry = (int(x) for x in bad.nonzero()[0])
+        raise ValueError(
+            f"block_table[{row}, {entry}] = {int(block_table[row, entry])} is not a page of "
+            f"the pool: k and v have num_blocks = {num_blocks} pages, and sequence {row} "
+            f"uses entries 0 to {-(-int(lengths[row]) // page_size) - 1}")
+
+
 def _check_varlen(q, k, v, cu_q, cu_k, max_q, max_k, block_table):
     """Every argument's type, shape and dtype; the values of the cumulative lengths and the
     block table where they are on the CPU. Returns ``(B, Hq, Hkv, D)``."""
@@ -325,10 +339,7 @@ def _check_varlen(q, k, v, cu_q, cu_k, max_q, max_k, block_table):
         _check_lengths_on_host(cu_q, cu_k, max_q, max_k, q.shape[0],
                                None if paged else k.shape[0])
         if paged and block_table.device.type == "cpu":
-            from .decode import _check_block_table_on_host
-
-            _check_block_table_on_host(block_table, cu_k[1:] - cu_k[:-1], k.shape[1],
-                                       k.shape[0])
+            _check_pages_on_host(block_table, cu_k[1:] - cu_k[:-1], k.shape[1], k.shape[0])
     return batch, hq, hkv, d
 
 
