@@ -448,3 +448,24 @@ def test_gpu_serving_step_and_decode_graph(gen):
     lengths.fill_(1800)                        # the graph reads the new lengths
     graph.replay()
     assert torch.equal(captured, step())
+
+
+@pytest.mark.parametrize("options", [{}, {"rotated": True}, {"leaky": 3.0, "rotated": True}],
+                         ids=["raw", "rotated", "leaky-rotated"])
+@pytest.mark.parametrize("paged", [False, True])
+def test_preturned_keys_give_the_same_bits(gen, options, paged):
+    """Long sequences get their keys turned once before the kernel (:func:`varlen.turn_keys`,
+    at each key's position within its sequence): the same output, bit for bit, as turning
+    every key tile in registers."""
+    case = Case((5, 17, 3), (9, 17, 40), 6, hq=4, hkv=2, d=32, options=tuple(options.items()))
+    q, k, v, cu_q, cu_k = packed(gen, case)
+    k_rows = 0
+    if paged:
+        kp, vp, table = pool_of(gen, k, v, case.lk, 16, 8)
+        k, v = varlen.gather_pages(kp, vp, table, cu_k, 40)
+        k_rows = 40
+    plan = varlen._plan(q, 40, (6, True, None, 10000.0, options.get("leaky"), None,
+                                options.get("rotated", False), None, None))
+    turned = varlen._forward(q, k, v, cu_q, cu_k, 17, 40, k_rows, plan, preturn=True)
+    in_registers = varlen._forward(q, k, v, cu_q, cu_k, 17, 40, k_rows, plan, preturn=False)
+    assert torch.equal(turned[0], in_registers[0]) and torch.equal(turned[1], in_registers[1])

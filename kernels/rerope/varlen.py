@@ -37,6 +37,7 @@ from .caches import CACHE_SIZE, LRUCache
 from .forward import _fwd_rows
 from .launch import Launcher, _capability, _ensure_scratch_allocator
 from .online_softmax import LOG2E, natural_lse
+from .rotary import _turn_operand
 from .runtime import INTERPRET
 
 # --- the entry kernels ---------------------------------------------------------------------
@@ -60,7 +61,7 @@ def _spans(CuQ, CuK, batch, k_rows):
 
 @triton.jit(do_not_specialize=["total_q", "total_k", "max_seqlen_q", "max_seqlen_k", "k_rows"])
 def _varlen_fwd_kernel(
-    Q, K, V, Out, Lse, Tables, CuQ, CuK, sq, sk, sv, so,
+    Q, K1, K2, V, Out, Lse, Tables, CuQ, CuK, sq, sk1, sk2, sv, so,
     n_heads, q_per_kv, total_q, total_k, max_seqlen_q, max_seqlen_k, k_rows, window,
     qk_scale, logn_factor,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -68,10 +69,11 @@ def _varlen_fwd_kernel(
     INSIDE_FLAGS: tl.constexpr, OUTSIDE_FLAGS: tl.constexpr,
 ):
     """Grid ``(cdiv(max_seqlen_q, BLOCK_M), B · Hq)``. ``Q``, ``Out`` ``(total_q, Hq,
-    D)``, ``K, V`` ``(total_k, Hkv, D)`` (strides as ``(0, head, row, dim)``), ``Lse``
-    ``(Hq, total_q)`` log2 units. A sequence whose lengths are out of range (``Lq > Lk``,
-    above ``max_seqlen_*``, rows outside the tensors) gets NaN rows (no host check on a
-    GPU)."""
+    D)``, ``K1, K2, V`` ``(total_k, Hkv, D)`` (strides as ``(0, head, row, dim)``): the
+    model's ``k`` for both products, or a product's keys pre-turned where its
+    ``TURN_KEYS`` flag is off (:func:`turn_keys`); ``Lse`` ``(Hq, total_q)`` log2 units.
+    A sequence whose lengths are out of range (``Lq > Lk``, above ``max_seqlen_*``, rows
+    outside the tensors) gets NaN rows (no host check on a GPU)."""
     bh = tl.program_id(1)
     block = tl.program_id(0)
     if CAUSAL:   # the last query blocks have the most keys: start them first
@@ -95,8 +97,9 @@ def _varlen_fwd_kernel(
                  tl.full([BLOCK_M], float("nan"), tl.float32), mask=ok)
     elif start_m < n_q:
         zero = batch * 0
-        _fwd_rows(Q + q0 * sq[2], Q, K + k0 * sk[2], K, V + k0 * sv[2], Out + q0 * so[2],
-                  Lse + head.to(tl.int64) * total_q + q0, Tables, sq, sq, sk, sk, sv, so,
+        _fwd_rows(Q + q0 * sq[2], Q, K1 + k0 * sk1[2], K2 + k0 * sk2[2], V + k0 * sv[2],
+                  Out + q0 * so[2], Lse + head.to(tl.int64) * total_q + q0, Tables, sq, sq,
+                  sk1, sk2, sv, so,
                   zero, head, head // q_per_kv, start_m, n_q, n_k, window, qk_scale,
                   logn_factor, HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, TMA, LOGN,
                   INSIDE_FLAGS, OUTSIDE_FLAGS)
@@ -157,6 +160,38 @@ def _varlen_dkdv_kernel(
                    sq, sq, sk, sk, sv, sdo, zero, kv_head, start_n, total_q, q_per_kv,
                    n_q, n_k, window, qk_scale, sm_scale, logn_factor, HEAD_DIM, BLOCK_M,
                    BLOCK_N, CAUSAL, TMA, LOGN, INSIDE_FLAGS, OUTSIDE_FLAGS, False)
+
+
+@triton.jit(do_not_specialize=["total_k", "k_rows"])
+def _varlen_turn_keys_kernel(K, Out1, Out2, Tables, CuK, sk, n_heads, total_k, k_rows,
+                             HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr,
+                             FIRST: tl.constexpr, SECOND: tl.constexpr):
+    """Grid ``(B · Hkv, cdiv(max_seqlen_k, BLOCK))``: rows of one key head of one sequence
+    read once and turned for each product that pre-turns its keys (``FIRST`` / ``SECOND``:
+    ``None``, or ``(TURN, SHIFT)`` of the inside / outside product; ``Tables`` as the
+    forward's), by :func:`rerope.rotary._turn_operand` at their positions within their
+    sequence, the arithmetic of the turn in registers: stored to ``Out1`` / ``Out2``,
+    contiguous, ``K``'s shape."""
+    batch = tl.program_id(0) // n_heads
+    head = tl.program_id(0) % n_heads
+    _, _, k0, n_k = _spans(CuK, CuK, batch, k_rows)
+    rows = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    keep = (rows < n_k)[:, None]
+    half = tl.arange(0, HEAD_DIM // 2)[None, :]
+    src = K + head.to(tl.int64) * sk[1] + (k0 + rows.to(tl.int64))[:, None] * sk[2]
+    a = tl.load(src + half * sk[3], mask=keep, other=0.0)
+    b = tl.load(src + (half + HEAD_DIM // 2) * sk[3], mask=keep, other=0.0)
+    dst = ((k0 + rows.to(tl.int64))[:, None] * n_heads + head) * HEAD_DIM + half
+    if FIRST is not None:
+        a1, b1 = _turn_operand(a, b, rows, (Tables[0], Tables[1]), 0.0, FIRST, False,
+                               HEAD_DIM // 2)
+        tl.store(Out1 + dst, a1, mask=keep)
+        tl.store(Out1 + dst + HEAD_DIM // 2, b1, mask=keep)
+    if SECOND is not None:
+        a2, b2 = _turn_operand(a, b, rows, (Tables[2], Tables[3]), 0.0, SECOND, False,
+                               HEAD_DIM // 2)
+        tl.store(Out2 + dst, a2, mask=keep)
+        tl.store(Out2 + dst + HEAD_DIM // 2, b2, mask=keep)
 
 
 _KERNELS = {"fwd": _varlen_fwd_kernel, "dq": _varlen_dq_kernel, "dkdv": _varlen_dkdv_kernel}
@@ -430,8 +465,42 @@ def _tma(plan, *tensors):
     return _use_tma(plan.config.tma, *(t.transpose(0, 1)[None] for t in tensors))
 
 
-def _forward(q, k, v, cu_q, cu_k, max_q, max_k, k_rows, plan):
-    """Launch the forward; ``(out, lse)``, ``lse`` ``(Hq, total_q)`` in log2 units."""
+def preturn_keys(max_q, max_k, q_per_kv, config):
+    """Whether the forward turns a product's keys once before the kernel
+    (:func:`turn_keys`), as :func:`rerope.attention.preturn_keys` decides for one sequence of
+    ``max_seqlen_k`` keys and ``max_seqlen_q`` queries (the longest sequence dominates the
+    call's time)."""
+    from .attention import preturn_keys as rectangular
+
+    return rectangular(max_k, max_q, q_per_kv, config)
+
+
+def turn_keys(k, cu_k, max_k, k_rows, operands, outside=True):
+    """``(k1, k2)``: each product's keys turned once at their positions within their
+    sequence where that product turns keys (a new contiguous tensor shaped like ``k``), else
+    ``k`` itself; the outside product's only where it has a tile (``outside``: some sequence
+    has more keys than the window). ``k_rows``: as the forward kernel's (gathered pages:
+    sequence ``b`` at row ``b · k_rows``)."""
+    f = operands.flags
+    first = (True, False) if f["TURN_IN"] else None
+    second = (True, False) if f["TURN_OUT"] and outside else None
+    outs = [torch.empty(k.shape, dtype=k.dtype, device=k.device) if p is not None else k
+            for p in (first, second)]
+    if first is None and second is None:
+        return k, k
+    hkv, d = k.shape[1], k.shape[2]
+    batch = cu_k.shape[0] - 1
+    grid = (batch * hkv, triton.cdiv(max_k, 64))
+    _varlen_turn_keys_kernel[grid](k, outs[0], outs[1], operands.tables, cu_k,
+                                   _views(k)[0], hkv, k.shape[0], k_rows, HEAD_DIM=d,
+                                   BLOCK=64, FIRST=first, SECOND=second)
+    return outs[0], outs[1]
+
+
+def _forward(q, k, v, cu_q, cu_k, max_q, max_k, k_rows, plan, preturn=None):
+    """Launch the forward; ``(out, lse)``, ``lse`` ``(Hq, total_q)`` in log2 units.
+    ``preturn``: whether products that turn keys get them turned once first (``None``:
+    :func:`preturn_keys`)."""
     total_q, hq, d = q.shape
     batch = cu_q.shape[0] - 1
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
@@ -439,11 +508,20 @@ def _forward(q, k, v, cu_q, cu_k, max_q, max_k, k_rows, plan):
     if total_q == 0:
         return out, lse
     operands = plan.operands
-    args = [q, k, v, out, lse, operands.tables, cu_q, cu_k, *_views(q, k, v, out), hq,
-            hq // k.shape[1], total_q, k.shape[0], max_q, max_k, k_rows, plan.window,
+    flags = _flags(operands)
+    if preturn is None:
+        preturn = preturn_keys(max_q, max_k, hq // k.shape[1], plan.config)
+    k1 = k2 = k
+    if preturn and (operands.flags["TURN_IN"] or operands.flags["TURN_OUT"]):
+        k1, k2 = turn_keys(k, cu_k, max_k, k_rows, operands, max_k > plan.window)
+        inside, outside = flags["INSIDE_FLAGS"], flags["OUTSIDE_FLAGS"]
+        flags.update(INSIDE_FLAGS=(*inside[:2], inside[2] and k1 is k),
+                     OUTSIDE_FLAGS=(*outside[:2], outside[2] and k2 is k))
+    args = [q, k1, k2, v, out, lse, operands.tables, cu_q, cu_k, *_views(q, k1, k2, v, out),
+            hq, hq // k.shape[1], total_q, k.shape[0], max_q, max_k, k_rows, plan.window,
             plan.scale * LOG2E, operands.logn_factor]
     _launch("fwd", "BLOCK_M", max_q, batch * hq, args, plan.config, HEAD_DIM=d,
-            CAUSAL=plan.causal, TMA=_tma(plan, q, k, v), **_flags(operands))
+            CAUSAL=plan.causal, TMA=_tma(plan, q, k1, k2, v), **flags)
     return out, lse
 
 
