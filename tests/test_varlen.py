@@ -116,7 +116,8 @@ def test_no_lse_is_the_same_output(gen):
     assert torch.equal(out, out2)
 
 
-@pytest.mark.parametrize("case", [CASES[0], CASES[1], CASES[4], CASES[5]], ids=Case.id)
+@pytest.mark.parametrize("case", [CASES[0], CASES[1], CASES[2], CASES[4], CASES[5], CASES[6]],
+                         ids=Case.id)
 def test_gradients_match_reference(gen, case):
     q, k, v, cu_q, cu_k = packed(gen, case, grad=True)
     with poisoned_empty():

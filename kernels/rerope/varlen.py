@@ -346,9 +346,6 @@ def _check_varlen(q, k, v, cu_q, cu_k, max_q, max_k, block_table):
     _check_cu_seqlens("cu_seqlens_q", cu_q, q.device)
     batch = cu_q.shape[0] - 1
     _check_cu_seqlens("cu_seqlens_k", cu_k, q.device, batch)
-    if max_q > max_k:
-        raise ValueError(f"max_seqlen_q = {max_q} exceeds max_seqlen_k = {max_k}: every "
-                         "sequence has at most as many queries as keys")
     if paged:
         if not isinstance(block_table, torch.Tensor):
             raise TypeError(f"block_table must be a torch.Tensor, got "
@@ -426,8 +423,16 @@ class VarlenPlan:
 _PLANS = LRUCache()
 
 
+def table_rows(max_k):
+    """The positions the rotation tables cover for a call of at most ``max_k`` keys per
+    sequence: the next power of two (at least 256), so that a serving loop whose longest
+    sequence grows by a token per step keeps its plan and tables."""
+    return max(256, 1 << (int(max_k) - 1).bit_length())
+
+
 def _plan(q, max_k, settings):
     config = configs.current()
+    max_k = table_rows(max_k)
     try:
         key = (q.dtype, q.device, q.shape[-1], max_k, settings, tuple(map(type, settings)),
                config)
