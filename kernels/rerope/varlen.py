@@ -384,22 +384,21 @@ def gather_pages(k_pages, v_pages, block_table, cu_seqlens_k, max_seqlen_k):
     ``b · max_seqlen_k + j`` (slot ``j % block_size`` of page ``block_table[b, j //
     block_size]``). Torch indexing on the device, no host sync (graph-safe). Slots a
     sequence uses (``j < Lk_b``) on a page outside the pool come back NaN (the sequence's
-    output then is NaN); padding rows are zeros or whatever their clamped page holds (never
-    read)."""
+    output then is NaN); padding rows past a sequence's length hold whatever their (clamped)
+    page holds, and are never read."""
     num_blocks, page_size = k_pages.shape[0], k_pages.shape[1]
     batch = block_table.shape[0]
     device = k_pages.device
     slots = torch.arange(max_seqlen_k, device=device)
     pages = block_table[:, slots // page_size].long()                  # (B, max_k)
     valid = (pages >= 0) & (pages < num_blocks)
-    rows = (pages.clamp(0, num_blocks - 1) * page_size + slots % page_size).reshape(-1)
+    pages, in_page = pages.clamp(0, num_blocks - 1), (slots % page_size)[None, :]
     used = slots[None, :] < (cu_seqlens_k[1:] - cu_seqlens_k[:-1])[:, None].long()
     poison = (used & ~valid).reshape(-1, 1, 1)
     flat = (batch * max_seqlen_k, *k_pages.shape[2:])
-    k = k_pages.reshape(-1, *k_pages.shape[2:]).index_select(0, rows).view(flat)
-    v = v_pages.reshape(-1, *v_pages.shape[2:]).index_select(0, rows).view(flat)
-    nan = torch.tensor(float("nan"), dtype=k.dtype, device=device)
-    return torch.where(poison, nan, k), torch.where(poison, nan, v)
+    k = k_pages[pages, in_page].view(flat)          # any pool strides: no copy of the pool
+    v = v_pages[pages, in_page].view(flat)
+    return k.masked_fill_(poison, float("nan")), v.masked_fill_(poison, float("nan"))
 
 
 # --- plan, launches, autograd ----------------------------------------------------------------
