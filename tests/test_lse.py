@@ -189,3 +189,13 @@ def test_gpu_lse(gen, dtype):
     out_d, lse_d = rerope.rerope_decode(qd, k, v, 256, return_lse=True)
     problems += close_problems("decode lse", lse_d, want_lse[:, :, -1:], tolerance(dtype))
     assert not problems, "\n".join(problems)
+
+
+def test_rerope_lse_under_compile(gen):
+    """The compiled path (the ``torch.library`` op) returns the same lse."""
+    q, k, v = qkv(gen, 1, 2, 1, 20, 20, 16, F32)
+    compiled = torch.compile(lambda q, k, v: rerope.rerope(q, k, v, 5, return_lse=True),
+                             backend="eager", fullgraph=True)
+    out, lse = compiled(q, k, v)
+    want_out, want_lse = rerope.rerope(q, k, v, 5, return_lse=True)
+    assert torch.equal(out, want_out) and torch.equal(lse, want_lse)
