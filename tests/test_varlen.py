@@ -387,6 +387,89 @@ def test_serving_step(gen):
         assert not problems, "\n".join(problems)
 
 
+_COMPILE_CHILD = r"""
+import json
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from rerope import varlen
+
+DIV = [["tt.divisibility", 16]]
+
+
+def source(fn, dtype, constexprs):
+    signature, fixed, attrs = {}, {}, {}
+    for i, param in enumerate(fn.params):
+        name = param.name
+        if param.is_constexpr:
+            signature[name] = "constexpr"
+        elif name == "Tables":
+            signature[name] = ("*fp32",) * 4
+            attrs.update({(i, j): DIV for j in range(4)})
+        elif name in ("CuQ", "CuK"):
+            signature[name], attrs[(i,)] = "*i32", DIV
+        elif name in ("Lse", "Delta"):
+            signature[name], attrs[(i,)] = "*fp32", DIV
+        elif name[0].isupper():
+            signature[name], attrs[(i,)] = "*" + dtype, DIV
+        elif name in ("qk_scale", "sm_scale", "logn_factor"):
+            signature[name] = "fp32"
+        elif name.startswith("s") and len(name) <= 3:     # (0, head, row, 1)
+            signature[name] = ("i32", "i32", "i32", "constexpr")
+            fixed[(i, 3)] = 1
+        else:
+            signature[name] = "i32"
+    fixed.update(constexprs)
+    return ASTSource(fn, signature, fixed, attrs)
+
+
+common = dict(HEAD_DIM=128, CAUSAL=True, TMA=True, LOGN=True)
+jobs = [
+    (varlen._varlen_fwd_kernel, dict(common, BLOCK_M=128, BLOCK_N=64,
+                                     INSIDE_FLAGS=(True, False, True),
+                                     OUTSIDE_FLAGS=(True, True, False)), 8, 3),
+    (varlen._varlen_dq_kernel, dict(common, BLOCK_M=64, BLOCK_N=64,
+                                    INSIDE_FLAGS=(True, False), OUTSIDE_FLAGS=(True, True)),
+     4, 2),
+    (varlen._varlen_dkdv_kernel, dict(common, BLOCK_M=64, BLOCK_N=64,
+                                      INSIDE_FLAGS=(True, False),
+                                      OUTSIDE_FLAGS=(True, True)), 4, 2),
+    (varlen._varlen_turn_keys_kernel, dict(HEAD_DIM=128, BLOCK=64, FIRST=(True, False),
+                                           SECOND=(True, False)), 4, 1),
+]
+for fn, constexprs, warps, stages in jobs:
+    kernel = triton.compile(source(fn, "bf16", constexprs), target=GPUTarget("cuda", 90, 32),
+                            options={"num_warps": warps, "num_stages": stages})
+    print(json.dumps([fn.__name__, kernel.metadata.shared]))
+"""
+
+
+def test_kernels_compile_for_hopper(tmp_path):
+    """The interpreter runs code the compiler refuses: the varlen entry kernels (TMA reads
+    from each sequence's first row, the bad-length branch) and the key turn cross-compile
+    for sm_90 here, no GPU needed, and fit its shared memory."""
+    import importlib.util
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    if importlib.util.find_spec("triton.backends.nvidia") is None:
+        pytest.skip("this Triton has no NVIDIA backend")
+    root = Path(__file__).resolve().parents[1]
+    script = tmp_path / "compile_varlen.py"
+    script.write_text(_COMPILE_CHILD, encoding="utf-8")
+    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_DEFAULT_FP_FUSION": "1",
+           "PYTHONPATH": os.pathsep.join([str(root / "kernels"), str(root)])}
+    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    shared = [json.loads(line) for line in done.stdout.splitlines()]
+    assert len(shared) == 4, done.stdout
+    assert all(size <= 232448 for _, size in shared), shared
+
+
 # --- GPU -------------------------------------------------------------------------------------
 
 
