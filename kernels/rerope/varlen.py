@@ -31,10 +31,11 @@ import triton.language as tl
 
 from . import configs
 from ._validate import KERNEL_DTYPES, as_frequencies, check_alike, check_flag
-from .attention import (_first_order_only, _lifted, _needs_grad, _use_tma, fused_settings)
+from .attention import (_first_order_only, _lifted, _needs_grad, _use_tma, fused_settings,
+                        heads_first)
 from .backward import _bwd_delta_kernel, _dkdv_rows, _dq_rows
 from .caches import CACHE_SIZE, LRUCache
-from .forward import _fwd_rows
+from .forward import _fwd_rows, _program
 from .launch import Launcher, _capability, _ensure_scratch_allocator
 from .online_softmax import LOG2E, natural_lse
 from .rotary import _turn_operand
@@ -65,19 +66,20 @@ def _varlen_fwd_kernel(
     n_heads, q_per_kv, total_q, total_k, max_seqlen_q, max_seqlen_k, k_rows, window,
     qk_scale, logn_factor,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr, TMA: tl.constexpr, LOGN: tl.constexpr,
-    INSIDE_FLAGS: tl.constexpr, OUTSIDE_FLAGS: tl.constexpr,
+    CAUSAL: tl.constexpr, TMA: tl.constexpr, HEADS_FIRST: tl.constexpr,
+    LOGN: tl.constexpr, INSIDE_FLAGS: tl.constexpr, OUTSIDE_FLAGS: tl.constexpr,
 ):
-    """Grid ``(cdiv(max_seqlen_q, BLOCK_M), B · Hq)``. ``Q``, ``Out`` ``(total_q, Hq,
-    D)``, ``K1, K2, V`` ``(total_k, Hkv, D)`` (strides as ``(0, head, row, dim)``): the
+    """Grid ``(cdiv(max_seqlen_q, BLOCK_M), B · Hq)``, or ``(B · Hq, cdiv(max_seqlen_q,
+    BLOCK_M))`` with ``HEADS_FIRST`` (:func:`rerope.forward._program`; the same rule as
+    :func:`rerope.rerope`'s, on ``max_seqlen_k``). ``Q``, ``Out`` ``(total_q, Hq, D)``,
+    ``K1, K2, V`` ``(total_k, Hkv, D)`` (strides as ``(0, head, row, dim)``): the
     model's ``k`` for both products, or a product's keys pre-turned where its
     ``TURN_KEYS`` flag is off (:func:`turn_keys`); ``Lse`` ``(Hq, total_q)`` log2 units.
     A sequence whose lengths are out of range (``Lq > Lk``, above ``max_seqlen_*``, rows
     outside the tensors) gets NaN rows (no host check on a GPU)."""
-    bh = tl.program_id(1)
-    block = tl.program_id(0)
+    bh, block, n_blocks = _program(HEADS_FIRST)
     if CAUSAL:   # the last query blocks have the most keys: start them first
-        block = tl.num_programs(0) - 1 - block
+        block = n_blocks - 1 - block
     batch = bh // n_heads
     head = bh % n_heads
     q0, n_q, k0, n_k = _spans(CuQ, CuK, batch, k_rows)
@@ -110,16 +112,15 @@ def _varlen_dq_kernel(
     Q, K, V, DO, Lse, Delta, DQ, Tables, CuQ, CuK, sq, sk, sv, sdo,
     n_heads, q_per_kv, total_q, total_k, window, qk_scale, sm_scale, logn_factor,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr, TMA: tl.constexpr, LOGN: tl.constexpr,
-    INSIDE_FLAGS: tl.constexpr, OUTSIDE_FLAGS: tl.constexpr,
+    CAUSAL: tl.constexpr, TMA: tl.constexpr, HEADS_FIRST: tl.constexpr,
+    LOGN: tl.constexpr, INSIDE_FLAGS: tl.constexpr, OUTSIDE_FLAGS: tl.constexpr,
 ):
     """Grid ``(cdiv(max_seqlen_q, BLOCK_M), B · Hq)``: :func:`rerope.backward._dq_rows` of
     one sequence's query block. ``Lse``, ``Delta`` ``(Hq, total_q)``; ``DQ`` contiguous
     ``(Hq, total_q, D)``."""
-    bh = tl.program_id(1)
-    block = tl.program_id(0)
+    bh, block, n_blocks = _program(HEADS_FIRST)
     if CAUSAL:
-        block = tl.num_programs(0) - 1 - block
+        block = n_blocks - 1 - block
     batch = bh // n_heads
     head = bh % n_heads
     q0, n_q, k0, n_k = _spans(CuQ, CuK, batch, 0)
@@ -139,14 +140,13 @@ def _varlen_dkdv_kernel(
     Q, K, V, DO, Lse, Delta, DK, DV, Tables, CuQ, CuK, sq, sk, sv, sdo,
     n_heads, q_per_kv, total_q, total_k, window, qk_scale, sm_scale, logn_factor,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr, TMA: tl.constexpr, LOGN: tl.constexpr,
-    INSIDE_FLAGS: tl.constexpr, OUTSIDE_FLAGS: tl.constexpr,
+    CAUSAL: tl.constexpr, TMA: tl.constexpr, HEADS_FIRST: tl.constexpr,
+    LOGN: tl.constexpr, INSIDE_FLAGS: tl.constexpr, OUTSIDE_FLAGS: tl.constexpr,
 ):
     """Grid ``(cdiv(max_seqlen_k, BLOCK_N), B · Hkv)``: :func:`rerope.backward._dkdv_rows`
     of one sequence's key block, for every query head of its group. ``DK, DV`` contiguous
     ``(Hkv, total_k, D)``."""
-    bh = tl.program_id(1)
-    block = tl.program_id(0)
+    bh, block, _ = _program(HEADS_FIRST)
     n_kv_heads = n_heads // q_per_kv
     batch = bh // n_kv_heads
     kv_head = bh % n_kv_heads
@@ -214,11 +214,15 @@ _LAUNCHERS = LRUCache()
 
 
 def _launch(kernel, blocks_of, rows, programs, args, config, **constexprs):
-    """Launch a varlen kernel over ``(cdiv(rows, meta[blocks_of]), programs)``: autotuned
+    """Launch a varlen kernel over ``(cdiv(rows, meta[blocks_of]), programs)``, or
+    ``(programs, cdiv(rows, meta[blocks_of]))`` with the constexpr ``HEADS_FIRST``: autotuned
     on a GPU, the interpreter's configuration on CPU; the :class:`rerope.launch.Launcher`
     is kept per launch shape and argument kinds (:func:`rerope.attention._arg_key`: ints
     by value, since Triton specialises on them)."""
     from .attention import _arg_key
+
+    def grid(blocks):
+        return (programs, blocks) if constexprs["HEADS_FIRST"] else (blocks, programs)
 
     key = (kernel, rows, programs, config.autotune, tuple(constexprs.items()),
            tuple(map(_arg_key, args)))
@@ -226,16 +230,15 @@ def _launch(kernel, blocks_of, rows, programs, args, config, **constexprs):
     if launcher is None:
         if INTERPRET:
             meta = configs.INTERPRETER_CONFIG
-            launcher = Launcher(_KERNELS[kernel],
-                                (triton.cdiv(rows, meta[blocks_of]), programs),
+            launcher = Launcher(_KERNELS[kernel], grid(triton.cdiv(rows, meta[blocks_of])),
                                 **constexprs, **meta)
         else:
             if constexprs["TMA"]:
                 _ensure_scratch_allocator()
             tuned = _autotuned(kernel, constexprs["HEAD_DIM"], _capability(args[0].device),
                                args[0].element_size(), config.autotune)
-            launcher = Launcher(tuned, lambda meta: (triton.cdiv(rows, meta[blocks_of]),
-                                                     programs), **constexprs)
+            launcher = Launcher(tuned, lambda meta: grid(triton.cdiv(rows, meta[blocks_of])),
+                                **constexprs)
         _LAUNCHERS.put(key, launcher)
     launcher(*args)
 
@@ -525,7 +528,8 @@ def _forward(q, k, v, cu_q, cu_k, max_q, max_k, k_rows, plan, preturn=None):
             hq, hq // k.shape[1], total_q, k.shape[0], max_q, max_k, k_rows, plan.window,
             plan.scale * LOG2E, operands.logn_factor]
     _launch("fwd", "BLOCK_M", max_q, batch * hq, args, plan.config, HEAD_DIM=d,
-            CAUSAL=plan.causal, TMA=_tma(plan, q, k1, k2, v), **flags)
+            CAUSAL=plan.causal, TMA=_tma(plan, q, k1, k2, v),
+            HEADS_FIRST=heads_first(max_k, batch * hq, plan.config), **flags)
     return out, lse
 
 
@@ -548,6 +552,7 @@ def _backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, plan):
                             HEAD_DIM=d, BLOCK_M=configs.DELTA_BLOCK_M)
     operands = plan.operands
     common = dict(HEAD_DIM=d, CAUSAL=plan.causal, TMA=_tma(plan, q, k, v, dout),
+                  HEADS_FIRST=heads_first(max_k, batch * hq, plan.config),
                   **_flags(operands))
     tail = [operands.tables, cu_q, cu_k, *_views(q, k, v, dout), hq, hq // hkv, total_q,
             total_k, plan.window, plan.scale * LOG2E, plan.scale, operands.logn_factor]
