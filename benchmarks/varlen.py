@@ -102,7 +102,11 @@ def _flex_step(q, k, v, lengths_q, lengths_k):
     def mask(b, h, qi, ki):
         return (doc_q[qi] == doc_k[ki]) & (pos_q[qi] >= pos_k[ki])
 
-    block_mask = create_block_mask(mask, None, None, q.shape[0], k.shape[0], device=device)
+    try:          # compiled: the mask is never materialised at total_q x total_k
+        block_mask = create_block_mask(mask, None, None, q.shape[0], k.shape[0],
+                                       device=device, _compile=True)
+    except TypeError:
+        block_mask = create_block_mask(mask, None, None, q.shape[0], k.shape[0], device=device)
     flex = torch.compile(flex_attention)
     q4, k4, v4 = (t.transpose(0, 1)[None] for t in (q, k, v))
     return lambda: flex(q4, k4, v4, block_mask=block_mask, enable_gqa=True)
