@@ -9,7 +9,9 @@ One packed batch of 8 sequences of mixed lengths (512 to 16k tokens; ``--lengths
 32 query heads over 8 key/value heads, bf16, window 2048, RoPE-rotated inputs as an engine's
 cache holds them, forward only. Two scenarios: ``prefill`` (each sequence's whole prompt:
 ``Lq = Lk``) and ``chunk`` (a chunk of the last quarter of each sequence after a cached
-prefix: ``Lq = Lk / 4``). The implementations (``impl``):
+prefix: ``Lq = Lk / 4``); ``--scenarios prefill,chunk,train`` adds ``train``, forward and
+backward of the prefill shapes (packed training; ``rerope_varlen`` contiguous against
+``rerope`` per sequence only). The implementations (``impl``):
 
 - ``rerope_varlen``: ours, one launch over the packed batch; ``paged`` False with contiguous
   ``k, v`` ``(total_k, Hkv, D)``, ``paged`` True from a page pool of 64-key pages in shuffled
@@ -112,6 +114,39 @@ def _flex_step(q, k, v, lengths_q, lengths_k):
     return lambda: flex(q4, k4, v4, block_mask=block_mask, enable_gqa=True)
 
 
+def _train_steps(q, k, v, lengths_k, window, impls):
+    """Forward and backward (packed training): ``rerope_varlen`` on the packed leaves, and
+    ``rerope`` on each sequence's own leaves (separate tensors, as a batch of one would
+    hold them), gradients by ``torch.autograd.grad``."""
+    import rerope
+
+    cu = _cumulative(lengths_k)
+    n = max(lengths_k)
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    dout = torch.randn_like(q)
+    steps = {}
+    if "rerope_varlen" in impls:
+        def varlen_step():
+            out = rerope.rerope_varlen(*leaves, cu, cu, n, n, window, rotated=True)
+            return torch.autograd.grad(out, leaves, dout)
+
+        steps[("rerope_varlen", False)] = varlen_step
+    if "rerope_per_sequence" in impls:
+        starts = [0]
+        for length in lengths_k:
+            starts.append(starts[-1] + length)
+        seqs = [[t[a:b].transpose(0, 1)[None].detach().clone().requires_grad_()
+                 for t in (q, k, v)] for a, b in zip(starts, starts[1:])]
+        douts = [dout[a:b].transpose(0, 1)[None] for a, b in zip(starts, starts[1:])]
+
+        def per_sequence_step():
+            return [torch.autograd.grad(rerope.rerope(*seq, window, rotated=True), seq, d)
+                    for seq, d in zip(seqs, douts)]
+
+        steps[("rerope_per_sequence", False)] = per_sequence_step
+    return steps
+
+
 def run(lengths, window, dtype, page_size, scenarios, impls):
     import rerope
 
@@ -119,7 +154,7 @@ def run(lengths, window, dtype, page_size, scenarios, impls):
     rows, ratios, diffs = [], {}, {}
     for scenario in scenarios:
         lengths_k = list(lengths)
-        lengths_q = (lengths_k if scenario == "prefill"
+        lengths_q = (lengths_k if scenario in ("prefill", "train")
                      else [max(1, n // 4) for n in lengths_k])
         total_q, total_k = sum(lengths_q), sum(lengths_k)
         q = torch.randn(total_q, HEADS, HEAD_DIM, generator=generator).to(dtype).cuda()
@@ -131,14 +166,16 @@ def run(lengths, window, dtype, page_size, scenarios, impls):
                       total_q=total_q, total_k=total_k, Hq=HEADS, Hkv=KV_HEADS, D=HEAD_DIM,
                       dtype=str(dtype).replace("torch.", ""), window=window)
         steps = {}
-        if "rerope_varlen" in impls:
+        if scenario == "train":
+            steps = _train_steps(q, k, v, lengths_k, window, impls)
+        elif "rerope_varlen" in impls:
             steps[("rerope_varlen", False)] = lambda: rerope.rerope_varlen(
                 q, k, v, cu_q, cu_k, max_q, max_k, window, rotated=True)
             k_pool, v_pool, table = _pool(k, v, lengths_k, page_size, generator)
             steps[("rerope_varlen", True)] = lambda: rerope.rerope_varlen(
                 q, k_pool, v_pool, cu_q, cu_k, max_q, max_k, window, rotated=True,
                 block_table=table)
-        if "rerope_per_sequence" in impls:
+        if "rerope_per_sequence" in impls and scenario != "train":
             slices = [(q[int(cu_q[b]):int(cu_q[b + 1])].transpose(0, 1)[None],
                        k[int(cu_k[b]):int(cu_k[b + 1])].transpose(0, 1)[None],
                        v[int(cu_k[b]):int(cu_k[b + 1])].transpose(0, 1)[None])
@@ -149,14 +186,15 @@ def run(lengths, window, dtype, page_size, scenarios, impls):
                         for qs, ks, vs in slices]
 
             steps[("rerope_per_sequence", False)] = per_sequence
-        if "flex_document_mask" in impls:
+        if "flex_document_mask" in impls and scenario != "train":
             try:
                 steps[("flex_document_mask", False)] = _flex_step(q, k, v, lengths_q,
                                                                   lengths_k)
             except Exception as error:     # an older torch: no FlexAttention
                 rows.append({"impl": "flex_document_mask", "paged": False, "ms": None,
                              "skipped": describe_error(error), **common})
-        if ("rerope_varlen", False) in steps and ("rerope_per_sequence", False) in steps:
+        if (("rerope_varlen", True) in steps
+                and ("rerope_per_sequence", False) in steps):
             with torch.no_grad():
                 packed = steps[("rerope_varlen", False)]()
                 alone = torch.cat([o[0].transpose(0, 1)
@@ -169,9 +207,10 @@ def run(lengths, window, dtype, page_size, scenarios, impls):
         times = {}
         for (impl, is_paged), step in steps.items():
             try:
-                with torch.no_grad():
+                with torch.set_grad_enabled(scenario == "train"):
                     ms = _time_ms(step)
-                row = {"impl": impl, "paged": is_paged, "ms": ms, **common}
+                row = {"impl": impl, "paged": is_paged, "ms": ms,
+                       "mode": "fwd+bwd" if scenario == "train" else "fwd", **common}
                 if is_paged:
                     row["page_size"] = page_size
                 times[(impl, is_paged)] = ms
@@ -209,7 +248,9 @@ def main(argv=None):
     parser.add_argument("--window", type=int, default=WINDOW)
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"))
     parser.add_argument("--page-size", type=int, default=PAGE_SIZE)
-    parser.add_argument("--scenarios", default="prefill,chunk")
+    parser.add_argument("--scenarios", default="prefill,chunk",
+                        help="prefill, chunk and (forward + backward, not run by default) "
+                             "train, comma separated")
     parser.add_argument("--impl", default="rerope_varlen,rerope_per_sequence,flex_document_mask")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
