@@ -167,12 +167,18 @@ def test_return_lse_must_be_a_bool(gen):
             call()
 
 
-def test_decode_lse_under_compile_is_refused(gen):
+def test_decode_lse_under_compile(gen):
+    """Compiled, the decode takes its own op (``torch.ops.rerope.rerope_decode_lse``): the
+    same output and lse as eagerly; the op passes ``torch.library.opcheck``."""
     q, k, v = qkv(gen, 1, 2, 1, 1, 8, 16, F32)
     compiled = torch.compile(lambda q, k, v: rerope.rerope_decode(q, k, v, 3, return_lse=True),
                              backend="eager", fullgraph=True)
-    with pytest.raises(Exception, match="return_lse"):
-        compiled(q, k, v)
+    out, lse = compiled(q, k, v)
+    want_out, want_lse = rerope.rerope_decode(q, k, v, 3, return_lse=True)
+    assert torch.equal(out, want_out) and torch.equal(lse, want_lse)
+    torch.library.opcheck(torch.ops.rerope.rerope_decode_lse.default,
+                          (q, k, v, None, 3, None, 10000.0, None, None, True, None, None,
+                           None, None), test_utils=("test_schema", "test_faketensor"))
 
 
 @pytest.mark.gpu

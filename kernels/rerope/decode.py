@@ -845,9 +845,8 @@ def rerope_decode(q, k_cache, v_cache, window, cache_seqlens=None, sm_scale=None
             registers). Tiles split their angles as for ReRoPE when ``G`` divides
             ``BLOCK_N``; otherwise one table row per key (``ROW_PER_KEY``).
         return_lse: bool; also return each query row's log-sum-exp (the merge kernel
-            writes it with the output; one split: the split kernel). Not under
-            ``torch.compile`` (``NotImplementedError``: the compiled op returns the
-            output only).
+            writes it with the output; one split: the split kernel). Under
+            ``torch.compile`` through its own op, ``torch.ops.rerope.rerope_decode_lse``.
 
     Returns:
         ``(B, Hq, Nq, D)``, the attention output, in ``q``'s dtype and on its device
@@ -872,16 +871,11 @@ def rerope_decode(q, k_cache, v_cache, window, cache_seqlens=None, sm_scale=None
     """
     check_flag("return_lse", return_lse)
     if torch.compiler.is_compiling():   # an opaque op for the compiler (see _decode_op)
-        if return_lse:
-            raise NotImplementedError(
-                "rerope_decode(return_lse=True) under torch.compile: the compiled decode op "
-                "returns the output only; call it eagerly, or use rerope.rerope (whose "
-                "compiled op returns the log-sum-exp) for the prefill side")
         inv_freq = as_frequencies(inv_freq)
-        return _decode_op(q, k_cache, v_cache, cache_seqlens, window, sm_scale, base,
-                          leaky, logn_len, rotated, num_splits,
-                          None if inv_freq is None else list(inv_freq), block_table,
-                          group)
+        op = _decode_lse_op if return_lse else _decode_op
+        return op(q, k_cache, v_cache, cache_seqlens, window, sm_scale, base, leaky,
+                  logn_len, rotated, num_splits,
+                  None if inv_freq is None else list(inv_freq), block_table, group)
     _check_forward_only(q, k_cache, v_cache)
     return _call(q, k_cache, v_cache, cache_seqlens, block_table,
                  (window, sm_scale, base, leaky, logn_len, rotated, num_splits,
@@ -1318,3 +1312,23 @@ def _decode_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 @_decode_op.register_fake
 def _(q, *args):
     return q.new_empty(q.shape)
+
+
+@torch.library.custom_op("rerope::rerope_decode_lse", mutates_args=())
+def _decode_lse_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   cache_seqlens: Optional[torch.Tensor], window: int,
+                   sm_scale: Optional[float], base: float, leaky: Optional[float],
+                   logn_len: Optional[float], rotated: bool,
+                   num_splits: Optional[int], inv_freq: Optional[list[float]] = None,
+                   block_table: Optional[torch.Tensor] = None,
+                   group: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`_decode_op` with ``return_lse=True``: ``(out, lse)``, ``lse`` ``(B, Hq, Nq)``
+    float32."""
+    return _call(q, k_cache, v_cache, cache_seqlens, block_table,
+                 (window, sm_scale, base, leaky, logn_len, rotated, num_splits,
+                  None if inv_freq is None else Frequencies(inv_freq), group), True)
+
+
+@_decode_lse_op.register_fake
+def _(q, *args):
+    return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32)
