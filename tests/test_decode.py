@@ -505,7 +505,8 @@ def split_source(dtype, paged, lengths, tma):
     return ASTSource(fn, sig, const, attrs)
 
 merge = ASTSource(decode._decode_merge_kernel,
-                  {"Part": "*fp32", "PartLse": "*fp32", "Out": "*bf16", "n_rows": "i32",
+                  {"Part": "*fp32", "PartLse": "*fp32", "Out": "*bf16", "FinalLse": "*fp32",
+                   "n_rows": "i32",
                    "num_splits": "i32", "HEAD_DIM": "constexpr", "ROWS": "constexpr",
                    "SPLITS_BLOCK": "constexpr", "LSE_BLOCK": "constexpr"},
                   dict(HEAD_DIM=128, ROWS=1, SPLITS_BLOCK=64, LSE_BLOCK=64), {})

@@ -15,6 +15,9 @@ Read in the order the book teaches:
 9. :mod:`rerope.attention`       launchers, autograd, the public ops (each planned once per call
                                  signature)
 10. :mod:`rerope.decode`         split-KV decoding against a KV cache (8)
+    :mod:`rerope.varlen`         packed variable-length prefill (FlashAttention's varlen
+                                 layout, paged keys), thin kernels over the same per-program
+                                 work
 11. :mod:`rerope.exercises`      the checkers of the book's Triton exercises
 
 :mod:`rerope.teach` holds the chapters' teaching kernels, one module per stage (three
@@ -42,12 +45,13 @@ with runtime.kernels_decorated():   # the kernels' @triton.jit run here (interpr
     from . import reference, rope
     from .attention import rerope, rerope_attention
     from .decode import rerope_decode
+    from .varlen import rerope_varlen
     from .configs import Config, current as config, using as using_config
 
 __version__ = "0.1.0"
 
-__all__ = ["rerope", "rerope_attention", "rerope_decode", "Config", "config", "using_config",
-           "reference", "rope", "source"]
+__all__ = ["rerope", "rerope_attention", "rerope_decode", "rerope_varlen", "Config", "config",
+           "using_config", "reference", "rope", "source"]
 
 
 def source(obj):

@@ -30,7 +30,7 @@ from ._validate import (Frequencies, as_frequencies, check_flag, check_head_dim,
 from .backward import _bwd_delta_kernel, _bwd_dkdv_kernel, _bwd_dq_kernel
 from .decode import MAX_QUERIES, rerope_decode
 from .forward import _rerope_fwd_kernel
-from .online_softmax import LOG2E
+from .online_softmax import LOG2E, natural_lse
 from .caches import CACHE_SIZE, LRUCache
 from .launch import (Launcher, PlanCache, _capability, _ensure_scratch_allocator,
                      _tma_layout_ok, kept_launcher, signature)
@@ -702,21 +702,21 @@ class _FiveTensorAttention(torch.autograd.Function):
     :class:`FivePlan` (settings, configuration and launchers)."""
 
     @staticmethod
-    def forward(ctx, q1, q2, k1, k2, v, plan):
+    def forward(ctx, q1, q2, k1, k2, v, plan, return_lse=False):
         out, lse = rerope_forward(q1, q2, k1, k2, v, plan.window, plan.causal, plan.scale,
                                   launchers=plan.launchers, config=plan.config)
         ctx.save_for_backward(q1, q2, k1, k2, v, out, lse)
         ctx.plan = plan
-        return out
+        return _with_lse(ctx, out, lse, return_lse)
 
     @staticmethod
     @_first_order_only
-    def backward(ctx, dout):
+    def backward(ctx, dout, *_lse_grad):
         *tensors, out, lse = ctx.saved_tensors
         plan = ctx.plan
         grads = rerope_backward(dout, *tensors, out, lse, plan.window, plan.causal, plan.scale,
                                 launchers=plan.launchers, config=plan.config)
-        return (*grads, None)
+        return (*grads, None, None)
 
 
 class _FusedAttention(torch.autograd.Function):
@@ -724,22 +724,38 @@ class _FusedAttention(torch.autograd.Function):
     call's :class:`FusedPlan` (settings, configuration, operands and launchers)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, plan):
+    def forward(ctx, q, k, v, plan, return_lse=False):
         out, lse = rerope_forward(q, q, k, k, v, plan.window, plan.causal, plan.scale,
                                   plan.operands, launchers=plan.launchers, config=plan.config)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.plan = plan
-        return out
+        return _with_lse(ctx, out, lse, return_lse)
 
     @staticmethod
     @_first_order_only
-    def backward(ctx, dout):
+    def backward(ctx, dout, *_lse_grad):
         q, k, v, out, lse = ctx.saved_tensors
         plan = ctx.plan
         grads = rerope_backward(dout, q, q, k, k, v, out, lse, plan.window, plan.causal,
                                 plan.scale, plan.operands, launchers=plan.launchers,
                                 config=plan.config)
-        return (*grads, None)
+        return (*grads, None, None)
+
+
+def _lse_of(out, lse2):
+    """The public log-sum-exp: natural-log units (:func:`rerope.online_softmax.natural_lse`),
+    ``(B, Hq, Nq)`` from the kernels' ``(B·Hq, Nq)`` log2 one."""
+    return natural_lse(lse2).view(out.shape[:3])
+
+
+def _with_lse(ctx, out, lse2, return_lse):
+    """An autograd Function's result: ``out``, or ``(out, lse)`` with ``lse`` marked not
+    differentiable (its gradient is never formed: the backward ignores it)."""
+    if not return_lse:
+        return out
+    lse = _lse_of(out, lse2)
+    ctx.mark_non_differentiable(lse)
+    return out, lse
 
 
 def _direct_apply(function):
@@ -834,7 +850,7 @@ def _plan_five(config, q1, q2, k1, k2, v, window, causal, sm_scale):
                     _needs_grad(q1, q2, k1, k2, v), _lifted(q1))
 
 
-def rerope_attention(q1, q2, k1, k2, v, window, causal=True, sm_scale=None):
+def rerope_attention(q1, q2, k1, k2, v, window, causal=True, sm_scale=None, return_lse=False):
     """Fused ReRoPE attention from the five tensors of :func:`rerope.rope.rerope_inputs`;
     differentiable in all five.
 
@@ -862,10 +878,13 @@ def rerope_attention(q1, q2, k1, k2, v, window, causal=True, sm_scale=None):
         sm_scale: float, the score scale; ``1/sqrt(D)`` when ``None``. Between about
             1.2e-38 and 1.1e26 (``ValueError`` otherwise: the scaled fp32 scores must
             stay finite; :func:`rerope._validate.check_sm_scale`).
+        return_lse: bool; also return the log-sum-exp of each row's scaled scores.
 
     Returns:
         ``(B, Hq, N, D)``, the attention output, in the inputs' dtype and on their device;
-        differentiable in ``q1, q2, k1, k2, v``.
+        differentiable in ``q1, q2, k1, k2, v``. With ``return_lse``, ``(out, lse)``:
+        ``lse`` ``(B, Hq, N)`` float32, ``log Σ_j exp(s_ij)`` over the row's unmasked scaled
+        scores (natural log, as FlashAttention's), not differentiable.
 
     Any ``N >= 1``; any strides. fp32 runs its dot products as 3xTF32 (near-fp32 accuracy).
     CUDA tensors, or CPU tensors under Triton's CPU interpreter (:mod:`rerope.runtime`).
@@ -873,21 +892,34 @@ def rerope_attention(q1, q2, k1, k2, v, window, causal=True, sm_scale=None):
 
     Threads and non-finite inputs: as :func:`rerope.rerope` says.
     """
+    check_flag("return_lse", return_lse)
     tensors, settings = (q1, q2, k1, k2, v), (window, causal, sm_scale)
     compiling = torch.compiler.is_compiling()
     plan = _cached_plan(_plan_five, tensors, settings, compiling)
     if compiling:
         (q1, q2, k1, k2, v), restore = prepare_for_device(*tensors)
-        return restore(_five_fwd(q1, q2, k1, k2, v, plan.window, plan.causal, plan.scale)[0])
+        out, lse = _five_fwd(q1, q2, k1, k2, v, plan.window, plan.causal, plan.scale)
+        return (restore(out), _lse_of(out, lse)) if return_lse else restore(out)
     dtype = q1.dtype
     if plan.lift:
         q1, q2, k1, k2, v = (t.float() for t in tensors)
     if plan.grad:
-        out = _apply_five(q1, q2, k1, k2, v, plan)
+        result = _apply_five(q1, q2, k1, k2, v, plan, return_lse)
     else:                               # no gradient: no autograd node either
-        out = rerope_forward(q1, q2, k1, k2, v, plan.window, plan.causal, plan.scale,
-                             launchers=plan.launchers, config=plan.config)[0]
-    return out.to(dtype) if plan.lift else out
+        out, lse = rerope_forward(q1, q2, k1, k2, v, plan.window, plan.causal, plan.scale,
+                                  launchers=plan.launchers, config=plan.config)
+        result = (out, _lse_of(out, lse)) if return_lse else out
+    return _lowered(result, dtype, plan.lift)
+
+
+def _lowered(result, dtype, lift):
+    """``out`` or ``(out, lse)`` with ``out`` back in the caller's dtype where the call ran
+    on fp32 copies (``lift``); the log-sum-exp stays float32."""
+    if not lift:
+        return result
+    if isinstance(result, tuple):
+        return result[0].to(dtype), result[1]
+    return result.to(dtype)
 
 
 @dataclass(frozen=True)
@@ -910,24 +942,38 @@ class FusedPlan:
 def _plan_fused(config, q, k, v, window, causal, sm_scale, base, leaky, logn_len, rotated,
                 inv_freq, group):
     check_qkv({"q": q}, {"k": k, "v": v}, fewer_queries=True)
+    window, scale, rope, operands = fused_settings(
+        q, k.shape[2], window, causal, sm_scale, base, leaky, logn_len, rotated, inv_freq,
+        group)
+    return FusedPlan(config, window, causal, scale, rope, operands, _needs_grad(q, k, v),
+                     _lifted(q))
+
+
+def fused_settings(q, n_k, window, causal, sm_scale, base, leaky, logn_len, rotated,
+                   inv_freq, group):
+    """Check the settings of a fused-form call (``rerope``'s arguments after ``q, k, v``;
+    ``q``: a query tensor, for its head dim, dtype and device, ``n_k``: the most keys a
+    sequence has) and return ``(window, scale, rope, operands)``: the window clamped to
+    ``n_k``, the score scale, the checked position settings ``(base, leaky, logn_len,
+    rotated, inv_freq, group)`` and the :class:`Operands` (rotation tables with rows for
+    ``n_k`` positions). Shared by :func:`rerope` and :func:`rerope.rerope_varlen`."""
     check_head_dim(q.shape[-1])
     inv_freq = check_rope_settings(window, base, leaky, logn_len, rotated, inv_freq,
                                    q.shape[-1], group)
-    check_logn_overflow(logn_len, k.shape[2], q.dtype)
+    check_logn_overflow(logn_len, n_k, q.dtype)
     check_flag("causal", causal)
     if group is not None and not causal:
         raise ValueError("group (Self-Extend) needs causal=True: its grouped positions are "
                          "defined for keys at or before the query only")
     check_sm_scale(sm_scale)
     scale = q.shape[-1] ** -0.5 if sm_scale is None else float(sm_scale)
-    window = min(int(window), k.shape[2])     # as in rerope_attention: >= Nk means plain RoPE
+    window = min(int(window), n_k)     # as in rerope_attention: >= Nk means plain RoPE
     rope = (float(base), None if leaky is None else float(leaky),
             None if logn_len is None else float(logn_len), rotated, inv_freq,
             None if group is None else int(group))
-    operands = _rotations(k.shape[2], q.shape[-1], rope[0], window, *rope[1:4], q.device,
+    operands = _rotations(n_k, q.shape[-1], rope[0], window, *rope[1:4], q.device,
                           inv_freq, rope[5])
-    return FusedPlan(config, window, causal, scale, rope, operands, _needs_grad(q, k, v),
-                     _lifted(q))
+    return window, scale, rope, operands
 
 
 def _lifted(q):
@@ -948,7 +994,7 @@ def _decode_step(q, k, v, causal):
 
 
 def rerope(q, k, v, window, causal=True, sm_scale=None, base=10000.0, leaky=None, logn_len=None,
-           rotated=False, inv_freq=None, group=None):
+           rotated=False, inv_freq=None, group=None, return_lse=False):
     """(Leaky) ReRoPE or Self-Extend attention from ``q, k, v`` as a model holds them, rotation
     in the kernels; differentiable in ``q, k, v``.
 
@@ -1005,10 +1051,14 @@ def rerope(q, k, v, window, causal=True, sm_scale=None, base=10000.0, leaky=None
             are absolute (``⌊i/G⌋`` depends on ``i`` itself, not only on ``i - j``): key ``j``
             of ``k`` sits at position ``j``. Same kernels and speed as ReRoPE: the grouped
             angles are rows of the rotation table (:mod:`rerope.rotary`).
+        return_lse: bool; also return the log-sum-exp of each row's scaled scores (to merge
+            partial attentions: chunked or cascade attention).
 
     Returns:
         ``(B, Hq, Nq, D)``, the attention output, in ``q``'s dtype and on its device;
-        differentiable in ``q, k, v``.
+        differentiable in ``q, k, v``. With ``return_lse``, ``(out, lse)``: ``lse`` ``(B, Hq,
+        Nq)`` float32, ``log Σ_j exp(s_ij)`` over the row's unmasked scaled scores ``s_ij``
+        (natural log, as FlashAttention's), not differentiable.
 
     Any strides. CUDA tensors, or CPU tensors under Triton's CPU interpreter
     (:mod:`rerope.runtime`). No rotated copy of ``q`` or ``k`` is ever written: each kernel
@@ -1029,11 +1079,12 @@ def rerope(q, k, v, window, causal=True, sm_scale=None, base=10000.0, leaky=None
     exact answer is finite (the kernels multiply whole tiles of probabilities by whole tiles of
     ``v``, and ``0 * inf`` is NaN).
     """
+    check_flag("return_lse", return_lse)
     if _decode_step(q, k, v, causal):     # split-KV (chapter 8), checked and planned there
         try:
             return rerope_decode(q, k, v, window, sm_scale=sm_scale, base=base, leaky=leaky,
                                  logn_len=logn_len, rotated=rotated, inv_freq=inv_freq,
-                                 group=group)
+                                 group=group, return_lse=return_lse)
         except (TypeError, ValueError):   # a bad argument: say so in this function's words
             _plan_fused(None, q, k, v, window, causal, sm_scale, base, leaky, logn_len,
                         rotated, as_frequencies(inv_freq), group)
@@ -1046,14 +1097,16 @@ def rerope(q, k, v, window, causal=True, sm_scale=None, base=10000.0, leaky=None
     if compiling:
         (q, k, v), restore = prepare_for_device(q, k, v)
         *rope, inv_freq, group = plan.rope
-        return restore(_fused_fwd(q, k, v, plan.window, plan.causal, plan.scale, *rope,
-                                  None if inv_freq is None else list(inv_freq), group)[0])
+        out, lse = _fused_fwd(q, k, v, plan.window, plan.causal, plan.scale, *rope,
+                              None if inv_freq is None else list(inv_freq), group)
+        return (restore(out), _lse_of(out, lse)) if return_lse else restore(out)
     dtype = q.dtype
     if plan.lift:
         q, k, v = q.float(), k.float(), v.float()
     if plan.grad:
-        out = _apply_fused(q, k, v, plan)
+        result = _apply_fused(q, k, v, plan, return_lse)
     else:                               # no gradient: no autograd node either
-        out = rerope_forward(q, q, k, k, v, plan.window, plan.causal, plan.scale,
-                             plan.operands, launchers=plan.launchers, config=plan.config)[0]
-    return out.to(dtype) if plan.lift else out
+        out, lse = rerope_forward(q, q, k, k, v, plan.window, plan.causal, plan.scale,
+                                  plan.operands, launchers=plan.launchers, config=plan.config)
+        result = (out, _lse_of(out, lse)) if return_lse else out
+    return _lowered(result, dtype, plan.lift)

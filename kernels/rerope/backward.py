@@ -209,7 +209,7 @@ def _dkdv_pass(dk_a, dk_b, dv, k_a, k_b, v, Qa, Qb, DO, Lse, Delta, sq, sdo, key
 
 @triton.jit
 def _dkdv_product(dv, v, K, sk, Q, sq, DO, sdo, Lse, Delta, DK, batch, kv_head, start_n,
-                  keys, walks, n_heads, q_per_kv, n_q, n_k, window, qk_scale, sm_scale,
+                  keys, walks, stats_stride, q_per_kv, n_q, n_k, window, qk_scale, sm_scale,
                   turn, logn_factor, PRODUCT: tl.constexpr, FLAGS: tl.constexpr,
                   LOGN: tl.constexpr, PRETURNED: tl.constexpr, ADD: tl.constexpr,
                   CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -220,7 +220,8 @@ def _dkdv_product(dv, v, K, sk, Q, sq, DO, sdo, Lse, Delta, DK, batch, kv_head, 
     query head of the group, then its ``dK`` stored at ``DK`` (:func:`_store_grad`).
     Returns ``dV`` so far. ``PRETURNED``: the operands came turned (read as five
     tensors, keys by ``R(speed·j)`` only), the ``dK`` is turned back by that angle and
-    summed as in the fused form."""
+    summed as in the fused form. Query head ``h``'s log-sum-exps and deltas start at
+    ``Lse + h * stats_stride`` and ``Delta + h * stats_stride``."""
     FUSED: tl.constexpr = FLAGS is not None and not PRETURNED
     KEYS: tl.constexpr = (FLAGS[0], FLAGS[1], -1, False) if FUSED else None
     QUERIES: tl.constexpr = (FLAGS[0], False, 1, LOGN) if FUSED else None
@@ -235,7 +236,7 @@ def _dkdv_product(dv, v, K, sk, Q, sq, DO, sdo, Lse, Delta, DK, batch, kv_head, 
         Qa, Qb = _halves(_slice(Q, sq, batch, head), sq, n_q, BLOCK_M, HEAD_DIM, FUSED,
                          TMA)
         do = _tiles(_slice(DO, sdo, batch, head), sdo, n_q, BLOCK_M, HEAD_DIM, TMA)
-        row_stats = (batch * n_heads + head) * n_q
+        row_stats = head * stats_stride   # Lse, Delta: this batch entry's head 0
         lse, delta = Lse + row_stats, Delta + row_stats
         dk_a, dk_b, dv = _dkdv_pass(dk_a, dk_b, dv, k_a, k_b, v, Qa, Qb, do, lse, delta,
                                     sq, sdo, keys_q, walks[0], n_q, q_offset, window,
@@ -274,15 +275,40 @@ def _bwd_dkdv_kernel(
     by log-n and ``R(speed·i + offset)``); each product's ``dK`` is turned back by its
     key angle (``Tables`` and flags as in the fused form) and the two are summed into
     ``DK1`` (= dk)."""
+    bh, block, _ = _program(HEADS_FIRST)
+    n_kv_heads = n_heads // q_per_kv
+    batch = (bh // n_kv_heads).to(tl.int64)
+    kv_head = (bh % n_kv_heads).to(tl.int64)
+    out_offset = bh.to(tl.int64) * n_k * HEAD_DIM
+    stats = batch * n_heads * n_q
+    _dkdv_rows(Q1, Q2, K1, K2, V, DO, Lse + stats, Delta + stats, DK1 + out_offset,
+               DK2 + out_offset, DV + out_offset, Tables, sq1, sq2, sk1, sk2, sv, sdo,
+               batch, kv_head, block * BLOCK_N, n_q, q_per_kv, n_q, n_k, window,
+               qk_scale, sm_scale, logn_factor, HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, TMA,
+               LOGN, INSIDE_FLAGS, OUTSIDE_FLAGS, PRETURNED)
+
+
+@triton.jit
+def _dkdv_rows(Q1, Q2, K1, K2, V, DO, Lse, Delta, DK1, DK2, DV, Tables,
+               sq1, sq2, sk1, sk2, sv, sdo, batch, kv_head, start_n, stats_stride,
+               q_per_kv, n_q, n_k, window, qk_scale, sm_scale, logn_factor,
+               HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               CAUSAL: tl.constexpr, TMA: tl.constexpr, LOGN: tl.constexpr,
+               INSIDE_FLAGS: tl.constexpr, OUTSIDE_FLAGS: tl.constexpr,
+               PRETURNED: tl.constexpr):
+    """One dK/dV program's work: key rows ``start_n .. start_n + BLOCK_N`` of key/value
+    head ``kv_head`` of batch entry ``batch``, a sequence of ``n_k`` keys whose last
+    ``n_q`` positions are queries. ``Lse``, ``Delta``: this batch entry's query head
+    0's row statistics, head ``h``'s ``h * stats_stride`` further. ``DK1, DK2, DV``:
+    this (batch, kv head)'s contiguous ``(n_k, D)`` gradients. Tensors, strides and flags
+    otherwise as :func:`_bwd_dkdv_kernel` takes them; the packed variable-length kernel
+    (:mod:`rerope.varlen`) passes base pointers moved to the sequence's first row and
+    ``batch`` 0.
+    """
     FP32: tl.constexpr = Q1.dtype.element_ty == tl.float32
     DOT_PRECISION: tl.constexpr = "tf32x3" if FP32 else "tf32"       # 3xTF32: near fp32
     FUSED: tl.constexpr = INSIDE_FLAGS is not None and not PRETURNED
     ONE_GRAD: tl.constexpr = INSIDE_FLAGS is not None      # dk: both products' parts
-    bh, block, _ = _program(HEADS_FIRST)
-    start_n = block * BLOCK_N
-    n_kv_heads = n_heads // q_per_kv
-    batch = (bh // n_kv_heads).to(tl.int64)
-    kv_head = (bh % n_kv_heads).to(tl.int64)
     q_offset = n_k - n_q
     keys = start_n + tl.arange(0, BLOCK_N)
     V = _tiles(_slice(V, sv, batch, kv_head), sv, n_k, BLOCK_N, HEAD_DIM, TMA)
@@ -290,29 +316,28 @@ def _bwd_dkdv_kernel(
     dv = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
     outside_clean, inside_clean, band, edge_inside, edge_outside = _schedule(
         start_n - q_offset, BLOCK_N, BLOCK_M, n_q, window, CAUSAL, False)
-    out_offset = bh.to(tl.int64) * n_k * HEAD_DIM
     if FUSED:                             # one q and one k serve both products
         Q2, sq2, K2, sk2 = Q1, sq1, K1, sk1
 
     # the inside passes give that product's dK (and part of dV), stored before the
     # outside passes give the other's (added to it where one dk sums both): only two
     # fp32 accumulators are filled at any time, as in plain attention
-    DK = DK1 + out_offset
+    DK = DK1
     dv = _dkdv_product(dv, v, _slice(K1, sk1, batch, kv_head), sk1, Q1, sq1, DO, sdo,
                        Lse, Delta, DK, batch, kv_head, start_n, keys,
-                       (inside_clean, band, edge_inside), n_heads, q_per_kv, n_q, n_k,
-                       window, qk_scale, sm_scale, (Tables[0], Tables[1]), logn_factor,
-                       INSIDE, INSIDE_FLAGS, LOGN, PRETURNED, False, CAUSAL, BLOCK_M,
-                       BLOCK_N, HEAD_DIM, DOT_PRECISION, TMA)
+                       (inside_clean, band, edge_inside), stats_stride, q_per_kv, n_q,
+                       n_k, window, qk_scale, sm_scale, (Tables[0], Tables[1]),
+                       logn_factor, INSIDE, INSIDE_FLAGS, LOGN, PRETURNED, False, CAUSAL,
+                       BLOCK_M, BLOCK_N, HEAD_DIM, DOT_PRECISION, TMA)
     if not ONE_GRAD:
-        DK = DK2 + out_offset
+        DK = DK2
     dv = _dkdv_product(dv, v, _slice(K2, sk2, batch, kv_head), sk2, Q2, sq2, DO, sdo,
                        Lse, Delta, DK, batch, kv_head, start_n, keys,
-                       (outside_clean, band, edge_outside), n_heads, q_per_kv, n_q, n_k,
-                       window, qk_scale, sm_scale, (Tables[2], Tables[3]), logn_factor,
-                       OUTSIDE, OUTSIDE_FLAGS, LOGN, PRETURNED, ONE_GRAD, CAUSAL,
-                       BLOCK_M, BLOCK_N, HEAD_DIM, DOT_PRECISION, TMA)
-    _store_rows(DV + out_offset, keys, n_k, dv, 0, HEAD_DIM, HEAD_DIM)
+                       (outside_clean, band, edge_outside), stats_stride, q_per_kv, n_q,
+                       n_k, window, qk_scale, sm_scale, (Tables[2], Tables[3]),
+                       logn_factor, OUTSIDE, OUTSIDE_FLAGS, LOGN, PRETURNED, ONE_GRAD,
+                       CAUSAL, BLOCK_M, BLOCK_N, HEAD_DIM, DOT_PRECISION, TMA)
+    _store_rows(DV, keys, n_k, dv, 0, HEAD_DIM, HEAD_DIM)
 
 
 # --- dQ -------------------------------------------------------------------------------
@@ -395,18 +420,41 @@ def _bwd_dq_kernel(
     Hq, Nq, D)``: ``DQ1, DQ2`` in the five-tensor form; ``DQ1`` (= dq) otherwise (with
     ``PRETURNED``, see :func:`_bwd_dkdv_kernel`: each product's ``dQ`` is turned back by
     its query angle, scaled by log-n, and the two are summed)."""
+    bh, block, n_blocks = _program(HEADS_FIRST)
+    if CAUSAL:   # the last query blocks have the most keys: start them first
+        block = n_blocks - 1 - block
+    batch = (bh // n_heads).to(tl.int64)
+    head = (bh % n_heads).to(tl.int64)
+    row_stats = bh.to(tl.int64) * n_q
+    out_offset = row_stats * HEAD_DIM
+    _dq_rows(Q1, Q2, K1, K2, V, DO, Lse + row_stats, Delta + row_stats, DQ1 + out_offset,
+             DQ2 + out_offset, Tables, sq1, sq2, sk1, sk2, sv, sdo, batch, head,
+             head // q_per_kv, block * BLOCK_M, n_q, n_k, window, qk_scale, sm_scale,
+             logn_factor, HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, TMA, LOGN, INSIDE_FLAGS,
+             OUTSIDE_FLAGS, PRETURNED)
+
+
+@triton.jit
+def _dq_rows(Q1, Q2, K1, K2, V, DO, Lse, Delta, DQ1, DQ2, Tables,
+             sq1, sq2, sk1, sk2, sv, sdo, batch, head, kv_head, start_m, n_q, n_k,
+             window, qk_scale, sm_scale, logn_factor,
+             HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+             CAUSAL: tl.constexpr, TMA: tl.constexpr, LOGN: tl.constexpr,
+             INSIDE_FLAGS: tl.constexpr, OUTSIDE_FLAGS: tl.constexpr,
+             PRETURNED: tl.constexpr):
+    """One dQ program's work: query rows ``start_m .. start_m + BLOCK_M`` of head
+    ``head`` (key/value head ``kv_head``) of batch entry ``batch``, a sequence of ``n_q``
+    queries at the last of its ``n_k`` positions. ``Lse``, ``Delta``: this (batch,
+    head)'s row statistics from its first query; ``DQ1, DQ2``: its contiguous ``(n_q,
+    D)`` gradients. Tensors, strides and flags otherwise as :func:`_bwd_dq_kernel` takes
+    them; the packed variable-length kernel (:mod:`rerope.varlen`) passes base pointers
+    moved to the sequence's first row and ``batch`` 0.
+    """
     FP32: tl.constexpr = Q1.dtype.element_ty == tl.float32
     DOT_PRECISION: tl.constexpr = "tf32x3" if FP32 else "tf32"       # 3xTF32: near fp32
     FUSED: tl.constexpr = INSIDE_FLAGS is not None and not PRETURNED
     ONE_GRAD: tl.constexpr = INSIDE_FLAGS is not None      # dq: both products' parts
-    bh, block, n_blocks = _program(HEADS_FIRST)
-    if CAUSAL:   # the last query blocks have the most keys: start them first
-        block = n_blocks - 1 - block
-    start_m = block * BLOCK_M
     start_pos = n_k - n_q + start_m
-    batch = (bh // n_heads).to(tl.int64)
-    head = (bh % n_heads).to(tl.int64)
-    kv_head = head // q_per_kv
     if FUSED:                             # one q and one k serve both products
         Q2, sq2, K2, sk2 = Q1, sq1, K1, sk1
     K1a, K1b = _halves(_slice(K1, sk1, batch, kv_head), sk1, n_k, BLOCK_N, HEAD_DIM,
@@ -418,24 +466,22 @@ def _bwd_dq_kernel(
     rows = start_pos + tl.arange(0, BLOCK_M)
     DO = _tiles(_slice(DO, sdo, batch, head), sdo, n_q, BLOCK_M, HEAD_DIM, TMA)
     do = _load_tile(DO, start_m, sdo, n_q, BLOCK_M, HEAD_DIM, True, TMA)
-    row_stats = bh.to(tl.int64) * n_q
-    lse = tl.load(Lse + row_stats + q_rows, mask=q_rows < n_q, other=0.0)
-    delta = tl.load(Delta + row_stats + q_rows, mask=q_rows < n_q, other=0.0)
+    lse = tl.load(Lse + q_rows, mask=q_rows < n_q, other=0.0)
+    delta = tl.load(Delta + q_rows, mask=q_rows < n_q, other=0.0)
     outside_clean, inside_clean, band, edge_inside, edge_outside = _schedule(
         start_pos, BLOCK_M, BLOCK_N, n_k, window, CAUSAL, True)
-    out_offset = bh.to(tl.int64) * n_q * HEAD_DIM
 
     # the inside passes, then the outside ones: each product's dQ is stored (five
     # tensors) or turned back and added to the other's before the next (one accumulator
     # at a time)
-    DQ = DQ1 + out_offset
+    DQ = DQ1
     _dq_product(do, lse, delta, _slice(Q1, sq1, batch, head), sq1, K1a, K1b, sk1, V, sv,
                 DQ, (Tables[0], Tables[1]), logn_factor, sm_scale, start_m, n_q, rows,
                 q_rows, (inside_clean, band, edge_inside), n_k, window, qk_scale,
                 INSIDE, INSIDE_FLAGS, LOGN, PRETURNED, False, CAUSAL, BLOCK_M, BLOCK_N,
                 HEAD_DIM, DOT_PRECISION, TMA)
     if not ONE_GRAD:
-        DQ = DQ2 + out_offset
+        DQ = DQ2
     _dq_product(do, lse, delta, _slice(Q2, sq2, batch, head), sq2, K2a, K2b, sk2, V, sv,
                 DQ, (Tables[2], Tables[3]), logn_factor, sm_scale, start_m, n_q, rows,
                 q_rows, (outside_clean, band, edge_outside), n_k, window, qk_scale,

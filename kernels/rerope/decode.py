@@ -57,10 +57,11 @@ import triton.language as tl
 
 from . import configs
 from ._validate import (Frequencies, as_frequencies, check_alike, check_head_dim,
-                        check_logn_overflow, check_qkv, check_rope_args, check_sm_scale)
+                        check_flag, check_logn_overflow, check_qkv, check_rope_args,
+                        check_sm_scale)
 from .caches import CACHE_SIZE, LRUCache
 from .launch import Launcher, PlanCache, _capability, _ensure_scratch_allocator, _tma_layout_ok
-from .online_softmax import LOG2E, _scores, _softmax_step
+from .online_softmax import LOG2E, _scores, _softmax_step, natural_lse
 from .regions import INSIDE, OUTSIDE, _nth_tile, _tile_count
 from .rotary import (_logn_scale, _rotate, _table_rows, _unrotate, logn_factor,
                      rotation_tables)
@@ -451,7 +452,7 @@ def _decode_split_kernel(
 
 
 @triton.jit
-def _merge_rows(Part, PartLse, Out, first, count, n_rows, num_splits,
+def _merge_rows(Part, PartLse, Out, FinalLse, first, count, n_rows, num_splits,
                 HEAD_DIM: tl.constexpr, ROWS: tl.constexpr, SPLITS_BLOCK: tl.constexpr,
                 LSE_BLOCK: tl.constexpr):
     """Merge the partials of rows ``first … first + min(count, ROWS) - 1``: ``out = Σ_s
@@ -464,7 +465,8 @@ def _merge_rows(Part, PartLse, Out, first, count, n_rows, num_splits,
     first pass finds ``m`` (``LSE_BLOCK`` log-sum-exps per load, one load for up to
     ``LSE_BLOCK`` splits) and a second folds the partials. Chunks without a visible key
     have ``lse = −inf`` and weigh nothing. Each partial is read once: the loads skip L1
-    (``.cg``).
+    (``.cg``). ``FinalLse`` (``None``: not written): the merged rows' log-sum-exps
+    (log2 units), ``(rows,)``.
     """
     dims = tl.arange(0, HEAD_DIM)
     splits = tl.arange(0, SPLITS_BLOCK)
@@ -505,20 +507,23 @@ def _merge_rows(Part, PartLse, Out, first, count, n_rows, num_splits,
                            other=0.0, cache_modifier=".cg")
             acc += tl.sum(weight[:, :, None] * part, 1)
             total += weight
-    out = acc / tl.where(row_ok, tl.sum(total, 1), 1.0)[:, None]
+    norm = tl.where(row_ok, tl.sum(total, 1), 1.0)
+    out = acc / norm[:, None]
     tl.store(Out + rows[:, None] * HEAD_DIM + dims[None, :],
              out.to(Out.dtype.element_ty), mask=row_ok[:, None])
+    if FinalLse is not None:      # log2 Σ_s 2^lse_s = m + log2 Σ_s 2^(lse_s - m)
+        tl.store(FinalLse + rows, m_max + tl.math.log2(norm), mask=row_ok)
 
 
 @triton.jit(do_not_specialize=["num_splits"])
-def _decode_merge_kernel(Part, PartLse, Out, n_rows, num_splits, HEAD_DIM: tl.constexpr,
-                         ROWS: tl.constexpr, SPLITS_BLOCK: tl.constexpr,
-                         LSE_BLOCK: tl.constexpr):
+def _decode_merge_kernel(Part, PartLse, Out, FinalLse, n_rows, num_splits,
+                         HEAD_DIM: tl.constexpr, ROWS: tl.constexpr,
+                         SPLITS_BLOCK: tl.constexpr, LSE_BLOCK: tl.constexpr):
     """Grid ``(cdiv(B · Hq · Nq, ROWS),)``: :func:`_merge_rows` of ``ROWS`` rows
-    each."""
+    each (``FinalLse``: ``None``, or where the merged log-sum-exps go)."""
     first = tl.program_id(0).to(tl.int64) * ROWS
-    _merge_rows(Part, PartLse, Out, first, n_rows - first, n_rows, num_splits, HEAD_DIM,
-                ROWS, SPLITS_BLOCK, LSE_BLOCK)
+    _merge_rows(Part, PartLse, Out, FinalLse, first, n_rows - first, n_rows, num_splits,
+                HEAD_DIM, ROWS, SPLITS_BLOCK, LSE_BLOCK)
 
 
 # --- the rules: launch configuration, splits, TMA, merge steps ------------------------
@@ -756,7 +761,8 @@ def _check_decode_args(q, k_cache, v_cache, cache_seqlens, block_table, window,
 
 def rerope_decode(q, k_cache, v_cache, window, cache_seqlens=None, sm_scale=None,
                   base=10000.0, leaky=None, logn_len=None, rotated=True,
-                  num_splits=None, inv_freq=None, block_table=None, group=None):
+                  num_splits=None, inv_freq=None, block_table=None, group=None,
+                  return_lse=False):
     """(Leaky) ReRoPE or Self-Extend attention of a few new queries against a KV cache
     (forward only).
 
@@ -838,10 +844,15 @@ def rerope_decode(q, k_cache, v_cache, window, cache_seqlens=None, sm_scale=None
             the model's own cache (the keys are turned from ``j`` to ``⌊j/G⌋`` in
             registers). Tiles split their angles as for ReRoPE when ``G`` divides
             ``BLOCK_N``; otherwise one table row per key (``ROW_PER_KEY``).
+        return_lse: bool; also return each query row's log-sum-exp (the merge kernel
+            writes it with the output; one split: the split kernel). Under
+            ``torch.compile`` through its own op, ``torch.ops.rerope.rerope_decode_lse``.
 
     Returns:
         ``(B, Hq, Nq, D)``, the attention output, in ``q``'s dtype and on its device
-        (empty for an empty batch).
+        (empty for an empty batch). With ``return_lse``, ``(out, lse)``: ``lse`` ``(B, Hq,
+        Nq)`` float32, ``log Σ_j exp(s_ij)`` over the row's visible scaled scores (natural
+        log, as FlashAttention's); 0 for a row whose ``cache_seqlens`` is out of range.
 
     The call is :func:`decode_plan` then :meth:`DecodePlan.run`: its checks and plan are
     made once per layout class and settings, so a decode loop over a growing cache
@@ -858,29 +869,31 @@ def rerope_decode(q, k_cache, v_cache, window, cache_seqlens=None, sm_scale=None
 
     Threads and non-finite inputs: as :func:`rerope.rerope` says.
     """
+    check_flag("return_lse", return_lse)
     if torch.compiler.is_compiling():   # an opaque op for the compiler (see _decode_op)
         inv_freq = as_frequencies(inv_freq)
-        return _decode_op(q, k_cache, v_cache, cache_seqlens, window, sm_scale, base,
-                          leaky, logn_len, rotated, num_splits,
-                          None if inv_freq is None else list(inv_freq), block_table,
-                          group)
+        op = _decode_lse_op if return_lse else _decode_op
+        return op(q, k_cache, v_cache, cache_seqlens, window, sm_scale, base, leaky,
+                  logn_len, rotated, num_splits,
+                  None if inv_freq is None else list(inv_freq), block_table, group)
     _check_forward_only(q, k_cache, v_cache)
     return _call(q, k_cache, v_cache, cache_seqlens, block_table,
                  (window, sm_scale, base, leaky, logn_len, rotated, num_splits,
-                  as_frequencies(inv_freq), group))
+                  as_frequencies(inv_freq), group), return_lse)
 
 
-def _call(q, k_cache, v_cache, cache_seqlens, block_table, settings):
+def _call(q, k_cache, v_cache, cache_seqlens, block_table, settings, return_lse=False):
     """A call: its kept step where this exact signature ran before, else its plan."""
     try:
-        exact = _exact_key(q, k_cache, v_cache, cache_seqlens, block_table, settings)
+        exact = (_exact_key(q, k_cache, v_cache, cache_seqlens, block_table, settings),
+                 return_lse)
         step = _STEPS.get(exact)
     except (AttributeError, TypeError):   # not tensors, unhashable settings: checks say
         exact, step = None, None
     if step is not None:
         return _run_step(step, q, k_cache, v_cache, cache_seqlens, block_table)
     plan = _plan_for(q, k_cache, v_cache, cache_seqlens, block_table, settings)
-    return plan._run(q, k_cache, v_cache, cache_seqlens, block_table, exact)
+    return plan._run(q, k_cache, v_cache, cache_seqlens, block_table, exact, return_lse)
 
 
 # --- plan and run ---------------------------------------------------------------------
@@ -964,10 +977,14 @@ class DecodePlan:
                      for launcher in launches if launcher is not None]
         return bool(launchers) and all(launcher.bound for launcher in launchers)
 
-    def _run(self, q, k_cache, v_cache, cache_seqlens, block_table, exact=None):
+    def _run(self, q, k_cache, v_cache, cache_seqlens, block_table, exact=None,
+             return_lse=False):
         n_max = self._cache_length(q, k_cache, v_cache, cache_seqlens, block_table)
         if q.numel() == 0:                         # an empty batch: nothing to attend
-            return torch.empty(q.shape, dtype=q.dtype, device=q.device)
+            out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+            if return_lse:
+                return out, torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
+            return out
         if cache_seqlens is not None:
             if cache_seqlens.device.type == "cpu":   # free to read; on a GPU, a sync
                 _check_lengths_on_host(cache_seqlens, self.n_queries, n_max)
@@ -976,7 +993,7 @@ class DecodePlan:
                                                self.page_size, k_cache.shape[0])
             cache_seqlens = cache_seqlens.contiguous()    # read with unit stride
         return _launch(self, n_max, q, k_cache, v_cache, cache_seqlens, block_table,
-                       exact)
+                       exact, return_lse)
 
     def _cache_length(self, q, k_cache, v_cache, cache_seqlens, block_table):
         """``Nmax`` of this call, checked: the one part of the validation the plan's key
@@ -1001,15 +1018,17 @@ class DecodePlan:
         tma = self.tma_min_keys is not None and -(-n_max // splits) >= self.tma_min_keys
         return splits, tma
 
-    def _launches(self, num_splits, tma):
-        """The launches for ``num_splits`` splits (made on first use, then kept)."""
-        launches = self.launches.get((num_splits, tma))
+    def _launches(self, num_splits, tma, return_lse=False):
+        """The launches for ``num_splits`` splits (made on first use, then kept); with
+        ``return_lse`` the split kernel writes its log-sum-exps whatever the split count
+        (one split: the final ones)."""
+        launches = self.launches.get((num_splits, tma, return_lse))
         if launches is None:
             q_per_kv = self.q_heads // self.kv_heads
             grid = (self.batch * self.kv_heads, num_splits,
                     triton.cdiv(q_per_kv * self.n_queries, self.constexprs["BLOCK_M"]))
             split = Launcher(_decode_split_kernel, grid, **self.constexprs,
-                             WRITE_LSE=num_splits > 1, TMA=tma)
+                             WRITE_LSE=num_splits > 1 or return_lse, TMA=tma)
             merge = None
             if num_splits > 1:
                 n_rows = self.batch * self.q_heads * self.n_queries
@@ -1020,7 +1039,8 @@ class DecodePlan:
                                  LSE_BLOCK=lse_block, **self.merge_options)
             if tma and not INTERPRET:
                 _ensure_scratch_allocator()   # descriptors live in a scratch buffer
-            launches = self.launches[(num_splits, tma)] = _Launches(split, merge)
+            launches = self.launches[(num_splits, tma, return_lse)] = _Launches(split,
+                                                                                merge)
         return launches
 
     def _rotation_tables(self, n_max):
@@ -1037,18 +1057,19 @@ class DecodePlan:
         return held.tables
 
 
-def _launch(plan, n_max, q, k_cache, v_cache, cache_seqlens, block_table, exact=None):
+def _launch(plan, n_max, q, k_cache, v_cache, cache_seqlens, block_table, exact=None,
+            return_lse=False):
     """Run ``plan`` for a cache of ``n_max`` slots, lengths and block table checked:
     allocate the output (and partials), launch the split kernel, then the merge (several
     splits). With ``exact`` (the call's exact signature), keep the launches with every
     argument but the call's tensors bound, once bound (:class:`_Step`)."""
     num_splits, tma = plan.splits_for(n_max)
-    launches = plan._launches(num_splits, tma)
+    launches = plan._launches(num_splits, tma, return_lse)
     tables = plan._rotation_tables(n_max)
     dtype = q.dtype
     if plan.lift:                         # bf16 under the interpreter: fp32 copies
         q, k_cache, v_cache = q.float(), k_cache.float(), v_cache.float()
-    out, part, lse = _outputs(plan, num_splits, q)
+    out, part, lse, final_lse = _outputs(plan, num_splits, q, return_lse)
     k_strides, v_strides = k_cache.stride(), v_cache.stride()
     if plan.page_size:    # pools (page, slot, head, dim) in the kernel's order
         k_strides = (k_strides[0], k_strides[2], k_strides[1], k_strides[3])
@@ -1062,24 +1083,37 @@ def _launch(plan, n_max, q, k_cache, v_cache, cache_seqlens, block_table, exact=
     launches.split(q, k_cache, v_cache, cache_seqlens, block_table, part, lse, *tail)
     n_rows = plan.batch * plan.q_heads * plan.n_queries
     if launches.merge is not None:
-        launches.merge(part, lse, out, n_rows, num_splits)
+        launches.merge(part, lse, out, final_lse, n_rows, num_splits)
     if exact is not None and (launches.split.bound or INTERPRET):
         merge = launches.merge
         merge = None if merge is None else merge.fixed(n_rows, num_splits)
-        _STEPS.put(exact, _Step(plan, num_splits, launches.split.fixed(*tail), merge))
-    return out.to(dtype) if plan.lift else out
+        _STEPS.put(exact, _Step(plan, num_splits, launches.split.fixed(*tail), merge,
+                                return_lse))
+    return _result(plan, out, final_lse, dtype)
 
 
-def _outputs(plan, num_splits, q):
-    """``(out, part, lse)``: the output, and the partials and their log-sum-exps (the
-    output itself for one split)."""
+def _result(plan, out, final_lse, dtype):
+    """``out`` in the caller's dtype, and with ``final_lse`` (not ``None``) the public
+    log-sum-exp: natural log, ``(B, Hq, Nq)``."""
+    out = out.to(dtype) if plan.lift else out
+    if final_lse is None:
+        return out
+    return out, natural_lse(final_lse).view(out.shape[:3])
+
+
+def _outputs(plan, num_splits, q, return_lse=False):
+    """``(out, part, lse, final_lse)``: the output, the partials and their log-sum-exps
+    (the output itself for one split), and the merged rows' log-sum-exps (``return_lse``;
+    else ``None``; one split: the split kernel's own)."""
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    if num_splits == 1:
-        return out, out, out
     n_rows = plan.batch * plan.q_heads * plan.n_queries
+    final = (torch.empty(n_rows, dtype=torch.float32, device=q.device) if return_lse
+             else None)
+    if num_splits == 1:
+        return out, out, out if final is None else final, final
     return (out, torch.empty((num_splits, n_rows, plan.head_dim), dtype=torch.float32,
                              device=q.device),
-            torch.empty((num_splits, n_rows), dtype=torch.float32, device=q.device))
+            torch.empty((num_splits, n_rows), dtype=torch.float32, device=q.device), final)
 
 
 class _Step(NamedTuple):
@@ -1092,6 +1126,7 @@ class _Step(NamedTuple):
     num_splits: int
     split: object
     merge: object
+    return_lse: bool = False
 
 
 _STEPS = LRUCache()   # (exact signature, settings, Config) -> _Step
@@ -1121,11 +1156,11 @@ def _run_step(step, q, k_cache, v_cache, cache_seqlens, block_table):
     dtype = q.dtype
     if plan.lift:                         # bf16 under the interpreter: fp32 copies
         q, k_cache, v_cache = q.float(), k_cache.float(), v_cache.float()
-    out, part, lse = _outputs(plan, step.num_splits, q)
+    out, part, lse, final_lse = _outputs(plan, step.num_splits, q, step.return_lse)
     step.split(q, k_cache, v_cache, cache_seqlens, block_table, part, lse)
     if step.merge is not None:
-        step.merge(part, lse, out)
-    return out.to(dtype) if plan.lift else out
+        step.merge(part, lse, out, final_lse)
+    return _result(plan, out, final_lse, dtype)
 
 
 def _layout(t, size=0):
@@ -1277,3 +1312,23 @@ def _decode_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 @_decode_op.register_fake
 def _(q, *args):
     return q.new_empty(q.shape)
+
+
+@torch.library.custom_op("rerope::rerope_decode_lse", mutates_args=())
+def _decode_lse_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   cache_seqlens: Optional[torch.Tensor], window: int,
+                   sm_scale: Optional[float], base: float, leaky: Optional[float],
+                   logn_len: Optional[float], rotated: bool,
+                   num_splits: Optional[int], inv_freq: Optional[list[float]] = None,
+                   block_table: Optional[torch.Tensor] = None,
+                   group: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`_decode_op` with ``return_lse=True``: ``(out, lse)``, ``lse`` ``(B, Hq, Nq)``
+    float32."""
+    return _call(q, k_cache, v_cache, cache_seqlens, block_table,
+                 (window, sm_scale, base, leaky, logn_len, rotated, num_splits,
+                  None if inv_freq is None else Frequencies(inv_freq), group), True)
+
+
+@_decode_lse_op.register_fake
+def _(q, *args):
+    return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32)

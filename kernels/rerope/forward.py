@@ -289,18 +289,40 @@ def _rerope_fwd_kernel(
     although ``TURN`` is on, the launcher passed that product's keys already turned
     (``K1`` / ``K2``, see :func:`rerope.rotary.turn_keys`), otherwise ``K1`` is ``k``
     for both products. ``LOGN`` scales the queries by log-n (``logn_factor``).
+
+    The program's work is :func:`_fwd_rows`, which the packed variable-length kernel
+    (:mod:`rerope.varlen`) shares.
+    """
+    bh, block, n_blocks = _program(HEADS_FIRST)
+    if CAUSAL:   # the last query blocks have the most keys: start them first
+        block = n_blocks - 1 - block
+    batch = bh // n_heads
+    head = bh % n_heads
+    _fwd_rows(Q1, Q2, K1, K2, V, Out, Lse + bh.to(tl.int64) * n_q, Tables, sq1, sq2, sk1,
+              sk2, sv, so, batch, head, head // q_per_kv, block * BLOCK_M, n_q, n_k,
+              window, qk_scale, logn_factor, HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, TMA,
+              LOGN, INSIDE_FLAGS, OUTSIDE_FLAGS)
+
+
+@triton.jit
+def _fwd_rows(Q1, Q2, K1, K2, V, Out, Lse, Tables, sq1, sq2, sk1, sk2, sv, so, batch,
+              head, kv_head, start_m, n_q, n_k, window, qk_scale, logn_factor,
+              HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+              CAUSAL: tl.constexpr, TMA: tl.constexpr, LOGN: tl.constexpr,
+              INSIDE_FLAGS: tl.constexpr, OUTSIDE_FLAGS: tl.constexpr):
+    """One forward program's work: query rows ``start_m .. start_m + BLOCK_M`` of head
+    ``head`` (key/value head ``kv_head``) of batch entry ``batch`` of a sequence of
+    ``n_q`` queries, the last ``n_q`` of its ``n_k`` positions. Writes those rows of
+    ``Out`` and their log-sum-exps (log2 units) at ``Lse + row``: ``Lse`` points at this
+    (batch, head)'s first query. Tensors, strides and flags as
+    :func:`_rerope_fwd_kernel` takes them; a caller with a packed batch
+    (:mod:`rerope.varlen`) passes base pointers moved to the sequence's first row and
+    ``batch`` 0.
     """
     FP32: tl.constexpr = Q1.dtype.element_ty == tl.float32
     DOT_PRECISION: tl.constexpr = "tf32x3" if FP32 else "tf32"       # 3xTF32: near fp32
     FUSED: tl.constexpr = INSIDE_FLAGS is not None
-    bh, block, n_blocks = _program(HEADS_FIRST)
-    if CAUSAL:   # the last query blocks have the most keys: start them first
-        block = n_blocks - 1 - block
-    start_m = block * BLOCK_M            # a row of q; its position is n_k - n_q + row
-    start_pos = n_k - n_q + start_m
-    batch = bh // n_heads
-    head = bh % n_heads
-    kv_head = head // q_per_kv               # grouped-query attention: shared K/V heads
+    start_pos = n_k - n_q + start_m      # a row of q; its position is n_k - n_q + row
     K1a, K1b = _halves(_slice(K1, sk1, batch, kv_head), sk1, n_k, BLOCK_N, HEAD_DIM,
                        FUSED, TMA)
     if FUSED:                                # one q serves both products
@@ -338,8 +360,7 @@ def _rerope_fwd_kernel(
         INSIDE_FLAGS, LOGN, CAUSAL, BLOCK_M, BLOCK_N, HEAD_DIM, DOT_PRECISION, TMA)
 
     q_rows = start_m + tl.arange(0, BLOCK_M)
-    tl.store(Lse + bh.to(tl.int64) * n_q + q_rows, m_i + tl.math.log2(l_i),
-             mask=q_rows < n_q)
+    tl.store(Lse + q_rows, m_i + tl.math.log2(l_i), mask=q_rows < n_q)
     out = acc / l_i[:, None]
     dims = tl.arange(0, HEAD_DIM)
     out_ptrs = (_slice(Out, so, batch, head) + q_rows.to(tl.int64)[:, None] * so[2]

@@ -171,3 +171,20 @@ def _scores(x_a, x_b, y_a, y_b, TWO_DOTS: tl.constexpr, DOT_PRECISION: tl.conste
         a = x_a.to(tl.float32)[:, None, :] * y_a.to(tl.float32)[None, :, :]
         b = x_b.to(tl.float32)[:, None, :] * y_b.to(tl.float32)[None, :, :]
         return tl.sum(a, 2) + tl.sum(b, 2)
+
+
+LN2 = 0.6931471805599453     # log(2): a log2-unit log-sum-exp times this is natural-log
+
+
+def natural_lse(lse2):
+    """The log-sum-exp of the scaled scores in natural-log units, from the kernels' own.
+
+    The kernels keep the running max and normaliser in log2 units (scores times
+    ``sm_scale · log2(e)``, every exponential an ``exp2``), so the per-row log-sum-exp they
+    write is ``log2 Σ_j 2^(s_j · log2 e) = log2 Σ_j exp(s_j)`` for the scaled scores ``s_j``;
+    ``ln Σ_j exp(s_j)`` is that times ``ln 2``. What ``return_lse=True`` returns
+    (:func:`rerope.rerope`, :func:`rerope.rerope_decode`, :func:`rerope.rerope_varlen`): the
+    quantity FlashAttention returns, to merge partial attentions (``out = Σ_p exp(lse_p −
+    lse) out_p`` with ``lse = logsumexp_p lse_p``). ``lse2``: a float32 tensor, any shape.
+    """
+    return lse2 * LN2

@@ -136,3 +136,61 @@ def rerope_from_relative_positions(q, k, v, window, causal=True, sm_scale=None,
         scores += same * torch.cos(rel * theta) + cross * torch.sin(rel * theta)
     out = _softmax_times_v(scores * scale, _expand_heads(v, hq // hkv).double(), causal)
     return out.to(v.dtype)
+
+
+def rerope_attention_with_lse(q1, q2, k1, k2, v, window, causal=True, sm_scale=None):
+    """:func:`rerope_attention` and the log-sum-exp of each row's scaled, unmasked scores
+    ``log Σ_j exp(s_ij)`` (natural log, ``(B, Hq, Nq)``, float64 for float64 inputs): the
+    oracle of ``return_lse=True``. Arguments as :func:`rerope_attention`."""
+    out = rerope_attention(q1, q2, k1, k2, v, window, causal=causal, sm_scale=sm_scale)
+    hq, hkv = q1.shape[1], k1.shape[1]
+    n_queries, n_keys, d = q1.shape[2], k1.shape[2], q1.shape[-1]
+    window = min(window, n_keys)
+    scale = d ** -0.5 if sm_scale is None else sm_scale
+    k1, k2 = (_expand_heads(t, hq // hkv) for t in (k1, k2))
+    keys = torch.arange(n_keys, device=q1.device)
+    in_window = (keys[n_keys - n_queries:, None] - keys[None, :]).abs() < window
+    scores = torch.where(in_window, q1 @ k1.transpose(-1, -2), q2 @ k2.transpose(-1, -2))
+    scores = scores * scale
+    if causal:
+        future = keys[None, :] > keys[n_keys - n_queries:, None]
+        scores = scores.masked_fill(future, float("-inf"))
+    return out, torch.logsumexp(scores, dim=-1)
+
+
+def rerope_with_lse(q, k, v, window, causal=True, sm_scale=None, base=10000.0, leaky=None,
+                    logn_len=None, rotated=False, inv_freq=None, group=None):
+    """:func:`rerope` and the log-sum-exp of each row's scaled, unmasked scores (natural log,
+    ``(B, Hq, Nq)``): the oracle of ``return_lse=True`` (give it float64 inputs). Arguments
+    as :func:`rerope`."""
+    check_qkv({"q": q}, {"k": k, "v": v}, dtypes=REFERENCE_DTYPES, fewer_queries=True)
+    _check_group_causal(group, causal)
+    q1, q2, k1, k2 = rerope_inputs(q, k, window, base=base, leaky=leaky,
+                                   logn_len=logn_len, rotated=rotated,
+                                   inv_freq=inv_freq, group=group)
+    return rerope_attention_with_lse(q1, q2, k1, k2, v, window, causal=causal,
+                                     sm_scale=sm_scale)
+
+
+def rerope_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, window, causal=True, **options):
+    """The packed variable-length op, one sequence at a time through :func:`rerope_with_lse`
+    (float64 inputs for an oracle): ``q`` ``(total_q, Hq, D)``, ``k, v`` ``(total_k, Hkv,
+    D)``, ``cu_seqlens_*`` ``(B + 1,)`` cumulative lengths; sequence ``b``'s queries are the
+    last ``Lq_b`` of its ``Lk_b`` positions. ``options``: :func:`rerope`'s keywords
+    (``sm_scale``, ``base``, ``leaky``, ``logn_len``, ``rotated``, ``inv_freq``, ``group``).
+    Returns ``(out, lse)``: ``(total_q, Hq, D)`` and ``(Hq, total_q)``, as
+    :func:`rerope.rerope_varlen` with ``return_lse=True``."""
+    outs, lses = [], []
+    cq, ck = [int(x) for x in cu_seqlens_q], [int(x) for x in cu_seqlens_k]
+    for b in range(len(cq) - 1):
+        qs = q[cq[b]:cq[b + 1]].transpose(0, 1)[None]
+        ks = k[ck[b]:ck[b + 1]].transpose(0, 1)[None]
+        vs = v[ck[b]:ck[b + 1]].transpose(0, 1)[None]
+        if qs.shape[2] == 0:
+            outs.append(q.new_zeros(0, *q.shape[1:]))
+            lses.append(torch.zeros(q.shape[1], 0, dtype=torch.float64, device=q.device))
+            continue
+        out, lse = rerope_with_lse(qs, ks, vs, window, causal=causal, **options)
+        outs.append(out[0].transpose(0, 1))
+        lses.append(lse[0])
+    return torch.cat(outs), torch.cat(lses, dim=1)

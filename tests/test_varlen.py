@@ -1,0 +1,570 @@
+"""``rerope.rerope_varlen``: packed variable-length ReRoPE (FlashAttention's varlen layout).
+
+Against the float64 reference run one sequence at a time (``rerope.reference.rerope_varlen``)
+on fresh random inputs, with the suite's per-dtype tolerances: mixed lengths (odd ones, one
+query, a chunk after a cached prefix ``Lq < Lk``), windows at the boundaries (``w = 1``, ``w >=
+N``), GQA, causal or not, raw or rotated inputs, Leaky, log-n, Self-Extend, a model's own
+frequencies; gradients of the contiguous form; the paged form (gathered pages) against the
+contiguous one; the checks; NaN for lengths out of range where they are not checked (GPU
+tensors); poisoned memory; and a serving step end to end: ``rerope_varlen`` over the prefill
+tokens of three requests and ``rerope_decode`` over two decoding ones, all in one page pool,
+each request's output equal to running it alone through the dense reference.
+
+CPU sizes stay tiny (the interpreter runs every program in Python); ``-m gpu`` runs a larger
+case, the benchmark's packed batch shape, and a CUDA-graph capture of the decode half.
+"""
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+import rerope
+from rerope import reference, varlen
+from rerope_testing import (close_problems, describe, kernel_device, poisoned_empty, randn,
+                            results_problems, tolerance)
+
+F16, F32, BF16 = torch.float16, torch.float32, torch.bfloat16
+
+def cumulative(lengths, device):
+    out = [0]
+    for n in lengths:
+        out.append(out[-1] + n)
+    return torch.tensor(out, dtype=torch.int32, device=device)
+
+
+@dataclass(frozen=True)
+class Case:
+    lq: tuple
+    lk: tuple
+    window: int
+    hq: int = 2
+    hkv: int = 1
+    d: int = 16
+    dtype: torch.dtype = F32
+    causal: bool = True
+    options: tuple = ()          # (name, value) pairs of rerope's keywords
+
+    def id(self):
+        parts = ["q" + "-".join(map(str, self.lq)), "k" + "-".join(map(str, self.lk)),
+                 f"w{self.window}", f"H{self.hq}kv{self.hkv}", f"D{self.d}",
+                 str(self.dtype).replace("torch.", ""), "causal" if self.causal else "full"]
+        parts += [f"{k}{v}" for k, v in self.options]
+        return "-".join(parts)
+
+
+CASES = [
+    Case((5, 17, 1), (9, 17, 20), 5),                         # prefix, whole prompt, 1 query
+    Case((7, 3), (7, 19), 1, hq=4, hkv=2),                    # w = 1, GQA
+    Case((11, 6), (11, 13), 64, causal=False),                # w >= N, not causal
+    Case((13, 2), (21, 2), 4, dtype=F16, options=(("rotated", True),)),
+    Case((9, 4), (9, 12), 3, dtype=BF16, options=(("leaky", 4.0), ("logn_len", 6.0))),
+    Case((10, 5), (10, 18), 4, options=(("group", 2), ("rotated", True))),
+    Case((6, 0, 8), (6, 5, 8), 3, causal=False, d=32,
+         options=(("inv_freq", tuple(1.0 / (100.0 ** (i / 16)) for i in range(16))),)),
+]
+
+
+def packed(gen, case, device=None, grad=False):
+    device = device or kernel_device()
+    total_q, total_k = sum(case.lq), sum(case.lk)
+    q = randn(gen, total_q, case.hq, case.d, dtype=case.dtype, device=device)
+    k = randn(gen, total_k, case.hkv, case.d, dtype=case.dtype, device=device)
+    v = randn(gen, total_k, case.hkv, case.d, dtype=case.dtype, device=device)
+    if grad:
+        for t in (q, k, v):
+            t.requires_grad_()
+    return q, k, v, cumulative(case.lq, device), cumulative(case.lk, device)
+
+
+def options_of(case):
+    options = dict(case.options)
+    if "inv_freq" in options:
+        options["inv_freq"] = list(options["inv_freq"])
+    return options
+
+
+def reference_of(q, k, v, cu_q, cu_k, case):
+    return reference.rerope_varlen(q.detach().double(), k.detach().double(),
+                                   v.detach().double(), cu_q.cpu(), cu_k.cpu(), case.window,
+                                   causal=case.causal, **options_of(case))
+
+
+@pytest.mark.parametrize("case", CASES, ids=Case.id)
+def test_forward_and_lse_match_reference(gen, case):
+    q, k, v, cu_q, cu_k = packed(gen, case)
+    with poisoned_empty():
+        out, lse = rerope.rerope_varlen(q, k, v, cu_q, cu_k, max(case.lq), max(case.lk),
+                                        case.window, causal=case.causal, return_lse=True,
+                                        **options_of(case))
+    want_out, want_lse = reference_of(q, k, v, cu_q, cu_k, case)
+    assert out.dtype == case.dtype and out.shape == q.shape
+    assert lse.dtype == torch.float32 and lse.shape == (case.hq, sum(case.lq))
+    tol = tolerance(case.dtype)
+    problems = results_problems({"out": out}, {"out": want_out}, tol)
+    problems += close_problems("lse", lse, want_lse, tolerance(F32)
+                               if case.dtype == F32 else tol)
+    assert not problems, describe(gen, case=case.id()) + "\n" + "\n".join(problems)
+
+
+def test_no_lse_is_the_same_output(gen):
+    case = CASES[0]
+    q, k, v, cu_q, cu_k = packed(gen, case)
+    args = (q, k, v, cu_q, cu_k, max(case.lq), max(case.lk), case.window)
+    out = rerope.rerope_varlen(*args)
+    out2, _ = rerope.rerope_varlen(*args, return_lse=True)
+    assert torch.equal(out, out2)
+
+
+@pytest.mark.parametrize("case", [CASES[0], CASES[1], CASES[2], CASES[4], CASES[5], CASES[6]],
+                         ids=Case.id)
+def test_gradients_match_reference(gen, case):
+    q, k, v, cu_q, cu_k = packed(gen, case, grad=True)
+    with poisoned_empty():
+        out, lse = rerope.rerope_varlen(q, k, v, cu_q, cu_k, max(case.lq), max(case.lk),
+                                        case.window, causal=case.causal, return_lse=True,
+                                        **options_of(case))
+    assert out.requires_grad and not lse.requires_grad
+    dout = randn(gen, *out.shape, dtype=case.dtype, device=out.device)
+    got = dict(zip(("dq", "dk", "dv"), torch.autograd.grad(out, (q, k, v), dout)))
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    want_out, _ = reference.rerope_varlen(*leaves, cu_q.cpu(), cu_k.cpu(), case.window,
+                                          causal=case.causal, **options_of(case))
+    want = dict(zip(("dq", "dk", "dv"),
+                    torch.autograd.grad(want_out, leaves, dout.double())))
+    problems = results_problems({"out": out, **got}, {"out": want_out, **want},
+                                tolerance(case.dtype))
+    assert not problems, describe(gen, case=case.id()) + "\n" + "\n".join(problems)
+
+
+def test_one_sequence_equals_rerope(gen):
+    """One sequence, ``Lq < Lk``: the varlen kernel runs the same per-program code as
+    ``rerope`` on ``(1, H, L, D)``."""
+    device = kernel_device()
+    q = randn(gen, 9, 2, 16, device=device, dtype=F32)
+    k = randn(gen, 21, 1, 16, device=device, dtype=F32)
+    v = randn(gen, 21, 1, 16, device=device, dtype=F32)
+    out, lse = rerope.rerope_varlen(q, k, v, cumulative([9], device), cumulative([21], device),
+                                    9, 21, 6, leaky=3.0, return_lse=True)
+    want, want_lse = rerope.rerope(*(t.transpose(0, 1)[None] for t in (q, k, v)), 6,
+                                   leaky=3.0, return_lse=True)
+    assert torch.allclose(out, want[0].transpose(0, 1), atol=1e-6, rtol=1e-6)
+    assert torch.allclose(lse, want_lse[0], atol=1e-6, rtol=1e-6)
+
+
+def pool_of(gen, k, v, lk, page_size, num_blocks):
+    """A page pool holding the contiguous keys of each sequence on shuffled pages, and its
+    block table (unused entries -1: never read)."""
+    hkv, d = k.shape[1:]
+    kp = randn(gen, num_blocks, page_size, hkv, d, dtype=k.dtype, device=k.device)
+    vp = randn(gen, num_blocks, page_size, hkv, d, dtype=k.dtype, device=k.device)
+    max_blocks = max(-(-n // page_size) for n in lk)
+    order = torch.randperm(num_blocks, generator=gen).tolist()
+    table = torch.full((len(lk), max_blocks), -1, dtype=torch.int32)
+    start = 0
+    for b, n in enumerate(lk):
+        for j in range(-(-n // page_size)):
+            page = order.pop()
+            table[b, j] = page
+            rows = slice(start + j * page_size, start + min(n, (j + 1) * page_size))
+            count = rows.stop - rows.start
+            kp[page, :count] = k[rows]
+            vp[page, :count] = v[rows]
+        start += n
+    return kp, vp, table.to(k.device)
+
+
+@pytest.mark.parametrize("case", [CASES[0], CASES[3]], ids=Case.id)
+def test_paged_equals_contiguous(gen, case):
+    q, k, v, cu_q, cu_k = packed(gen, case)
+    kp, vp, table = pool_of(gen, k, v, case.lk, 16, 8)
+    args = (cu_q, cu_k, max(case.lq), max(case.lk), case.window)
+    kwargs = dict(causal=case.causal, return_lse=True, **options_of(case))
+    with poisoned_empty():
+        out, lse = rerope.rerope_varlen(q, kp, vp, *args, block_table=table, **kwargs)
+    want, want_lse = rerope.rerope_varlen(q, k, v, *args, **kwargs)
+    assert torch.allclose(out, want) and torch.allclose(lse, want_lse)
+
+
+def test_gather_pages_poisons_pages_outside_the_pool(gen):
+    """On a GPU a bad page is not checked (no sync): its sequence comes back NaN, the others
+    are right."""
+    case = CASES[0]
+    q, k, v, cu_q, cu_k = packed(gen, case)
+    kp, vp, table = pool_of(gen, k, v, case.lk, 16, 8)
+    bad = table.clone()
+    bad[2, 1] = 99
+    k_rows, v_rows = varlen.gather_pages(kp, vp, bad, cu_k, max(case.lk))
+    assert k_rows.shape == (3 * max(case.lk), 1, 16)
+    assert torch.isnan(k_rows[2 * 20 + 16:2 * 20 + 20]).all()
+    assert not torch.isnan(k_rows[:2 * 20]).any()
+
+
+def test_lengths_out_of_range_give_nan_rows_where_unchecked(gen, monkeypatch):
+    """What a GPU call with bad lengths gets (its lengths are never read on the host): the
+    kernel poisons the bad sequence's rows and leaves the others right."""
+    case = CASES[0]
+    q, k, v, cu_q, cu_k = packed(gen, case)
+    monkeypatch.setattr(varlen, "_check_lengths_on_host", lambda *args: None)
+    lq = torch.tensor([5, 17, 1])
+    lk = torch.tensor([9, 15, 22])                    # sequence 1: Lq 17 > Lk 15
+    out, lse = rerope.rerope_varlen(q, k, v, cu_q, cumulative(lk.tolist(), q.device), 17,
+                                    20, case.window, return_lse=True)
+    assert torch.isnan(out[5:22]).all() and torch.isnan(lse[:, 5:22]).all()
+    want, _ = reference_of(q, k, v, cu_q, cu_k, case)
+    assert torch.allclose(out[:5], want[:5].float(), atol=1e-5)
+    assert int(lq.sum()) == q.shape[0]
+
+
+def test_poisoned_strided_inputs(gen):
+    """Inputs as views into NaN-filled buffers (a kernel reading anything but its own
+    elements sees NaN), gradients into poisoned memory."""
+    case = CASES[1]
+    q0, k0, v0, cu_q, cu_k = packed(gen, case)
+
+    def poisoned(t):
+        buffer = torch.full((t.shape[0] + 4, t.shape[1] + 1, 2 * t.shape[2]), float("nan"),
+                            dtype=t.dtype, device=t.device)
+        view = buffer[2:-2, 1:, ::2]
+        view.copy_(t)
+        return view.requires_grad_()
+
+    q, k, v = (poisoned(t) for t in (q0, k0, v0))
+    with poisoned_empty():
+        out = rerope.rerope_varlen(q, k, v, cu_q, cu_k, max(case.lq), max(case.lk),
+                                   case.window)
+        dq, dk, dv = torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+    want, _ = reference_of(q0, k0, v0, cu_q, cu_k, case)
+    assert not close_problems("out", out, want, tolerance(case.dtype))
+    for g in (dq, dk, dv):
+        assert torch.isfinite(g).all()
+
+
+def test_under_torch_compile_runs_eagerly(gen):
+    case = CASES[0]
+    q, k, v, cu_q, cu_k = packed(gen, case)
+    args = (q, k, v, cu_q, cu_k, max(case.lq), max(case.lk), case.window)
+    compiled = torch.compile(lambda *a: rerope.rerope_varlen(*a, return_lse=True),
+                             backend="eager")
+    out, lse = compiled(*args)
+    want, want_lse = rerope.rerope_varlen(*args, return_lse=True)
+    assert torch.equal(out, want) and torch.equal(lse, want_lse)
+
+
+# --- checks ------------------------------------------------------------------------------
+
+
+def _bad_calls():
+    """(description, change to the good call's arguments, error type, words in the
+    message)."""
+    i32 = torch.int32
+    return [
+        ("cu int64", dict(cu_q=torch.tensor([0, 3, 8])), TypeError, "cu_seqlens_q"),
+        ("cu decreasing", dict(cu_q=torch.tensor([0, 6, 5], dtype=i32),
+                               cu_k=torch.tensor([0, 6, 11], dtype=i32)),
+         ValueError, "must not decrease"),
+        ("cu k length", dict(cu_k=torch.tensor([0, 11], dtype=i32)), ValueError,
+         "cu_seqlens_k"),
+        ("cu start", dict(cu_q=torch.tensor([1, 3, 8], dtype=i32)), ValueError,
+         "cu_seqlens_q[0]"),
+        ("cu total", dict(cu_k=torch.tensor([0, 6, 12], dtype=i32)), ValueError,
+         "total_k"),
+        ("Lq > Lk", dict(cu_q=torch.tensor([0, 4, 8], dtype=i32),
+                         cu_k=torch.tensor([0, 3, 11], dtype=i32), max_k=8), ValueError,
+         "Lq <= Lk"),
+        ("max_q small", dict(max_q=4), ValueError, "max_seqlen_q"),
+        ("max_k small", dict(max_k=5), ValueError, "max_seqlen_k = 5 is too small"),
+        ("max_q type", dict(max_q=5.0), TypeError, "max_seqlen_q"),
+        ("q rank", dict(q=torch.zeros(1, 8, 2, 16)), ValueError, "q must have rank 3"),
+        ("k heads", dict(k=torch.zeros(11, 3, 16), v=torch.zeros(11, 3, 16)), ValueError,
+         "multiple"),
+        ("v shape", dict(v=torch.zeros(11, 1, 32)), ValueError, "k and v"),
+        ("q dtype", dict(q=torch.zeros(8, 2, 16, dtype=torch.float64)), TypeError, "dtype"),
+        ("window", dict(window=0), ValueError, "window"),
+        ("group not causal", dict(causal=False, group=2), ValueError, "group"),
+        ("table dtype", dict(paged=True, table=torch.zeros(2, 1, dtype=torch.int64)),
+         TypeError, "block_table"),
+        ("table shape", dict(paged=True, table=torch.zeros(3, 1, dtype=i32)), ValueError,
+         "block_table"),
+        ("page outside the pool", dict(paged=True, table=torch.tensor([[0], [4]], dtype=i32)),
+         ValueError, "block_table[1, 0]"),
+        ("table capacity", dict(paged=True, max_k=20), ValueError, "capacity"),
+    ]
+
+
+@pytest.mark.parametrize("bad", _bad_calls(), ids=lambda b: b[0])
+def test_bad_arguments_name_the_argument(bad):
+    _, change, error, words = bad
+    i32 = torch.int32
+    call = dict(q=torch.zeros(8, 2, 16), k=torch.zeros(11, 1, 16), v=torch.zeros(11, 1, 16),
+                cu_q=torch.tensor([0, 3, 8], dtype=i32), cu_k=torch.tensor([0, 5, 11], dtype=i32),
+                max_q=5, max_k=6, window=4)
+    call.update(change)
+    kwargs = {name: call.pop(name) for name in ("causal", "group") if name in call}
+    if call.pop("paged", False):
+        call["k"], call["v"] = torch.zeros(4, 16, 1, 16), torch.zeros(4, 16, 1, 16)
+        kwargs["block_table"] = call.pop("table", torch.tensor([[0], [1]], dtype=i32))
+    with pytest.raises(error) as raised:
+        rerope.rerope_varlen(call["q"], call["k"], call["v"], call["cu_q"], call["cu_k"],
+                             call["max_q"], call["max_k"], call["window"], **kwargs)
+    assert words in str(raised.value)
+
+
+def test_paged_form_is_forward_only():
+    i32 = torch.int32
+    q = torch.zeros(8, 2, 16, requires_grad=True)
+    with pytest.raises(ValueError, match="forward-only"):
+        rerope.rerope_varlen(q, torch.zeros(4, 16, 1, 16), torch.zeros(4, 16, 1, 16),
+                             torch.tensor([0, 3, 8], dtype=i32),
+                             torch.tensor([0, 5, 11], dtype=i32), 5, 6, 4,
+                             block_table=torch.tensor([[0], [1]], dtype=i32))
+
+
+# --- a serving step, end to end ------------------------------------------------------------
+
+
+def serving_step(gen, device, dtype, hq, hkv, d, page_size, window, prefill, decoding,
+                 num_blocks, rotated=True):
+    """One engine step over one page pool: requests in ``prefill`` are ``(cached, new)``
+    token counts (a new prompt: ``cached = 0``; a prompt continuing after a cached prefix),
+    requests in ``decoding`` are cache lengths before this step's one token. Returns, per
+    request, the step's output and the dense reference over the request's whole sequence
+    (its last rows)."""
+    requests = [(c, n) for c, n in prefill] + [(n, 1) for n in decoding]
+    totals = [c + n for c, n in requests]
+    kp = torch.zeros(num_blocks, page_size, hkv, d, dtype=dtype, device=device)
+    vp = torch.zeros_like(kp)
+    order = torch.randperm(num_blocks, generator=gen).tolist()
+    max_blocks = max(-(-t // page_size) for t in totals)
+    table = torch.zeros(len(requests), max_blocks, dtype=torch.int32)
+    seqs = []
+    for r, total in enumerate(totals):
+        q = randn(gen, total, hq, d, dtype=dtype, device=device)
+        k = randn(gen, total, hkv, d, dtype=dtype, device=device)
+        v = randn(gen, total, hkv, d, dtype=dtype, device=device)
+        for j in range(-(-total // page_size)):          # the engine wrote k, v to the pool
+            page = order.pop()
+            table[r, j] = page
+            rows = slice(j * page_size, min(total, (j + 1) * page_size))
+            kp[page, :rows.stop - rows.start] = k[rows]
+            vp[page, :rows.stop - rows.start] = v[rows]
+        seqs.append((q, k, v))
+    table = table.to(device)
+    n_pre = len(prefill)
+    # prefill half: the new tokens of the prefill requests, packed
+    q_pre = torch.cat([seqs[r][0][c:] for r, (c, n) in enumerate(prefill)])
+    cu_q = cumulative([n for _, n in prefill], device)
+    cu_k = cumulative([c + n for c, n in prefill], device)
+    out_pre = rerope.rerope_varlen(q_pre, kp, vp, cu_q, cu_k, max(n for _, n in prefill),
+                                   max(c + n for c, n in prefill), window, rotated=rotated,
+                                   block_table=table[:n_pre].contiguous())
+    # decode half: one token each
+    q_dec = torch.stack([seqs[n_pre + r][0][-1:] for r in range(len(decoding))])  # (B,1,H,D)
+    lengths = torch.tensor([t for t in totals[n_pre:]], dtype=torch.int32, device=device)
+    out_dec = rerope.rerope_decode(q_dec.transpose(1, 2), kp, vp, window,
+                                   cache_seqlens=lengths, rotated=rotated,
+                                   block_table=table[n_pre:].contiguous())
+    results = []
+    for r, (q, k, v) in enumerate(seqs):
+        want = reference.rerope(*(t.double().transpose(0, 1)[None] for t in (q, k, v)),
+                                window, rotated=rotated)[0].transpose(0, 1)
+        if r < n_pre:
+            got = out_pre[int(cu_q[r]):int(cu_q[r + 1])]
+        else:
+            got = out_dec[r - n_pre, :, 0][None]
+        results.append((got, want[-got.shape[0]:]))
+    return results
+
+
+def test_serving_step(gen):
+    """A new prompt, a prompt after a cached prefix (not page aligned), and two decoding
+    requests, in one page pool: each output equals the request run alone, densely."""
+    results = serving_step(gen, kernel_device(), F32, hq=2, hkv=1, d=16, page_size=16,
+                           window=6, prefill=[(0, 13), (19, 7)], decoding=[21, 34],
+                           num_blocks=16)
+    for r, (got, want) in enumerate(results):
+        problems = close_problems(f"request {r}", got, want, tolerance(F32))
+        assert not problems, "\n".join(problems)
+
+
+_COMPILE_CHILD = r"""
+import json
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from rerope import varlen
+
+DIV = [["tt.divisibility", 16]]
+
+
+def source(fn, dtype, constexprs):
+    signature, fixed, attrs = {}, {}, {}
+    for i, param in enumerate(fn.params):
+        name = param.name
+        if param.is_constexpr:
+            signature[name] = "constexpr"
+        elif name == "Tables":
+            signature[name] = ("*fp32",) * 4
+            attrs.update({(i, j): DIV for j in range(4)})
+        elif name in ("CuQ", "CuK"):
+            signature[name], attrs[(i,)] = "*i32", DIV
+        elif name in ("Lse", "Delta"):
+            signature[name], attrs[(i,)] = "*fp32", DIV
+        elif name[0].isupper():
+            signature[name], attrs[(i,)] = "*" + dtype, DIV
+        elif name in ("qk_scale", "sm_scale", "logn_factor"):
+            signature[name] = "fp32"
+        elif name.startswith("s") and len(name) <= 3:     # (0, head, row, 1)
+            signature[name] = ("i32", "i32", "i32", "constexpr")
+            fixed[(i, 3)] = 1
+        else:
+            signature[name] = "i32"
+    fixed.update(constexprs)
+    return ASTSource(fn, signature, fixed, attrs)
+
+
+common = dict(HEAD_DIM=128, CAUSAL=True, TMA=True, LOGN=True, HEADS_FIRST=False)
+jobs = [
+    (varlen._varlen_fwd_kernel, dict(common, BLOCK_M=128, BLOCK_N=64,
+                                     INSIDE_FLAGS=(True, False, True),
+                                     OUTSIDE_FLAGS=(True, True, False)), 8, 3),
+    (varlen._varlen_dq_kernel, dict(common, BLOCK_M=64, BLOCK_N=64,
+                                    INSIDE_FLAGS=(True, False), OUTSIDE_FLAGS=(True, True)),
+     4, 2),
+    (varlen._varlen_dkdv_kernel, dict(common, BLOCK_M=64, BLOCK_N=64,
+                                      INSIDE_FLAGS=(True, False),
+                                      OUTSIDE_FLAGS=(True, True)), 4, 2),
+    (varlen._varlen_turn_keys_kernel, dict(HEAD_DIM=128, BLOCK=64, FIRST=(True, False),
+                                           SECOND=(True, False)), 4, 1),
+]
+for fn, constexprs, warps, stages in jobs:
+    kernel = triton.compile(source(fn, "bf16", constexprs), target=GPUTarget("cuda", 90, 32),
+                            options={"num_warps": warps, "num_stages": stages})
+    print(json.dumps([fn.__name__, kernel.metadata.shared]))
+"""
+
+
+def test_kernels_compile_for_hopper(tmp_path):
+    """The interpreter runs code the compiler refuses: the varlen entry kernels (TMA reads
+    from each sequence's first row, the bad-length branch) and the key turn cross-compile
+    for sm_90 here, no GPU needed, and fit its shared memory."""
+    import importlib.util
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    if importlib.util.find_spec("triton.backends.nvidia") is None:
+        pytest.skip("this Triton has no NVIDIA backend")
+    root = Path(__file__).resolve().parents[1]
+    script = tmp_path / "compile_varlen.py"
+    script.write_text(_COMPILE_CHILD, encoding="utf-8")
+    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_DEFAULT_FP_FUSION": "1",
+           "PYTHONPATH": os.pathsep.join([str(root / "kernels"), str(root)])}
+    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    shared = [json.loads(line) for line in done.stdout.splitlines()]
+    assert len(shared) == 4, done.stdout
+    assert all(size <= 232448 for _, size in shared), shared
+
+
+# --- GPU -------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [F16, BF16])
+@pytest.mark.parametrize("rotated", [False, True])
+def test_gpu_larger_packed_batch(gen, dtype, rotated):
+    case = Case((300, 1, 640, 77), (300, 513, 1024, 77), 128, hq=8, hkv=2, d=128,
+                dtype=dtype, options=(("rotated", rotated), ("logn_len", 256.0)))
+    q, k, v, cu_q, cu_k = packed(gen, case, grad=True)
+    out, lse = rerope.rerope_varlen(q, k, v, cu_q, cu_k, max(case.lq), max(case.lk),
+                                    case.window, return_lse=True, **options_of(case))
+    dout = randn(gen, *out.shape, dtype=dtype, device=out.device)
+    got = dict(zip(("dq", "dk", "dv"), torch.autograd.grad(out, (q, k, v), dout)))
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    want_out, want_lse = reference.rerope_varlen(*leaves, cu_q.cpu(), cu_k.cpu(), case.window,
+                                                 **options_of(case))
+    want = dict(zip(("dq", "dk", "dv"), torch.autograd.grad(want_out, leaves, dout.double())))
+    tol = tolerance(dtype)
+    problems = results_problems({"out": out, **got}, {"out": want_out, **want}, tol)
+    problems += close_problems("lse", lse, want_lse, tol)
+    kp, vp, table = pool_of(gen, k.detach(), v.detach(), case.lk, 64, 40)
+    with torch.no_grad():
+        paged = rerope.rerope_varlen(q, kp, vp, cu_q, cu_k, max(case.lq), max(case.lk),
+                                     case.window, block_table=table, **options_of(case))
+    problems += close_problems("paged", paged, want_out, tol)
+    assert not problems, describe(gen, case=case.id()) + "\n" + "\n".join(problems)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_serving_step_and_decode_graph(gen):
+    """The serving step at realistic sizes on the GPU (bf16 against the float64 reference),
+    then the decode half captured in a CUDA graph and replayed: the same output."""
+    results = serving_step(gen, "cuda", BF16, hq=32, hkv=8, d=128, page_size=64,
+                           window=512, prefill=[(0, 700), (1000, 300)],
+                           decoding=[1500, 2100], num_blocks=128)
+    for r, (got, want) in enumerate(results):
+        problems = close_problems(f"request {r}", got, want, tolerance(BF16))
+        assert not problems, "\n".join(problems)
+    # the decode half under a CUDA graph
+    kp = randn(gen, 64, 64, 8, 128, dtype=BF16, device="cuda")
+    vp = randn(gen, 64, 64, 8, 128, dtype=BF16, device="cuda")
+    table = torch.randperm(64, generator=gen)[:2 * 32].view(2, 32).to(torch.int32).cuda()
+    lengths = torch.tensor([1500, 2047], dtype=torch.int32, device="cuda")
+    q = randn(gen, 2, 32, 1, 128, dtype=BF16, device="cuda")
+
+    def step():
+        return rerope.rerope_decode(q, kp, vp, 512, cache_seqlens=lengths, block_table=table)
+
+    eager = step()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, eager)
+    lengths.fill_(1800)                        # the graph reads the new lengths
+    graph.replay()
+    assert torch.equal(captured, step())
+
+
+@pytest.mark.parametrize("options", [{}, {"rotated": True}, {"leaky": 3.0, "rotated": True}],
+                         ids=["raw", "rotated", "leaky-rotated"])
+@pytest.mark.parametrize("paged", [False, True])
+def test_preturned_keys_give_the_same_bits(gen, options, paged):
+    """Long sequences get their keys turned once before the kernel (:func:`varlen.turn_keys`,
+    at each key's position within its sequence): the same output, bit for bit, as turning
+    every key tile in registers."""
+    case = Case((5, 17, 3), (9, 17, 40), 6, hq=4, hkv=2, d=32, options=tuple(options.items()))
+    q, k, v, cu_q, cu_k = packed(gen, case)
+    k_rows = 0
+    if paged:
+        kp, vp, table = pool_of(gen, k, v, case.lk, 16, 8)
+        k, v = varlen.gather_pages(kp, vp, table, cu_k, 40)
+        k_rows = 40
+    plan = varlen._plan(q, 40, (6, True, None, 10000.0, options.get("leaky"), None,
+                                options.get("rotated", False), None, None))
+    turned = varlen._forward(q, k, v, cu_q, cu_k, 17, 40, k_rows, plan, preturn=True)
+    in_registers = varlen._forward(q, k, v, cu_q, cu_k, 17, 40, k_rows, plan, preturn=False)
+    assert torch.equal(turned[0], in_registers[0]) and torch.equal(turned[1], in_registers[1])
+
+
+def test_grid_orders_agree(gen):
+    """Heads first (short sequences, what the CPU cases run) and blocks first (long ones, as
+    ``rerope`` orders its grids): the same bits, forward and backward."""
+    case = CASES[1]
+    results = []
+    for max_keys in (1 << 20, 0):
+        q, k, v, cu_q, cu_k = packed(torch.Generator().manual_seed(7), case, grad=True)
+        with rerope.using_config(heads_first_max_keys=max_keys):
+            out = rerope.rerope_varlen(q, k, v, cu_q, cu_k, max(case.lq), max(case.lk),
+                                       case.window)
+            grads = torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+        results.append((out, *grads))
+    assert all(torch.equal(a, b) for a, b in zip(*results))
