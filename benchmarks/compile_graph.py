@@ -1,0 +1,186 @@
+"""What ``torch.compile`` makes of a fused-QKV ReRoPE block: guards, graph breaks, recompiles,
+and the extra work Inductor puts around the ``rerope`` custom ops. Runs on the CPU (Triton's
+interpreter; no GPU needed), so it counts, it does not time::
+
+    python -m benchmarks.compile_graph --out /tmp/compile_graph.json
+
+The block is the one of ``tests/test_generation.py`` at the issue-37 width: ``Linear(512, 1536)``
+→ view/permute (q, k, v strided views of one buffer) → ``rerope.rerope(window=16)`` →
+``Linear(512, 512)``, B=1, N=32 (small: the interpreter is slow). It reports
+
+* ``dynamo``: from ``torch._dynamo.explain``: graphs, graph breaks, FX ops, graph outputs (a
+  graph should return the block's output only), guards in all and guards on the package's
+  module-level caches (``_OPERANDS``, ``_TABLES``, ``_OFFSETS``, ``PLANS``, ...: such a guard
+  fails, and the block recompiles, whenever an eager call elsewhere adds an entry), and the FX
+  ops other than the block's own (``extra_fx_ops``: traced work such as table building);
+* ``recompiles``: frames compiled for ``compiled(x); eager call at another shape; compiled(x)``
+  (1 means no recompile);
+* ``inductor_fwd`` / ``inductor_train``: in the code Inductor generates (forward under
+  ``no_grad``; forward and backward of a training step): generated kernels, calls to the
+  ``rerope`` ops, ``extern_kernels`` calls (matmuls), copies (``clone``/``copy_``/``as_strided``
+  materialisations) and ``reinterpret_tensor`` views.
+"""
+
+import argparse
+import collections
+import json
+import os
+import re
+import time
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+os.environ.setdefault("TORCHINDUCTOR_FORCE_DISABLE_CACHES", "1")
+
+import torch  # noqa: E402
+
+import rerope  # noqa: E402
+
+CACHE_NAMES = ("_OPERANDS", "_TABLES", "_OFFSETS", "PLANS", "_LAUNCHERS", "_STEPS", "_CLASSES",
+               "_entries")
+BLOCK_OPS = {"linear", "view", "permute", "getitem", "transpose", "reshape", "rerope"}
+
+
+class Block(torch.nn.Module):
+    """``Linear(dim, 3 dim)`` → view/permute → ``rerope.rerope`` → ``Linear(dim, dim)``."""
+
+    def __init__(self, dim=512, heads=8, window=16):
+        super().__init__()
+        self.heads, self.window = heads, window
+        self.qkv = torch.nn.Linear(dim, 3 * dim)
+        self.proj = torch.nn.Linear(dim, dim)
+
+    def forward(self, x):
+        b, n, dim = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, self.heads, dim // self.heads).permute(2, 0, 3, 1, 4)
+        out = rerope.rerope(q, k, v, self.window)
+        return self.proj(out.transpose(1, 2).reshape(b, n, dim))
+
+
+def _fx_op_name(node):
+    target = node.target
+    name = getattr(target, "__name__", None) or str(target)
+    if "rerope" in str(target):
+        return "rerope"
+    return name
+
+
+def dynamo_counts(block, x):
+    """Counts from ``torch._dynamo.explain`` of one call of ``block(x)``."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(block)(x)
+    guards = [g.name for g in explained.out_guards]
+    on_caches = [n for n in guards if any(c in n for c in CACHE_NAMES) and "rerope" in n]
+    on_package = [n for n in guards if "rerope" in n]
+    outputs, extra = 0, collections.Counter()
+    for gm in explained.graphs:
+        for node in gm.graph.nodes:
+            if node.op == "output":
+                outputs += len(node.args[0]) if isinstance(node.args[0], (tuple, list)) else 1
+            elif node.op in ("call_function", "call_method"):
+                name = _fx_op_name(node)
+                if name not in BLOCK_OPS:
+                    extra[name] += 1
+    torch._dynamo.reset()
+    return dict(graphs=explained.graph_count, graph_breaks=explained.graph_break_count,
+                fx_ops=explained.op_count, graph_outputs=outputs, guards=len(guards),
+                guards_on_package=len(on_package), guards_on_caches=len(on_caches),
+                extra_fx_ops=sum(extra.values()), extra_fx_op_kinds=dict(extra))
+
+
+def recompiles(block, x, other):
+    """Frames compiled by ``compiled(x)``, an eager call of ``block(other)`` (another shape:
+    new entries in the package's caches), ``compiled(x)`` again."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    compiled_frames = []
+
+    def backend(gm, example_inputs):
+        compiled_frames.append(len(gm.graph.nodes))
+        return gm.forward
+
+    compiled = torch.compile(block, backend=backend)
+    with torch.no_grad():
+        compiled(x)
+        block(other)                  # eager, another N
+        compiled(x)
+    torch._dynamo.reset()
+    return len(compiled_frames)
+
+
+def _count(pattern, code):
+    return len(re.findall(pattern, code))
+
+
+def inductor_counts(block, x, train):
+    """What the code Inductor generates for ``block`` holds besides the block's own work."""
+    import torch._dynamo
+    from torch._inductor.utils import run_and_get_code
+
+    torch._dynamo.reset()
+    compiled = torch.compile(block)
+    if train:
+        def run():
+            out = compiled(x)
+            out.square().sum().backward()
+            return out
+    else:
+        def run():
+            with torch.no_grad():
+                return compiled(x)
+    _, codes = run_and_get_code(run)
+    torch._dynamo.reset()
+    code = "\n".join(codes)
+    return dict(
+        generated_modules=len(codes),
+        generated_kernels=_count(r"\bcpp_fused_\w+\s*=\s*async_compile", code)
+        + _count(r"\btriton_\w+\s*=\s*async_compile", code),
+        rerope_op_calls=_count(r"torch\.ops\.rerope\.\w+", code),
+        extern_kernel_calls=_count(r"extern_kernels\.\w+\(", code),
+        copies=_count(r"\.clone\(|\.copy_\(|aten\.copy|as_strided_scatter", code),
+        reinterpret_tensor=_count(r"reinterpret_tensor\(", code),
+        empty_strided=_count(r"empty_strided\w*\(", code),
+        table_ops=_count(r"\b(cos|sin|arange)\b", code),
+    ), code
+
+
+def main():
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.compile_graph",
+                                     description=__doc__.split("\n")[0])
+    parser.add_argument("--out", default=None, help="a JSON file for the counts")
+    parser.add_argument("--code-dir", default=None,
+                        help="a folder for Inductor's generated code (fwd.py, train.py)")
+    parser.add_argument("--skip-inductor", action="store_true")
+    parser.add_argument("--n", type=int, default=32)
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    block = Block()
+    x = torch.randn(1, args.n, 512)
+    other = torch.randn(1, args.n + 16, 512)
+    t0 = time.time()
+    result = {"device": "cpu (Triton interpreter)", "torch": torch.__version__,
+              "block": "Linear(512,1536) -> view/permute -> rerope(window=16) -> Linear(512,512)"
+                       f", B=1, N={args.n}, 8 heads of 64, fp32",
+              "dynamo": dynamo_counts(block, x),
+              "frames_compiled_with_eager_call_between": recompiles(block, x, other)}
+    print(json.dumps(result, indent=1), flush=True)
+    if not args.skip_inductor:
+        for name, train in (("inductor_fwd", False), ("inductor_train", True)):
+            counts, code = inductor_counts(block, x, train)
+            result[name] = counts
+            print(name, counts, flush=True)
+            if args.code_dir:
+                os.makedirs(args.code_dir, exist_ok=True)
+                with open(os.path.join(args.code_dir, f"{name}.py"), "w") as file:
+                    file.write(code)
+    result["seconds"] = round(time.time() - t0, 1)
+    if args.out:
+        with open(args.out, "w") as file:
+            json.dump(result, file, indent=1)
+            file.write("\n")
+
+
+if __name__ == "__main__":
+    main()
