@@ -15,6 +15,9 @@ The block is the one of ``tests/test_generation.py`` at the issue-37 width: ``Li
   ops other than the block's own (``extra_fx_ops``: traced work such as table building);
 * ``recompiles``: frames compiled for ``compiled(x); eager call at another shape; compiled(x)``
   (1 means no recompile);
+* ``host_us_launches_skipped``: host µs per call, eager and compiled, forward and training
+  step, of a narrower block (2 heads of 64, N=32: its ``Linear`` layers cost little on the
+  CPU) with the package's Triton launches skipped (:func:`host_us`), one CPU thread;
 * ``inductor_fwd`` / ``inductor_train``: in the code Inductor generates (forward under
   ``no_grad``; forward and backward of a training step): generated kernels, calls to the
   ``rerope`` ops, ``extern_kernels`` calls (matmuls), copies (``clone``/``copy_``/``as_strided``
@@ -146,6 +149,49 @@ def inductor_counts(block, x, train):
     ), code
 
 
+def host_us(block, x, calls=200):
+    """Host microseconds per forward (``no_grad``) and per training step (forward, backward)
+    of ``block`` eager and compiled (Inductor), with every Triton launch of the package
+    skipped (``rerope.launch.Launcher`` made a no-op: the outputs are garbage, the Python
+    around the kernels is what is timed; the two ``Linear`` layers run on the CPU)."""
+    import torch._dynamo
+    from rerope import launch
+
+    def timed(fn):
+        for _ in range(3):
+            fn()
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        return round((time.perf_counter() - start) / calls * 1e6, 1)
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    saved = launch.Launcher._slow_launch
+    launch.Launcher._slow_launch = lambda self, args: None
+    try:
+        torch._dynamo.reset()
+        compiled = torch.compile(block)
+        result = {}
+        for name, fn in (("eager", block), ("compiled", compiled)):
+            def forward():
+                with torch.no_grad():
+                    fn(x)
+
+            xg = x.detach().requires_grad_()
+
+            def train():
+                fn(xg).sum().backward()
+
+            result[f"{name}_fwd_us"] = timed(forward)
+            result[f"{name}_train_us"] = timed(train)
+    finally:
+        launch.Launcher._slow_launch = saved
+        torch.set_num_threads(threads)
+        torch._dynamo.reset()
+    return result
+
+
 def main():
     parser = argparse.ArgumentParser(prog="python -m benchmarks.compile_graph",
                                      description=__doc__.split("\n")[0])
@@ -167,6 +213,10 @@ def main():
               "frames_compiled_with_eager_call_between": recompiles(block, x, other)}
     print(json.dumps(result, indent=1), flush=True)
     if not args.skip_inductor:
+        torch.manual_seed(0)
+        result["host_us_launches_skipped"] = host_us(Block(dim=128, heads=2),
+                                                     torch.randn(1, 32, 128))
+        print("host us", result["host_us_launches_skipped"], flush=True)
         for name, train in (("inductor_fwd", False), ("inductor_train", True)):
             counts, code = inductor_counts(block, x, train)
             result[name] = counts

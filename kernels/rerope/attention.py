@@ -586,7 +586,7 @@ def _five_bwd(dout: torch.Tensor, q1: torch.Tensor, q2: torch.Tensor, k1: torch.
               k2: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
               window: int, causal: bool, sm_scale: float) -> list[torch.Tensor]:
     plan = _op_plan(_make_five_op_plan, (q1, q2, k1, k2, v), (window, causal, sm_scale))
-    return list(rerope_backward(dout.contiguous(), q1, q2, k1, k2, v, out, lse, window, causal,
+    return list(rerope_backward(dout, q1, q2, k1, k2, v, out, lse, window, causal,
                                 sm_scale, launchers=_op_backward_launchers(plan, out, lse),
                                 config=plan.config))
 
@@ -621,7 +621,7 @@ def _fused_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
                group: Optional[int] = None) -> list[torch.Tensor]:
     plan = _op_plan(_make_fused_op_plan, (q, k, v), _fused_op_settings(
         window, causal, sm_scale, base, leaky, logn_len, rotated, inv_freq, group))
-    return list(rerope_backward(dout.contiguous(), q, q, k, k, v, out, lse, window, causal,
+    return list(rerope_backward(dout, q, q, k, k, v, out, lse, window, causal,
                                 sm_scale, plan.operands,
                                 launchers=_op_backward_launchers(plan, out, lse),
                                 config=plan.config))
@@ -933,7 +933,7 @@ class FusedPlan:
     causal: bool
     scale: float
     rope: tuple         # (base, leaky, logn_len, rotated, inv_freq, group), checked
-    operands: Operands
+    operands: Optional[Operands]          # None when traced (the op makes its own)
     grad: bool          # whether the call needs a gradient (part of the plan's key)
     lift: bool          # bf16 under the interpreter: computed in fp32 (rerope.runtime)
     launchers: dict = field(default_factory=dict)
@@ -944,19 +944,20 @@ def _plan_fused(config, q, k, v, window, causal, sm_scale, base, leaky, logn_len
     check_qkv({"q": q}, {"k": k, "v": v}, fewer_queries=True)
     window, scale, rope, operands = fused_settings(
         q, k.shape[2], window, causal, sm_scale, base, leaky, logn_len, rotated, inv_freq,
-        group)
+        group, build_operands=config is not None)
     return FusedPlan(config, window, causal, scale, rope, operands, _needs_grad(q, k, v),
                      _lifted(q))
 
 
 def fused_settings(q, n_k, window, causal, sm_scale, base, leaky, logn_len, rotated,
-                   inv_freq, group):
+                   inv_freq, group, build_operands=True):
     """Check the settings of a fused-form call (``rerope``'s arguments after ``q, k, v``;
     ``q``: a query tensor, for its head dim, dtype and device, ``n_k``: the most keys a
     sequence has) and return ``(window, scale, rope, operands)``: the window clamped to
     ``n_k``, the score scale, the checked position settings ``(base, leaky, logn_len,
     rotated, inv_freq, group)`` and the :class:`Operands` (rotation tables with rows for
-    ``n_k`` positions). Shared by :func:`rerope` and :func:`rerope.rerope_varlen`."""
+    ``n_k`` positions; None when ``build_operands`` is false). Shared by :func:`rerope` and
+    :func:`rerope.rerope_varlen`."""
     check_head_dim(q.shape[-1])
     inv_freq = check_rope_settings(window, base, leaky, logn_len, rotated, inv_freq,
                                    q.shape[-1], group)
@@ -971,8 +972,11 @@ def fused_settings(q, n_k, window, causal, sm_scale, base, leaky, logn_len, rota
     rope = (float(base), None if leaky is None else float(leaky),
             None if logn_len is None else float(logn_len), rotated, inv_freq,
             None if group is None else int(group))
-    operands = _rotations(n_k, q.shape[-1], rope[0], window, *rope[1:4], q.device,
-                          inv_freq, rope[5])
+    # traced (build_operands False): the graph calls the op, which finds its operands when it
+    # runs (_op_plan); building them here would put the tables' arithmetic into the graph and
+    # have Dynamo guard on (and replay writes to) the module's caches
+    operands = None if not build_operands else _rotations(
+        n_k, q.shape[-1], rope[0], window, *rope[1:4], q.device, inv_freq, rope[5])
     return window, scale, rope, operands
 
 

@@ -576,7 +576,8 @@ def rerope_attention_forward(settings, module, query, key, value, attention_mask
     if is_static_lengths(rows):
         return _attend_static(settings, query, key, value, rows.view(-1), scaling,
                               kwargs), None
-    offsets = _position_offsets(kwargs.get("position_ids"), rows, query.shape[0], n_q, n_k)
+    offsets = _position_offsets(kwargs.get("position_ids"), rows, query.shape[0], n_q, n_k,
+                                _uses_positions(settings))
     if rows is None:
         _check_group_positions(settings, offsets, kernel_offset=0)
         query, logn_len = _logn_here(query, settings, offsets, kwargs, kernel_offset=0)
@@ -681,10 +682,21 @@ def _attend(q, k, v, settings, scaling, logn_len):
 _this_forward = {"key": None, "tensor": None, "offsets": None}
 
 
-def _position_offsets(position_ids, rows, batch, n_q, n_k):
+def _uses_positions(settings):
+    """Whether the kernels' results depend on absolute positions (log-n, Self-Extend): only
+    then are a row's offsets read for more than checking them."""
+    return settings.logn_len is not None or settings.group is not None
+
+
+def _position_offsets(position_ids, rows, batch, n_q, n_k, needed=True):
     """Per row, the constant ``c_b`` with position = slot + ``c_b`` for its real queries (list of
     ints; ``None`` for a row without real queries, or all rows when ``position_ids`` is
     ``None``). ``ValueError`` if a row's positions do not step by one along its slots.
+
+    ``needed=False`` (neither log-n nor Self-Extend, :func:`_uses_positions`: the offsets serve
+    only that check): a single new token (``n_q == 1``, a generation step) has nothing to
+    check, one position per row always steps by one; its values are not read (on a GPU that
+    would be a host sync per step) and every row's offset is ``None``.
 
     Computed from the values on every call, except on a GPU: there every layer of one forward
     gets the same ``position_ids``, and the first layer's result (one host sync) serves the
@@ -692,6 +704,13 @@ def _position_offsets(position_ids, rows, batch, n_q, n_k):
     between two forwards, even through ``.data``, is read again).
     """
     if position_ids is None:
+        return [None] * batch
+    if (position_ids.dim() != 2 or position_ids.shape[-1] != n_q
+            or position_ids.shape[0] not in (1, batch)):
+        raise ValueError(f"position_ids must have shape ({batch} or 1, {n_q}), got "
+                         f"{tuple(position_ids.shape)} (multi-dimensional RoPE positions are "
+                         "not supported)")
+    if n_q == 1 and not needed:
         return [None] * batch
     key = None
     if _reading_syncs(position_ids):
@@ -703,11 +722,6 @@ def _position_offsets(position_ids, rows, batch, n_q, n_k):
         held = _this_forward
         if held["key"] == key and held["tensor"]() is position_ids:
             return held["offsets"]
-    if (position_ids.dim() != 2 or position_ids.shape[-1] != n_q
-            or position_ids.shape[0] not in (1, batch)):
-        raise ValueError(f"position_ids must have shape ({batch} or 1, {n_q}), got "
-                         f"{tuple(position_ids.shape)} (multi-dimensional RoPE positions are "
-                         "not supported)")
     slots = torch.arange(n_k - n_q, n_k, device=position_ids.device)
     offset = position_ids.expand(batch, n_q).long() - slots
     if rows is None:

@@ -1,0 +1,116 @@
+"""Host time of ReRoPE's Hugging Face attention function per decode step, without a model: the
+calls one ``generate()`` step makes, layer after layer, on a growing dynamic cache::
+
+    python -m benchmarks.hf_host --out /tmp/hf_host.json          # CPU, launches skipped
+    REROPE_AUTOTUNE=0 python -m benchmarks.hf_host --device cuda   # a GPU, real launches
+
+Each step: the mask function once (``rerope.hf.rerope_mask`` with a 2D all-ones padding mask, as
+``generate`` passes), then ``--layers`` calls of ``rerope.hf.rerope_attention_forward`` with one
+new query ``(1, Hq, 1, D)``, the layer's cache ``(1, Hkv, N, D)`` one token longer than the last
+step's (a new tensor, as ``DynamicCache``'s ``torch.cat`` makes) and ``position_ids`` ``(1,
+1)``. Shapes of the 1B-shaped Llama of :mod:`benchmarks.hf` (32:8 heads of 64; bf16 on a GPU,
+fp32 on the CPU). On the CPU every Triton launch of the package is skipped
+(``rerope.launch.Launcher`` made a no-op, outputs garbage): what is timed is the Python around
+the kernels; on a GPU the kernels run and a step ends with a synchronisation.
+
+Reports ``us_per_step`` (median over ``--steps``), ``us_per_layer`` (= step / layers),
+``us_mask`` (the mask function), ``us_first_layer`` / ``us_other_layers`` (where a new cache length costs more), and the decode
+plan cache's counters (``rerope.decode.PLANS``: ``plans_built`` over the whole run, 1 when a
+growing cache keeps its plan).
+"""
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+if not os.environ.get("CUDA_VISIBLE_DEVICES") and "--device" not in " ".join(os.sys.argv):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import torch  # noqa: E402
+
+import rerope  # noqa: E402
+import rerope.hf as hf  # noqa: E402
+from rerope import decode, launch  # noqa: E402
+
+
+class _Layer(torch.nn.Module):
+    """What the attention function reads of a model's attention layer."""
+
+    is_causal = True
+
+
+def run(device="cpu", layers=16, steps=32, context=1024, heads=32, kv_heads=8, head_dim=64,
+        window=256):
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    settings = hf.Settings(window, base=500000.0)
+    module = _Layer()
+    gen = torch.Generator(device).manual_seed(0)
+    caches = [torch.randn(1, kv_heads, context, head_dim, dtype=dtype, device=device,
+                          generator=gen) for _ in range(layers)]
+    query = torch.randn(1, heads, 1, head_dim, dtype=dtype, device=device, generator=gen)
+    mask = torch.ones(1, context, dtype=torch.long, device=device)
+    decode.PLANS.clear()
+
+    def sync():
+        if device == "cuda":
+            torch.cuda.synchronize()
+
+    step_us, mask_us, first_us, other_us = [], [], [], []
+    for step in range(steps + 3):
+        n = caches[0].shape[2] + 1
+        new = torch.randn(1, kv_heads, 1, head_dim, dtype=dtype, device=device, generator=gen)
+        caches = [torch.cat([c, new], dim=2) for c in caches]       # DynamicCache.update
+        mask = torch.cat([mask, mask.new_ones(1, 1)], dim=1)        # generate's update
+        position_ids = torch.full((1, 1), n - 1, dtype=torch.long, device=device)
+        sync()
+        start = time.perf_counter()
+        rows = hf.rerope_mask(1, q_length=1, kv_length=n, q_offset=n - 1,
+                              attention_mask=mask.bool())
+        marks = [time.perf_counter()]
+        for cache in caches:
+            hf.rerope_attention_forward(settings, module, query, cache, cache, rows,
+                                        scaling=head_dim ** -0.5, position_ids=position_ids)
+            marks.append(time.perf_counter())
+        sync()
+        end = time.perf_counter()
+        if step >= 3:                            # warm: plans, tables
+            step_us.append((end - start) * 1e6)
+            mask_us.append((marks[0] - start) * 1e6)
+            first_us.append((marks[1] - marks[0]) * 1e6)
+            other_us.append((marks[-1] - marks[1]) * 1e6 / max(1, layers - 1))
+    median = statistics.median
+    return {"device": device, "layers": layers, "steps": steps, "context": context,
+            "heads": heads, "kv_heads": kv_heads, "head_dim": head_dim, "window": window,
+            "launches": "run" if device == "cuda" else "skipped",
+            "us_per_step": round(median(step_us), 1),
+            "us_per_layer": round(median(step_us) / layers, 1),
+            "us_mask": round(median(mask_us), 1),
+            "us_first_layer": round(median(first_us), 1),
+            "us_other_layers": round(median(other_us), 1),
+            "plans_built": decode.PLANS.built}
+
+
+def main():
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.hf_host",
+                                     description=__doc__.split("\n")[0])
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    parser.add_argument("--layers", type=int, default=16)
+    parser.add_argument("--steps", type=int, default=32)
+    parser.add_argument("--context", type=int, default=1024)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    if args.device == "cpu":
+        torch.set_num_threads(1)
+        launch.Launcher._slow_launch = lambda self, launch_args: None   # Python only
+    result = run(args.device, args.layers, args.steps, args.context)
+    print(json.dumps(result, indent=1))
+    if args.out:
+        with open(args.out, "w") as file:
+            json.dump(result, file, indent=1)
+            file.write("\n")
+
+
+if __name__ == "__main__":
+    main()

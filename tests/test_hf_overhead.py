@@ -1,0 +1,177 @@
+"""Overhead around the kernels (issue 37): what ``torch.compile`` traces and guards, and what a
+Hugging Face generation step does per layer besides launching. Fast CPU tests, no timing:
+
+* a compiled fused-QKV block traces no table building and no module-level cache: its graph
+  returns the block's output only, Dynamo puts no guard on the package's caches (such a guard
+  fails whenever an eager call elsewhere adds an entry), and an eager call at another shape
+  between two compiled calls causes no recompile; the guards on the package stay bounded;
+* the backward op hands ``dout`` to the kernels with its own strides (no hidden copy);
+* a generation step reads no ``position_ids`` values (on a GPU a host sync per step) unless
+  log-n or Self-Extend need them, and gives the same result as without them;
+* a decode over a growing cache through ``rerope.hf`` keeps one decode plan
+  (``rerope.decode.PLANS.built``).
+"""
+
+import copy
+
+import pytest
+import torch
+
+import rerope
+from rerope import attention, decode
+
+from conftest import kernel_device
+
+CACHE_NAMES = ("_OPERANDS", "_TABLES", "_OFFSETS", "PLANS", "_LAUNCHERS", "_STEPS", "_CLASSES",
+               "_entries")
+# Guards on names in the package (functions and constants the traced code reads: checks, flags,
+# the ops) at this block: 75 on torch 2.13 (2026-12-05, before: 125 with 29 on caches).
+MAX_PACKAGE_GUARDS = 100
+
+
+class Block(torch.nn.Module):
+    """``Linear(dim, 3 dim)`` → view/permute (strided views of one buffer) → ``rerope.rerope``
+    → ``Linear``: the layout of ``tests/test_generation.py``'s compile test."""
+
+    def __init__(self, dim=32, heads=2, window=5):
+        super().__init__()
+        self.heads, self.window = heads, window
+        self.qkv = torch.nn.Linear(dim, 3 * dim)
+        self.proj = torch.nn.Linear(dim, dim)
+
+    def forward(self, x):
+        b, n, dim = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, self.heads, dim // self.heads).permute(2, 0, 3, 1, 4)
+        out = rerope.rerope(q, k, v, self.window)
+        return self.proj(out.transpose(1, 2).reshape(b, n, dim))
+
+
+@pytest.fixture
+def dynamo():
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    yield torch._dynamo
+    torch._dynamo.reset()
+
+
+def test_traced_block_builds_no_tables_and_guards_no_cache(dynamo):
+    """The traced plan reads settings only: no rotation tables built in the graph (they were
+    returned from it and written into the package's caches by Dynamo after every call), no guard
+    on a module-level cache, few guards on the package."""
+    torch.manual_seed(0)
+    block = Block().to(kernel_device())
+    x = torch.randn(2, 19, 32, device=kernel_device())
+    explained = dynamo.explain(block)(x)
+    assert explained.graph_count == 1 and explained.graph_break_count == 0
+    (graph,) = explained.graphs
+    output = next(node for node in graph.graph.nodes if node.op == "output")
+    assert len(output.args[0]) == 1, f"the graph returns more than the block's output: {output}"
+    traced = {str(getattr(node.target, "__name__", node.target)) for node in graph.graph.nodes
+              if node.op in ("call_function", "call_method")}
+    assert not traced & {"arange", "cos", "sin", "cat", "pow"}, f"table building traced: {traced}"
+    guards = [g.name for g in explained.out_guards]
+    on_caches = [n for n in guards if "rerope" in n and any(c in n for c in CACHE_NAMES)]
+    assert not on_caches, f"guards on the package's caches: {on_caches}"
+    on_package = [n for n in guards if "rerope" in n]
+    assert len(on_package) <= MAX_PACKAGE_GUARDS, f"{len(on_package)} guards on the package"
+
+
+def test_no_recompile_after_eager_call_at_another_shape(dynamo):
+    """compiled(x), then the block eagerly at another length (new plans, tables and operands in
+    the package's caches), then compiled(x): one frame compiled, and the same output."""
+    torch.manual_seed(0)
+    block = Block().to(kernel_device())
+    x = torch.randn(1, 19, 32, device=kernel_device())
+    other = torch.randn(1, 27, 32, device=kernel_device())
+    frames = []
+
+    def backend(gm, example_inputs):
+        frames.append(gm)
+        return gm.forward
+
+    compiled = torch.compile(block, backend=backend)
+    with torch.no_grad():
+        first = compiled(x)
+        block(other)
+        again = compiled(x)
+    assert len(frames) == 1, f"{len(frames)} frames compiled: an eager call made Dynamo recompile"
+    assert torch.equal(first, again)
+
+
+def test_backward_op_passes_dout_strides_through(monkeypatch, gen):
+    """``rerope_bwd`` gives the kernels ``dout`` as it comes (a transposed view, say), not a
+    contiguous copy: the kernels take strides, and a copy is one more kernel per backward."""
+    device = kernel_device()
+    q, k, v = (torch.randn(1, 6, 2, 16, generator=gen).to(device).transpose(1, 2)
+               for _ in range(3))
+    settings = (5, True, 0.25, 10000.0, None, None, False)
+    out, lse = torch.ops.rerope.rerope_fwd(q, k, v, *settings)
+    dout = torch.randn(1, 6, 2, 16, generator=gen).to(device).transpose(1, 2)
+    seen = []
+    real = attention.rerope_backward
+
+    def spy(dout_given, *args, **kwargs):
+        seen.append((dout_given.stride(), dout_given.data_ptr()))
+        return real(dout_given, *args, **kwargs)
+
+    monkeypatch.setattr(attention, "rerope_backward", spy)
+    got = torch.ops.rerope.rerope_bwd(dout, q, k, v, out, lse, *settings)
+    monkeypatch.undo()
+    assert seen == [(dout.stride(), dout.data_ptr())]
+    want = torch.ops.rerope.rerope_bwd(dout.contiguous(), q, k, v, out, lse, *settings)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)
+
+
+# --- Hugging Face generation steps ----------------------------------------------------------------
+
+transformers_missing = pytest.mark.skipif(
+    __import__("importlib").util.find_spec("transformers") is None,
+    reason="Hugging Face transformers is not installed")
+
+
+class _Layer(torch.nn.Module):
+    is_causal = True
+
+
+@transformers_missing
+def test_generation_step_reads_no_positions(gen):
+    """A one-token step without log-n or Self-Extend never reads ``position_ids``' values (on a
+    GPU a host sync per step): a meta tensor, which has none, is accepted, and the result is the
+    one without positions. Log-n needs them: there they are read (and the meta tensor fails)."""
+    import rerope.hf as hf
+
+    device = kernel_device()
+    q = torch.randn(1, 4, 1, 16, generator=gen).to(device)
+    k, v = (torch.randn(1, 2, 23, 16, generator=gen).to(device) for _ in range(2))
+    meta = torch.empty(1, 1, dtype=torch.long, device="meta")
+    for settings in (hf.Settings(8), hf.Settings(8, leaky=4.0)):
+        want, _ = hf.rerope_attention_forward(settings, _Layer(), q, k, v, None)
+        got, _ = hf.rerope_attention_forward(settings, _Layer(), q, k, v, None,
+                                             position_ids=meta)
+        assert torch.equal(got, want)
+    with pytest.raises(Exception):
+        hf.rerope_attention_forward(hf.Settings(8, logn_len=16.0), _Layer(), q, k, v, None,
+                                    position_ids=meta)
+    with pytest.raises(ValueError, match="position_ids must have shape"):
+        hf.rerope_attention_forward(hf.Settings(8), _Layer(), q, k, v, None,
+                                    position_ids=torch.zeros(1, 2, dtype=torch.long))
+
+
+@transformers_missing
+def test_growing_cache_generation_keeps_one_decode_plan():
+    """``generate`` with the dynamic cache: every step's cache is one token longer, and every
+    layer's step is served by the one decode plan (``rerope.decode.PLANS.built == 1``; a
+    prompt of more than 16 tokens: a shorter one's prefill is a decode call of its own shape)."""
+    import rerope.hf as hf
+    from test_hf import build, tiny_config
+
+    model = build(tiny_config()).to(kernel_device())
+    hf.enable_rerope(model, window=8)
+    ids = torch.randint(1, 97, (1, 20), generator=torch.Generator().manual_seed(0))
+    decode.PLANS.clear()
+    with torch.no_grad():
+        out = model.generate(ids.to(kernel_device()), max_new_tokens=6, do_sample=False)
+    assert out.shape[1] == 26
+    assert decode.PLANS.built == 1 and len(decode.PLANS) == 1
