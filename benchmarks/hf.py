@@ -20,7 +20,8 @@ window)``):
 * ``decode``: after such a prefill, ``--steps`` greedy generation steps of one token each (a
   plain Python loop of ``model(next_token, cache=...)``, what ``generate`` does per step), the
   cache growing from ``context``: mean ``ms`` per token, ``tokens_per_s`` and the slowest step
-  (``max_step_ms``).
+  (``max_step_ms``); with ``--generate`` also ``generate_ms``, the same per token from plain
+  ``model.generate`` (dynamic cache, an all-ones ``attention_mask``: :func:`generate_ms`).
 
 The attention's share: the same attention op alone at the same shapes (``rerope.rerope`` /
 ``rerope.rerope_decode`` on rotated inputs, ``F.scaled_dot_product_attention`` with
@@ -144,6 +145,26 @@ def decode_ms(model, ids, steps):
             sync()
             times.append((time.perf_counter() - start) * 1e3)
         return sum(times) / steps, max(times)
+
+
+def generate_ms(model, ids, steps, reps):
+    """Plain ``generate()`` with the default dynamic cache, eager, greedy, an all-ones
+    ``attention_mask`` passed as users do: ms per generated token, the difference between
+    ``generate`` of ``steps + 1`` and of 1 new token over ``steps`` (medians of ``reps`` runs
+    each, after a warm-up generation). Unlike :func:`decode_ms`'s loop this holds
+    ``generate``'s own per-step work too (mask update and mask function, logits processing,
+    stopping criteria)."""
+    mask = torch.ones_like(ids)
+
+    def generate(new_tokens):
+        with torch.no_grad():
+            return model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens,
+                                  min_new_tokens=new_tokens, do_sample=False)
+
+    generate(4)
+    short = wall_ms(lambda: generate(1), reps, DEVICE)
+    long = wall_ms(lambda: generate(steps + 1), reps, DEVICE)
+    return (long - short) / steps
 
 
 def static_generator(model, ids, steps, compile_config=None):
@@ -300,6 +321,9 @@ def main():
     parser.add_argument("--append", action="store_true",
                         help="keep the rows already in --out (other impls, another --rope)")
     parser.add_argument("--skip-checks", action="store_true")
+    parser.add_argument("--generate", action="store_true",
+                        help="also time plain generate() (dynamic cache, eager) per token: "
+                             "generate_ms in the decode rows")
     args = parser.parse_args()
     if args.tiny:
         use_tiny_model()
@@ -351,7 +375,7 @@ def main():
                 rerope.hf.enable_rerope(model, window=args.window)
             elif rerope.hf.is_rerope_enabled(model):
                 rerope.hf.disable_rerope(model)
-            extra, slowest_step_ms = {}, None
+            extra, slowest_step_ms, extra_decode = {}, None, {}
             if impl.endswith("static_compiled"):
                 prefill_ms, step_ms, compile_s = static_compiled_ms(model, ids, args.steps,
                                                                     args.reps)
@@ -362,6 +386,9 @@ def main():
                     prefill(model, ids)                            # warm-up (and compile)
                     prefill_ms = wall_ms(lambda: prefill(model, ids), args.reps, DEVICE)
                     step_ms, slowest_step_ms = decode_ms(model, ids, args.steps)
+                    if args.generate:
+                        extra_decode["generate_ms"] = round(
+                            generate_ms(model, ids, args.steps, args.reps), 3)
                 phases = (("prefill", prefill_ms), ("decode", step_ms))
             for phase, ms in phases:
                 rows[:] = [r for r in rows if (r["impl"], r["phase"], r.get("model", "llama3.2-1b-shape"))
@@ -376,6 +403,8 @@ def main():
                     row.update(attention_ms=round(attention, 3), rest_ms=round(ms - attention, 3))
                 if phase == "decode" and slowest_step_ms is not None:
                     row["max_step_ms"] = round(slowest_step_ms, 3)
+                if phase == "decode":
+                    row.update(extra_decode)
                 rows.append(row)
                 print(f"{time.time() - t0:5.0f} s  {rows[-1]}", flush=True)
         except Exception:

@@ -25,14 +25,7 @@ import os
 import statistics
 import time
 
-if not os.environ.get("CUDA_VISIBLE_DEVICES") and "--device" not in " ".join(os.sys.argv):
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import torch  # noqa: E402
-
-import rerope  # noqa: E402
-import rerope.hf as hf  # noqa: E402
-from rerope import decode, launch  # noqa: E402
+import torch
 
 
 class _Layer(torch.nn.Module):
@@ -43,6 +36,9 @@ class _Layer(torch.nn.Module):
 
 def run(device="cpu", layers=16, steps=32, context=1024, heads=32, kv_heads=8, head_dim=64,
         window=256):
+    import rerope.hf as hf
+    from rerope import decode
+
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     settings = hf.Settings(window, base=500000.0)
     module = _Layer()
@@ -102,7 +98,11 @@ def main():
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     if args.device == "cpu":
+        os.environ.setdefault("TRITON_INTERPRET", "1")     # CPU tensors: before rerope loads
         torch.set_num_threads(1)
+    from rerope import launch
+
+    if args.device == "cpu":
         launch.Launcher._slow_launch = lambda self, launch_args: None   # Python only
     result = run(args.device, args.layers, args.steps, args.context)
     print(json.dumps(result, indent=1))

@@ -192,6 +192,8 @@ def test_without_a_gpu_the_module_exits_1_with_one_clear_line(tmp_path):
                                     "benchmarks.preturn_bwd", "benchmarks.short_n",
                                     "benchmarks.self_extend", "benchmarks.sweep_bwd128",
                                     "benchmarks.merge", "benchmarks.tp", "benchmarks.varlen",
+                                    "benchmarks.compile_block", "benchmarks.compile_graph",
+                                    "benchmarks.hf_host", "benchmarks.hf_profile",
                                     "extrapolation.self_extend"])
 def test_every_benchmark_runs_from_the_root_with_the_source_root_on_the_path(module):
     """``python -m MODULE --help`` with ``PYTHONPATH=kernels:.``, as the docstrings say: no
