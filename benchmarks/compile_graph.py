@@ -17,7 +17,8 @@ The block is the one of ``tests/test_generation.py`` at the issue-37 width: ``Li
   (1 means no recompile);
 * ``host_us_launches_skipped``: host µs per call, eager and compiled, forward and training
   step, of a narrower block (2 heads of 64, N=32: its ``Linear`` layers cost little on the
-  CPU) with the package's Triton launches skipped (:func:`host_us`), one CPU thread;
+  CPU) with the package's Triton launches skipped (:func:`host_us`), one CPU thread, and the
+  Python calls per call (cProfile's count: deterministic where the times are noisy);
 * ``inductor_fwd`` / ``inductor_train``: in the code Inductor generates (forward under
   ``no_grad``; forward and backward of a training step): generated kernels, calls to the
   ``rerope`` ops, ``extern_kernels`` calls (matmuls), copies (``clone``/``copy_``/``as_strided``
@@ -140,7 +141,7 @@ def inductor_counts(block, x, train):
         generated_modules=len(codes),
         generated_kernels=_count(r"\bcpp_fused_\w+\s*=\s*async_compile", code)
         + _count(r"\btriton_\w+\s*=\s*async_compile", code),
-        rerope_op_calls=_count(r"torch\.ops\.rerope\.\w+", code),
+        rerope_op_calls=_count(r"= torch\.ops\.rerope\.\w+\.default\(", code),
         extern_kernel_calls=_count(r"extern_kernels\.\w+\(", code),
         copies=_count(r"\.clone\(|\.copy_\(|aten\.copy|as_strided_scatter", code),
         reinterpret_tensor=_count(r"reinterpret_tensor\(", code),
@@ -157,13 +158,30 @@ def host_us(block, x, calls=200):
     import torch._dynamo
     from rerope import launch
 
-    def timed(fn):
+    def timed(fn, rounds=5):
         for _ in range(3):
             fn()
-        start = time.perf_counter()
-        for _ in range(calls):
+        times = []
+        for _ in range(rounds):
+            start = time.perf_counter()
+            for _ in range(calls // rounds):
+                fn()
+            times.append((time.perf_counter() - start) / (calls // rounds) * 1e6)
+        return round(sorted(times)[rounds // 2], 1)       # the median round
+
+    def python_calls(fn, count=10):
+        """Python function calls (and C functions called from Python) per call of ``fn``:
+        deterministic, where the times are noisy."""
+        import cProfile
+        import pstats
+
+        fn()
+        profiler = cProfile.Profile()
+        profiler.enable()
+        for _ in range(count):
             fn()
-        return round((time.perf_counter() - start) / calls * 1e6, 1)
+        profiler.disable()
+        return pstats.Stats(profiler).total_calls // count
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -185,6 +203,8 @@ def host_us(block, x, calls=200):
 
             result[f"{name}_fwd_us"] = timed(forward)
             result[f"{name}_train_us"] = timed(train)
+            result[f"{name}_fwd_python_calls"] = python_calls(forward)
+            result[f"{name}_train_python_calls"] = python_calls(train)
     finally:
         launch.Launcher._slow_launch = saved
         torch.set_num_threads(threads)
