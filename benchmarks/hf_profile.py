@@ -60,7 +60,10 @@ def profile_impl(model, ids, impl, steps, window):
         rerope.hf.enable_rerope(model, window=window)
     elif rerope.hf.is_rerope_enabled(model):
         rerope.hf.disable_rerope(model)
-    label_registry(model.config._attn_implementation)
+    try:
+        label_registry(model.config._attn_implementation)
+    except Exception as error:       # an older transformers: profile without the ranges
+        print(f"(no attention_fn / mask_fn ranges: {type(error).__name__}: {error})")
     activities = [torch.profiler.ProfilerActivity.CPU]
     if bench.DEVICE == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
