@@ -277,7 +277,7 @@ def all_launch_configs(kernel, head_dim, capability, elem_bytes=2, launch_config
 
 # --- the shared grid of cases -----------------------------------------------------------------
 
-F16, F32 = torch.float16, torch.float32
+F16, F32, BF16 = torch.float16, torch.float32, torch.bfloat16
 
 
 @dataclass(frozen=True)
@@ -340,6 +340,127 @@ CASES = [
     # explicit sm_scale
     Case(40, 11, sm_scale=0.3, d=64), Case(40, 11, sm_scale=1.0, d=16, causal=False, dtype=F16),
 ]
+
+
+# --- rerope.rerope's grid: q, k, v, the rotation inside the kernels ------------------------------
+# (tests/test_attention.py, test_backward.py, test_rotary.py, test_launch.py and test_gpu.py judge
+# it against ``rerope.reference.rerope_from_relative_positions``, the float64 oracle that scores
+# every pair straight from ReRoPE's relative position; chunked prefill puts ``Nq`` queries at the
+# last positions of ``Nk`` keys)
+
+# what ``rerope.rerope``'s cases compare: the output and the gradients of q, k, v
+NAMES = ("out", "dq", "dk", "dv")
+
+
+@dataclass(frozen=True)
+class FusedCase:
+    n_q: int
+    n_k: int
+    window: int
+    rotated: bool = False
+    causal: bool = True
+    dtype: torch.dtype = F32
+    d: int = 32
+    batch: int = 1
+    hq: int = 1
+    hkv: int = 1
+    leaky: float = None
+    logn_len: float = None
+    layout: str = "contiguous"
+
+    def id(self):
+        parts = [f"Nq{self.n_q}", f"Nk{self.n_k}", f"w{self.window}",
+                 "rotated" if self.rotated else "raw", "causal" if self.causal else "full",
+                 str(self.dtype).replace("torch.", ""), f"D{self.d}"]
+        if (self.batch, self.hq, self.hkv) != (1, 1, 1):
+            parts.append(f"B{self.batch}H{self.hq}kv{self.hkv}")
+        if self.leaky is not None:
+            parts.append(f"leaky{self.leaky}")
+        if self.logn_len is not None:
+            parts.append(f"logn{self.logn_len}")
+        if self.layout != "contiguous":
+            parts.append(self.layout)
+        return "-".join(parts)
+
+
+def C(n_q, n_k=None, window=9, **kw):
+    """A :class:`FusedCase`; ``Nk = Nq`` unless given."""
+    return FusedCase(n_q, n_q if n_k is None else n_k, window, **kw)
+
+
+FUSED_CASES = [
+    # both conventions, causal and not, windows against the 16-wide tile grid
+    C(50, window=14), C(50, window=14, rotated=True), C(77, window=17, causal=False, dtype=F16),
+    C(77, window=17, causal=False, rotated=True, dtype=F16), C(50, window=16, rotated=True),
+    C(77, window=31, causal=False), C(50, window=33, rotated=True, causal=False, dtype=F16),
+    # window 1 (only the diagonal inside) and window >= N (plain RoPE)
+    C(40, window=1, rotated=True), C(40, window=1, causal=False, dtype=F16),
+    C(40, window=40), C(40, window=500, rotated=True, causal=False),
+    # chunked prefill: 1, 7, 33 queries at the end of 100 keys, both conventions
+    C(1, 100, 13), C(1, 100, 13, rotated=True), C(7, 100, 13), C(7, 100, 13, rotated=True,
+    dtype=F16), C(33, 100, 13, rotated=True), C(33, 100, 40, causal=False),
+    C(33, 100, 13, causal=False, rotated=True, dtype=F16), C(17, 60, 70, rotated=True),
+    # Leaky ReRoPE and log-n, both conventions
+    C(50, window=9, leaky=4.0), C(50, window=9, leaky=16.0, rotated=True, dtype=F16),
+    C(50, window=9, logn_len=8.0), C(40, window=9, logn_len=5.0, rotated=True, causal=False),
+    C(33, 70, 9, leaky=3.0, logn_len=8.0, rotated=True), C(33, 70, 9, leaky=3.0, logn_len=8.0),
+    # head dims: 16 (halves below tl.dot's minimum: joined), 64, 128
+    C(40, window=7, d=16), C(40, window=7, d=16, rotated=True, causal=False, dtype=F16),
+    C(40, window=9, d=64, dtype=F16), C(33, 50, 9, d=128, rotated=True, dtype=F16),
+    # grouped-query attention and batch
+    C(24, window=7, hq=4, hkv=1, rotated=True), C(24, 40, 7, batch=2, hq=4, hkv=2, dtype=F16),
+    # layouts: transposed views of (B, N, H, D) buffers, and poisoned strided views
+    C(40, window=10, hq=2, hkv=2, layout="transposed", rotated=True, dtype=F16),
+    C(24, 40, 10, batch=2, hq=2, hkv=1, layout="poisoned"),
+    # bf16 (computed in fp32 by the interpreter; real bf16 on a GPU)
+    C(40, window=9, dtype=BF16, rotated=True),
+]
+
+
+def fused_inputs(gen, case, device=None):
+    """Leaf ``q, k, v`` in ``case.layout`` and an upstream gradient, on the kernels' device."""
+    device = device or kernel_device()
+    shapes = [(case.batch, case.hq, case.n_q, case.d), (case.batch, case.hkv, case.n_k, case.d),
+              (case.batch, case.hkv, case.n_k, case.d)]
+    leaves = [_place(randn(gen, *s, dtype=case.dtype, device=device), case.layout)
+              .requires_grad_() for s in shapes]
+    dout = randn(gen, *shapes[0], dtype=case.dtype, device=device)
+    return leaves, dout
+
+
+def fused_settings(case):
+    """A :class:`FusedCase`'s keyword arguments for ``rerope.rerope`` and the oracle."""
+    return dict(causal=case.causal, leaky=case.leaky, logn_len=case.logn_len,
+                rotated=case.rotated)
+
+
+def fused_results(leaves, dout, window, **kw):
+    """``rerope.rerope`` (rotation inside the kernels): ``out, dq, dk, dv``, under poison."""
+    import rerope
+
+    for t in leaves:
+        t.grad = None
+    with poisoned_empty():
+        out = rerope.rerope(*leaves, window, **kw)
+        out.backward(dout)
+    return {"out": out.detach(), **{n: t.grad for n, t in zip(NAMES[1:], leaves)}}
+
+
+def oracle_results(leaves, dout, window, **kw):
+    """The float64 relative-position oracle on copies of ``leaves``: ``out, dq, dk, dv``."""
+    from rerope import reference
+
+    ref = [t.detach().double().requires_grad_() for t in leaves]
+    out = reference.rerope_from_relative_positions(*ref, window, **kw)
+    out.backward(dout.double())
+    return {"out": out.detach(), **{n: t.grad for n, t in zip(NAMES[1:], ref)}}
+
+
+def raw_leaves(gen, b, hq, hkv, n, d, dtype, n_queries=None):
+    """Random ``q, k, v`` leaves on the kernels' device; ``q`` has ``n_queries`` rows."""
+    device = kernel_device()
+    shapes = [(b, hq, n_queries or n, d), (b, hkv, n, d), (b, hkv, n, d)]
+    return [randn(gen, *shape, dtype=dtype, device=device).requires_grad_() for shape in shapes]
 
 
 # --- running kernel and reference -------------------------------------------------------------

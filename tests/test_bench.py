@@ -374,3 +374,28 @@ def test_flex_two_pass_matches_naive_rerope_on_cpu(n, window, causal):
             pytest.skip(f"FlexAttention does not run on this CPU build: {error}")
     expected = _naive_rerope(q1, q2, k1, k2, v, window, causal).float()
     torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
+
+
+# --- the decode benchmark's targets ----------------------------------------------------------
+
+
+def test_bench_targets_keep_layouts_head_dims_and_queries_apart():
+    from benchmarks import decode as bench_decode
+
+    def row(impl, us, **kw):
+        return bench_decode.make_row(impl, 8, 2048, 32768, us, None, 100.0, **kw)
+
+    rows = [row("rerope_decode", 200.0, D=64), row("sdpa_cudnn", 150.0, D=64),
+            row("sdpa_flash", 180.0, D=64), row("rerope_decode", 250.0, D=64, page_size=16,
+                                                 layout="paged"),
+            row("rerope_decode", 400.0, D=128), row("sdpa_cudnn", 300.0, D=128),
+            row("rerope_decode", 210.0, D=64, Nq=4), row("sdpa_cudnn", 630.0, D=64, Nq=4),
+            row("rerope_decode", 190.0, D=64, rotated=False)]
+    (plain,) = bench_decode.targets(rows, D=64)
+    assert plain["us"] == 200.0 and plain["vs_best_sdpa"] == 150.0 / 200.0
+    (paged,) = bench_decode.targets(rows, D=64, layout="paged")
+    assert paged["page_size"] == 16 and paged["vs_contiguous"] == 200.0 / 250.0
+    (spec,) = bench_decode.targets(rows, D=64, Nq=4)
+    assert spec["vs_best_sdpa"] == 3.0
+    (big,) = bench_decode.targets(rows, D=128)
+    assert big["hbm_fraction"] == 100.0 / 400.0

@@ -1343,3 +1343,92 @@ def test_assert_rejected():
                                   {"right": lambda b, d, a, t: b * a ** (d / (2 * t))})
     with pytest.raises(AssertionError, match="the checker raised TypeError"):
         exercises.assert_rejected(exercises.check_ntk_base, {"wrong arity": lambda b: b})
+
+
+# --- the tile-angles and page-address checkers -----------------------------------------------
+
+
+@triton.jit
+def _angles_split(Table, start, BLOCK: tl.constexpr, HALF: tl.constexpr):
+    freqs = tl.arange(0, HALF)[None, :]
+    first = tl.arange(0, BLOCK)[:, None] * (2 * HALF) + freqs
+    cos_r, sin_r = tl.load(Table + first), tl.load(Table + first + HALF)
+    cos_0 = tl.load(Table + start * (2 * HALF) + freqs)
+    sin_0 = tl.load(Table + start * (2 * HALF) + HALF + freqs)
+    return cos_r * cos_0 - sin_r * sin_0, sin_r * cos_0 + cos_r * sin_0
+
+
+@triton.jit
+def _angles_row_per_key(Table, start, BLOCK: tl.constexpr, HALF: tl.constexpr):
+    rows = (start + tl.arange(0, BLOCK))[:, None] * (2 * HALF) + tl.arange(0, HALF)[None, :]
+    return tl.load(Table + rows), tl.load(Table + rows + HALF)
+
+
+@triton.jit
+def _angles_first_tile_only(Table, start, BLOCK: tl.constexpr, HALF: tl.constexpr):
+    rows = tl.arange(0, BLOCK)[:, None] * (2 * HALF) + tl.arange(0, HALF)[None, :]
+    return tl.load(Table + rows), tl.load(Table + rows + HALF)
+
+
+@triton.jit
+def _angles_too_wide(Table, start, BLOCK: tl.constexpr, HALF: tl.constexpr):
+    rows = tl.arange(0, BLOCK)[:, None] * (2 * HALF) + tl.arange(0, 2 * HALF)[None, :]
+    return tl.load(Table + rows), tl.load(Table + rows)
+
+
+@triton.jit
+def _angles_one_value(Table, start, BLOCK: tl.constexpr, HALF: tl.constexpr):
+    rows = tl.arange(0, BLOCK)[:, None] * (2 * HALF) + tl.arange(0, HALF)[None, :]
+    return tl.load(Table + rows)
+
+
+@triton.jit
+def _angles_raises(Table, start, BLOCK: tl.constexpr, HALF: tl.constexpr):
+    return undefined_name(Table)  # noqa: F821
+
+
+def test_tile_angles_checker_accepts_the_split_and_rejects_slips():
+    from rerope import exercises
+
+    assert exercises.check_tile_angles(_angles_split) == "correct"
+    verdict = exercises.check_tile_angles(_angles_row_per_key)
+    assert "read table rows other than" in verdict and "tiles 1–3" in verdict, verdict
+    assert "wrong on tiles 1–3, keys 16–63" in exercises.check_tile_angles(_angles_first_tile_only)
+    for answer in (_angles_too_wide, _angles_one_value, _angles_raises):
+        verdict = exercises.check_tile_angles(answer)
+        assert "your function raised" in verdict and "(BLOCK, HALF)" in verdict, verdict
+
+
+def test_page_address_checker():
+    def right(block_table, cache_seqlens, block_size):
+        return [block_table[b, torch.arange(n) // block_size].long() * block_size
+                + torch.arange(n) % block_size for b, n in enumerate(cache_seqlens.tolist())]
+
+    assert exercises.check_page_slots(right) == exercises.CORRECT
+
+    def page_only(block_table, cache_seqlens, block_size):          # forgets the slot
+        return [block_table[b, torch.arange(n) // block_size].long() * block_size
+                for b, n in enumerate(cache_seqlens.tolist())]
+
+    def logical(block_table, cache_seqlens, block_size):             # ignores the table
+        return [torch.arange(n) for n in cache_seqlens.tolist()]
+
+    def swapped(block_table, cache_seqlens, block_size):             # j % and // swapped
+        return [block_table[b, torch.arange(n) % block_size].long() * block_size
+                + torch.arange(n) // block_size for b, n in enumerate(cache_seqlens.tolist())]
+
+    def full_rows(block_table, cache_seqlens, block_size):           # every table entry
+        width = block_table.shape[1] * block_size
+        return [block_table[b, torch.arange(width) // block_size].long() * block_size
+                + torch.arange(width) % block_size for b in range(block_table.shape[0])]
+
+    def floats(block_table, cache_seqlens, block_size):
+        return [s.double() for s in right(block_table, cache_seqlens, block_size)]
+
+    def crashes(block_table, cache_seqlens, block_size):
+        return block_table[99]
+
+    exercises.assert_rejected(exercises.check_page_slots, {
+        "page only": page_only, "logical slots": logical, "swapped": swapped,
+        "whole table": full_rows, "floats": floats, "raises": crashes,
+        "one tensor": lambda t, n, s: torch.cat(right(t, n, s))})

@@ -232,7 +232,8 @@ def _fused_check(case, gen, report, name, large=False):
     """``rerope.rerope`` against the float64 relative-position oracle, or (``large``) against
     ``reference.rerope`` in float32 on the GPU (the oracle's per-frequency graph would not fit)."""
     from rerope import reference
-    from test_fused import fused_inputs, fused_results, oracle_results, settings
+    from rerope_testing import fused_inputs, fused_results, oracle_results
+    from rerope_testing import fused_settings as settings
 
     leaves, dout = fused_inputs(gen, case, device="cuda")
     got = fused_results(leaves, dout, case.window, **settings(case))
@@ -251,19 +252,19 @@ def _fused_check(case, gen, report, name, large=False):
 
 
 def _fused_cases():
-    from test_fused import CASES as FUSED_CASES
+    from rerope_testing import FUSED_CASES
 
     return FUSED_CASES
 
 
 @pytest.mark.parametrize("case", _fused_cases(), ids=lambda c: c.id())
 def test_fused_small_grid(case, gen, report, request):
-    """The CPU grid of ``tests/test_fused.py`` on the GPU, float64 oracle."""
+    """The CPU grid of ``rerope.rerope`` (``FUSED_CASES``) on the GPU, float64 oracle."""
     _fused_check(case, gen, report, request.node.name)
 
 
 def _fused_large_cases():
-    from test_fused import FusedCase
+    from rerope_testing import FusedCase
 
     return [FusedCase(n_q, 8192, 2048, rotated=rotated, dtype=dtype, d=d, hq=4, hkv=2, **kw)
             for d in (64, 128) for dtype in (F16, BF16) for rotated in (False, True)

@@ -601,3 +601,86 @@ def test_positions_exercise_checker():
     assert exercises.check_positions_kernel(Bound(True)) == "correct"
     verdict = exercises.check_positions_kernel(Bound(False))
     assert verdict.startswith("left padding") and "slots 0–2 wrong, got [-1, -1, -1]" in verdict
+
+
+# --- Self-Extend through rerope.hf -----------------------------------------------------------
+
+
+def _hf():
+    transformers = pytest.importorskip("transformers")
+    import test_hf  # the tiny-model setup of tests/test_hf.py
+    return transformers, test_hf
+
+
+def _register_self_extend_reference(window, group, base=10000.0):
+    """An attention implementation that un-rotates the model's q, k in float64 and runs
+    ``reference.rerope(..., group=)``, positions from ``position_ids`` (unpadded rows)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    _, test_hf = _hf()
+    name = f"test_self_extend_w{window}_g{group}"
+
+    def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kw):
+        positions = kw["position_ids"][:1]
+        n_q, n_k = query.shape[2], key.shape[2]
+        key_positions = positions if n_q == n_k else torch.arange(n_k)[None]
+        q_raw = test_hf.unrotate(query, positions, base)
+        k_raw = test_hf.unrotate(key, key_positions, base)
+        out = reference.rerope(q_raw, k_raw, value.double(), window, sm_scale=scaling,
+                               group=group)
+        return out.to(query.dtype).transpose(1, 2).contiguous(), None
+
+    AttentionInterface.register(name, attention)
+    AttentionMaskInterface.register(name, sdpa_mask)
+    return name
+
+
+def test_hf_self_extend_matches_the_reference_model():
+    import rerope.hf as hf
+    _, test_hf = _hf()
+    config = test_hf.tiny_config(kv_heads=2)
+    ids = torch.randint(1, test_hf.VOCAB, (2, 29), generator=torch.Generator().manual_seed(3))
+    model = test_hf.build(config)
+    reference_model = test_hf.build(config)
+    reference_model.set_attn_implementation(_register_self_extend_reference(8, 4))
+    want = test_hf.logits_of(reference_model, ids)
+    hf.enable_rerope(model, 8, group=4)
+    assert model.config._attn_implementation == "rerope_w8_group4"
+    got = test_hf.logits_of(model, ids)
+    assert test_hf.max_error(got, want) < 2e-4
+    plain = hf.disable_rerope(model)
+    assert test_hf.max_error(test_hf.logits_of(plain, ids), want) > 1e-3   # the group matters
+
+
+def test_hf_generate_with_the_cache_equals_recomputation(monkeypatch):
+    import rerope.hf as hf
+    from rerope import decode
+    _, test_hf = _hf()
+    model = hf.enable_rerope(test_hf.build(test_hf.tiny_config()), 8, group=4)
+    ids = torch.randint(1, test_hf.VOCAB, (1, 14), generator=torch.Generator().manual_seed(5))
+    calls = []
+    real = decode.rerope_decode
+    monkeypatch.setattr(hf, "rerope_decode",
+                        lambda *a, **kw: calls.append(kw.get("group")) or real(*a, **kw))
+    with torch.no_grad():
+        cached = model.generate(ids, max_new_tokens=3, do_sample=False)
+        seq = ids
+        for _ in range(3):
+            nxt = model(seq, use_cache=False).logits[:, -1].argmax(-1, keepdim=True)
+            seq = torch.cat([seq, nxt], dim=1)
+    assert torch.equal(cached, seq)
+    assert calls and set(calls) == {4}
+
+
+def test_hf_bad_group_and_shifted_positions_raise():
+    import rerope.hf as hf
+    _, test_hf = _hf()
+    model = test_hf.build(test_hf.tiny_config())
+    with pytest.raises(ValueError, match="group must divide window"):
+        hf.enable_rerope(model, 8, group=3)
+    with pytest.raises(ValueError, match="group .* and leaky"):
+        hf.enable_rerope(model, 8, leaky=2.0, group=2)
+    hf.enable_rerope(model, 8, group=4)
+    ids = torch.randint(1, test_hf.VOCAB, (1, 20))
+    with pytest.raises(ValueError, match="groups absolute positions"):
+        test_hf.logits_of(model, ids, position_ids=torch.arange(3, 23)[None])

@@ -137,3 +137,72 @@ def test_kernel_matches_relative_position_oracle(setting, gen):
     want = {"out": want, **{name: t.grad for name, t in zip(("dq", "dk", "dv"), oracle_inputs)}}
     problems = results_problems(got, want, tolerance(torch.float32))
     assert not problems, describe(gen, setting=ids(setting)) + "\n" + "\n".join(problems)
+
+
+# --- what the references compute; Self-Extend against the paper's two-attention form ---------
+
+
+@pytest.mark.parametrize("sm_scale", [1e-46, 1e-300])
+def test_references_compute_tiny_sm_scale(sm_scale, gen):
+    """Item 3. The float64 references compute what the kernels refuse: with all scores ~0 the
+    causal softmax is uniform, so row ``i`` is the mean of ``v[0..i]``."""
+    q, k, v = (randn(gen, 1, 2, 6, 16) for _ in range(3))
+    uniform = v.cumsum(2) / torch.arange(1, 7, dtype=v.dtype)[:, None]
+    for out in (reference.rerope_from_relative_positions(q, k, v, 2, sm_scale=sm_scale),
+                reference.rerope(q, k, v, 2, sm_scale=sm_scale)):
+        assert torch.allclose(out, uniform, rtol=0, atol=1e-12)
+
+
+def _rope64(x, positions, base=10000.0):
+    """RoPE in float64 written out (halves convention), for the independent construction."""
+    d = x.shape[-1]
+    theta = base ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)
+    ang = positions.double()[:, None] * theta[None, :]
+    cos, sin = ang.cos(), ang.sin()
+    a, b = x[..., : d // 2], x[..., d // 2:]
+    return torch.cat((a * cos - b * sin, b * cos + a * sin), dim=-1)
+
+
+def two_attention_self_extend(q, k, v, window, group):
+    """The authors' form: neighbour attention with RoPE at ``i, j``, grouped attention with RoPE
+    at ``⌊i/G⌋ + w - w/G`` and ``⌊j/G⌋``, scores merged by the window mask, causal softmax."""
+    n_q, n_k, d = q.shape[2], k.shape[2], q.shape[-1]
+    k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+    v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+    qpos = torch.arange(n_k - n_q, n_k)
+    kpos = torch.arange(n_k)
+    near = _rope64(q, qpos) @ _rope64(k, kpos).transpose(-1, -2)
+    far = (_rope64(q, qpos // group + window - window // group)
+           @ _rope64(k, kpos // group).transpose(-1, -2))
+    dist = qpos[:, None] - kpos[None, :]
+    scores = torch.where(dist < window, near, far) * d ** -0.5
+    scores = scores.masked_fill(dist < 0, float("-inf"))
+    return torch.softmax(scores, -1) @ v
+
+
+@pytest.mark.parametrize("n_q, n_k, window, group, hq, hkv", [
+    (24, 24, 6, 3, 2, 1), (7, 30, 8, 4, 2, 2), (24, 24, 30, 2, 1, 1)])
+def test_oracles_match_the_two_attention_form(n_q, n_k, window, group, hq, hkv, gen):
+    q = randn(gen, 2, hq, n_q, 16)
+    k, v = randn(gen, 2, hkv, n_k, 16), randn(gen, 2, hkv, n_k, 16)
+    want = two_attention_self_extend(q, k, v, window, group)
+    for oracle in (reference.rerope, reference.rerope_from_relative_positions):
+        got = oracle(q, k, v, window, group=group)
+        assert (got - want).abs().max() < 1e-12, oracle.__name__
+    # rotated inputs: rotated back first, the same result
+    qpos = torch.arange(n_k - n_q, n_k, dtype=torch.float64)
+    kpos = torch.arange(n_k, dtype=torch.float64)
+    got = reference.rerope_from_relative_positions(
+        rope.apply_rope(q, qpos), rope.apply_rope(k, kpos), v, window, group=group, rotated=True)
+    assert (got - want).abs().max() < 1e-12
+
+
+def test_group_one_and_long_windows_are_plain_rope(gen):
+    q, k, v = (randn(gen, 1, 2, 20, 16) for _ in range(3))
+    plain = reference.rerope_from_relative_positions(q, k, v, 20)      # w >= N: RoPE
+    for window, group in ((4, 1), (7, 1), (24, 8), (40, 4)):
+        got = reference.rerope_from_relative_positions(q, k, v, window, group=group)
+        assert (got - plain).abs().max() < 1e-12, (window, group)
+    # and a real group with a short window is not RoPE
+    grouped = reference.rerope_from_relative_positions(q, k, v, 4, group=2)
+    assert (grouped - plain).abs().max() > 1e-3

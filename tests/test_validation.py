@@ -5,14 +5,20 @@ Checked for the public ops ``rerope.rerope_attention`` (five tensors) and ``rero
 except in the few "accepted" cases (tiny shapes).
 """
 
+import math
+import re
+import warnings
+
 import numpy as np
 import pytest
 import torch
 
 import rerope
 from rerope import reference
+from rerope._validate import SM_SCALE_MAX, SM_SCALE_MIN, check_logn_overflow
 from rerope.rope import apply_rope
 from rerope.runtime import INTERPRET
+from rerope_testing import F16, F32, kernel_device, raw_leaves
 
 DEVICE = "cpu" if INTERPRET else "cuda"
 
@@ -240,9 +246,158 @@ def test_accepted_edge_values(window):
 
 
 def test_references_take_sm_scales_the_kernels_refuse():
-    """The float64 references compute any finite positive scale (tests/test_reliability.py
+    """The float64 references compute any finite positive scale (tests/test_reference.py
     checks the values); the kernels' fp32 range does not apply to them."""
     for sm_scale in (1e-46, 1e39):
         out = reference.rerope_attention(*five(dtype=torch.float64, device="cpu"), 4,
                                          sm_scale=sm_scale)
         assert torch.isfinite(out).all()
+
+
+# --- rerope.rerope's q, k, v; sm_scale, base and logn_len bounds; group ----------------------
+
+
+@pytest.mark.parametrize("bad, error, match", [
+    (dict(q_len=9, k_len=8), ValueError, "Nq <= Nk"),
+    (dict(rotated=1), TypeError, "rotated"),
+    (dict(d=24), ValueError, "head dim"),
+    (dict(dtype=torch.float64), TypeError, "q has unsupported dtype"),
+    (dict(window=0), ValueError, "window"),
+])
+def test_bad_input(bad, error, match):
+    d, dtype = bad.pop("d", 16), bad.pop("dtype", F32)
+    q_len, k_len = bad.pop("q_len", 8), bad.pop("k_len", 8)
+    q = torch.randn(1, 1, q_len, d, dtype=dtype)
+    k, v = (torch.randn(1, 1, k_len, d, dtype=dtype) for _ in range(2))
+    with pytest.raises(error, match=match):
+        rerope.rerope(q, k, v, bad.pop("window", 4), **bad)
+
+
+@pytest.mark.parametrize("sm_scale", [1e-46, 1e-40, 1e-39, 1e27, 1e38, 1e39, 1e300])
+def test_sm_scale_outside_the_fp32_range_is_refused(sm_scale):
+    """Item 3. Below ~1.2e-38 ``sm_scale·log2(e)`` is subnormal or zero in fp32 (flushed to zero
+    on GPUs: every score NaN); above ~1e26 scaled fp32 scores of fp16-range entries can be inf
+    (project issue "Reliability III", item 5: 1e38 gave NaN rows). The kernels refuse such
+    scales, naming ``sm_scale`` and the bounds."""
+    device = kernel_device()
+    q, k, v = (torch.zeros(1, 1, 4, 16, device=device) for _ in range(3))
+    message = re.escape(f"sm_scale must be between {SM_SCALE_MIN:.4g} and {SM_SCALE_MAX:.4g}")
+    with pytest.raises(ValueError, match=message):
+        rerope.rerope(q, k, v, 2, sm_scale=sm_scale)
+    with pytest.raises(ValueError, match=message):
+        rerope.rerope_attention(q, q, k, k, v, 2, sm_scale=sm_scale)
+
+
+# rerope.rerope validates q, k, v itself; reference.rerope validates the same way (so these
+# messages are checked on the float64 oracle's path too).
+RAW_OPS = [pytest.param(rerope.rerope, id="kernel"),
+           pytest.param(reference.rerope, id="reference")]
+
+
+INTERNAL_NAME = re.compile(r"\b[qk][12]\b")
+
+
+def _zeros(*shape, dtype=F32):
+    return torch.zeros(*shape, dtype=dtype, device=kernel_device())
+
+
+def _message(op, *args, error, **kwargs):
+    with pytest.raises(error) as info:
+        op(*args, **kwargs)
+    message = str(info.value)
+    assert not INTERNAL_NAME.search(message), f"names an internal tensor: {message}"
+    return message
+
+
+@pytest.mark.parametrize("op", RAW_OPS)
+def test_messages_name_the_callers_tensors(op):
+    """Item 8. Errors about ``q, k, v`` name ``q``, ``k`` or ``v``, never ``q1 … k2``."""
+    q, k, v = _zeros(1, 2, 8, 16), _zeros(1, 1, 8, 16), _zeros(1, 1, 8, 16)
+    if op is rerope.rerope:   # float64 is the references' dtype, not the kernels'
+        message = _message(op, q.double(), k.double(), v.double(), 4, error=TypeError)
+        assert re.search(r"\bq has unsupported dtype torch.float64", message), message
+    message = _message(op, q, k, v.half(), 4, error=TypeError)
+    assert re.search(r"\bv has dtype torch.float16 but q has torch.float32", message), message
+    message = _message(op, q, k, _zeros(1, 1, 9, 16), 4, error=ValueError)
+    assert re.search(r"\bv has sequence length 9, expected 8 like k\b", message), message
+    message = _message(op, q, k, _zeros(1, 2, 8, 16), 4, error=ValueError)
+    assert re.search(r"\bv has 2 heads, expected 1 like k\b", message), message
+    message = _message(op, q, k, _zeros(1, 1, 8, 32), 4, error=ValueError)
+    assert re.search(r"\bv has head dim 32, expected 16 like q\b", message), message
+    message = _message(op, q, k, "v", 4, error=TypeError)
+    assert re.search(r"\bv must be a torch.Tensor", message), message
+    message = _message(op, q, _zeros(1, 1, 4, 16), _zeros(1, 1, 4, 16), 4, error=ValueError)
+    assert re.search(r"\bq has 8 queries but k has 4 keys", message), message
+
+
+@pytest.mark.parametrize("op", RAW_OPS)
+@pytest.mark.parametrize("base, error", [
+    ("10000", TypeError), (None, TypeError), (True, TypeError), (torch.tensor(1e4), TypeError),
+    (1.0, ValueError), (0.5, ValueError), (-1e4, ValueError), (float("inf"), ValueError),
+    (float("nan"), ValueError), (10 ** 400, ValueError),
+], ids=repr)
+def test_base_type_and_value_errors(op, base, error):
+    """Item 8. A wrongly typed ``base`` is a ``TypeError``, a wrong value a ``ValueError``."""
+    q, k, v = _zeros(1, 1, 4, 16), _zeros(1, 1, 4, 16), _zeros(1, 1, 4, 16)
+    message = _message(op, q, k, v, 2, base=base, error=error)
+    assert message.startswith("base must be"), message
+
+
+@pytest.mark.parametrize("op", RAW_OPS)
+def test_logn_len_that_overflows_fp16_is_refused(op):
+    """Item 8. ``logn_len=1.0001`` scales queries at position 1023 by log(1024)/log(1.0001) ≈
+    6.9e4, beyond fp16's 65504: refused, naming ``logn_len`` and ``q``."""
+    q, k, v = (_zeros(1, 1, 1024, 16, dtype=F16) for _ in range(3))
+    message = _message(op, q, k, v, 8, logn_len=1.0001, error=ValueError)
+    assert re.search(r"logn_len=1\.0001 scales the queries q by up to 6\.93e\+04", message)
+    assert "float16" in message
+
+
+@pytest.mark.parametrize("op", RAW_OPS)
+def test_logn_len_near_overflow_warns(op, gen):
+    """Item 8. ``logn_len=1.0002`` at N = 16: scale log(16)/log(1.0002) ≈ 1.4e4; fp16 query
+    entries above ~4.7 overflow: a ``RuntimeWarning`` naming ``logn_len`` and ``q``, then the
+    result (here finite: the entries are smaller)."""
+    raw = [t.detach() / 4 for t in raw_leaves(gen, 1, 1, 1, 16, 16, F16)]
+    with pytest.warns(RuntimeWarning, match=r"logn_len=1\.0002 scales the queries q by up to "
+                                            r"1\.39e\+04.*entries of q above 4\.7"):
+        out = op(*raw, 4, logn_len=1.0002)
+    assert torch.isfinite(out).all()
+
+
+def test_check_logn_overflow_semantics():
+    """Item 8. The helper the ops call: the largest scale ``max(1, log(Nk)/log(logn_len))``;
+    ``ValueError`` beyond ``finfo(dtype).max``; ``RuntimeWarning`` beyond ``finfo.max / 16``."""
+    assert check_logn_overflow(None, 4096, F16) == 1.0
+    assert check_logn_overflow(4096, 100, F16) == 1.0                      # below L: no scaling
+    assert check_logn_overflow(2, 4096, F16) == pytest.approx(12.0)        # log2(4096)
+    assert check_logn_overflow(1.0001, 4096, F32) == pytest.approx(
+        math.log(4096) / math.log(1.0001))
+    with pytest.raises(ValueError, match=r"logn_len=1\.0001 .*queries k "):
+        check_logn_overflow(1.0001, 4096, F16, name="k")
+    with pytest.warns(RuntimeWarning, match=r"logn_len=1\.001 "):
+        check_logn_overflow(1.001, 4096, F16)                              # 8.3e3 · 16 > 65504
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        assert check_logn_overflow(1.01, 4096, F16) < 65504 / 16           # 836: quiet
+        check_logn_overflow(1.0 + 1e-15, 2 ** 40, F32)                     # 2.5e16: fits fp32
+
+
+@pytest.mark.parametrize("group, kw, error, match", [
+    (True, {}, TypeError, "group must be an int"), (2.0, {}, TypeError, "group must be an int"),
+    (0, {}, ValueError, "group must be >= 1"), (-2, {}, ValueError, "group must be >= 1"),
+    (3, {}, ValueError, "group must divide window"),
+    (2, {"leaky": 4.0}, ValueError, "group .* and leaky"),
+    (2, {"causal": False}, ValueError, "group .* needs causal=True"),
+])
+def test_bad_group_raises(group, kw, error, match):
+    device = kernel_device()
+    q, k, v = (torch.zeros(1, 1, 20, 32, device=device) for _ in range(3))
+    with pytest.raises(error, match=match):
+        rerope.rerope(q, k, v, 8, group=group, **kw)
+    with pytest.raises(error, match=match):
+        reference.rerope_from_relative_positions(q.double(), k.double(), v.double(), 8,
+                                                 group=group, **kw)
+    if "causal" not in kw:
+        with pytest.raises(error, match=match):
+            rerope.rerope_decode(q[:, :, :1], k, v, 8, group=group, **kw)

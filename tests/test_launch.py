@@ -11,10 +11,14 @@ CPU, through Triton's interpreter, small shapes:
   path's output bit for bit; a call that needs one still gets its ``grad_fn``; the float64
   oracle agrees with both.
 
+The two ways a launch reads ``rerope.rerope``'s operands: two tensor descriptors (TMA) or two
+pointer loads, both against the float64 oracle.
+
 On a GPU (``-m gpu``): every launcher the plans keep is bound to its compiled kernel.
 """
 
 import copy
+from dataclasses import asdict
 
 import pytest
 import torch
@@ -24,7 +28,8 @@ from rerope import attention
 from rerope.launch import Launcher
 from rerope.reference import rerope_from_relative_positions
 
-from conftest import kernel_device, randn, results_problems, tolerance
+from rerope_testing import (F16, C, describe, fused_inputs, fused_results, fused_settings,
+                            kernel_device, oracle_results, randn, results_problems, tolerance)
 
 F32 = torch.float32
 CUDA = torch.cuda.is_available()
@@ -256,3 +261,23 @@ def test_gpu_plan_launchers_are_bound(preturn, gen):
     turns = [key for plan in attention.PLANS.values()
              for key, _ in _keyed_launchers(plan.launchers) if key[0][0] == "turn operands"]
     assert bool(turns) == preturn, turns
+
+
+# --- the load paths: tensor descriptors (TMA) or pointer loads ---------------------------------
+
+
+@pytest.mark.parametrize("rotated", [False, True], ids=["raw", "rotated"])
+@pytest.mark.parametrize("mode", ["off", "on"], ids=["pointers", "descriptors"])
+def test_both_load_paths(rotated, mode, gen):
+    """The halves are read through two tensor descriptors (TMA) or two pointer loads."""
+    from rerope import attention
+
+    case = C(33, 60, 11, rotated=rotated, dtype=F16, hq=2, hkv=1)
+    leaves, dout = fused_inputs(gen, case)
+    assert attention._use_tma(mode, *leaves, dout) == (mode == "on"), (
+        "the path under test is not taken")
+    with rerope.using_config(tma=mode):
+        got = fused_results(leaves, dout, case.window, **fused_settings(case))
+    want = oracle_results(leaves, dout, case.window, **fused_settings(case))
+    problems = results_problems(got, want, tolerance(case.dtype))
+    assert not problems, describe(gen, tma=mode, **asdict(case)) + "\n" + "\n".join(problems)
