@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import rerope
-from rerope import reference
+from rerope import reference, rope
 from rerope._validate import SM_SCALE_MAX, SM_SCALE_MIN, check_logn_overflow
 from rerope.rope import apply_rope
 from rerope.runtime import INTERPRET
@@ -401,3 +401,61 @@ def test_bad_group_raises(group, kw, error, match):
     if "causal" not in kw:
         with pytest.raises(error, match=match):
             rerope.rerope_decode(q[:, :, :1], k, v, 8, group=group, **kw)
+
+
+# --- RoPE frequencies given as a vector (inv_freq=): bad ones, in every op -------------------
+
+
+D = 16
+
+
+def _call(op, inv_freq, base=10000.0):
+    device = kernel_device()
+    q, k, v = (torch.zeros(1, 2, 4, D, device=device) for _ in range(3))
+    if op == "rerope":
+        return rerope.rerope(q, k, v, 2, base=base, inv_freq=inv_freq)
+    if op == "rerope_decode":
+        return rerope.rerope_decode(q[:, :, -1:], k, v, 2, base=base, inv_freq=inv_freq)
+    if op == "reference.rerope":
+        return reference.rerope(q, k, v, 2, base=base, inv_freq=inv_freq)
+    if op == "rerope_from_relative_positions":
+        return reference.rerope_from_relative_positions(q, k, v, 2, base=base, inv_freq=inv_freq)
+    if op == "rerope_inputs":
+        return rope.rerope_inputs(q, k, 2, base=base, inv_freq=inv_freq)
+    return rope.apply_rope(q, torch.arange(4), base=base, inv_freq=inv_freq)
+
+
+OPS = ["rerope", "rerope_decode", "reference.rerope", "rerope_from_relative_positions",
+       "rerope_inputs", "apply_rope"]
+
+
+GOOD = [10000.0 ** (-2 * t / D) for t in range(D // 2)]
+
+
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("inv_freq, error, message", [
+    (0.5, TypeError, "inv_freq must be a 1-D tensor or a sequence of floats"),
+    ("0.5", TypeError, "inv_freq must be a 1-D tensor or a sequence of floats"),
+    ([True] * (D // 2), TypeError, r"inv_freq\[0\] must be a real number"),
+    (GOOD[:-1] + ["x"], TypeError, r"inv_freq\[7\] must be a real number"),
+    (torch.ones(D // 2, dtype=torch.int64), TypeError, "floating-point tensor"),
+    (torch.ones(2, D // 4), ValueError, "must be 1-D"),
+    ([], ValueError, "inv_freq is empty"),
+    (GOOD[:-1], ValueError, "inv_freq has 7 frequencies, but a head dim of 16 needs 8"),
+    (GOOD + [1e-3], ValueError, "inv_freq has 9 frequencies"),
+    (GOOD[:-1] + [0.0], ValueError, r"inv_freq\[7\] = 0.0: every frequency must be positive"),
+    (GOOD[:-1] + [-1e-3], ValueError, r"inv_freq\[7\] = -0.001"),
+    (GOOD[:-1] + [math.nan], ValueError, r"inv_freq\[7\] = nan"),
+    (torch.tensor(GOOD[:-1] + [math.inf]), ValueError, r"inv_freq\[7\] = inf"),
+], ids=["float", "str", "bools", "str-entry", "int-tensor", "2-D", "empty", "short", "long",
+        "zero", "negative", "nan", "inf"])
+def test_bad_inv_freq_raises(op, inv_freq, error, message):
+    with pytest.raises(error, match=message):
+        _call(op, inv_freq)
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_inv_freq_with_a_base_is_refused(op):
+    with pytest.raises(ValueError, match="pass either base or inv_freq, not both"):
+        _call(op, GOOD, base=500.0)
+    _call(op, GOOD)                   # the default base with inv_freq is fine
