@@ -670,6 +670,31 @@ def test_future_keys_positions(leaky, gen):
                               tolerance(F32))
 
 
+# --- keep it so: the rounding of the five tensors under sharp softmaxes ------------------------
+
+# With the five-tensor preprocessing (q1 = R(i) q … rounded to the input dtype BEFORE the
+# kernel), gradients under a sharp softmax are off by much more than the kernel's own error:
+# the rounded q1·k1 and q2·k2 no longer belong to one (q, k). Measured 2026-12-01 on CPU
+# (interpreter), B=1 H=1 D=256, seed 0, max|err| / max|ref| of the worst of dq, dk against the
+# float64 oracle on the same rounded q, k, v:
+#
+#   path                               dtype  default scale  sm_scale 1  sm_scale 2  sm_scale 4
+#   five tensors (rerope_inputs +      bf16   4.8e-3         2.0e-2      9.7e-2      1.25e-1
+#     rerope_attention)                fp16   7.0e-4         4.5e-3      1.2e-2      6.9e-3
+#   rerope.rerope, fused rotation     bf16   3.1e-3         2.9e-3      3.5e-3      2.8e-3
+#                                      fp16   4.4e-4         4.3e-3      1.2e-2      6.9e-3
+#
+# (N=64 window 16 for the default scale and 2, 4; N=32 window 8 for 1.) The kernel alone on the
+# rounded five tensors, against the five-tensor float64 reference, stays within 3.5e-3 (bf16)
+# and 3.2e-3 (fp16). So the fused rotation removes the five tensors' rounding where the rotated
+# tiles stay in fp32 (bf16 here: the interpreter computes bf16 in fp32), but NOT for fp16, whose
+# rotated tiles are rounded to fp16 again for tl.dot: the same rounding, in registers. On a GPU
+# expect bf16 to behave like fp16 here (its rotated tiles are rounded to bf16 for tl.dot too).
+# The test below keeps the fused path no worse than the five-tensor path at sm_scale 4 (for
+# fp16 with a floor: over other draws the two trade places, see the test), and within the
+# tolerance table at the default scale; `pytest -s` prints the ROUNDING numbers.
+
+
 @pytest.mark.parametrize("dtype", [F16, BF16], ids=str)
 def test_rounding_of_rotated_operands_under_sharp_softmax(dtype, gen):
     """D=256. Default scale: ``rerope.rerope`` within the tolerance table. ``sm_scale=4`` (a
@@ -696,9 +721,13 @@ def test_rounding_of_rotated_operands_under_sharp_softmax(dtype, gen):
     five_path = max(error_stats(g, want[name])["scaled"] for g, name in zip(chained, names))
     print(f"ROUNDING {dtype} sm_scale={sm_scale}: rerope.rerope {fused:.3g}, "
           f"five-tensor path {five_path:.3g}")
-    assert fused <= 1.5 * five_path, (
-        f"fused rotation worse than rounding the five tensors: {fused:.3g} > 1.5 · "
-        f"{five_path:.3g}")
+    # fp16 rounds the rotated tiles for tl.dot as the five tensors are rounded, so on one draw
+    # either path may come out ahead (fused / five 1.0x-11x over KERNEL_TEST_SEED 0-11, the
+    # fused error at most 0.036 where the five-tensor one was small): the floor is 2x that
+    floor = 0.075 if dtype == F16 else 0.0
+    assert fused <= max(1.5 * five_path, floor), (
+        f"fused rotation worse than rounding the five tensors: {fused:.3g} > "
+        f"max(1.5 · {five_path:.3g}, {floor})")
 
 
 @pytest.mark.parametrize("batch, heads", [(0, 2), (2, 0)], ids=["B0", "Hq0"])
