@@ -20,8 +20,9 @@ from memory. Two things keep it there:
   ``R(-j)``: ``R(w - i) q_rot · R(-j) k_rot = R(w) q · k``, ReRoPE's clamped score.
 * **Contiguous or paged.** The cache is ``(B, Hkv, Nmax, D)`` (any strides), or a paged
   pool ``(num_blocks, block_size, Hkv, D)`` with a block table, FlashAttention's layout
-  (``block_table=``): only where a key tile is loaded from changes (:func:`_key_rows`,
-  the ``PAGE_SIZE`` constexpr); positions, rotations, regions and splits stay logical.
+  (``block_table=``): only where a key tile is loaded from changes
+  (:func:`rerope.forward._key_rows`, the ``PAGE_SIZE`` constexpr); positions, rotations,
+  regions and splits stay logical.
 * **Tiles by the copy engine where chunks are long.** On Hopper a contiguous fp16/bf16
   cache is read through TMA tensor descriptors (the ``TMA`` constexpr, :func:`use_tma`)
   where each split covers at least ``TMA_MIN_KEYS`` keys, pointer loads elsewhere.
@@ -60,6 +61,7 @@ from ._validate import (Frequencies, as_frequencies, check_alike, check_head_dim
                         check_flag, check_logn_overflow, check_qkv, check_rope_args,
                         check_sm_scale)
 from .caches import CACHE_SIZE, LRUCache
+from .forward import _key_rows, _tile_pages
 from .launch import Launcher, PlanCache, _capability, _ensure_scratch_allocator, _tma_layout_ok
 from .online_softmax import LOG2E, _scores, _softmax_step, natural_lse
 from .regions import INSIDE, OUTSIDE, _nth_tile, _tile_count
@@ -81,9 +83,6 @@ INTERPRETER_CONFIG = dict(BLOCK_N=16)
 # Paged caches: a power of two, so that a page holds whole key tiles or a tile whole
 # pages.
 PAGE_SIZES = (16, 32, 64, 128, 256)
-# Block-table entries as one scalar load per page up to this many pages per tile, else a
-# gather per key (:func:`_tile_pages`).
-MAX_SCALAR_PAGES = tl.constexpr(4)
 # rows per program: from the smallest tl.dot to what registers hold
 MIN_BLOCK_M, MAX_BLOCK_M = 16, 64
 # TMA descriptors only where each split reads this many keys: each program builds its
@@ -190,54 +189,6 @@ def _decode_pass(state, q, kv, turn, row, walk, PRODUCT: tl.constexpr,
             scores = tl.where(paged_ok[None, :], scores, float("nan"))
         acc, l_i, m_i = _softmax_step(acc, l_i, m_i, scores, v, qk_scale, DOT_PRECISION)
     return acc, l_i, m_i
-
-
-@triton.jit
-def _tile_pages(pages, start, n_keys, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr):
-    """The block-table entries of the key tile from ``start`` (int64): one scalar when a
-    page holds the whole tile (``PAGE_SIZE >= BLOCK_N``, both powers of two, the tile
-    aligned), one scalar load per page up to ``MAX_SCALAR_PAGES`` pages per tile, else a
-    gather per key. Entries at and past ``n_keys`` are not read (the table may be
-    shorter than the tile) and come back 0.
-
-    Why scalars: a K/V address that waits on a tensor load of the same iteration can
-    make the pipeliner give that load a stage of its own, and K and V are then
-    prefetched one tile ahead instead of ``num_stages - 1``; scalar loads are not
-    pipelined, so K and V keep their depth, at one load per page.
-    """
-    table, st_page, sk_page, sv_page, num_blocks = pages
-    if PAGE_SIZE >= BLOCK_N:
-        return tl.load(table + (start // PAGE_SIZE) * st_page, mask=start < n_keys,
-                       other=0).to(tl.int64)
-    elif BLOCK_N // PAGE_SIZE <= MAX_SCALAR_PAGES:
-        local = tl.arange(0, BLOCK_N) // PAGE_SIZE
-        page = tl.full([BLOCK_N], 0, tl.int64)
-        for p in tl.static_range(BLOCK_N // PAGE_SIZE):
-            entry = tl.load(table + (start // PAGE_SIZE + p) * st_page,
-                            mask=start + p * PAGE_SIZE < n_keys, other=0).to(tl.int64)
-            page = tl.where(local == p, entry, page)
-        return page
-    else:
-        cols = start + tl.arange(0, BLOCK_N)
-        return tl.load(table + (cols // PAGE_SIZE) * st_page, mask=cols < n_keys,
-                       other=0).to(tl.int64)
-
-
-@triton.jit
-def _key_rows(pages, page, cols, sk_slot, sv_slot, BLOCK_N: tl.constexpr,
-              PAGE_SIZE: tl.constexpr):
-    """Where the keys ``cols`` (one tile) of one row live in a paged cache, given the
-    tile's block-table entries ``page`` (:func:`_tile_pages`).
-
-    Returns the K and V row offsets (int64, from page 0 of the KV head) and whether each
-    key's block-table entry is a page of the cache (``0 <= page < num_blocks``; the
-    loads skip the others).
-    """
-    table, st_page, sk_page, sv_page, num_blocks = pages
-    page = tl.full([BLOCK_N], 0, tl.int64) + page
-    ok = (page >= 0) & (page < num_blocks)
-    slot = cols % PAGE_SIZE
-    return page * sk_page + slot * sk_slot, page * sv_page + slot * sv_slot, ok
 
 
 @triton.jit
