@@ -57,9 +57,9 @@ import triton
 import triton.language as tl
 
 from . import configs
-from ._validate import (Frequencies, as_frequencies, check_alike, check_head_dim,
-                        check_flag, check_logn_overflow, check_qkv, check_rope_args,
-                        check_sm_scale)
+from ._validate import (Frequencies, as_frequencies, check_alike, check_block_table,
+                        check_flag, check_head_dim, check_int32, check_logn_overflow,
+                        check_qkv, check_rope_args, check_sm_scale)
 from .caches import CACHE_SIZE, LRUCache
 from .forward import _key_rows, _tile_pages
 from .launch import Launcher, PlanCache, _capability, _ensure_scratch_allocator, _tma_layout_ok
@@ -645,17 +645,7 @@ def _check_paged_args(q, k_cache, v_cache, block_table, cache_seqlens):
                          f"pages of {', '.join(map(str, PAGE_SIZES))} keys")
     if num_blocks < 1:
         raise ValueError("k_cache and v_cache have no pages (num_blocks = 0)")
-    if block_table.dtype != torch.int32:
-        raise TypeError(f"block_table must have dtype torch.int32, got "
-                        f"{block_table.dtype}")
-    if (block_table.dim() != 2 or block_table.shape[0] != batch
-            or block_table.shape[1] < 1):
-        raise ValueError(f"block_table must have shape ({batch}, max_blocks_per_seq) "
-                         f"with max_blocks_per_seq >= 1 (one row of page numbers per "
-                         f"batch row), got {tuple(block_table.shape)}")
-    if block_table.device != q.device:
-        raise ValueError(f"block_table must be on q's device ({q.device}), got "
-                         f"{block_table.device}")
+    check_block_table(block_table, batch, q.device, "max_blocks_per_seq", "batch row")
     if cache_seqlens is None:
         raise ValueError("cache_seqlens is required with a block_table (the number of "
                          "valid keys of each row): an int32 tensor of shape (B,)")
@@ -694,18 +684,8 @@ def _check_decode_args(q, k_cache, v_cache, cache_seqlens, block_table, window,
         if num_splits < 1:
             raise ValueError(f"num_splits must be >= 1, got {num_splits}")
     if cache_seqlens is not None:
-        if not isinstance(cache_seqlens, torch.Tensor):
-            raise TypeError(f"cache_seqlens must be an int32 tensor of shape "
-                            f"({batch},) or None, got {type(cache_seqlens).__name__}")
-        if cache_seqlens.dtype != torch.int32:
-            raise TypeError(f"cache_seqlens must have dtype torch.int32, got "
-                            f"{cache_seqlens.dtype}")
-        if tuple(cache_seqlens.shape) != (batch,):
-            raise ValueError(f"cache_seqlens must have shape ({batch},) (one length "
-                             f"per batch row), got {tuple(cache_seqlens.shape)}")
-        if cache_seqlens.device != q.device:
-            raise ValueError(f"cache_seqlens must be on q's device ({q.device}), got "
-                             f"{cache_seqlens.device}")
+        check_int32("cache_seqlens", cache_seqlens, lambda shape: shape == (batch,),
+                    f"({batch},) (one length per batch row) or None", q.device)
     check_logn_overflow(logn_len, n_max, q.dtype)
     return batch, hq, hkv, n_queries, n_max, d
 

@@ -31,7 +31,8 @@ import triton
 import triton.language as tl
 
 from . import configs
-from ._validate import KERNEL_DTYPES, as_frequencies, check_alike, check_flag
+from ._validate import (KERNEL_DTYPES, as_frequencies, check_alike, check_block_table,
+                        check_flag, check_int32)
 from .attention import (_first_order_only, _lifted, _needs_grad, _use_tma, fused_settings,
                         heads_first)
 from .backward import _bwd_delta_kernel, _dkdv_rows, _dq_rows
@@ -293,19 +294,11 @@ def _check_max_seqlen(name, value):
 
 
 def _check_cu_seqlens(name, cu, device, batch=None):
-    if not isinstance(cu, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor (int32, (B + 1,)), got "
-                        f"{type(cu).__name__}")
-    if cu.dtype != torch.int32:
-        raise TypeError(f"{name} must have dtype torch.int32, got {cu.dtype}")
-    if cu.dim() != 1 or cu.shape[0] < 2:
-        raise ValueError(f"{name} must have shape (B + 1,) with B >= 1 (cumulative "
-                         f"sequence lengths starting at 0), got {tuple(cu.shape)}")
+    check_int32(name, cu, lambda shape: len(shape) == 1 and shape[0] >= 2,
+                "(B + 1,) with B >= 1 (cumulative sequence lengths starting at 0)", device)
     if batch is not None and cu.shape[0] != batch + 1:
         raise ValueError(f"{name} has {cu.shape[0]} entries but cu_seqlens_q has "
                          f"{batch + 1}: one entry per sequence plus one")
-    if cu.device != device:
-        raise ValueError(f"{name} must be on q's device ({device}), got {cu.device}")
 
 
 def _check_lengths_on_host(cu_q, cu_k, max_q, max_k, total_q, total_k):
@@ -381,19 +374,7 @@ def _check_varlen(q, k, v, cu_q, cu_k, max_q, max_k, block_table):
     batch = cu_q.shape[0] - 1
     _check_cu_seqlens("cu_seqlens_k", cu_k, q.device, batch)
     if paged:
-        if not isinstance(block_table, torch.Tensor):
-            raise TypeError(f"block_table must be a torch.Tensor, got "
-                            f"{type(block_table).__name__}")
-        if block_table.dtype != torch.int32:
-            raise TypeError(f"block_table must have dtype torch.int32, got "
-                            f"{block_table.dtype}")
-        if block_table.dim() != 2 or block_table.shape[0] != batch or block_table.shape[1] < 1:
-            raise ValueError(f"block_table must have shape ({batch}, max_blocks) with "
-                             f"max_blocks >= 1 (one row of page numbers per sequence), got "
-                             f"{tuple(block_table.shape)}")
-        if block_table.device != q.device:
-            raise ValueError(f"block_table must be on q's device ({q.device}), got "
-                             f"{block_table.device}")
+        check_block_table(block_table, batch, q.device)
         if k.shape[0] < 1:
             raise ValueError("k and v have no pages (num_blocks = 0)")
         capacity = block_table.shape[1] * k.shape[1]
