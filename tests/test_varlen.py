@@ -23,8 +23,8 @@ import torch
 import rerope
 from rerope import reference, varlen
 from benchmarks.varlen import page_pool
-from rerope_testing import (close_problems, describe, kernel_device, poisoned_empty, randn,
-                            results_problems, tolerance)
+from rerope_testing import (close_problems, cross_compile, describe, kernel_device,
+                            poisoned_empty, randn, results_problems, tolerance)
 
 F16, F32, BF16 = torch.float16, torch.float32, torch.bfloat16
 
@@ -473,25 +473,10 @@ def test_kernels_compile_for_hopper(tmp_path):
     """The interpreter runs code the compiler refuses: the varlen entry kernels (TMA reads
     from each sequence's first row, the bad-length branch, pages read in place) and the key
     turn cross-compile for sm_90 here, no GPU needed, and fit its shared memory."""
-    import importlib.util
     import json
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
 
-    if importlib.util.find_spec("triton.backends.nvidia") is None:
-        pytest.skip("this Triton has no NVIDIA backend")
-    root = Path(__file__).resolve().parents[1]
-    script = tmp_path / "compile_varlen.py"
-    script.write_text(_COMPILE_CHILD, encoding="utf-8")
-    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_DEFAULT_FP_FUSION": "1",
-           "PYTHONPATH": os.pathsep.join([str(root / "kernels"), str(root)])}
-    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True,
-                          text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    shared = [json.loads(line) for line in done.stdout.splitlines()]
-    assert len(shared) == 8, done.stdout
+    shared = [json.loads(line) for line in cross_compile(tmp_path, _COMPILE_CHILD)]
+    assert len(shared) == 8, shared
     assert all(size <= 232448 for _, size in shared), shared
 
 
