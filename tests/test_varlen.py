@@ -422,7 +422,10 @@ def source(fn, dtype, constexprs):
         elif name == "Tables":
             signature[name] = ("*fp32",) * 4
             attrs.update({(i, j): DIV for j in range(4)})
-        elif name in ("CuQ", "CuK"):
+        elif name == "Cu":              # (cu_seqlens_q, cu_seqlens_k)
+            signature[name] = ("*i32", "*i32")
+            attrs.update({(i, j): DIV for j in range(2)})
+        elif name == "CuK":
             signature[name], attrs[(i,)] = "*i32", DIV
         elif name == "Pages":           # (block_table, its two strides, num_blocks)
             signature[name] = ("*i32", "i32", "i32", "i32")

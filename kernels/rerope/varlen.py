@@ -47,13 +47,14 @@ from .runtime import INTERPRET
 
 
 @triton.jit
-def _spans(CuQ, CuK, batch):
+def _spans(Cu, batch):
     """``(q0, n_q, k0, n_k)`` of sequence ``batch``: its first query row and query count,
-    its first key row and key count."""
-    q0 = tl.load(CuQ + batch)
-    n_q = tl.load(CuQ + batch + 1) - q0
-    k0 = tl.load(CuK + batch)
-    n_k = tl.load(CuK + batch + 1) - k0
+    its first key row and key count, from ``Cu``, the cumulative lengths ``(cu_seqlens_q,
+    cu_seqlens_k)``."""
+    q0 = tl.load(Cu[0] + batch)
+    n_q = tl.load(Cu[0] + batch + 1) - q0
+    k0 = tl.load(Cu[1] + batch)
+    n_k = tl.load(Cu[1] + batch + 1) - k0
     return q0.to(tl.int64), n_q, k0.to(tl.int64), n_k
 
 
@@ -69,7 +70,7 @@ def _rows_of(X, first, strides, PAGED: tl.constexpr):
 
 @triton.jit(do_not_specialize=["total_q", "total_k", "max_seqlen_q", "max_seqlen_k"])
 def _varlen_fwd_kernel(
-    Q, K1, K2, V, Out, Lse, Tables, CuQ, CuK, Pages, sq, sk1, sk2, sv, so,
+    Q, K1, K2, V, Out, Lse, Tables, Cu, Pages, sq, sk1, sk2, sv, so,
     n_heads, q_per_kv, total_q, total_k, max_seqlen_q, max_seqlen_k, window,
     qk_scale, logn_factor,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -96,7 +97,7 @@ def _varlen_fwd_kernel(
         block = n_blocks - 1 - block
     batch = bh // n_heads
     head = bh % n_heads
-    q0, n_q, k0, n_k = _spans(CuQ, CuK, batch)
+    q0, n_q, k0, n_k = _spans(Cu, batch)
     start_m = block * BLOCK_M
     bad = ((n_q < 0) | (n_q > n_k) | (n_q > max_seqlen_q) | (n_k > max_seqlen_k)
            | (q0 < 0) | (q0 + n_q > total_q) | (k0 < 0) | (k0 + n_k > total_k))
@@ -128,7 +129,7 @@ def _varlen_fwd_kernel(
 
 @triton.jit(do_not_specialize=["total_q", "total_k"])
 def _varlen_dq_kernel(
-    Q, K, V, DO, Lse, Delta, DQ, Tables, CuQ, CuK, sq, sk, sv, sdo,
+    Q, K, V, DO, Lse, Delta, DQ, Tables, Cu, sq, sk, sv, sdo,
     n_heads, q_per_kv, total_q, total_k, window, qk_scale, sm_scale, logn_factor,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, TMA: tl.constexpr, HEADS_FIRST: tl.constexpr,
@@ -142,7 +143,7 @@ def _varlen_dq_kernel(
         block = n_blocks - 1 - block
     batch = bh // n_heads
     head = bh % n_heads
-    q0, n_q, k0, n_k = _spans(CuQ, CuK, batch)
+    q0, n_q, k0, n_k = _spans(Cu, batch)
     start_m = block * BLOCK_M
     if start_m < n_q:
         zero = batch * 0
@@ -156,7 +157,7 @@ def _varlen_dq_kernel(
 
 @triton.jit(do_not_specialize=["total_q", "total_k"])
 def _varlen_dkdv_kernel(
-    Q, K, V, DO, Lse, Delta, DK, DV, Tables, CuQ, CuK, sq, sk, sv, sdo,
+    Q, K, V, DO, Lse, Delta, DK, DV, Tables, Cu, sq, sk, sv, sdo,
     n_heads, q_per_kv, total_q, total_k, window, qk_scale, sm_scale, logn_factor,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, TMA: tl.constexpr, HEADS_FIRST: tl.constexpr,
@@ -169,7 +170,7 @@ def _varlen_dkdv_kernel(
     n_kv_heads = n_heads // q_per_kv
     batch = bh // n_kv_heads
     kv_head = bh % n_kv_heads
-    q0, n_q, k0, n_k = _spans(CuQ, CuK, batch)
+    q0, n_q, k0, n_k = _spans(Cu, batch)
     start_n = block * BLOCK_N
     if start_n < n_k:
         zero = batch * 0
@@ -198,7 +199,7 @@ def _varlen_turn_keys_kernel(K, Out1, Out2, Tables, CuK, Pages, sk, n_heads, tot
     forward makes its rows NaN)."""
     batch = tl.program_id(0) // n_heads
     head = tl.program_id(0) % n_heads
-    _, _, k0, n_k = _spans(CuK, CuK, batch)
+    _, _, k0, n_k = _spans((CuK, CuK), batch)
     rows = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     keep = (rows < n_k) & (k0 + rows < total_k)
     if PAGE_SIZE > 0:
@@ -529,7 +530,7 @@ def _forward(q, k, v, cu_q, cu_k, max_q, max_k, plan, preturn=None, block_table=
         total_k, tma = k.shape[0], _tma(plan, q, k1, k2, v)
     else:      # pools as (page, head, slot, dim); pre-turned keys packed in B · max_k rows
         total_k, tma = batch * max_k, False
-    args = [q, k1, k2, v, out, lse, operands.tables, cu_q, cu_k, pages,
+    args = [q, k1, k2, v, out, lse, operands.tables, (cu_q, cu_k), pages,
             *_views(q, k1, k2, v, out), hq, hq // hkv, total_q, total_k, max_q, max_k,
             plan.window, plan.scale * LOG2E, operands.logn_factor]
     _launch("fwd", "BLOCK_M", max_q, batch * hq, args, plan.config, HEAD_DIM=d,
@@ -560,7 +561,7 @@ def _backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, plan):
     common = dict(HEAD_DIM=d, CAUSAL=plan.causal, TMA=_tma(plan, q, k, v, dout),
                   HEADS_FIRST=heads_first(max_k, batch * hq, plan.config),
                   **_flags(operands))
-    tail = [operands.tables, cu_q, cu_k, *_views(q, k, v, dout), hq, hq // hkv, total_q,
+    tail = [operands.tables, (cu_q, cu_k), *_views(q, k, v, dout), hq, hq // hkv, total_q,
             total_k, plan.window, plan.scale * LOG2E, plan.scale, operands.logn_factor]
     _launch("dkdv", "BLOCK_N", max_k, batch * hkv,
             [q, k, v, dout, lse, delta, dk, dv, *tail], plan.config, **common)
