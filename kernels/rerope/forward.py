@@ -36,7 +36,9 @@ is an ``exp2``, and the per-row log-sum-exp (log2 units) saved for the backward 
 
 Tiles are read through :func:`_tiles` / :func:`_load_tile`: TMA tensor descriptors on
 Hopper (fp16/bf16, aligned layouts), pointer loads elsewhere; the launcher picks
-(``TMA``).
+(``TMA``). A paged cache (``rerope_varlen``'s ``block_table``, ``PAGE_SIZE > 0``) is read
+in place by :func:`_paged_tile`: pointer loads whose rows the block table gives
+(:func:`_tile_pages`, :func:`_key_rows`, which :mod:`rerope.decode` shares).
 
 Strides travel as tuples (``x.stride()``: batch, head, row, column), so a kernel takes
 one argument per tensor; Triton still specialises each entry (a unit column stride is a

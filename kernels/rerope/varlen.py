@@ -660,8 +660,8 @@ def rerope_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
     ``max_seqlen_*`` too small) and pages outside the pool. The values are read only where
     ``cu_seqlens_*`` (and ``block_table``) are CPU tensors; on a GPU they are not checked
     (that would need a host sync): a sequence with lengths out of range comes back as NaN
-    rows (those within ``max_seqlen_q`` of its start; its log-sum-exps too), and one that
-    uses a page outside the pool as NaN.
+    rows (those within ``max_seqlen_q`` of its start; its log-sum-exps too), and the rows
+    of a sequence that read a page outside the pool come back NaN.
 
     CUDA tensors, or CPU tensors under Triton's CPU interpreter. Under ``torch.compile`` the
     call runs eagerly (``torch.compiler.disable``: a graph break), never traced into Triton.
