@@ -92,6 +92,7 @@ def _varlen_fwd_kernel(
     place through ``Pages``, ``(block_table, its two strides, num_blocks)``; pre-turned
     keys are packed as ``k`` would be (``total_k`` rows, sequence ``b`` from
     ``cu_seqlens_k[b]``). ``0``: ``Pages`` is not read."""
+    PAGED: tl.constexpr = PAGE_SIZE > 0
     bh, block, n_blocks = _program(HEADS_FIRST)
     if CAUSAL:   # the last query blocks have the most keys: start them first
         block = n_blocks - 1 - block
@@ -114,7 +115,6 @@ def _varlen_fwd_kernel(
                  tl.full([BLOCK_M], float("nan"), tl.float32), mask=ok)
     elif start_m < n_q:
         zero = batch * 0
-        PAGED: tl.constexpr = PAGE_SIZE > 0
         pages = ((Pages[0] + batch.to(tl.int64) * Pages[1], Pages[2], Pages[3]) if PAGED
                  else None)       # this sequence's block-table row
         # a product's keys are pre-turned (packed, not paged) where TURN_KEYS != TURN
