@@ -15,8 +15,7 @@ backward of the prefill shapes (packed training; ``rerope_varlen`` contiguous ag
 
 - ``rerope_varlen``: ours, one launch over the packed batch; ``paged`` False with contiguous
   ``k, v`` ``(total_k, Hkv, D)``, ``paged`` True from a page pool of 64-key pages in shuffled
-  order (the first version gathers the pages, then runs the contiguous kernel: the gather is
-  timed too).
+  order, read in place by the kernel.
 - ``rerope_per_sequence``: ``rerope.rerope`` on each sequence as a ``(1, H, L, D)`` call, the
   eight calls back to back, timed together (the sum of their times).
 - ``flex_document_mask``: plain causal attention (not ReRoPE) by FlexAttention with a document
@@ -64,16 +63,19 @@ def _time_ms(step):
     return statistics.median(event_times_ms(step, reps))
 
 
-def _pool(k, v, lengths_k, page_size, generator):
-    """The keys and values of every sequence on shuffled pages of two pools (a few spare
-    pages), and the block table."""
-    total_pages = sum(-(-n // page_size) for n in lengths_k) + 8
-    hkv, d = k.shape[1:]
-    k_pool = torch.zeros(total_pages, page_size, hkv, d, dtype=k.dtype, device=k.device)
-    v_pool = torch.zeros_like(k_pool)
+def page_pool(k, v, lengths_k, page_size, generator, spare=8, fill=None, unused=0):
+    """The keys and values of every sequence (packed ``k, v`` ``(total_k, Hkv, D)``, sequence
+    ``b`` with ``lengths_k[b]`` keys) on shuffled pages of two pools ``(num_pages, page_size,
+    Hkv, D)``, ``spare`` pages more than the sequences use, and the int32 block table ``(B,
+    max_blocks)`` on ``k``'s device. Slots no key fills hold ``fill(shape)`` (``None``: zeros);
+    table entries past a sequence's pages hold ``unused``. Shared with the tests."""
+    total_pages = sum(-(-n // page_size) for n in lengths_k) + spare
+    shape = (total_pages, page_size, *k.shape[1:])
+    fill = fill or (lambda shape: torch.zeros(shape, dtype=k.dtype, device=k.device))
+    k_pool, v_pool = (fill(shape).to(k.device, k.dtype) for _ in "kv")
     order = torch.randperm(total_pages, generator=generator).tolist()
-    table = torch.zeros(len(lengths_k), max(-(-n // page_size) for n in lengths_k),
-                        dtype=torch.int32)
+    table = torch.full((len(lengths_k), max(-(-n // page_size) for n in lengths_k)), unused,
+                       dtype=torch.int32)
     start = 0
     for b, n in enumerate(lengths_k):
         for j in range(-(-n // page_size)):
@@ -83,7 +85,7 @@ def _pool(k, v, lengths_k, page_size, generator):
             k_pool[page, :rows.stop - rows.start] = k[rows]
             v_pool[page, :rows.stop - rows.start] = v[rows]
         start += n
-    return k_pool, v_pool, table.cuda()
+    return k_pool, v_pool, table.to(k.device)
 
 
 def _flex_step(q, k, v, lengths_q, lengths_k):
@@ -171,7 +173,7 @@ def run(lengths, window, dtype, page_size, scenarios, impls):
         elif "rerope_varlen" in impls:
             steps[("rerope_varlen", False)] = lambda: rerope.rerope_varlen(
                 q, k, v, cu_q, cu_k, max_q, max_k, window, rotated=True)
-            k_pool, v_pool, table = _pool(k, v, lengths_k, page_size, generator)
+            k_pool, v_pool, table = page_pool(k, v, lengths_k, page_size, generator)
             steps[("rerope_varlen", True)] = lambda: rerope.rerope_varlen(
                 q, k_pool, v_pool, cu_q, cu_k, max_q, max_k, window, rotated=True,
                 block_table=table)

@@ -565,6 +565,31 @@ def log_errors(dtype, stats, where=None):
             f.write(json.dumps(record) + "\n")
 
 
+# --- cross-compiling in a child process --------------------------------------------------------
+
+
+def cross_compile(tmp_path, script, timeout=600):
+    """Run ``script`` (Python source that compiles kernels with ``triton.compile`` for NVIDIA
+    targets, no GPU needed) in a child process with the compiler rather than the interpreter
+    (this process's mode is fixed at import), ``rerope`` importable from this checkout.
+    Skips where this Triton has no NVIDIA backend; fails with the child's stderr if it
+    fails. Returns the child's stdout lines."""
+    import importlib.util
+    import subprocess
+
+    if importlib.util.find_spec("triton.backends.nvidia") is None:
+        pytest.skip("this Triton has no NVIDIA backend")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    path = tmp_path / "cross_compile.py"
+    path.write_text(script, encoding="utf-8")
+    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_DEFAULT_FP_FUSION": "1",
+           "PYTHONPATH": os.pathsep.join([os.path.join(root, "kernels"), root])}
+    done = subprocess.run([sys.executable, str(path)], env=env, capture_output=True,
+                          text=True, timeout=timeout)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout.splitlines()
+
+
 # --- the book's table of contents, read by the one reader tools/execute_notebooks.py has ---------
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))

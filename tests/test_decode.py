@@ -32,8 +32,8 @@ import torch
 
 import rerope
 from rerope import decode, reference, rope
-from rerope_testing import (close_problems, describe, kernel_device, poisoned_empty, randn,
-                            results_problems, tolerance)
+from rerope_testing import (close_problems, cross_compile, describe, kernel_device,
+                            poisoned_empty, randn, results_problems, tolerance)
 
 F16, F32, BF16 = torch.float16, torch.float32, torch.bfloat16
 
@@ -531,23 +531,8 @@ def test_kernels_compile_for_every_gpu(tmp_path):
     """The interpreter runs code the compiler refuses (a plain global in a kernel, say):
     the split kernel (tuple strides, ``None`` lengths, paged, TMA) and the merge kernel
     cross-compile for sm_75, sm_80 and sm_90 here, no GPU needed."""
-    import importlib.util
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    if importlib.util.find_spec("triton.backends.nvidia") is None:
-        pytest.skip("this Triton has no NVIDIA backend")
-    root = Path(__file__).resolve().parents[1]
-    script = tmp_path / "compile_decode.py"
-    script.write_text(_COMPILE_CHILD, encoding="utf-8")
-    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_DEFAULT_FP_FUSION": "1",
-           "PYTHONPATH": os.pathsep.join([str(root / "kernels"), str(root)])}
-    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True,
-                          text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert len(done.stdout.splitlines()) == 5, done.stdout
+    lines = cross_compile(tmp_path, _COMPILE_CHILD)
+    assert len(lines) == 5, lines
 
 # --- GPU ------------------------------------------------------------------------------
 

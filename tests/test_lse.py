@@ -171,11 +171,8 @@ def test_decode_lse_under_compile(gen):
     """Compiled, the decode takes its own op (``torch.ops.rerope.rerope_decode_lse``): the
     same output and lse as eagerly; the op passes ``torch.library.opcheck``."""
     q, k, v = qkv(gen, 1, 2, 1, 1, 8, 16, F32)
-    compiled = torch.compile(lambda q, k, v: rerope.rerope_decode(q, k, v, 3, return_lse=True),
-                             backend="eager", fullgraph=True)
-    out, lse = compiled(q, k, v)
-    want_out, want_lse = rerope.rerope_decode(q, k, v, 3, return_lse=True)
-    assert torch.equal(out, want_out) and torch.equal(lse, want_lse)
+    assert_compiled_equals_eager(lambda q, k, v: rerope.rerope_decode(q, k, v, 3,
+                                                                      return_lse=True), q, k, v)
     torch.library.opcheck(torch.ops.rerope.rerope_decode_lse.default,
                           (q, k, v, None, 3, None, 10000.0, None, None, True, None, None,
                            None, None), test_utils=("test_schema", "test_faketensor"))
@@ -200,8 +197,12 @@ def test_gpu_lse(gen, dtype):
 def test_rerope_lse_under_compile(gen):
     """The compiled path (the ``torch.library`` op) returns the same lse."""
     q, k, v = qkv(gen, 1, 2, 1, 20, 20, 16, F32)
-    compiled = torch.compile(lambda q, k, v: rerope.rerope(q, k, v, 5, return_lse=True),
-                             backend="eager", fullgraph=True)
-    out, lse = compiled(q, k, v)
-    want_out, want_lse = rerope.rerope(q, k, v, 5, return_lse=True)
+    assert_compiled_equals_eager(lambda q, k, v: rerope.rerope(q, k, v, 5, return_lse=True),
+                                 q, k, v)
+
+
+def assert_compiled_equals_eager(call, *args):
+    """``call(*args) -> (out, lse)`` compiled whole (``fullgraph``) gives the eager bits."""
+    out, lse = torch.compile(call, backend="eager", fullgraph=True)(*args)
+    want_out, want_lse = call(*args)
     assert torch.equal(out, want_out) and torch.equal(lse, want_lse)

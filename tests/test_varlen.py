@@ -4,8 +4,9 @@ Against the float64 reference run one sequence at a time (``rerope.reference.rer
 on fresh random inputs, with the suite's per-dtype tolerances: mixed lengths (odd ones, one
 query, a chunk after a cached prefix ``Lq < Lk``), windows at the boundaries (``w = 1``, ``w >=
 N``), GQA, causal or not, raw or rotated inputs, Leaky, log-n, Self-Extend, a model's own
-frequencies; gradients of the contiguous form; the paged form (gathered pages) against the
-contiguous one; the checks; NaN for lengths out of range where they are not checked (GPU
+frequencies; gradients of the contiguous form; the paged form (pages read in place: pages
+smaller than, as large as and larger than the key tile, shuffled, the table's unused entries
+poisoned, pre-turned keys) against the reference and the contiguous one; the checks; NaN for lengths out of range where they are not checked (GPU
 tensors); poisoned memory; and a serving step end to end: ``rerope_varlen`` over the prefill
 tokens of three requests and ``rerope_decode`` over two decoding ones, all in one page pool,
 each request's output equal to running it alone through the dense reference.
@@ -21,8 +22,9 @@ import torch
 
 import rerope
 from rerope import reference, varlen
-from rerope_testing import (close_problems, describe, kernel_device, poisoned_empty, randn,
-                            results_problems, tolerance)
+from benchmarks.varlen import page_pool
+from rerope_testing import (close_problems, cross_compile, describe, kernel_device,
+                            poisoned_empty, randn, results_problems, tolerance)
 
 F16, F32, BF16 = torch.float16, torch.float32, torch.bfloat16
 
@@ -152,32 +154,17 @@ def test_one_sequence_equals_rerope(gen):
     assert torch.allclose(lse, want_lse[0], atol=1e-6, rtol=1e-6)
 
 
-def pool_of(gen, k, v, lk, page_size, num_blocks):
+def pool_of(gen, k, v, lk, page_size, spare=3):
     """A page pool holding the contiguous keys of each sequence on shuffled pages, and its
-    block table (unused entries -1: never read)."""
-    hkv, d = k.shape[1:]
-    kp = randn(gen, num_blocks, page_size, hkv, d, dtype=k.dtype, device=k.device)
-    vp = randn(gen, num_blocks, page_size, hkv, d, dtype=k.dtype, device=k.device)
-    max_blocks = max(-(-n // page_size) for n in lk)
-    order = torch.randperm(num_blocks, generator=gen).tolist()
-    table = torch.full((len(lk), max_blocks), -1, dtype=torch.int32)
-    start = 0
-    for b, n in enumerate(lk):
-        for j in range(-(-n // page_size)):
-            page = order.pop()
-            table[b, j] = page
-            rows = slice(start + j * page_size, start + min(n, (j + 1) * page_size))
-            count = rows.stop - rows.start
-            kp[page, :count] = k[rows]
-            vp[page, :count] = v[rows]
-        start += n
-    return kp, vp, table.to(k.device)
+    block table: unused entries -1, free slots NaN (a kernel that reads either shows it)."""
+    return page_pool(k, v, lk, page_size, gen, spare, unused=-1,
+                     fill=lambda shape: torch.full(shape, float("nan")))
 
 
 @pytest.mark.parametrize("case", [CASES[0], CASES[3]], ids=Case.id)
 def test_paged_equals_contiguous(gen, case):
     q, k, v, cu_q, cu_k = packed(gen, case)
-    kp, vp, table = pool_of(gen, k, v, case.lk, 16, 8)
+    kp, vp, table = pool_of(gen, k, v, case.lk, 16)
     args = (cu_q, cu_k, max(case.lq), max(case.lk), case.window)
     kwargs = dict(causal=case.causal, return_lse=True, **options_of(case))
     with poisoned_empty():
@@ -186,18 +173,47 @@ def test_paged_equals_contiguous(gen, case):
     assert torch.allclose(out, want) and torch.allclose(lse, want_lse)
 
 
-def test_gather_pages_poisons_pages_outside_the_pool(gen):
-    """On a GPU a bad page is not checked (no sync): its sequence comes back NaN, the others
-    are right."""
+# 16-key tiles under the interpreter: 4 and 8 keys a page (one table entry per page of
+# the tile), 12 (one per key), 16 (a page a tile), 48 (three tiles a page).
+@pytest.mark.parametrize("page_size", [4, 8, 12, 16, 48])
+@pytest.mark.parametrize("rotated", [False, True], ids=["raw", "rotated"])
+def test_paged_reads_the_pages_in_place(gen, page_size, rotated):
+    """The paged form against the float64 reference: GQA, odd lengths, chunks after a
+    cached prefix (``Lq < Lk``), pages in shuffled order, free slots NaN and the table's
+    entries past each sequence's pages poisoned (-1, then pages far outside the pool)."""
+    case = Case((7, 1, 19, 3), (23, 9, 19, 3), 5, hq=4, hkv=2,
+                options=(("rotated", True),) if rotated else ())
+    q, k, v, cu_q, cu_k = packed(gen, case)
+    kp, vp, table = pool_of(gen, k, v, case.lk, page_size)
+    table = torch.cat([table, torch.full((4, 2), 10 ** 6, dtype=torch.int32)], 1)
+    with poisoned_empty():
+        out, lse = rerope.rerope_varlen(q, kp, vp, cu_q, cu_k, max(case.lq), max(case.lk),
+                                        case.window, block_table=table, return_lse=True,
+                                        **options_of(case))
+    want_out, want_lse = reference_of(q, k, v, cu_q, cu_k, case)
+    problems = results_problems({"out": out}, {"out": want_out}, tolerance(F32))
+    problems += close_problems("lse", lse, want_lse, tolerance(F32))
+    assert not problems, describe(gen, case=case.id()) + "\n" + "\n".join(problems)
+
+
+@pytest.mark.parametrize("preturn", [False, True], ids=["in-registers", "preturned"])
+def test_pages_outside_the_pool_give_nan_rows_where_unchecked(gen, preturn):
+    """On a GPU a bad page is not checked (no sync): its sequence's rows that read it come
+    back NaN, the other sequences are right; entries past a sequence's pages are never
+    read, whatever they hold."""
     case = CASES[0]
     q, k, v, cu_q, cu_k = packed(gen, case)
-    kp, vp, table = pool_of(gen, k, v, case.lk, 16, 8)
+    kp, vp, table = pool_of(gen, k, v, case.lk, 8)
     bad = table.clone()
-    bad[2, 1] = 99
-    k_rows, v_rows = varlen.gather_pages(kp, vp, bad, cu_k, max(case.lk))
-    assert k_rows.shape == (3 * max(case.lk), 1, 16)
-    assert torch.isnan(k_rows[2 * 20 + 16:2 * 20 + 20]).all()
-    assert not torch.isnan(k_rows[:2 * 20]).any()
+    bad[2, 1] = 99                                    # keys 8..15 of sequence 2
+    bad[0, 2:] = 10 ** 6                              # past sequence 0's 9 keys: unread
+    plan = varlen._plan(q, 20, (case.window, True, None, 10000.0, None, None, False, None,
+                                None))
+    out, _ = varlen._forward(q, kp, vp, cu_q, cu_k, 17, 20, plan, preturn=preturn,
+                             block_table=bad)
+    assert torch.isnan(out[22:]).all()                # sequence 2's one query reads all keys
+    want, _ = reference_of(q, k, v, cu_q, cu_k, case)
+    assert not close_problems("out", out[:22], want[:22], tolerance(F32))
 
 
 def test_lengths_out_of_range_give_nan_rows_where_unchecked(gen, monkeypatch):
@@ -406,8 +422,14 @@ def source(fn, dtype, constexprs):
         elif name == "Tables":
             signature[name] = ("*fp32",) * 4
             attrs.update({(i, j): DIV for j in range(4)})
-        elif name in ("CuQ", "CuK"):
+        elif name == "Cu":              # (cu_seqlens_q, cu_seqlens_k)
+            signature[name] = ("*i32", "*i32")
+            attrs.update({(i, j): DIV for j in range(2)})
+        elif name == "CuK":
             signature[name], attrs[(i,)] = "*i32", DIV
+        elif name == "Pages":           # (block_table, its two strides, num_blocks)
+            signature[name] = ("*i32", "i32", "i32", "i32")
+            attrs[(i, 0)] = DIV
         elif name in ("Lse", "Delta"):
             signature[name], attrs[(i,)] = "*fp32", DIV
         elif name[0].isupper():
@@ -425,17 +447,23 @@ def source(fn, dtype, constexprs):
 
 common = dict(HEAD_DIM=128, CAUSAL=True, TMA=True, LOGN=True, HEADS_FIRST=False)
 jobs = [
-    (varlen._varlen_fwd_kernel, dict(common, BLOCK_M=128, BLOCK_N=64,
+    (varlen._varlen_fwd_kernel, dict(common, BLOCK_M=128, BLOCK_N=64, PAGE_SIZE=0,
                                      INSIDE_FLAGS=(True, False, True),
                                      OUTSIDE_FLAGS=(True, True, False)), 8, 3),
+    # paged: a page a tile, pages of 16 keys (one entry per page), 24 (one per key)
+    *((varlen._varlen_fwd_kernel, dict(common, BLOCK_M=128, BLOCK_N=64, PAGE_SIZE=page,
+                                       TMA=False, INSIDE_FLAGS=(False, False, False),
+                                       OUTSIDE_FLAGS=(True, True, False)), 8, 3)
+      for page in (64, 16, 24)),
     (varlen._varlen_dq_kernel, dict(common, BLOCK_M=64, BLOCK_N=64,
                                     INSIDE_FLAGS=(True, False), OUTSIDE_FLAGS=(True, True)),
      4, 2),
     (varlen._varlen_dkdv_kernel, dict(common, BLOCK_M=64, BLOCK_N=64,
                                       INSIDE_FLAGS=(True, False),
                                       OUTSIDE_FLAGS=(True, True)), 4, 2),
-    (varlen._varlen_turn_keys_kernel, dict(HEAD_DIM=128, BLOCK=64, FIRST=(True, False),
-                                           SECOND=(True, False)), 4, 1),
+    *((varlen._varlen_turn_keys_kernel, dict(HEAD_DIM=128, BLOCK=64, FIRST=(True, False),
+                                             SECOND=(True, False), PAGE_SIZE=page), 4, 1)
+      for page in (0, 64)),
 ]
 for fn, constexprs, warps, stages in jobs:
     kernel = triton.compile(source(fn, "bf16", constexprs), target=GPUTarget("cuda", 90, 32),
@@ -446,27 +474,12 @@ for fn, constexprs, warps, stages in jobs:
 
 def test_kernels_compile_for_hopper(tmp_path):
     """The interpreter runs code the compiler refuses: the varlen entry kernels (TMA reads
-    from each sequence's first row, the bad-length branch) and the key turn cross-compile
-    for sm_90 here, no GPU needed, and fit its shared memory."""
-    import importlib.util
+    from each sequence's first row, the bad-length branch, pages read in place) and the key
+    turn cross-compile for sm_90 here, no GPU needed, and fit its shared memory."""
     import json
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
 
-    if importlib.util.find_spec("triton.backends.nvidia") is None:
-        pytest.skip("this Triton has no NVIDIA backend")
-    root = Path(__file__).resolve().parents[1]
-    script = tmp_path / "compile_varlen.py"
-    script.write_text(_COMPILE_CHILD, encoding="utf-8")
-    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_DEFAULT_FP_FUSION": "1",
-           "PYTHONPATH": os.pathsep.join([str(root / "kernels"), str(root)])}
-    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True,
-                          text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    shared = [json.loads(line) for line in done.stdout.splitlines()]
-    assert len(shared) == 4, done.stdout
+    shared = [json.loads(line) for line in cross_compile(tmp_path, _COMPILE_CHILD)]
+    assert len(shared) == 8, shared
     assert all(size <= 232448 for _, size in shared), shared
 
 
@@ -492,7 +505,7 @@ def test_gpu_larger_packed_batch(gen, dtype, rotated):
     tol = tolerance(dtype)
     problems = results_problems({"out": out, **got}, {"out": want_out, **want}, tol)
     problems += close_problems("lse", lse, want_lse, tol)
-    kp, vp, table = pool_of(gen, k.detach(), v.detach(), case.lk, 64, 40)
+    kp, vp, table = pool_of(gen, k.detach(), v.detach(), case.lk, 64)
     with torch.no_grad():
         paged = rerope.rerope_varlen(q, kp, vp, cu_q, cu_k, max(case.lq), max(case.lk),
                                      case.window, block_table=table, **options_of(case))
@@ -536,22 +549,22 @@ def test_gpu_serving_step_and_decode_graph(gen):
 
 @pytest.mark.parametrize("options", [{}, {"rotated": True}, {"leaky": 3.0, "rotated": True}],
                          ids=["raw", "rotated", "leaky-rotated"])
-@pytest.mark.parametrize("paged", [False, True])
-def test_preturned_keys_give_the_same_bits(gen, options, paged):
+@pytest.mark.parametrize("page_size", [0, 8, 32], ids=["contiguous", "pages8", "pages32"])
+def test_preturned_keys_give_the_same_bits(gen, options, page_size):
     """Long sequences get their keys turned once before the kernel (:func:`varlen.turn_keys`,
-    at each key's position within its sequence): the same output, bit for bit, as turning
-    every key tile in registers."""
+    at each key's position within its sequence; paged: read from the pool in place, written
+    packed): the same output, bit for bit, as turning every key tile in registers."""
     case = Case((5, 17, 3), (9, 17, 40), 6, hq=4, hkv=2, d=32, options=tuple(options.items()))
     q, k, v, cu_q, cu_k = packed(gen, case)
-    k_rows = 0
-    if paged:
-        kp, vp, table = pool_of(gen, k, v, case.lk, 16, 8)
-        k, v = varlen.gather_pages(kp, vp, table, cu_k, 40)
-        k_rows = 40
+    table = None
+    if page_size:
+        k, v, table = pool_of(gen, k, v, case.lk, page_size)
     plan = varlen._plan(q, 40, (6, True, None, 10000.0, options.get("leaky"), None,
                                 options.get("rotated", False), None, None))
-    turned = varlen._forward(q, k, v, cu_q, cu_k, 17, 40, k_rows, plan, preturn=True)
-    in_registers = varlen._forward(q, k, v, cu_q, cu_k, 17, 40, k_rows, plan, preturn=False)
+    turned = varlen._forward(q, k, v, cu_q, cu_k, 17, 40, plan, preturn=True,
+                             block_table=table)
+    in_registers = varlen._forward(q, k, v, cu_q, cu_k, 17, 40, plan, preturn=False,
+                                   block_table=table)
     assert torch.equal(turned[0], in_registers[0]) and torch.equal(turned[1], in_registers[1])
 
 

@@ -68,6 +68,30 @@ def _check_rank4(name, t):
         raise ValueError(f"{name} must have rank 4 (B, H, N, D), got shape {tuple(t.shape)}")
 
 
+def check_int32(name, t, shape_ok, shape_text, device):
+    """``t`` is an int32 tensor on ``device`` (q's) whose shape passes ``shape_ok`` (a
+    function of the shape; ``shape_text`` says what it should be): lengths, cumulative
+    lengths, block tables."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be an int32 tensor of shape {shape_text}, got "
+                        f"{type(t).__name__}")
+    if t.dtype != torch.int32:
+        raise TypeError(f"{name} must have dtype torch.int32, got {t.dtype}")
+    if not shape_ok(tuple(t.shape)):
+        raise ValueError(f"{name} must have shape {shape_text}, got {tuple(t.shape)}")
+    if t.device != device:
+        raise ValueError(f"{name} must be on q's device ({device}), got {t.device}")
+
+
+def check_block_table(block_table, batch, device, columns="max_blocks", row="sequence"):
+    """A paged cache's block table: int32 ``(batch, columns)``, ``columns >= 1``, on
+    ``device``."""
+    check_int32("block_table", block_table,
+                lambda shape: len(shape) == 2 and shape[0] == batch and shape[1] >= 1,
+                f"({batch}, {columns}) with {columns} >= 1 (one row of page numbers per "
+                f"{row})", device)
+
+
 def check_alike(named):
     """Every tensor of ``named`` (name -> tensor) has the first one's dtype and device; returns
     that first ``(name, tensor)``."""

@@ -20,8 +20,9 @@ from memory. Two things keep it there:
   ``R(-j)``: ``R(w - i) q_rot · R(-j) k_rot = R(w) q · k``, ReRoPE's clamped score.
 * **Contiguous or paged.** The cache is ``(B, Hkv, Nmax, D)`` (any strides), or a paged
   pool ``(num_blocks, block_size, Hkv, D)`` with a block table, FlashAttention's layout
-  (``block_table=``): only where a key tile is loaded from changes (:func:`_key_rows`,
-  the ``PAGE_SIZE`` constexpr); positions, rotations, regions and splits stay logical.
+  (``block_table=``): only where a key tile is loaded from changes
+  (:func:`rerope.forward._key_rows`, the ``PAGE_SIZE`` constexpr); positions, rotations,
+  regions and splits stay logical.
 * **Tiles by the copy engine where chunks are long.** On Hopper a contiguous fp16/bf16
   cache is read through TMA tensor descriptors (the ``TMA`` constexpr, :func:`use_tma`)
   where each split covers at least ``TMA_MIN_KEYS`` keys, pointer loads elsewhere.
@@ -56,10 +57,11 @@ import triton
 import triton.language as tl
 
 from . import configs
-from ._validate import (Frequencies, as_frequencies, check_alike, check_head_dim,
-                        check_flag, check_logn_overflow, check_qkv, check_rope_args,
-                        check_sm_scale)
+from ._validate import (Frequencies, as_frequencies, check_alike, check_block_table,
+                        check_flag, check_head_dim, check_int32, check_logn_overflow,
+                        check_qkv, check_rope_args, check_sm_scale)
 from .caches import CACHE_SIZE, LRUCache
+from .forward import _key_rows, _tile_pages
 from .launch import Launcher, PlanCache, _capability, _ensure_scratch_allocator, _tma_layout_ok
 from .online_softmax import LOG2E, _scores, _softmax_step, natural_lse
 from .regions import INSIDE, OUTSIDE, _nth_tile, _tile_count
@@ -81,9 +83,6 @@ INTERPRETER_CONFIG = dict(BLOCK_N=16)
 # Paged caches: a power of two, so that a page holds whole key tiles or a tile whole
 # pages.
 PAGE_SIZES = (16, 32, 64, 128, 256)
-# Block-table entries as one scalar load per page up to this many pages per tile, else a
-# gather per key (:func:`_tile_pages`).
-MAX_SCALAR_PAGES = tl.constexpr(4)
 # rows per program: from the smallest tl.dot to what registers hold
 MIN_BLOCK_M, MAX_BLOCK_M = 16, 64
 # TMA descriptors only where each split reads this many keys: each program builds its
@@ -190,54 +189,6 @@ def _decode_pass(state, q, kv, turn, row, walk, PRODUCT: tl.constexpr,
             scores = tl.where(paged_ok[None, :], scores, float("nan"))
         acc, l_i, m_i = _softmax_step(acc, l_i, m_i, scores, v, qk_scale, DOT_PRECISION)
     return acc, l_i, m_i
-
-
-@triton.jit
-def _tile_pages(pages, start, n_keys, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr):
-    """The block-table entries of the key tile from ``start`` (int64): one scalar when a
-    page holds the whole tile (``PAGE_SIZE >= BLOCK_N``, both powers of two, the tile
-    aligned), one scalar load per page up to ``MAX_SCALAR_PAGES`` pages per tile, else a
-    gather per key. Entries at and past ``n_keys`` are not read (the table may be
-    shorter than the tile) and come back 0.
-
-    Why scalars: a K/V address that waits on a tensor load of the same iteration can
-    make the pipeliner give that load a stage of its own, and K and V are then
-    prefetched one tile ahead instead of ``num_stages - 1``; scalar loads are not
-    pipelined, so K and V keep their depth, at one load per page.
-    """
-    table, st_page, sk_page, sv_page, num_blocks = pages
-    if PAGE_SIZE >= BLOCK_N:
-        return tl.load(table + (start // PAGE_SIZE) * st_page, mask=start < n_keys,
-                       other=0).to(tl.int64)
-    elif BLOCK_N // PAGE_SIZE <= MAX_SCALAR_PAGES:
-        local = tl.arange(0, BLOCK_N) // PAGE_SIZE
-        page = tl.full([BLOCK_N], 0, tl.int64)
-        for p in tl.static_range(BLOCK_N // PAGE_SIZE):
-            entry = tl.load(table + (start // PAGE_SIZE + p) * st_page,
-                            mask=start + p * PAGE_SIZE < n_keys, other=0).to(tl.int64)
-            page = tl.where(local == p, entry, page)
-        return page
-    else:
-        cols = start + tl.arange(0, BLOCK_N)
-        return tl.load(table + (cols // PAGE_SIZE) * st_page, mask=cols < n_keys,
-                       other=0).to(tl.int64)
-
-
-@triton.jit
-def _key_rows(pages, page, cols, sk_slot, sv_slot, BLOCK_N: tl.constexpr,
-              PAGE_SIZE: tl.constexpr):
-    """Where the keys ``cols`` (one tile) of one row live in a paged cache, given the
-    tile's block-table entries ``page`` (:func:`_tile_pages`).
-
-    Returns the K and V row offsets (int64, from page 0 of the KV head) and whether each
-    key's block-table entry is a page of the cache (``0 <= page < num_blocks``; the
-    loads skip the others).
-    """
-    table, st_page, sk_page, sv_page, num_blocks = pages
-    page = tl.full([BLOCK_N], 0, tl.int64) + page
-    ok = (page >= 0) & (page < num_blocks)
-    slot = cols % PAGE_SIZE
-    return page * sk_page + slot * sk_slot, page * sv_page + slot * sv_slot, ok
 
 
 @triton.jit
@@ -694,17 +645,7 @@ def _check_paged_args(q, k_cache, v_cache, block_table, cache_seqlens):
                          f"pages of {', '.join(map(str, PAGE_SIZES))} keys")
     if num_blocks < 1:
         raise ValueError("k_cache and v_cache have no pages (num_blocks = 0)")
-    if block_table.dtype != torch.int32:
-        raise TypeError(f"block_table must have dtype torch.int32, got "
-                        f"{block_table.dtype}")
-    if (block_table.dim() != 2 or block_table.shape[0] != batch
-            or block_table.shape[1] < 1):
-        raise ValueError(f"block_table must have shape ({batch}, max_blocks_per_seq) "
-                         f"with max_blocks_per_seq >= 1 (one row of page numbers per "
-                         f"batch row), got {tuple(block_table.shape)}")
-    if block_table.device != q.device:
-        raise ValueError(f"block_table must be on q's device ({q.device}), got "
-                         f"{block_table.device}")
+    check_block_table(block_table, batch, q.device, "max_blocks_per_seq", "batch row")
     if cache_seqlens is None:
         raise ValueError("cache_seqlens is required with a block_table (the number of "
                          "valid keys of each row): an int32 tensor of shape (B,)")
@@ -743,18 +684,8 @@ def _check_decode_args(q, k_cache, v_cache, cache_seqlens, block_table, window,
         if num_splits < 1:
             raise ValueError(f"num_splits must be >= 1, got {num_splits}")
     if cache_seqlens is not None:
-        if not isinstance(cache_seqlens, torch.Tensor):
-            raise TypeError(f"cache_seqlens must be an int32 tensor of shape "
-                            f"({batch},) or None, got {type(cache_seqlens).__name__}")
-        if cache_seqlens.dtype != torch.int32:
-            raise TypeError(f"cache_seqlens must have dtype torch.int32, got "
-                            f"{cache_seqlens.dtype}")
-        if tuple(cache_seqlens.shape) != (batch,):
-            raise ValueError(f"cache_seqlens must have shape ({batch},) (one length "
-                             f"per batch row), got {tuple(cache_seqlens.shape)}")
-        if cache_seqlens.device != q.device:
-            raise ValueError(f"cache_seqlens must be on q's device ({q.device}), got "
-                             f"{cache_seqlens.device}")
+        check_int32("cache_seqlens", cache_seqlens, lambda shape: shape == (batch,),
+                    f"({batch},) (one length per batch row) or None", q.device)
     check_logn_overflow(logn_len, n_max, q.dtype)
     return batch, hq, hkv, n_queries, n_max, d
 

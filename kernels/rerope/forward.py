@@ -36,7 +36,9 @@ is an ``exp2``, and the per-row log-sum-exp (log2 units) saved for the backward 
 
 Tiles are read through :func:`_tiles` / :func:`_load_tile`: TMA tensor descriptors on
 Hopper (fp16/bf16, aligned layouts), pointer loads elsewhere; the launcher picks
-(``TMA``).
+(``TMA``). A paged cache (``rerope_varlen``'s ``block_table``, ``PAGE_SIZE > 0``) is read
+in place by :func:`_paged_tile`: pointer loads whose rows the block table gives
+(:func:`_tile_pages`, :func:`_key_rows`, which :mod:`rerope.decode` shares).
 
 Strides travel as tuples (``x.stride()``: batch, head, row, column), so a kernel takes
 one argument per tensor; Triton still specialises each entry (a unit column stride is a
@@ -94,6 +96,59 @@ def _load_tile(src, start, strides, n_ctx, BLOCK: tl.constexpr, HEAD_DIM: tl.con
     else:
         return _load_rows(src, start + tl.arange(0, BLOCK), strides,
                           tl.arange(0, HEAD_DIM), n_ctx, MASKED)
+
+
+# Paged keys: block-table entries as one scalar load per page up to this many pages per
+# tile, else a gather per key (:func:`_tile_pages`).
+MAX_SCALAR_PAGES = tl.constexpr(4)
+
+
+@triton.jit
+def _tile_pages(pages, start, n_keys, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr):
+    """The block-table entries of the key tile from ``start`` (int64): one scalar when a
+    page holds the whole tile (``PAGE_SIZE`` a multiple of ``BLOCK_N``, the tile aligned),
+    one scalar load per page when the tile holds whole pages, up to ``MAX_SCALAR_PAGES``
+    of them, else a gather per key (any page size). Entries at and past ``n_keys`` are
+    not read (the table may be shorter than the tile, or hold junk there) and come back 0.
+
+    Why scalars: a K/V address that waits on a tensor load of the same iteration can
+    make the pipeliner give that load a stage of its own, and K and V are then
+    prefetched one tile ahead instead of ``num_stages - 1``; scalar loads are not
+    pipelined, so K and V keep their depth, at one load per page.
+    """
+    table, st_page, sk_page, sv_page, num_blocks = pages
+    if PAGE_SIZE % BLOCK_N == 0:
+        return tl.load(table + (start // PAGE_SIZE) * st_page, mask=start < n_keys,
+                       other=0).to(tl.int64)
+    elif BLOCK_N % PAGE_SIZE == 0 and BLOCK_N // PAGE_SIZE <= MAX_SCALAR_PAGES:
+        local = tl.arange(0, BLOCK_N) // PAGE_SIZE
+        page = tl.full([BLOCK_N], 0, tl.int64)
+        for p in tl.static_range(BLOCK_N // PAGE_SIZE):
+            entry = tl.load(table + (start // PAGE_SIZE + p) * st_page,
+                            mask=start + p * PAGE_SIZE < n_keys, other=0).to(tl.int64)
+            page = tl.where(local == p, entry, page)
+        return page
+    else:
+        cols = start + tl.arange(0, BLOCK_N)
+        return tl.load(table + (cols // PAGE_SIZE) * st_page, mask=cols < n_keys,
+                       other=0).to(tl.int64)
+
+
+@triton.jit
+def _key_rows(pages, page, cols, sk_slot, sv_slot, BLOCK_N: tl.constexpr,
+              PAGE_SIZE: tl.constexpr):
+    """Where the keys ``cols`` (one tile) live in a paged cache, given the tile's
+    block-table entries ``page`` (:func:`_tile_pages`).
+
+    Returns the K and V row offsets (int64, from page 0 of the KV head) and whether each
+    key's block-table entry is a page of the cache (``0 <= page < num_blocks``; the
+    loads skip the others).
+    """
+    table, st_page, sk_page, sv_page, num_blocks = pages
+    page = tl.full([BLOCK_N], 0, tl.int64) + page
+    ok = (page >= 0) & (page < num_blocks)
+    slot = cols % PAGE_SIZE
+    return page * sk_page + slot * sk_slot, page * sv_page + slot * sv_slot, ok
 
 
 @triton.jit
@@ -192,79 +247,133 @@ def _operand(Xa, Xb, start, strides, n_rows, positions, turn, logn_factor,
     if TURN is not None:
         a = _load_tile(Xa, start, strides, n_rows, BLOCK, HEAD_DIM // 2, MASKED, TMA)
         b = _load_tile(Xb, start, strides, n_rows, BLOCK, HEAD_DIM // 2, MASKED, TMA)
-        if TURN[0] or TURN[1] or TURN[3]:
-            a32, b32 = a.to(tl.float32), b.to(tl.float32)
-            if TURN[3]:
-                scale = _logn_scale(positions, logn_factor)[:, None]
-                a32, b32 = a32 * scale, b32 * scale
-            if TURN[0] or TURN[1]:
-                cos, sin = _angles(turn[0], positions, turn[1], TURN[0], TURN[1],
-                                   TURN[2], HEAD_DIM // 2)
-                a32, b32 = _rotate(a32, b32, cos, sin)
-            a, b = a32.to(a.dtype), b32.to(b.dtype)
-        return _pair(a, b, HEAD_DIM >= 32)
+        return _turned(a, b, positions, turn, logn_factor, TURN, HEAD_DIM)
     else:
         whole = _load_tile(Xa, start, strides, n_rows, BLOCK, HEAD_DIM, MASKED, TMA)
         return whole, whole
 
 
 @triton.jit
-def _fwd_pass(acc, l_i, m_i, q_a, q_b, Ka, Kb, V, sk, sv, turn, rows, walk, n_k, window,
-              qk_scale, PRODUCT: tl.constexpr, MASKED: tl.constexpr,
+def _turned(a, b, positions, turn, logn_factor, TURN: tl.constexpr,
+            HEAD_DIM: tl.constexpr):
+    """The halves ``a, b`` of rows at ``positions`` made a product's operand, as
+    :func:`_operand` describes (``TURN`` a tuple)."""
+    if TURN[0] or TURN[1] or TURN[3]:
+        a32, b32 = a.to(tl.float32), b.to(tl.float32)
+        if TURN[3]:
+            scale = _logn_scale(positions, logn_factor)[:, None]
+            a32, b32 = a32 * scale, b32 * scale
+        if TURN[0] or TURN[1]:
+            cos, sin = _angles(turn[0], positions, turn[1], TURN[0], TURN[1], TURN[2],
+                               HEAD_DIM // 2)
+            a32, b32 = _rotate(a32, b32, cos, sin)
+        a, b = a32.to(a.dtype), b32.to(b.dtype)
+    return _pair(a, b, HEAD_DIM >= 32)
+
+
+@triton.jit
+def _paged_tile(Ka, Kb, V, sk, sv, pages, start, n_k, turn, TURN: tl.constexpr,
+                BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, MASKED: tl.constexpr,
+                PAGED: tl.constexpr):
+    """Key tile ``start`` of a paged cache read in place: ``(k_a, k_b, v, on_pool)``,
+    the keys made an operand (:func:`_turned`, ``TURN`` a tuple: the fused form only).
+
+    ``PAGED``: ``(PAGE_SIZE, KEYS_PAGED)``; ``pages``: ``(this sequence's block-table
+    row, its entry stride, num_blocks)``; ``V`` (and ``Ka, Kb`` with ``KEYS_PAGED``)
+    point at page 0 of the KV head, ``sv[0]`` / ``sk[0]`` being the page stride, and key
+    ``j`` lives in slot ``j % PAGE_SIZE`` of page ``table[j // PAGE_SIZE]``
+    (:func:`_tile_pages`, :func:`_key_rows`). Keys the launcher pre-turned
+    (``KEYS_PAGED`` off) are rows ``j`` of a contiguous slice. Rotations use the logical
+    position ``j``, never the slot. Rows past ``n_k`` (``MASKED``) and rows whose page is
+    outside the pool (``on_pool`` false) read zeros.
+    """
+    cols = start + tl.arange(0, BLOCK_N)
+    table = (pages[0], pages[1], sk[0], sv[0], pages[2])
+    page = _tile_pages(table, start, n_k, BLOCK_N, PAGED[0])
+    k_rows, v_rows, on_pool = _key_rows(table, page, cols, sk[2], sv[2], BLOCK_N, PAGED[0])
+    if not PAGED[1]:
+        k_rows = cols.to(tl.int64) * sk[2]
+    live = on_pool
+    if MASKED:
+        live = live & (cols < n_k)
+    halves = tl.arange(0, HEAD_DIM // 2)[None, :] * sk[3]
+    a = tl.load(Ka + k_rows[:, None] + halves, mask=live[:, None], other=0.0)
+    b = tl.load(Kb + k_rows[:, None] + halves, mask=live[:, None], other=0.0)
+    v = tl.load(V + v_rows[:, None] + tl.arange(0, HEAD_DIM)[None, :] * sv[3],
+                mask=live[:, None], other=0.0)
+    k_a, k_b = _turned(a, b, cols, turn, 0.0, TURN, HEAD_DIM)
+    return k_a, k_b, v, on_pool
+
+
+@triton.jit
+def _fwd_pass(acc, l_i, m_i, q_a, q_b, Ka, Kb, V, sk, sv, turn, pages, rows, walk, n_k,
+              window, qk_scale, PRODUCT: tl.constexpr, MASKED: tl.constexpr,
               CAUSAL: tl.constexpr, TURN: tl.constexpr, BLOCK_N: tl.constexpr,
-              HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr):
+              HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr,
+              PAGED: tl.constexpr):
     """Fold the key tiles of ``walk`` into the online-softmax state, with one product.
 
     ``q_a, q_b`` is the product's query operand and ``Ka, Kb`` its key sources
     (``q1``/``K1`` for ``PRODUCT == INSIDE``, ``q2``/``K2`` for ``OUTSIDE`` in the
     five-tensor form); ``TURN`` says how each key tile becomes an operand
     (:func:`_operand`; ``turn``: its table). ``MASKED`` tiles get the window, causal and
-    sequence-end masks; the others none at all.
+    sequence-end masks; the others none at all. ``PAGED``: ``None``, or the tiles come
+    from a page pool through ``pages`` (:func:`_paged_tile`); a key whose page is outside
+    the pool makes the row NaN.
     """
     offs_n = tl.arange(0, BLOCK_N)
     lo1, hi1, lo2, hi2 = walk
     n1 = _tile_count(lo1, hi1, BLOCK_N)
     for t in range(0, n1 + _tile_count(lo2, hi2, BLOCK_N)):
         start_n = tl.multiple_of(_nth_tile(t, lo1, n1, lo2, BLOCK_N), BLOCK_N)
-        k_a, k_b = _operand(Ka, Kb, start_n, sk, n_k, start_n + offs_n, turn, 0.0, TURN,
-                            BLOCK_N, HEAD_DIM, MASKED, TMA)
-        v = _load_tile(V, start_n, sv, n_k, BLOCK_N, HEAD_DIM, MASKED, TMA)
+        if PAGED is None:
+            k_a, k_b = _operand(Ka, Kb, start_n, sk, n_k, start_n + offs_n, turn, 0.0,
+                                TURN, BLOCK_N, HEAD_DIM, MASKED, TMA)
+            v = _load_tile(V, start_n, sv, n_k, BLOCK_N, HEAD_DIM, MASKED, TMA)
+        else:
+            k_a, k_b, v, on_pool = _paged_tile(Ka, Kb, V, sk, sv, pages, start_n, n_k,
+                                               turn, TURN, BLOCK_N, HEAD_DIM, MASKED,
+                                               PAGED)
         scores = _scores(q_a, q_b, k_a, k_b, TURN is not None and HEAD_DIM >= 32,
                          DOT_PRECISION)
         if MASKED:
             cols = (start_n + offs_n)[None, :]
             keep = _keep(rows[:, None], cols, cols < n_k, window, PRODUCT, CAUSAL)
             scores = tl.where(keep, scores, float("-inf"))
+        if PAGED is not None:
+            scores = tl.where(on_pool[None, :], scores, float("nan"))
         acc, l_i, m_i = _softmax_step(acc, l_i, m_i, scores, v, qk_scale, DOT_PRECISION)
     return acc, l_i, m_i
 
 
 @triton.jit
-def _fwd_product(acc, l_i, m_i, Q, sq, Ka, Kb, sk, V, sv, turn, logn_factor, start_m,
-                 rows, walks, n_q, n_k, window, qk_scale, PRODUCT: tl.constexpr,
+def _fwd_product(acc, l_i, m_i, Q, sq, Ka, Kb, sk, V, sv, turn, pages, logn_factor,
+                 start_m, rows, walks, n_q, n_k, window, qk_scale, PRODUCT: tl.constexpr,
                  FLAGS: tl.constexpr, LOGN: tl.constexpr, CAUSAL: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-                 DOT_PRECISION: tl.constexpr, TMA: tl.constexpr):
+                 DOT_PRECISION: tl.constexpr, TMA: tl.constexpr, PAGE_SIZE: tl.constexpr):
     """Everything one product adds to a query block: its query operand (``Q`` is the
     block's ``(N, D)`` slice), then its three ``walks`` — the tiles entirely on its side
     of the window (no mask), the band, its masked edge tiles. ``FLAGS``: ``None`` (five
     tensors) or the product's ``(TURN, SHIFT, TURN_KEYS)``; ``TURN_KEYS``: each key tile
     is turned as it arrives (off when the launcher pre-turned this product's keys, or
-    its speed is 0)."""
+    its speed is 0). ``PAGE_SIZE > 0``: values, and keys not pre-turned, come from a
+    page pool (:func:`_paged_tile`, ``pages``)."""
     QUERIES: tl.constexpr = None if FLAGS is None else (FLAGS[0], FLAGS[1], 1, LOGN)
     KEYS: tl.constexpr = None if FLAGS is None else (FLAGS[2], False, 1, False)
+    PAGED: tl.constexpr = None if PAGE_SIZE == 0 else (PAGE_SIZE, FLAGS[2] == FLAGS[0])
     Qa, Qb = _halves(Q, sq, n_q, BLOCK_M, HEAD_DIM, FLAGS is not None, TMA)
     q_a, q_b = _operand(Qa, Qb, start_m, sq, n_q, rows, turn, logn_factor, QUERIES,
                         BLOCK_M, HEAD_DIM, True, TMA)
-    acc, l_i, m_i = _fwd_pass(acc, l_i, m_i, q_a, q_b, Ka, Kb, V, sk, sv, turn, rows,
-                              walks[0], n_k, window, qk_scale, PRODUCT, False, CAUSAL,
-                              KEYS, BLOCK_N, HEAD_DIM, DOT_PRECISION, TMA)
-    acc, l_i, m_i = _fwd_pass(acc, l_i, m_i, q_a, q_b, Ka, Kb, V, sk, sv, turn, rows,
-                              walks[1], n_k, window, qk_scale, PRODUCT, True, CAUSAL,
-                              KEYS, BLOCK_N, HEAD_DIM, DOT_PRECISION, TMA)
-    acc, l_i, m_i = _fwd_pass(acc, l_i, m_i, q_a, q_b, Ka, Kb, V, sk, sv, turn, rows,
-                              walks[2], n_k, window, qk_scale, PRODUCT, True, CAUSAL,
-                              KEYS, BLOCK_N, HEAD_DIM, DOT_PRECISION, TMA)
+    acc, l_i, m_i = _fwd_pass(acc, l_i, m_i, q_a, q_b, Ka, Kb, V, sk, sv, turn, pages,
+                              rows, walks[0], n_k, window, qk_scale, PRODUCT, False, CAUSAL,
+                              KEYS, BLOCK_N, HEAD_DIM, DOT_PRECISION, TMA, PAGED)
+    acc, l_i, m_i = _fwd_pass(acc, l_i, m_i, q_a, q_b, Ka, Kb, V, sk, sv, turn, pages,
+                              rows, walks[1], n_k, window, qk_scale, PRODUCT, True, CAUSAL,
+                              KEYS, BLOCK_N, HEAD_DIM, DOT_PRECISION, TMA, PAGED)
+    acc, l_i, m_i = _fwd_pass(acc, l_i, m_i, q_a, q_b, Ka, Kb, V, sk, sv, turn, pages,
+                              rows, walks[2], n_k, window, qk_scale, PRODUCT, True, CAUSAL,
+                              KEYS, BLOCK_N, HEAD_DIM, DOT_PRECISION, TMA, PAGED)
     return acc, l_i, m_i
 
 
@@ -298,18 +407,19 @@ def _rerope_fwd_kernel(
         block = n_blocks - 1 - block
     batch = bh // n_heads
     head = bh % n_heads
-    _fwd_rows(Q1, Q2, K1, K2, V, Out, Lse + bh.to(tl.int64) * n_q, Tables, sq1, sq2, sk1,
-              sk2, sv, so, batch, head, head // q_per_kv, block * BLOCK_M, n_q, n_k,
+    _fwd_rows(Q1, Q2, K1, K2, V, Out, Lse + bh.to(tl.int64) * n_q, Tables, None, sq1, sq2,
+              sk1, sk2, sv, so, batch, head, head // q_per_kv, block * BLOCK_M, n_q, n_k,
               window, qk_scale, logn_factor, HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, TMA,
-              LOGN, INSIDE_FLAGS, OUTSIDE_FLAGS)
+              LOGN, INSIDE_FLAGS, OUTSIDE_FLAGS, 0)
 
 
 @triton.jit
-def _fwd_rows(Q1, Q2, K1, K2, V, Out, Lse, Tables, sq1, sq2, sk1, sk2, sv, so, batch,
-              head, kv_head, start_m, n_q, n_k, window, qk_scale, logn_factor,
+def _fwd_rows(Q1, Q2, K1, K2, V, Out, Lse, Tables, Pages, sq1, sq2, sk1, sk2, sv, so,
+              batch, head, kv_head, start_m, n_q, n_k, window, qk_scale, logn_factor,
               HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
               CAUSAL: tl.constexpr, TMA: tl.constexpr, LOGN: tl.constexpr,
-              INSIDE_FLAGS: tl.constexpr, OUTSIDE_FLAGS: tl.constexpr):
+              INSIDE_FLAGS: tl.constexpr, OUTSIDE_FLAGS: tl.constexpr,
+              PAGE_SIZE: tl.constexpr):
     """One forward program's work: query rows ``start_m .. start_m + BLOCK_M`` of head
     ``head`` (key/value head ``kv_head``) of batch entry ``batch`` of a sequence of
     ``n_q`` queries, the last ``n_q`` of its ``n_k`` positions. Writes those rows of
@@ -317,7 +427,10 @@ def _fwd_rows(Q1, Q2, K1, K2, V, Out, Lse, Tables, sq1, sq2, sk1, sk2, sv, so, b
     (batch, head)'s first query. Tensors, strides and flags as
     :func:`_rerope_fwd_kernel` takes them; a caller with a packed batch
     (:mod:`rerope.varlen`) passes base pointers moved to the sequence's first row and
-    ``batch`` 0.
+    ``batch`` 0. ``PAGE_SIZE > 0`` (the fused form, no TMA): ``V`` and the keys not
+    pre-turned are page pools read through ``Pages``, ``(the sequence's block-table
+    row, its entry stride, num_blocks)``, their strides' first entry the page stride
+    (:func:`_paged_tile`); ``0``: ``Pages`` is not read.
     """
     FP32: tl.constexpr = Q1.dtype.element_ty == tl.float32
     DOT_PRECISION: tl.constexpr = "tf32x3" if FP32 else "tf32"       # 3xTF32: near fp32
@@ -350,14 +463,16 @@ def _fwd_rows(Q1, Q2, K1, K2, V, Out, Lse, Tables, sq1, sq2, sk1, sk2, sv, so, b
     # time
     acc, l_i, m_i = _fwd_product(
         acc, l_i, m_i, _slice(Q2, sq2, batch, head), sq2, K2a, K2b, sk2, V, sv,
-        (Tables[2], Tables[3]), logn_factor, start_m, rows,
+        (Tables[2], Tables[3]), Pages, logn_factor, start_m, rows,
         (outside_clean, band, edge_outside), n_q, n_k, window, qk_scale, OUTSIDE,
-        OUTSIDE_FLAGS, LOGN, CAUSAL, BLOCK_M, BLOCK_N, HEAD_DIM, DOT_PRECISION, TMA)
+        OUTSIDE_FLAGS, LOGN, CAUSAL, BLOCK_M, BLOCK_N, HEAD_DIM, DOT_PRECISION, TMA,
+        PAGE_SIZE)
     acc, l_i, m_i = _fwd_product(
         acc, l_i, m_i, _slice(Q1, sq1, batch, head), sq1, K1a, K1b, sk1, V, sv,
-        (Tables[0], Tables[1]), logn_factor, start_m, rows,
+        (Tables[0], Tables[1]), Pages, logn_factor, start_m, rows,
         (inside_clean, band, edge_inside), n_q, n_k, window, qk_scale, INSIDE,
-        INSIDE_FLAGS, LOGN, CAUSAL, BLOCK_M, BLOCK_N, HEAD_DIM, DOT_PRECISION, TMA)
+        INSIDE_FLAGS, LOGN, CAUSAL, BLOCK_M, BLOCK_N, HEAD_DIM, DOT_PRECISION, TMA,
+        PAGE_SIZE)
 
     q_rows = start_m + tl.arange(0, BLOCK_M)
     tl.store(Lse + q_rows, m_i + tl.math.log2(l_i), mask=q_rows < n_q)

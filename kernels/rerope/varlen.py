@@ -13,11 +13,12 @@ cumulative lengths, moves the base pointers to the sequence's first row and runs
 as a ``(1, H, L, D)`` call of :func:`rerope.rerope` would — one copy of the math. Programs past
 a sequence's end return at once; the grid is sized by ``max_seqlen_*``.
 
-Paged keys (``block_table``): this first version gathers each sequence's pages into a padded
-contiguous buffer ``(B · max_seqlen_k, Hkv, D)`` with torch indexing (:func:`gather_pages`: no
-host sync, one extra pass over the keys a call reads) and runs the contiguous kernel on it;
-reading the pages in place inside the kernel (as :func:`rerope.rerope_decode` does) is left for
-later.
+Paged keys (``block_table``): the forward reads keys and values from the page pool in place,
+as :func:`rerope.rerope_decode` does: each key tile's rows are found through the sequence's
+block-table row (:func:`rerope.forward._paged_tile`: one table entry per tile when a page holds
+whole tiles, one per page when a tile holds a few whole pages, else one per key), the
+rotations at the keys' logical positions. Keys pre-turned before the kernel (long sequences,
+:func:`turn_keys`) are read from the pool once and written packed, as ``k`` would be.
 """
 
 import functools
@@ -30,12 +31,13 @@ import triton
 import triton.language as tl
 
 from . import configs
-from ._validate import KERNEL_DTYPES, as_frequencies, check_alike, check_flag
+from ._validate import (KERNEL_DTYPES, as_frequencies, check_alike, check_block_table,
+                        check_flag, check_int32)
 from .attention import (_first_order_only, _lifted, _needs_grad, _use_tma, fused_settings,
                         heads_first)
 from .backward import _bwd_delta_kernel, _dkdv_rows, _dq_rows
 from .caches import CACHE_SIZE, LRUCache
-from .forward import _fwd_rows, _program
+from .forward import _fwd_rows, _key_rows, _program, _tile_pages
 from .launch import Launcher, _capability, _ensure_scratch_allocator
 from .online_softmax import LOG2E, natural_lse
 from .rotary import _turn_operand
@@ -45,29 +47,36 @@ from .runtime import INTERPRET
 
 
 @triton.jit
-def _spans(CuQ, CuK, batch, k_rows):
+def _spans(Cu, batch):
     """``(q0, n_q, k0, n_k)`` of sequence ``batch``: its first query row and query count,
-    its first key row and key count. Keys from ``CuK``, or (``k_rows > 0``: gathered pages)
-    at ``batch · k_rows``."""
-    q0 = tl.load(CuQ + batch)
-    n_q = tl.load(CuQ + batch + 1) - q0
-    k_first = tl.load(CuK + batch)
-    n_k = tl.load(CuK + batch + 1) - k_first
-    if k_rows > 0:
-        k0 = batch * k_rows
-    else:
-        k0 = k_first
+    its first key row and key count, from ``Cu``, the cumulative lengths ``(cu_seqlens_q,
+    cu_seqlens_k)``."""
+    q0 = tl.load(Cu[0] + batch)
+    n_q = tl.load(Cu[0] + batch + 1) - q0
+    k0 = tl.load(Cu[1] + batch)
+    n_k = tl.load(Cu[1] + batch + 1) - k0
     return q0.to(tl.int64), n_q, k0.to(tl.int64), n_k
 
 
-@triton.jit(do_not_specialize=["total_q", "total_k", "max_seqlen_q", "max_seqlen_k", "k_rows"])
+@triton.jit
+def _rows_of(X, first, strides, PAGED: tl.constexpr):
+    """``X`` moved to a sequence's first row ``first``; a page pool (``PAGED``) stays at
+    page 0, its rows found through the block table."""
+    if PAGED:
+        return X
+    else:
+        return X + first * strides[2]
+
+
+@triton.jit(do_not_specialize=["total_q", "total_k", "max_seqlen_q", "max_seqlen_k"])
 def _varlen_fwd_kernel(
-    Q, K1, K2, V, Out, Lse, Tables, CuQ, CuK, sq, sk1, sk2, sv, so,
-    n_heads, q_per_kv, total_q, total_k, max_seqlen_q, max_seqlen_k, k_rows, window,
+    Q, K1, K2, V, Out, Lse, Tables, Cu, Pages, sq, sk1, sk2, sv, so,
+    n_heads, q_per_kv, total_q, total_k, max_seqlen_q, max_seqlen_k, window,
     qk_scale, logn_factor,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, TMA: tl.constexpr, HEADS_FIRST: tl.constexpr,
     LOGN: tl.constexpr, INSIDE_FLAGS: tl.constexpr, OUTSIDE_FLAGS: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
 ):
     """Grid ``(cdiv(max_seqlen_q, BLOCK_M), B · Hq)``, or ``(B · Hq, cdiv(max_seqlen_q,
     BLOCK_M))`` with ``HEADS_FIRST`` (:func:`rerope.forward._program`; the same rule as
@@ -76,13 +85,20 @@ def _varlen_fwd_kernel(
     model's ``k`` for both products, or a product's keys pre-turned where its
     ``TURN_KEYS`` flag is off (:func:`turn_keys`); ``Lse`` ``(Hq, total_q)`` log2 units.
     A sequence whose lengths are out of range (``Lq > Lk``, above ``max_seqlen_*``, rows
-    outside the tensors) gets NaN rows (no host check on a GPU)."""
+    outside the tensors) gets NaN rows (no host check on a GPU).
+
+    Paged (``PAGE_SIZE > 0``, no TMA): ``V`` and the keys not pre-turned are page pools
+    ``(num_blocks, PAGE_SIZE, Hkv, D)`` (strides as ``(page, head, slot, dim)``) read in
+    place through ``Pages``, ``(block_table, its two strides, num_blocks)``; pre-turned
+    keys are packed as ``k`` would be (``total_k`` rows, sequence ``b`` from
+    ``cu_seqlens_k[b]``). ``0``: ``Pages`` is not read."""
+    PAGED: tl.constexpr = PAGE_SIZE > 0
     bh, block, n_blocks = _program(HEADS_FIRST)
     if CAUSAL:   # the last query blocks have the most keys: start them first
         block = n_blocks - 1 - block
     batch = bh // n_heads
     head = bh % n_heads
-    q0, n_q, k0, n_k = _spans(CuQ, CuK, batch, k_rows)
+    q0, n_q, k0, n_k = _spans(Cu, batch)
     start_m = block * BLOCK_M
     bad = ((n_q < 0) | (n_q > n_k) | (n_q > max_seqlen_q) | (n_k > max_seqlen_k)
            | (q0 < 0) | (q0 + n_q > total_q) | (k0 < 0) | (k0 + n_k > total_k))
@@ -99,17 +115,21 @@ def _varlen_fwd_kernel(
                  tl.full([BLOCK_M], float("nan"), tl.float32), mask=ok)
     elif start_m < n_q:
         zero = batch * 0
-        _fwd_rows(Q + q0 * sq[2], Q, K1 + k0 * sk1[2], K2 + k0 * sk2[2], V + k0 * sv[2],
-                  Out + q0 * so[2], Lse + head.to(tl.int64) * total_q + q0, Tables, sq, sq,
-                  sk1, sk2, sv, so,
-                  zero, head, head // q_per_kv, start_m, n_q, n_k, window, qk_scale,
-                  logn_factor, HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, TMA, LOGN,
-                  INSIDE_FLAGS, OUTSIDE_FLAGS)
+        pages = ((Pages[0] + batch.to(tl.int64) * Pages[1], Pages[2], Pages[3]) if PAGED
+                 else None)       # this sequence's block-table row
+        # a product's keys are pre-turned (packed, not paged) where TURN_KEYS != TURN
+        K1 = _rows_of(K1, k0, sk1, PAGED and INSIDE_FLAGS[2] == INSIDE_FLAGS[0])
+        K2 = _rows_of(K2, k0, sk2, PAGED and OUTSIDE_FLAGS[2] == OUTSIDE_FLAGS[0])
+        _fwd_rows(Q + q0 * sq[2], Q, K1, K2, _rows_of(V, k0, sv, PAGED), Out + q0 * so[2],
+                  Lse + head.to(tl.int64) * total_q + q0, Tables, pages, sq, sq, sk1, sk2,
+                  sv, so, zero, head, head // q_per_kv, start_m, n_q, n_k, window,
+                  qk_scale, logn_factor, HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, TMA, LOGN,
+                  INSIDE_FLAGS, OUTSIDE_FLAGS, PAGE_SIZE)
 
 
 @triton.jit(do_not_specialize=["total_q", "total_k"])
 def _varlen_dq_kernel(
-    Q, K, V, DO, Lse, Delta, DQ, Tables, CuQ, CuK, sq, sk, sv, sdo,
+    Q, K, V, DO, Lse, Delta, DQ, Tables, Cu, sq, sk, sv, sdo,
     n_heads, q_per_kv, total_q, total_k, window, qk_scale, sm_scale, logn_factor,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, TMA: tl.constexpr, HEADS_FIRST: tl.constexpr,
@@ -123,7 +143,7 @@ def _varlen_dq_kernel(
         block = n_blocks - 1 - block
     batch = bh // n_heads
     head = bh % n_heads
-    q0, n_q, k0, n_k = _spans(CuQ, CuK, batch, 0)
+    q0, n_q, k0, n_k = _spans(Cu, batch)
     start_m = block * BLOCK_M
     if start_m < n_q:
         zero = batch * 0
@@ -137,7 +157,7 @@ def _varlen_dq_kernel(
 
 @triton.jit(do_not_specialize=["total_q", "total_k"])
 def _varlen_dkdv_kernel(
-    Q, K, V, DO, Lse, Delta, DK, DV, Tables, CuQ, CuK, sq, sk, sv, sdo,
+    Q, K, V, DO, Lse, Delta, DK, DV, Tables, Cu, sq, sk, sv, sdo,
     n_heads, q_per_kv, total_q, total_k, window, qk_scale, sm_scale, logn_factor,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, TMA: tl.constexpr, HEADS_FIRST: tl.constexpr,
@@ -150,7 +170,7 @@ def _varlen_dkdv_kernel(
     n_kv_heads = n_heads // q_per_kv
     batch = bh // n_kv_heads
     kv_head = bh % n_kv_heads
-    q0, n_q, k0, n_k = _spans(CuQ, CuK, batch, 0)
+    q0, n_q, k0, n_k = _spans(Cu, batch)
     start_n = block * BLOCK_N
     if start_n < n_k:
         zero = batch * 0
@@ -162,23 +182,36 @@ def _varlen_dkdv_kernel(
                    BLOCK_N, CAUSAL, TMA, LOGN, INSIDE_FLAGS, OUTSIDE_FLAGS, False)
 
 
-@triton.jit(do_not_specialize=["total_k", "k_rows"])
-def _varlen_turn_keys_kernel(K, Out1, Out2, Tables, CuK, sk, n_heads, total_k, k_rows,
+@triton.jit(do_not_specialize=["total_k"])
+def _varlen_turn_keys_kernel(K, Out1, Out2, Tables, CuK, Pages, sk, n_heads, total_k,
                              HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr,
-                             FIRST: tl.constexpr, SECOND: tl.constexpr):
+                             FIRST: tl.constexpr, SECOND: tl.constexpr,
+                             PAGE_SIZE: tl.constexpr):
     """Grid ``(B · Hkv, cdiv(max_seqlen_k, BLOCK))``: rows of one key head of one sequence
     read once and turned for each product that pre-turns its keys (``FIRST`` / ``SECOND``:
     ``None``, or ``(TURN, SHIFT)`` of the inside / outside product; ``Tables`` as the
     forward's), by :func:`rerope.rotary._turn_operand` at their positions within their
     sequence, the arithmetic of the turn in registers: stored to ``Out1`` / ``Out2``,
-    contiguous, ``K``'s shape."""
+    contiguous ``(total_k, Hkv, D)``, packed as ``k`` (sequence ``b`` from
+    ``cu_seqlens_k[b]``; rows past ``total_k`` are not written). ``PAGE_SIZE > 0``: ``K``
+    is a page pool read in place through ``Pages`` as the forward reads it
+    (:func:`rerope.forward._paged_tile`); a key on a page outside the pool reads 0 (the
+    forward makes its rows NaN)."""
     batch = tl.program_id(0) // n_heads
     head = tl.program_id(0) % n_heads
-    _, _, k0, n_k = _spans(CuK, CuK, batch, k_rows)
+    _, _, k0, n_k = _spans((CuK, CuK), batch)
     rows = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    keep = (rows < n_k)[:, None]
+    keep = (rows < n_k) & (k0 + rows < total_k)
+    if PAGE_SIZE > 0:
+        table = (Pages[0] + batch.to(tl.int64) * Pages[1], Pages[2], sk[0], sk[0], Pages[3])
+        page = _tile_pages(table, tl.program_id(1) * BLOCK, n_k, BLOCK, PAGE_SIZE)
+        src_rows, _, on_pool = _key_rows(table, page, rows, sk[2], sk[2], BLOCK, PAGE_SIZE)
+        keep = keep & on_pool
+    else:
+        src_rows = (k0 + rows.to(tl.int64)) * sk[2]
+    keep = keep[:, None]
     half = tl.arange(0, HEAD_DIM // 2)[None, :]
-    src = K + head.to(tl.int64) * sk[1] + (k0 + rows.to(tl.int64))[:, None] * sk[2]
+    src = K + head.to(tl.int64) * sk[1] + src_rows[:, None]
     a = tl.load(src + half * sk[3], mask=keep, other=0.0)
     b = tl.load(src + (half + HEAD_DIM // 2) * sk[3], mask=keep, other=0.0)
     dst = ((k0 + rows.to(tl.int64))[:, None] * n_heads + head) * HEAD_DIM + half
@@ -206,7 +239,7 @@ def _autotuned(kernel, head_dim, capability, elem_bytes, autotune=True):
     return triton.autotune(
         configs=configs.launch_configs(kernel, head_dim, capability, elem_bytes, True,
                                        autotune),
-        key=["HEAD_DIM", "CAUSAL", "LOGN"],
+        key=["HEAD_DIM", "CAUSAL", "LOGN"] + (["PAGE_SIZE"] if kernel == "fwd" else []),
     )(_KERNELS[kernel])
 
 
@@ -262,19 +295,11 @@ def _check_max_seqlen(name, value):
 
 
 def _check_cu_seqlens(name, cu, device, batch=None):
-    if not isinstance(cu, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor (int32, (B + 1,)), got "
-                        f"{type(cu).__name__}")
-    if cu.dtype != torch.int32:
-        raise TypeError(f"{name} must have dtype torch.int32, got {cu.dtype}")
-    if cu.dim() != 1 or cu.shape[0] < 2:
-        raise ValueError(f"{name} must have shape (B + 1,) with B >= 1 (cumulative "
-                         f"sequence lengths starting at 0), got {tuple(cu.shape)}")
+    check_int32(name, cu, lambda shape: len(shape) == 1 and shape[0] >= 2,
+                "(B + 1,) with B >= 1 (cumulative sequence lengths starting at 0)", device)
     if batch is not None and cu.shape[0] != batch + 1:
         raise ValueError(f"{name} has {cu.shape[0]} entries but cu_seqlens_q has "
                          f"{batch + 1}: one entry per sequence plus one")
-    if cu.device != device:
-        raise ValueError(f"{name} must be on q's device ({device}), got {cu.device}")
 
 
 def _check_lengths_on_host(cu_q, cu_k, max_q, max_k, total_q, total_k):
@@ -350,19 +375,7 @@ def _check_varlen(q, k, v, cu_q, cu_k, max_q, max_k, block_table):
     batch = cu_q.shape[0] - 1
     _check_cu_seqlens("cu_seqlens_k", cu_k, q.device, batch)
     if paged:
-        if not isinstance(block_table, torch.Tensor):
-            raise TypeError(f"block_table must be a torch.Tensor, got "
-                            f"{type(block_table).__name__}")
-        if block_table.dtype != torch.int32:
-            raise TypeError(f"block_table must have dtype torch.int32, got "
-                            f"{block_table.dtype}")
-        if block_table.dim() != 2 or block_table.shape[0] != batch or block_table.shape[1] < 1:
-            raise ValueError(f"block_table must have shape ({batch}, max_blocks) with "
-                             f"max_blocks >= 1 (one row of page numbers per sequence), got "
-                             f"{tuple(block_table.shape)}")
-        if block_table.device != q.device:
-            raise ValueError(f"block_table must be on q's device ({q.device}), got "
-                             f"{block_table.device}")
+        check_block_table(block_table, batch, q.device)
         if k.shape[0] < 1:
             raise ValueError("k and v have no pages (num_blocks = 0)")
         capacity = block_table.shape[1] * k.shape[1]
@@ -376,32 +389,6 @@ def _check_varlen(q, k, v, cu_q, cu_k, max_q, max_k, block_table):
         if paged and block_table.device.type == "cpu":
             _check_pages_on_host(block_table, cu_k[1:] - cu_k[:-1], k.shape[1], k.shape[0])
     return batch, hq, hkv, d
-
-
-# --- paged keys ----------------------------------------------------------------------------
-
-
-def gather_pages(k_pages, v_pages, block_table, cu_seqlens_k, max_seqlen_k):
-    """The keys and values of every sequence of a paged cache, gathered into padded
-    contiguous buffers: ``(B · max_seqlen_k, Hkv, D)`` each, sequence ``b``'s key ``j`` at row
-    ``b · max_seqlen_k + j`` (slot ``j % block_size`` of page ``block_table[b, j //
-    block_size]``). Torch indexing on the device, no host sync (graph-safe). Slots a
-    sequence uses (``j < Lk_b``) on a page outside the pool come back NaN (the sequence's
-    output then is NaN); padding rows past a sequence's length hold whatever their (clamped)
-    page holds, and are never read."""
-    num_blocks, page_size = k_pages.shape[0], k_pages.shape[1]
-    batch = block_table.shape[0]
-    device = k_pages.device
-    slots = torch.arange(max_seqlen_k, device=device)
-    pages = block_table[:, slots // page_size].long()                  # (B, max_k)
-    valid = (pages >= 0) & (pages < num_blocks)
-    pages, in_page = pages.clamp(0, num_blocks - 1), (slots % page_size)[None, :]
-    used = slots[None, :] < (cu_seqlens_k[1:] - cu_seqlens_k[:-1])[:, None].long()
-    poison = (used & ~valid).reshape(-1, 1, 1)
-    flat = (batch * max_seqlen_k, *k_pages.shape[2:])
-    k = k_pages[pages, in_page].view(flat)          # any pool strides: no copy of the pool
-    v = v_pages[pages, in_page].view(flat)
-    return k.masked_fill_(poison, float("nan")), v.masked_fill_(poison, float("nan"))
 
 
 # --- plan, launches, autograd ----------------------------------------------------------------
@@ -454,8 +441,10 @@ def _plan(q, max_k, settings):
 
 def _views(*tensors):
     """The ``(batch, head, row, dim)`` strides the kernels index, of ``(rows, H, D)``
-    tensors: no batch stride (the sequence's first row moves the base pointer)."""
-    return [(0, t.stride(1), t.stride(0), t.stride(2)) for t in tensors]
+    tensors: no batch stride (the sequence's first row moves the base pointer); of
+    ``(num_blocks, block_size, H, D)`` page pools, ``(page, head, slot, dim)``."""
+    return [(0, t.stride(1), t.stride(0), t.stride(2)) if t.dim() == 3 else
+            (t.stride(0), t.stride(2), t.stride(1), t.stride(3)) for t in tensors]
 
 
 def _flags(operands):
@@ -482,33 +471,45 @@ def preturn_keys(max_q, max_k, q_per_kv, config):
     return rectangular(max_k, max_q, q_per_kv, config)
 
 
-def turn_keys(k, cu_k, max_k, k_rows, operands, outside=True):
+def turn_keys(k, cu_k, max_k, operands, outside=True, block_table=None):
     """``(k1, k2)``: each product's keys turned once at their positions within their
-    sequence where that product turns keys (a new contiguous tensor shaped like ``k``), else
-    ``k`` itself; the outside product's only where it has a tile (``outside``: some sequence
-    has more keys than the window). ``k_rows``: as the forward kernel's (gathered pages:
-    sequence ``b`` at row ``b · k_rows``)."""
+    sequence where that product turns keys (a new contiguous ``(total_k, Hkv, D)`` tensor,
+    packed as ``k``), else ``k`` itself; the outside product's only where it has a tile
+    (``outside``: some sequence has more keys than the window). Paged (``block_table``):
+    ``k`` is the page pool, read in place, and the turned keys are packed by
+    ``cu_k`` into ``B · max_k`` rows (no host sync for ``cu_k[-1]``)."""
     f = operands.flags
     first = (True, False) if f["TURN_IN"] else None
     second = (True, False) if f["TURN_OUT"] and outside else None
-    outs = [torch.empty(k.shape, dtype=k.dtype, device=k.device) if p is not None else k
-            for p in (first, second)]
     if first is None and second is None:
         return k, k
-    hkv, d = k.shape[1], k.shape[2]
     batch = cu_k.shape[0] - 1
+    hkv, d = k.shape[-2], k.shape[-1]
+    rows = k.shape[0] if block_table is None else batch * max_k
+    outs = [torch.empty(rows, hkv, d, dtype=k.dtype, device=k.device) if p is not None
+            else k for p in (first, second)]
+    pages, page_size = _pages(k, block_table)
     grid = (batch * hkv, triton.cdiv(max_k, 64))
-    _varlen_turn_keys_kernel[grid](k, outs[0], outs[1], operands.tables, cu_k,
-                                   _views(k)[0], hkv, k.shape[0], k_rows, HEAD_DIM=d,
-                                   BLOCK=64, FIRST=first, SECOND=second)
+    _varlen_turn_keys_kernel[grid](k, outs[0], outs[1], operands.tables, cu_k, pages,
+                                   _views(k)[0], hkv, rows, HEAD_DIM=d, BLOCK=64,
+                                   FIRST=first, SECOND=second, PAGE_SIZE=page_size)
     return outs[0], outs[1]
 
 
-def _forward(q, k, v, cu_q, cu_k, max_q, max_k, k_rows, plan, preturn=None):
+def _pages(k, block_table):
+    """``(Pages, PAGE_SIZE)`` as the kernels take them: ``(block_table, its strides,
+    num_blocks)`` and the pool's ``block_size``, or ``(None, 0)`` for contiguous keys."""
+    if block_table is None:
+        return None, 0
+    return (block_table, *block_table.stride(), k.shape[0]), k.shape[1]
+
+
+def _forward(q, k, v, cu_q, cu_k, max_q, max_k, plan, preturn=None, block_table=None):
     """Launch the forward; ``(out, lse)``, ``lse`` ``(Hq, total_q)`` in log2 units.
     ``preturn``: whether products that turn keys get them turned once first (``None``:
-    :func:`preturn_keys`)."""
+    :func:`preturn_keys`). ``block_table``: ``k, v`` are page pools, read in place."""
     total_q, hq, d = q.shape
+    hkv = k.shape[-2]
     batch = cu_q.shape[0] - 1
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     lse = torch.empty(hq, total_q, dtype=torch.float32, device=q.device)
@@ -517,19 +518,25 @@ def _forward(q, k, v, cu_q, cu_k, max_q, max_k, k_rows, plan, preturn=None):
     operands = plan.operands
     flags = _flags(operands)
     if preturn is None:
-        preturn = preturn_keys(max_q, max_k, hq // k.shape[1], plan.config)
+        preturn = preturn_keys(max_q, max_k, hq // hkv, plan.config)
     k1 = k2 = k
     if preturn and (operands.flags["TURN_IN"] or operands.flags["TURN_OUT"]):
-        k1, k2 = turn_keys(k, cu_k, max_k, k_rows, operands, max_k > plan.window)
+        k1, k2 = turn_keys(k, cu_k, max_k, operands, max_k > plan.window, block_table)
         inside, outside = flags["INSIDE_FLAGS"], flags["OUTSIDE_FLAGS"]
         flags.update(INSIDE_FLAGS=(*inside[:2], inside[2] and k1 is k),
                      OUTSIDE_FLAGS=(*outside[:2], outside[2] and k2 is k))
-    args = [q, k1, k2, v, out, lse, operands.tables, cu_q, cu_k, *_views(q, k1, k2, v, out),
-            hq, hq // k.shape[1], total_q, k.shape[0], max_q, max_k, k_rows, plan.window,
-            plan.scale * LOG2E, operands.logn_factor]
+    pages, page_size = _pages(k, block_table)
+    if block_table is None:
+        total_k, tma = k.shape[0], _tma(plan, q, k1, k2, v)
+    else:      # pools as (page, head, slot, dim); pre-turned keys packed in B · max_k rows
+        total_k, tma = batch * max_k, False
+    args = [q, k1, k2, v, out, lse, operands.tables, (cu_q, cu_k), pages,
+            *_views(q, k1, k2, v, out), hq, hq // hkv, total_q, total_k, max_q, max_k,
+            plan.window, plan.scale * LOG2E, operands.logn_factor]
     _launch("fwd", "BLOCK_M", max_q, batch * hq, args, plan.config, HEAD_DIM=d,
-            CAUSAL=plan.causal, TMA=_tma(plan, q, k1, k2, v),
-            HEADS_FIRST=heads_first(max_k, batch * hq, plan.config), **flags)
+            CAUSAL=plan.causal, TMA=tma,
+            HEADS_FIRST=heads_first(max_k, batch * hq, plan.config), PAGE_SIZE=page_size,
+            **flags)
     return out, lse
 
 
@@ -554,7 +561,7 @@ def _backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, plan):
     common = dict(HEAD_DIM=d, CAUSAL=plan.causal, TMA=_tma(plan, q, k, v, dout),
                   HEADS_FIRST=heads_first(max_k, batch * hq, plan.config),
                   **_flags(operands))
-    tail = [operands.tables, cu_q, cu_k, *_views(q, k, v, dout), hq, hq // hkv, total_q,
+    tail = [operands.tables, (cu_q, cu_k), *_views(q, k, v, dout), hq, hq // hkv, total_q,
             total_k, plan.window, plan.scale * LOG2E, plan.scale, operands.logn_factor]
     _launch("dkdv", "BLOCK_N", max_k, batch * hkv,
             [q, k, v, dout, lse, delta, dk, dv, *tail], plan.config, **common)
@@ -569,7 +576,7 @@ class _VarlenAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, cu_q, cu_k, max_q, max_k, plan, return_lse):
-        out, lse = _forward(q, k, v, cu_q, cu_k, max_q, max_k, 0, plan)
+        out, lse = _forward(q, k, v, cu_q, cu_k, max_q, max_k, plan)
         ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k)
         ctx.args = (max_q, max_k, plan)
         if not return_lse:
@@ -637,9 +644,9 @@ def rerope_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
             ``q``'s device: ``k, v`` are page pools ``(num_blocks, block_size, Hkv, D)`` as
             :func:`rerope.rerope_decode` takes them, key ``j`` of sequence ``b`` in slot ``j
             % block_size`` of page ``block_table[b, j // block_size]``;
-            ``max_blocks · block_size >= max_seqlen_k``. Forward only. This version gathers
-            the pages into a padded contiguous buffer first (:func:`gather_pages`, no host
-            sync) and runs the contiguous kernel on it.
+            ``max_blocks · block_size >= max_seqlen_k``; any ``block_size``; entries past a
+            sequence's ``cdiv(Lk_b, block_size)`` pages are never read. Forward only; the
+            pages are read in place (no copy of the keys and values).
         return_lse: bool; also return the log-sum-exps.
 
     Returns:
@@ -653,8 +660,8 @@ def rerope_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
     ``max_seqlen_*`` too small) and pages outside the pool. The values are read only where
     ``cu_seqlens_*`` (and ``block_table``) are CPU tensors; on a GPU they are not checked
     (that would need a host sync): a sequence with lengths out of range comes back as NaN
-    rows (those within ``max_seqlen_q`` of its start; its log-sum-exps too), and one that
-    uses a page outside the pool as NaN.
+    rows (those within ``max_seqlen_q`` of its start; its log-sum-exps too), and the rows
+    of a sequence that read a page outside the pool come back NaN.
 
     CUDA tensors, or CPU tensors under Triton's CPU interpreter. Under ``torch.compile`` the
     call runs eagerly (``torch.compiler.disable``: a graph break), never traced into Triton.
@@ -671,18 +678,15 @@ def rerope_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
         if _needs_grad(q, k, v):
             raise ValueError("the paged form of rerope_varlen is forward-only: call it "
                              "under torch.no_grad(), or pass contiguous k, v for gradients")
-        k, v = gather_pages(k, v, block_table, cu_seqlens_k, max_k)
     if plan.lift:
         q, k, v = q.float(), k.float(), v.float()
     cu_q, cu_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()
-    if block_table is not None:
-        out, lse = _forward(q, k, v, cu_q, cu_k, max_q, max_k, max_k, plan)
-        result = (out, natural_lse(lse)) if return_lse else out
-    elif _needs_grad(q, k, v):
+    if block_table is None and _needs_grad(q, k, v):
         result = _VarlenAttention.apply(q, k, v, cu_q, cu_k, max_q, max_k, plan,
                                         return_lse)
     else:
-        out, lse = _forward(q, k, v, cu_q, cu_k, max_q, max_k, 0, plan)
+        out, lse = _forward(q, k, v, cu_q, cu_k, max_q, max_k, plan,
+                            block_table=block_table)
         result = (out, natural_lse(lse)) if return_lse else out
     if plan.lift:
         return (result[0].to(dtype), result[1]) if return_lse else result.to(dtype)
