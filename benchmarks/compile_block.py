@@ -8,9 +8,9 @@ repository root, with ``rerope`` importable (``PYTHONPATH=kernels:.`` in a check
 The block (issue 37, as ``tests/test_generation.py``'s ``Block``): ``Linear(512, 1536)`` → view
 and permute (q, k, v strided views of one buffer) → ``rerope.rerope(window=256)`` →
 ``Linear(512, 512)``; B=2, 8 heads of 64, fp16, N = 1024 and 4096 (``--n``). Modes: ``fwd``
-(under ``torch.no_grad()``) and ``fwd+bwd`` (a training step: forward, ``out.float().square()
-.mean().backward()``). Compiled: ``torch.compile(block, fullgraph=True)`` (Inductor, default
-mode) and the same with ``mode="reduce-overhead"`` (``torch.compiler.cudagraph_mark_step_begin()``
+(under ``torch.no_grad()``) and ``fwd+bwd`` (a training step: gradients set to ``None``,
+forward, ``out.float().square().mean().backward()``). Compiled: ``torch.compile(block,
+fullgraph=True)`` (Inductor, default mode) and the same with ``mode="reduce-overhead"`` (``torch.compiler.cudagraph_mark_step_begin()``
 before each step). Each is checked against eager first (``max_abs_diff`` of the output).
 
 Times (ms, median, :func:`benchmarks.harness.event_times_ms`): ``*_ms`` one step at a time, a
@@ -67,7 +67,15 @@ def step_fn(block, x, mode, graphs=False):
         with torch.no_grad():
             return block(x)
 
+    params = list(block.parameters())
+
     def fwd_bwd():
+        # gradients set to None first, as a training loop's zero_grad(set_to_none=True): an
+        # accumulated .grad would be a CUDA-graph output of the last step, which the next
+        # replay overwrites ("accessing tensor output of CUDAGraphs that has been overwritten")
+        xg.grad = None
+        for p in params:
+            p.grad = None
         if graphs:
             torch.compiler.cudagraph_mark_step_begin()
         out = block(xg)
