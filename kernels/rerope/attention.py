@@ -11,7 +11,7 @@ gradient is needed and the kernels themselves where none is: the lightest paths 
 the kernels (short sequences are bound by host time). Under ``torch.compile``, ops registered
 with ``torch.library`` (``torch.ops.rerope.*``, with fake implementations), which the compiler
 treats as opaque instead of tracing into Triton, inside a traced autograd Function
-(:class:`_TracedOp`) that gives their gradient; in eager mode they would cost about 90 µs more
+(:class:`_TracedFused`) that gives their gradient; in eager mode they would cost about 90 µs more
 per forward call (``perf/NOTES.md``). Both doors keep a plan per call signature (:func:`_cached_plan`,
 :func:`_op_plan`), so a repeated call, eager or from a compiled graph, is a lookup plus the
 plan's kept, bound launches.
@@ -667,25 +667,43 @@ _fused_bwd = _define("rerope_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tens
                      f"Tensor lse, {_FUSED_TAIL}) -> Tensor[]", _fused_bwd_impl, _fake_bwd)
 
 
-class _TracedOp(torch.autograd.Function):
-    """What a compiled graph records for ``rerope`` and ``rerope_attention``: the forward op
-    (``forward_op``) on the input tensors, and the backward op as its gradient. Dynamo traces
-    this Function and AOTAutograd splits it: the compiled forward calls the forward op, the
-    compiled backward the backward op; nothing of it runs in Python per step. ``settings``:
-    the op's arguments after its tensors; ``lse`` has no gradient (the backward ignores it)."""
+def _traced_forward(ctx, forward_op, settings, tensors):
+    """The forward of a traced Function (:class:`_TracedFused`, :class:`_TracedFive`): the
+    forward op, and what its backward op needs saved (``lse`` has no gradient)."""
+    out, lse = forward_op(*tensors, *settings)
+    ctx.save_for_backward(*tensors, out, lse)
+    ctx.settings = settings
+    ctx.mark_non_differentiable(lse)
+    return out, lse
+
+
+class _TracedFused(torch.autograd.Function):
+    """What a compiled graph records for ``rerope``: the forward op on ``q, k, v``, and the
+    backward op as their gradient. Dynamo traces the Function and AOTAutograd splits it: the
+    compiled forward calls ``rerope::rerope_fwd``, the compiled backward ``rerope::rerope_bwd``;
+    nothing of the Function runs per step. ``settings``: the ops' arguments after the
+    tensors."""
 
     @staticmethod
-    def forward(ctx, forward_op, backward_op, settings, *tensors):
-        out, lse = forward_op(*tensors, *settings)
-        ctx.save_for_backward(*tensors, out, lse)
-        ctx.backward_op, ctx.settings = backward_op, settings
-        ctx.mark_non_differentiable(lse)
-        return out, lse
+    def forward(ctx, settings, q, k, v):
+        return _traced_forward(ctx, _fused_fwd, settings, (q, k, v))
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        grads = ctx.backward_op(dout, *ctx.saved_tensors, *ctx.settings)
-        return (None, None, None, *grads)
+        return (None, *_fused_bwd(dout, *ctx.saved_tensors, *ctx.settings))
+
+
+class _TracedFive(torch.autograd.Function):
+    """:class:`_TracedFused` for ``rerope_attention`` (``rerope::rerope_attention_fwd`` and
+    ``_bwd``)."""
+
+    @staticmethod
+    def forward(ctx, settings, q1, q2, k1, k2, v):
+        return _traced_forward(ctx, _five_fwd, settings, (q1, q2, k1, k2, v))
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        return (None, *_five_bwd(dout, *ctx.saved_tensors, *ctx.settings))
 
 
 def _first_order_only(backward):
@@ -913,8 +931,7 @@ def rerope_attention(q1, q2, k1, k2, v, window, causal=True, sm_scale=None, retu
     plan = _cached_plan(_plan_five, tensors, settings, compiling)
     if compiling:
         (q1, q2, k1, k2, v), restore = prepare_for_device(*tensors)
-        out, lse = _TracedOp.apply(_five_fwd, _five_bwd, (plan.window, plan.causal, plan.scale),
-                                   q1, q2, k1, k2, v)
+        out, lse = _TracedFive.apply((plan.window, plan.causal, plan.scale), q1, q2, k1, k2, v)
         return (restore(out), _lse_of(out, lse)) if return_lse else restore(out)
     dtype = q1.dtype
     if plan.lift:
@@ -1119,7 +1136,7 @@ def rerope(q, k, v, window, causal=True, sm_scale=None, base=10000.0, leaky=None
         *rope, inv_freq, group = plan.rope
         settings = (plan.window, plan.causal, plan.scale, *rope,
                     None if inv_freq is None else list(inv_freq), group)
-        out, lse = _TracedOp.apply(_fused_fwd, _fused_bwd, settings, q, k, v)
+        out, lse = _TracedFused.apply(settings, q, k, v)
         return (restore(out), _lse_of(out, lse)) if return_lse else restore(out)
     dtype = q.dtype
     if plan.lift:
