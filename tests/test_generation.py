@@ -146,7 +146,9 @@ def _layouts(gen, b=1, h=2, n=12, d=16, dtype=F32):
 @pytest.mark.parametrize("layout", ["fused_qkv", "bnhd_transposed"])
 def test_opcheck_fused_ops(layout, gen):
     """``torch.library.opcheck`` of the fused forward and backward ops: schema, fake tensors
-    (output strides equal the real ones), autograd registration, AOT dispatch."""
+    (output strides equal the real ones), autograd registration (the ops are not
+    differentiable themselves: their outputs carry no gradient; ``rerope.rerope`` gives it),
+    AOT dispatch."""
     q, k, v = (t.detach() for t in _layouts(gen)[layout])
     settings = (5, True, 0.25, 10000.0, None, None, False)
     torch.library.opcheck(torch.ops.rerope.rerope_fwd.default,

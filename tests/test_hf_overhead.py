@@ -160,8 +160,8 @@ def test_op_call_costs_its_body_alone(monkeypatch, gen):
 @pytest.mark.parametrize("five", [False, True], ids=["rerope", "rerope_attention"])
 def test_compiled_gradients_come_from_the_backward_op(dynamo, five, gen):
     """Compiled (``aot_eager``, fullgraph), ``rerope`` and ``rerope_attention`` get their
-    gradient from the traced autograd Function around the ops (the ops themselves have no
-    autograd kernel): forward and gradients equal eager, ``lse`` included."""
+    gradient from the traced autograd Function around the ops (the ops themselves are not
+    differentiable): forward and gradients equal eager, ``lse`` included."""
     device = kernel_device()
     tensors = [torch.randn(1, 2, 21, 16, generator=gen).to(device) for _ in range(5 if five
                                                                                   else 3)]
@@ -178,6 +178,10 @@ def test_compiled_gradients_come_from_the_backward_op(dynamo, five, gen):
         out.square().sum().backward()
         results.append((out.detach(), lse, *(t.grad for t in inputs)))
     assert not results[1][1].requires_grad
+    op = torch.ops.rerope.rerope_attention_fwd if five else torch.ops.rerope.rerope_fwd
+    settings = (6, True, 0.25) if five else (6, True, 0.25, 10000.0, 4.0, None, False)
+    out, _ = op(*(t.clone().requires_grad_() for t in tensors), *settings)
+    assert not out.requires_grad          # the op alone: no gradient (a fallthrough), no warning
     for got, want in zip(*results):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 

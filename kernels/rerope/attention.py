@@ -577,18 +577,22 @@ def _op_backward_launchers(plan, out, lse):
 # compiled graph calls them on every step, and ``custom_op``'s Python layers around the
 # implementation (its autograd kernel, redispatch, the aliasing check, a Dynamo-disabled
 # wrapper) cost more host time than the implementation's own plan lookup and launch
-# (perf/compile_graph.md, "host time per call"). Their gradient is not an autograd kernel on
-# the op but the traced ``torch.autograd.Function``s below, which Dynamo records and
-# AOTAutograd splits into the forward op and the backward op.
+# (perf/compile_graph.md, "host time per call"). The ops themselves are not differentiable
+# (a fallthrough at the Autograd key: their outputs carry no gradient, at no cost per call);
+# ``rerope`` and ``rerope_attention`` get their gradient, eagerly from the autograd Functions
+# further down, compiled from the traced ``torch.autograd.Function``s below, which Dynamo
+# records and AOTAutograd splits into the forward op and the backward op.
 _LIB = torch.library.Library("rerope", "FRAGMENT")
 
 
 def _define(schema, implementation, fake):
     """Define ``rerope::<schema>`` with one implementation for every device (the kernels' own
-    device checks come from the public functions) and a fake; returns the op's overload."""
+    device checks come from the public functions), a fake, and no gradient; returns the op's
+    overload."""
     name = schema.split("(")[0]
     _LIB.define(schema)
     _LIB.impl(name, implementation, "CompositeExplicitAutograd")
+    _LIB.impl(name, torch.library.fallthrough_kernel, "Autograd")
     torch.library.register_fake(f"rerope::{name}", fake, lib=_LIB)
     return getattr(torch.ops.rerope, name).default
 
