@@ -8,18 +8,21 @@ repository root, with ``rerope`` importable (``PYTHONPATH=kernels:.`` in a check
 The block (issue 37, as ``tests/test_generation.py``'s ``Block``): ``Linear(512, 1536)`` → view
 and permute (q, k, v strided views of one buffer) → ``rerope.rerope(window=256)`` →
 ``Linear(512, 512)``; B=2, 8 heads of 64, fp16, N = 1024 and 4096 (``--n``). Modes: ``fwd``
-(under ``torch.no_grad()``) and ``fwd+bwd`` (a training step: forward, ``out.float().square()
-.mean().backward()``). Compiled: ``torch.compile(block, fullgraph=True)`` (Inductor, default
-mode) and the same with ``mode="reduce-overhead"`` (``torch.compiler.cudagraph_mark_step_begin()``
-before each step). Each is checked against eager first (``max_abs_diff`` of the output).
+(under ``torch.no_grad()``) and ``fwd+bwd`` (a training step: gradients set to ``None``,
+forward, ``out.float().square().mean().backward()``). Compiled: ``torch.compile(block,
+fullgraph=True)`` (Inductor, default mode) and the same with ``mode="reduce-overhead"``
+(``torch.compiler.cudagraph_mark_step_begin()`` before each step). Each is checked against eager first (``max_abs_diff`` of the output).
 
 Times (ms, median, :func:`benchmarks.harness.event_times_ms`): ``*_ms`` one step at a time, a
 synchronisation after each, so the host's latency before the first kernel counts (what a
 single call costs); ``*_pipelined_ms`` 20 steps back to back, one synchronisation (what a
-training loop sees: the host's time per step wherever it exceeds the GPU's). With
+training loop sees: the host's time per step wherever it exceeds the GPU's); on a GPU
+``*_host_us`` the host's own time per step (median µs until the call returns, the GPU idle at
+its start: what compiling adds or removes on the host). With
 ``--profile`` (default on a GPU) the JSON's ``kernels`` holds, per N and mode, each variant's
 ten costliest GPU kernels per step (``torch.profiler``): what compiling adds or removes around
-the ``rerope`` ops. JSON: ``{"meta": {...}, "rows": [{"N", "mode", "eager_ms", "compiled_ms",
+the ``rerope`` ops; and under ``"<variant> host"`` its 25 costliest Python functions per step
+(cProfile, own time). JSON: ``{"meta": {...}, "rows": [{"N", "mode", "eager_ms", "compiled_ms",
 "reduce_overhead_ms", "*_pipelined_ms", "max_abs_diff", ...}], "kernels": {...}}``.
 """
 
@@ -67,7 +70,15 @@ def step_fn(block, x, mode, graphs=False):
         with torch.no_grad():
             return block(x)
 
+    params = list(block.parameters())
+
     def fwd_bwd():
+        # gradients set to None first, as a training loop's zero_grad(set_to_none=True): an
+        # accumulated .grad would be a CUDA-graph output of the last step, which the next
+        # replay overwrites ("accessing tensor output of CUDAGraphs that has been overwritten")
+        xg.grad = None
+        for p in params:
+            p.grad = None
         if graphs:
             torch.compiler.cudagraph_mark_step_begin()
         out = block(xg)
@@ -75,6 +86,20 @@ def step_fn(block, x, mode, graphs=False):
         return out
 
     return fwd if mode == "fwd" else fwd_bwd
+
+
+def host_us(step, reps):
+    """Median µs until ``step()`` returns, the GPU idle at each start (a synchronisation
+    before each call, none inside): the host's own time per step, what the GPU waits for
+    where the step is host-bound."""
+    times = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        step()
+        times.append((time.perf_counter() - start) * 1e6)
+    torch.cuda.synchronize()
+    return statistics.median(times)
 
 
 def timed_ms(step, device, reps):
@@ -94,6 +119,30 @@ def timed_ms(step, device, reps):
         torch.cuda.synchronize()
         piped.append(start.elapsed_time(end) / 20)
     return single, statistics.median(piped)
+
+
+def host_profile(step, steps=20, top=25):
+    """The ``top`` Python functions of ``step()`` by their own time (cProfile): name, calls and
+    µs per step (own and cumulative). cProfile slows every call alike: for where, not how
+    much."""
+    import cProfile
+    import pstats
+
+    step()
+    torch.cuda.synchronize()
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(steps):
+        step()
+    profiler.disable()
+    torch.cuda.synchronize()
+    stats = pstats.Stats(profiler).stats
+    rows = [dict(function=f"{file.split('site-packages/')[-1]}:{line}({name})"[-120:],
+                 calls_per_step=round(calls / steps, 2), own_us=round(own / steps * 1e6, 1),
+                 cumulative_us=round(cumulative / steps * 1e6, 1))
+            for (file, line, name), (_, calls, own, cumulative, _) in stats.items()]
+    rows.sort(key=lambda r: -r["own_us"])
+    return rows[:top]
 
 
 def kernel_table(step, steps=3, top=10):
@@ -145,8 +194,11 @@ def measure(n, mode, device, dtype, batch, dim, heads, window, reps, profile, va
                 row[f"{name}_max_abs_diff"] = round((got - want).abs().max().item(), 5)
             single, piped = timed_ms(step, device, reps)
             row[f"{name}_ms"], row[f"{name}_pipelined_ms"] = round(single, 4), round(piped, 4)
+            if device == "cuda":
+                row[f"{name}_host_us"] = round(host_us(step, reps), 1)
             if profile:
                 kernels[name] = kernel_table(step)
+                kernels[f"{name} host"] = host_profile(step)
         except Exception as error:          # recorded; the other variants go on
             row[f"{name}_ms"] = None
             row.setdefault("errors", []).append(f"{name}: {traceback.format_exc()[-1500:]}")

@@ -17,8 +17,11 @@ The block is the one of ``tests/test_generation.py`` at the issue-37 width: ``Li
   (1 means no recompile);
 * ``host_us_launches_skipped``: host µs per call, eager and compiled, forward and training
   step, of a narrower block (2 heads of 64, N=32: its ``Linear`` layers cost little on the
-  CPU) with the package's Triton launches skipped (:func:`host_us`), one CPU thread, and the
-  Python calls per call (cProfile's count: deterministic where the times are noisy);
+  CPU) with the package's Triton launches skipped (:func:`host_us`), one CPU thread: the
+  compiled forward split into Inductor's generated call and the wrappers around it, the same
+  block without ``rerope`` (what compiling costs any block), one call of each op and of its
+  implementation, and the Python calls per call (deterministic where the times are noisy);
+  ``--host-only`` measures this alone;
 * ``inductor_fwd`` / ``inductor_train``: in the code Inductor generates (forward under
   ``no_grad``; forward and backward of a training step): generated kernels, calls to the
   ``rerope`` ops, ``extern_kernels`` calls (matmuls), copies (``clone``/``copy_``/``as_strided``
@@ -27,6 +30,7 @@ The block is the one of ``tests/test_generation.py`` at the issue-37 width: ``Li
 
 import argparse
 import collections
+import copy
 import json
 import os
 import re
@@ -49,14 +53,14 @@ class Block(torch.nn.Module):
 
     def __init__(self, dim=512, heads=8, window=16):
         super().__init__()
-        self.heads, self.window = heads, window
+        self.heads, self.window, self.attention = heads, window, True
         self.qkv = torch.nn.Linear(dim, 3 * dim)
         self.proj = torch.nn.Linear(dim, dim)
 
     def forward(self, x):
         b, n, dim = x.shape
         q, k, v = self.qkv(x).view(b, n, 3, self.heads, dim // self.heads).permute(2, 0, 3, 1, 4)
-        out = rerope.rerope(q, k, v, self.window)
+        out = rerope.rerope(q, k, v, self.window) if self.attention else q * 2
         return self.proj(out.transpose(1, 2).reshape(b, n, dim))
 
 
@@ -150,31 +154,42 @@ def inductor_counts(block, x, train):
     ), code
 
 
-def host_us(block, x, calls=200):
-    """Host microseconds per forward (``no_grad``) and per training step (forward, backward)
-    of ``block`` eager and compiled (Inductor), with every Triton launch of the package
-    skipped (``rerope.launch.Launcher`` made a no-op: the outputs are garbage, the Python
-    around the kernels is what is timed; the two ``Linear`` layers run on the CPU)."""
-    import torch._dynamo
-    from rerope import launch
+def host_us(block, x, calls=200, rounds=9):
+    """Host microseconds per call, with every Triton launch of the package skipped
+    (``rerope.launch.Launcher`` made a no-op: the outputs are garbage, the Python around the
+    kernels is what is timed; the two ``Linear`` layers run on the CPU), one CPU thread; the
+    minimum over ``rounds`` interleaved rounds (this shared machine's times move by 2×).
 
-    def timed(fn, rounds=5):
-        for _ in range(3):
-            fn()
-        times = []
-        for _ in range(rounds):
-            start = time.perf_counter()
-            for _ in range(calls // rounds):
-                fn()
-            times.append((time.perf_counter() - start) / (calls // rounds) * 1e6)
-        return round(sorted(times)[rounds // 2], 1)       # the median round
+    * ``{eager,compiled}_{fwd,train}_us``: ``block`` forward (``no_grad``) and training step
+      (gradients set to ``None``, forward, backward), eager and compiled (Inductor);
+      ``compiled_fwd_graph_us`` the part of a compiled forward inside Inductor's generated
+      ``call`` (the rest: Dynamo's guards and frame, AOTAutograd's runtime wrapper);
+    * ``floor_*``: the same block with ``q * 2`` in place of ``rerope``: what compiling costs
+      a block with no custom op;
+    * ``op_fwd_us`` / ``op_bwd_us``: one ``torch.ops.rerope.rerope_fwd`` / ``rerope_bwd`` call
+      (what the compiled graph runs), ``*_body_us`` their implementations called directly,
+      ``eager_rerope_us`` one eager ``rerope.rerope`` call, on the block's q, k, v layout;
+    * ``*_python_calls``: Python calls per call (cProfile's count: deterministic).
+    """
+    import cProfile
+    import pstats
+
+    import torch._dynamo
+    from torch._inductor import output_code
+
+    from rerope import attention, launch
+
+    inside = [0.0]
+    graph_call = output_code.CompiledFxGraph.__call__
+
+    def timed_graph_call(self, inputs):
+        start = time.perf_counter()
+        try:
+            return graph_call(self, inputs)
+        finally:
+            inside[0] += time.perf_counter() - start
 
     def python_calls(fn, count=10):
-        """Python function calls (and C functions called from Python) per call of ``fn``:
-        deterministic, where the times are noisy."""
-        import cProfile
-        import pstats
-
         fn()
         profiler = cProfile.Profile()
         profiler.enable()
@@ -183,29 +198,67 @@ def host_us(block, x, calls=200):
         profiler.disable()
         return pstats.Stats(profiler).total_calls // count
 
+    floor = copy.deepcopy(block)
+    floor.attention = False
+    b, n, dim = x.shape
+    q, k, v = block.qkv(x).detach().view(b, n, 3, block.heads, dim // block.heads).permute(
+        2, 0, 3, 1, 4)
+    settings = (block.window, True, (dim // block.heads) ** -0.5, 10000.0, None, None, False)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     saved = launch.Launcher._slow_launch
     launch.Launcher._slow_launch = lambda self, args: None
+    output_code.CompiledFxGraph.__call__ = timed_graph_call
     try:
         torch._dynamo.reset()
-        compiled = torch.compile(block)
-        result = {}
-        for name, fn in (("eager", block), ("compiled", compiled)):
-            def forward():
-                with torch.no_grad():
-                    fn(x)
+        with torch.no_grad():
+            out, lse = torch.ops.rerope.rerope_fwd(q, k, v, *settings)
+        dout = torch.randn_like(out)
+        cases = {"eager_rerope": lambda: rerope.rerope(q, k, v, block.window),
+                 "op_fwd": lambda: torch.ops.rerope.rerope_fwd(q, k, v, *settings),
+                 "op_fwd_body": lambda: attention._fused_fwd_impl(q, k, v, *settings),
+                 "op_bwd": lambda: torch.ops.rerope.rerope_bwd(dout, q, k, v, out, lse,
+                                                               *settings),
+                 "op_bwd_body": lambda: attention._fused_bwd_impl(dout, q, k, v, out, lse,
+                                                                  *settings)}
+        no_grad = set(cases)
+        for tag, model in (("", block), ("floor_", floor)):
+            compiled = torch.compile(model, fullgraph=True)
+            for name, fn in (("eager", model), ("compiled", compiled)):
+                xg = x.detach().requires_grad_()
 
-            xg = x.detach().requires_grad_()
+                def train(fn=fn, xg=xg, params=list(model.parameters())):
+                    xg.grad = None
+                    for p in params:
+                        p.grad = None
+                    fn(xg).sum().backward()
 
-            def train():
-                fn(xg).sum().backward()
-
-            result[f"{name}_fwd_us"] = timed(forward)
-            result[f"{name}_train_us"] = timed(train)
-            result[f"{name}_fwd_python_calls"] = python_calls(forward)
-            result[f"{name}_train_python_calls"] = python_calls(train)
+                cases[f"{tag}{name}_fwd"] = lambda fn=fn: fn(x)
+                cases[f"{tag}{name}_train"] = train
+                no_grad.add(f"{tag}{name}_fwd")
+        times = {name: [] for name in cases}
+        graph_us = []
+        for name, fn in cases.items():           # warm: compile, plans
+            with torch.set_grad_enabled(name not in no_grad):
+                for _ in range(3):
+                    fn()
+        for _ in range(rounds):
+            for name, fn in cases.items():
+                with torch.set_grad_enabled(name not in no_grad):
+                    inside[0] = 0.0
+                    start = time.perf_counter()
+                    for _ in range(calls // rounds):
+                        fn()
+                    times[name].append((time.perf_counter() - start) / (calls // rounds))
+                    if name == "compiled_fwd":
+                        graph_us.append(inside[0] / (calls // rounds))
+        result = {f"{name}_us": round(min(t) * 1e6, 1) for name, t in times.items()}
+        result["compiled_fwd_graph_us"] = round(min(graph_us) * 1e6, 1)
+        for name in ("eager_fwd", "compiled_fwd", "eager_train", "compiled_train"):
+            with torch.set_grad_enabled(name.endswith("train")):
+                result[f"{name}_python_calls"] = python_calls(cases[name])
     finally:
+        output_code.CompiledFxGraph.__call__ = graph_call
         launch.Launcher._slow_launch = saved
         torch.set_num_threads(threads)
         torch._dynamo.reset()
@@ -219,6 +272,8 @@ def main():
     parser.add_argument("--code-dir", default=None,
                         help="a folder for Inductor's generated code (fwd.py, train.py)")
     parser.add_argument("--skip-inductor", action="store_true")
+    parser.add_argument("--host-only", action="store_true",
+                        help="only host_us_launches_skipped (no counts, no generated code)")
     parser.add_argument("--n", type=int, default=32)
     args = parser.parse_args()
     torch.manual_seed(0)
@@ -228,15 +283,17 @@ def main():
     t0 = time.time()
     result = {"device": "cpu (Triton interpreter)", "torch": torch.__version__,
               "block": "Linear(512,1536) -> view/permute -> rerope(window=16) -> Linear(512,512)"
-                       f", B=1, N={args.n}, 8 heads of 64, fp32",
-              "dynamo": dynamo_counts(block, x),
-              "frames_compiled_with_eager_call_between": recompiles(block, x, other)}
-    print(json.dumps(result, indent=1), flush=True)
+                       f", B=1, N={args.n}, 8 heads of 64, fp32"}
+    if not args.host_only:
+        result["dynamo"] = dynamo_counts(block, x)
+        result["frames_compiled_with_eager_call_between"] = recompiles(block, x, other)
+        print(json.dumps(result, indent=1), flush=True)
     if not args.skip_inductor:
         torch.manual_seed(0)
         result["host_us_launches_skipped"] = host_us(Block(dim=128, heads=2),
                                                      torch.randn(1, 32, 128))
         print("host us", result["host_us_launches_skipped"], flush=True)
+    if not args.skip_inductor and not args.host_only:
         for name, train in (("inductor_fwd", False), ("inductor_train", True)):
             counts, code = inductor_counts(block, x, train)
             result[name] = counts

@@ -12,7 +12,8 @@ CPU, through Triton's interpreter, small shapes:
 * a Hugging Face model with a static cache (``cache_implementation="static"``), eager and with
   ``torch.compile(model.forward, fullgraph=True)``: the same tokens as the dynamic cache.
 
-On a GPU (``-m gpu``): the same block compiled by Inductor, and a static-cache ``generate`` whose
+On a GPU (``-m gpu``): the same block compiled by Inductor (also with CUDA graphs,
+``mode="reduce-overhead"``, training steps), and a static-cache ``generate`` whose
 forward is compiled with ``mode="reduce-overhead"`` (CUDA graphs around the decode kernel).
 """
 
@@ -145,7 +146,9 @@ def _layouts(gen, b=1, h=2, n=12, d=16, dtype=F32):
 @pytest.mark.parametrize("layout", ["fused_qkv", "bnhd_transposed"])
 def test_opcheck_fused_ops(layout, gen):
     """``torch.library.opcheck`` of the fused forward and backward ops: schema, fake tensors
-    (output strides equal the real ones), autograd registration, AOT dispatch."""
+    (output strides equal the real ones), autograd registration (the ops are not
+    differentiable themselves: their outputs carry no gradient; ``rerope.rerope`` gives it),
+    AOT dispatch."""
     q, k, v = (t.detach() for t in _layouts(gen)[layout])
     settings = (5, True, 0.25, 10000.0, None, None, False)
     torch.library.opcheck(torch.ops.rerope.rerope_fwd.default,
@@ -348,6 +351,33 @@ def _first_difference(got, want):
 def test_gpu_compile_fused_qkv_block_inductor(dtype, gen):
     problems = _compiled_block_problems("inductor", "cuda", dtype, gen)
     assert not problems, "compiled != eager:\n" + "\n".join(problems)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+def test_gpu_compile_fused_qkv_block_reduce_overhead(gen):
+    """``mode="reduce-overhead"`` (CUDA graphs) of the block, forward and backward through the
+    traced autograd Function around the ops: three training steps, each begun with
+    ``cudagraph_mark_step_begin`` and its gradients set to ``None`` (as
+    ``benchmarks/compile_block.py`` does), each equal to eager."""
+    import torch._dynamo
+
+    torch.manual_seed(0)
+    block = Block().to(device="cuda", dtype=torch.float16)
+    x = randn(gen, 2, 19, 32, dtype=torch.float16, device="cuda")
+    eager = _block_results(block, x)
+    torch._dynamo.reset()
+    compiled_block = copy.deepcopy(block)
+    compiled_block.forward = torch.compile(compiled_block.forward, fullgraph=True,
+                                           mode="reduce-overhead")
+    try:
+        for step in range(3):
+            torch.compiler.cudagraph_mark_step_begin()
+            got = {name: t.clone() for name, t in _block_results(compiled_block, x).items()}
+            problems = results_problems(got, eager, tolerance(torch.float16))
+            assert not problems, f"step {step}: compiled != eager:\n" + "\n".join(problems)
+    finally:
+        torch._dynamo.reset()
 
 
 @pytest.mark.gpu

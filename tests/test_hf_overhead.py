@@ -6,6 +6,8 @@ Hugging Face generation step does per layer besides launching. Fast CPU tests, n
   fails whenever an eager call elsewhere adds an entry), and an eager call at another shape
   between two compiled calls causes no recompile; the guards on the package stay bounded;
 * the backward op hands ``dout`` to the kernels with its own strides (no hidden copy);
+* a call of the ops (what a compiled graph runs per step) costs their implementation's Python
+  and nothing around it, and compiled gradients still equal eager ones;
 * a generation step reads no ``position_ids`` values (on a GPU a host sync per step) unless
   log-n or Self-Extend need them, and gives the same result as without them;
 * a decode over a growing cache through ``rerope.hf`` keeps one decode plan
@@ -122,6 +124,66 @@ def test_backward_op_passes_dout_strides_through(monkeypatch, gen):
     want = torch.ops.rerope.rerope_bwd(dout.contiguous(), q, k, v, out, lse, *settings)
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b)
+
+
+def _python_calls(fn):
+    """Python function calls made by ``fn()`` (``sys.setprofile``: deterministic)."""
+    import sys
+
+    calls = []
+    sys.setprofile(lambda frame, event, arg: calls.append(frame) if event == "call" else None)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    return len(calls)
+
+
+def test_op_call_costs_its_body_alone(monkeypatch, gen):
+    """What a compiled graph runs per step: ``torch.ops.rerope.rerope_fwd`` makes (nearly) no
+    Python calls besides its implementation's (plan lookup, allocation, launch): no Python
+    autograd kernel, redispatch or wrapper (``torch.library.custom_op`` added 14, about
+    10 µs per call on the CPU). Launches are skipped: only the Python around them counts."""
+    from rerope import launch
+
+    monkeypatch.setattr(launch.Launcher, "_slow_launch", lambda self, args: None)
+    q, k, v = (torch.randn(1, 2, 24, 16, generator=gen).to(kernel_device()) for _ in range(3))
+    settings = (5, True, 0.25, 10000.0, None, None, False)
+    op = torch.ops.rerope.rerope_fwd.default
+    with torch.no_grad():
+        op(q, k, v, *settings)
+        body = _python_calls(lambda: attention._fused_fwd_impl(q, k, v, *settings))
+        through_op = _python_calls(lambda: op(q, k, v, *settings))
+    assert through_op <= body + 2, f"{through_op} Python calls through the op, {body} in its body"
+
+
+@pytest.mark.parametrize("five", [False, True], ids=["rerope", "rerope_attention"])
+def test_compiled_gradients_come_from_the_backward_op(dynamo, five, gen):
+    """Compiled (``aot_eager``, fullgraph), ``rerope`` and ``rerope_attention`` get their
+    gradient from the traced autograd Function around the ops (the ops themselves are not
+    differentiable): forward and gradients equal eager, ``lse`` included."""
+    device = kernel_device()
+    tensors = [torch.randn(1, 2, 21, 16, generator=gen).to(device) for _ in range(5 if five
+                                                                                  else 3)]
+
+    def fn(*ts):
+        if five:
+            return rerope.rerope_attention(*ts, 6, return_lse=True)
+        return rerope.rerope(*ts, 6, leaky=4.0, return_lse=True)
+
+    results = []
+    for run in (fn, torch.compile(fn, backend="aot_eager", fullgraph=True)):
+        inputs = [t.clone().requires_grad_() for t in tensors]
+        out, lse = run(*inputs)
+        out.square().sum().backward()
+        results.append((out.detach(), lse, *(t.grad for t in inputs)))
+    assert not results[1][1].requires_grad
+    op = torch.ops.rerope.rerope_attention_fwd if five else torch.ops.rerope.rerope_fwd
+    settings = (6, True, 0.25) if five else (6, True, 0.25, 10000.0, 4.0, None, False)
+    out, _ = op(*(t.clone().requires_grad_() for t in tensors), *settings)
+    assert not out.requires_grad          # the op alone: no gradient (a fallthrough), no warning
+    for got, want in zip(*results):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 # --- Hugging Face generation steps ----------------------------------------------------------------

@@ -9,9 +9,10 @@ under the CPU interpreter one fixed configuration runs (:mod:`rerope.runtime`).
 Each op has two doors to the same launchers. Eagerly, a ``torch.autograd.Function`` where a
 gradient is needed and the kernels themselves where none is: the lightest paths from Python to
 the kernels (short sequences are bound by host time). Under ``torch.compile``, ops registered
-with ``torch.library`` (``torch.ops.rerope.*``, with fake implementations and autograd
-formulas), which the compiler treats as opaque instead of tracing into Triton; in eager mode
-they would cost about 90 µs more per forward call (``perf/NOTES.md``). Both doors keep a plan per call signature (:func:`_cached_plan`,
+with ``torch.library`` (``torch.ops.rerope.*``, with fake implementations), which the compiler
+treats as opaque instead of tracing into Triton, inside a traced autograd Function
+(:class:`_TracedFused`) that gives their gradient; in eager mode they would cost about 90 µs more
+per forward call (``perf/NOTES.md``). Both doors keep a plan per call signature (:func:`_cached_plan`,
 :func:`_op_plan`), so a repeated call, eager or from a compiled graph, is a lookup plus the
 plan's kept, bound launches.
 """
@@ -572,19 +573,37 @@ def _op_backward_launchers(plan, out, lse):
         return None
 
 
-@torch.library.custom_op("rerope::rerope_attention_fwd", mutates_args=())
-def _five_fwd(q1: torch.Tensor, q2: torch.Tensor, k1: torch.Tensor, k2: torch.Tensor,
-              v: torch.Tensor, window: int, causal: bool,
-              sm_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+# The ops are defined with the plain ``torch.library.Library`` API, not ``custom_op``: a
+# compiled graph calls them on every step, and ``custom_op``'s Python layers around the
+# implementation (its autograd kernel, redispatch, the aliasing check, a Dynamo-disabled
+# wrapper) cost more host time than the implementation's own plan lookup and launch
+# (perf/compile_graph.md, "host time per call"). The ops themselves are not differentiable
+# (a fallthrough at the Autograd key: their outputs carry no gradient, at no cost per call);
+# ``rerope`` and ``rerope_attention`` get their gradient, eagerly from the autograd Functions
+# further down, compiled from the traced ``torch.autograd.Function``s below, which Dynamo
+# records and AOTAutograd splits into the forward op and the backward op.
+_LIB = torch.library.Library("rerope", "FRAGMENT")
+
+
+def _define(schema, implementation, fake):
+    """Define ``rerope::<schema>`` with one implementation for every device (the kernels' own
+    device checks come from the public functions), a fake, and no gradient; returns the op's
+    overload."""
+    name = schema.split("(")[0]
+    _LIB.define(schema)
+    _LIB.impl(name, implementation, "CompositeExplicitAutograd")
+    _LIB.impl(name, torch.library.fallthrough_kernel, "Autograd")
+    torch.library.register_fake(f"rerope::{name}", fake, lib=_LIB)
+    return getattr(torch.ops.rerope, name).default
+
+
+def _five_fwd_impl(q1, q2, k1, k2, v, window, causal, sm_scale):
     plan = _op_plan(_make_five_op_plan, (q1, q2, k1, k2, v), (window, causal, sm_scale))
     return rerope_forward(q1, q2, k1, k2, v, window, causal, sm_scale, launchers=plan.launchers,
                           config=plan.config)
 
 
-@torch.library.custom_op("rerope::rerope_attention_bwd", mutates_args=())
-def _five_bwd(dout: torch.Tensor, q1: torch.Tensor, q2: torch.Tensor, k1: torch.Tensor,
-              k2: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-              window: int, causal: bool, sm_scale: float) -> list[torch.Tensor]:
+def _five_bwd_impl(dout, q1, q2, k1, k2, v, out, lse, window, causal, sm_scale):
     plan = _op_plan(_make_five_op_plan, (q1, q2, k1, k2, v), (window, causal, sm_scale))
     return list(rerope_backward(dout, q1, q2, k1, k2, v, out, lse, window, causal,
                                 sm_scale, launchers=_op_backward_launchers(plan, out, lse),
@@ -602,23 +621,16 @@ def _fused_op_settings(window, causal, sm_scale, base, leaky, logn_len, rotated,
             None if inv_freq is None else tuple(inv_freq), group)   # a list cannot be a key
 
 
-@torch.library.custom_op("rerope::rerope_fwd", mutates_args=())
-def _fused_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int, causal: bool,
-               sm_scale: float, base: float, leaky: Optional[float], logn_len: Optional[float],
-               rotated: bool, inv_freq: Optional[list[float]] = None, group: Optional[int] = None
-               ) -> tuple[torch.Tensor, torch.Tensor]:
+def _fused_fwd_impl(q, k, v, window, causal, sm_scale, base, leaky, logn_len, rotated,
+                    inv_freq=None, group=None):
     plan = _op_plan(_make_fused_op_plan, (q, k, v), _fused_op_settings(
         window, causal, sm_scale, base, leaky, logn_len, rotated, inv_freq, group))
     return rerope_forward(q, q, k, k, v, window, causal, sm_scale, plan.operands,
                           launchers=plan.launchers, config=plan.config)
 
 
-@torch.library.custom_op("rerope::rerope_bwd", mutates_args=())
-def _fused_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               out: torch.Tensor, lse: torch.Tensor, window: int, causal: bool, sm_scale: float,
-               base: float, leaky: Optional[float], logn_len: Optional[float],
-               rotated: bool, inv_freq: Optional[list[float]] = None,
-               group: Optional[int] = None) -> list[torch.Tensor]:
+def _fused_bwd_impl(dout, q, k, v, out, lse, window, causal, sm_scale, base, leaky, logn_len,
+                    rotated, inv_freq=None, group=None):
     plan = _op_plan(_make_fused_op_plan, (q, k, v), _fused_op_settings(
         window, causal, sm_scale, base, leaky, logn_len, rotated, inv_freq, group))
     return list(rerope_backward(dout, q, q, k, k, v, out, lse, window, causal,
@@ -638,39 +650,64 @@ def _fake_fwd(q, *args, **kwargs):
     return _contiguous_like(q), q.new_empty((b * h, n), dtype=torch.float32)
 
 
-for _op in (_five_fwd, _fused_fwd):
-    _op.register_fake(_fake_fwd)
+def _fake_bwd(dout, *args, **kwargs):
+    """The gradients of the op's input tensors (those before ``out``: ``dout`` and its
+    forward's inputs, then ``out, lse``)."""
+    tensors = [a for a in args if isinstance(a, torch.Tensor)][:-2]
+    return [_contiguous_like(t) for t in tensors]
 
 
-@_five_bwd.register_fake
-def _(dout, q1, q2, k1, k2, v, *args):
-    return [_contiguous_like(t) for t in (q1, q2, k1, k2, v)]
+_FIVE_TAIL = "SymInt window, bool causal, float sm_scale"
+_FUSED_TAIL = (_FIVE_TAIL + ", float base, float? leaky, float? logn_len, bool rotated, "
+               "float[]? inv_freq=None, SymInt? group=None")
+_five_fwd = _define("rerope_attention_fwd(Tensor q1, Tensor q2, Tensor k1, Tensor k2, "
+                    f"Tensor v, {_FIVE_TAIL}) -> (Tensor, Tensor)", _five_fwd_impl, _fake_fwd)
+_five_bwd = _define("rerope_attention_bwd(Tensor dout, Tensor q1, Tensor q2, Tensor k1, "
+                    f"Tensor k2, Tensor v, Tensor out, Tensor lse, {_FIVE_TAIL}) -> Tensor[]",
+                    _five_bwd_impl, _fake_bwd)
+_fused_fwd = _define(f"rerope_fwd(Tensor q, Tensor k, Tensor v, {_FUSED_TAIL}) -> "
+                     "(Tensor, Tensor)", _fused_fwd_impl, _fake_fwd)
+_fused_bwd = _define("rerope_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, "
+                     f"Tensor lse, {_FUSED_TAIL}) -> Tensor[]", _fused_bwd_impl, _fake_bwd)
 
 
-@_fused_bwd.register_fake
-def _(dout, q, k, v, *args):
-    return [_contiguous_like(t) for t in (q, k, v)]
+def _traced_forward(ctx, forward_op, settings, tensors):
+    """The forward of a traced Function (:class:`_TracedFused`, :class:`_TracedFive`): the
+    forward op, and what its backward op needs saved (``lse`` has no gradient)."""
+    out, lse = forward_op(*tensors, *settings)
+    ctx.save_for_backward(*tensors, out, lse)
+    ctx.settings = settings
+    ctx.mark_non_differentiable(lse)
+    return out, lse
 
 
-def _setup_context(ctx, inputs, output):
-    """Save what the backward needs: the inputs (tensors first), ``out`` and the LSE."""
-    n_tensors = sum(isinstance(x, torch.Tensor) for x in inputs)
-    ctx.save_for_backward(*inputs[:n_tensors], *output)
-    ctx.settings = inputs[n_tensors:]
+class _TracedFused(torch.autograd.Function):
+    """What a compiled graph records for ``rerope``: the forward op on ``q, k, v``, and the
+    backward op as their gradient. Dynamo traces the Function and AOTAutograd splits it: the
+    compiled forward calls ``rerope::rerope_fwd``, the compiled backward ``rerope::rerope_bwd``;
+    nothing of the Function runs per step. ``settings``: the ops' arguments after the
+    tensors."""
+
+    @staticmethod
+    def forward(ctx, settings, q, k, v):
+        return _traced_forward(ctx, _fused_fwd, settings, (q, k, v))
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        return (None, *_fused_bwd(dout, *ctx.saved_tensors, *ctx.settings))
 
 
-def _five_grads(ctx, dout, dlse):
-    *tensors, out, lse = ctx.saved_tensors
-    return (*_five_bwd(dout, *tensors, out, lse, *ctx.settings), None, None, None)
+class _TracedFive(torch.autograd.Function):
+    """:class:`_TracedFused` for ``rerope_attention`` (``rerope::rerope_attention_fwd`` and
+    ``_bwd``)."""
 
+    @staticmethod
+    def forward(ctx, settings, q1, q2, k1, k2, v):
+        return _traced_forward(ctx, _five_fwd, settings, (q1, q2, k1, k2, v))
 
-def _fused_grads(ctx, dout, dlse):
-    *tensors, out, lse = ctx.saved_tensors
-    return (*_fused_bwd(dout, *tensors, out, lse, *ctx.settings), *(None,) * len(ctx.settings))
-
-
-_five_fwd.register_autograd(_five_grads, setup_context=_setup_context)
-_fused_fwd.register_autograd(_fused_grads, setup_context=_setup_context)
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        return (None, *_five_bwd(dout, *ctx.saved_tensors, *ctx.settings))
 
 
 def _first_order_only(backward):
@@ -898,7 +935,7 @@ def rerope_attention(q1, q2, k1, k2, v, window, causal=True, sm_scale=None, retu
     plan = _cached_plan(_plan_five, tensors, settings, compiling)
     if compiling:
         (q1, q2, k1, k2, v), restore = prepare_for_device(*tensors)
-        out, lse = _five_fwd(q1, q2, k1, k2, v, plan.window, plan.causal, plan.scale)
+        out, lse = _TracedFive.apply((plan.window, plan.causal, plan.scale), q1, q2, k1, k2, v)
         return (restore(out), _lse_of(out, lse)) if return_lse else restore(out)
     dtype = q1.dtype
     if plan.lift:
@@ -1101,8 +1138,9 @@ def rerope(q, k, v, window, causal=True, sm_scale=None, base=10000.0, leaky=None
     if compiling:
         (q, k, v), restore = prepare_for_device(q, k, v)
         *rope, inv_freq, group = plan.rope
-        out, lse = _fused_fwd(q, k, v, plan.window, plan.causal, plan.scale, *rope,
-                              None if inv_freq is None else list(inv_freq), group)
+        settings = (plan.window, plan.causal, plan.scale, *rope,
+                    None if inv_freq is None else list(inv_freq), group)
+        out, lse = _TracedFused.apply(settings, q, k, v)
         return (restore(out), _lse_of(out, lse)) if return_lse else restore(out)
     dtype = q.dtype
     if plan.lift:
