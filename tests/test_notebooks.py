@@ -192,6 +192,24 @@ def test_shows_package_source(number, page):
         f"{page} (chapter {number}) never shows the package's code with rerope.source(...)")
 
 
+# The modules whose functions the book prints with rerope.source(...), into boxes about 96
+# characters wide on the site: a wider line wraps there and breaks the listing's indentation.
+LISTING_WIDTH = 96
+LISTED_MODULES = ["attention", "launch", "rotary", "forward", "backward", "decode", "varlen",
+                  "online_softmax", "regions", "reference", "rope", "configs", "runtime"]
+LISTED_FILES = ([ROOT / "kernels" / "rerope" / f"{name}.py" for name in LISTED_MODULES]
+                + sorted((ROOT / "kernels" / "rerope" / "teach").glob("*.py")))
+
+
+@pytest.mark.parametrize("path", LISTED_FILES, ids=lambda path: path.name)
+def test_listed_modules_fit_the_page(path):
+    """Every line of a module the book lists is at most 96 characters (not bytes: ``⌊i/G⌋``)."""
+    wide = [f"{path.relative_to(ROOT)}:{number} ({len(line)} characters)"
+            for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
+            if len(line) > LISTING_WIDTH]
+    assert not wide, f"lines wider than {LISTING_WIDTH} characters: " + ", ".join(wide)
+
+
 # --- numbers in the prose, against the data files they describe ---------------------------------
 
 DATA = ROOT / "book" / "data"

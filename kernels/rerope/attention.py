@@ -11,10 +11,10 @@ gradient is needed and the kernels themselves where none is: the lightest paths 
 the kernels (short sequences are bound by host time). Under ``torch.compile``, ops registered
 with ``torch.library`` (``torch.ops.rerope.*``, with fake implementations), which the compiler
 treats as opaque instead of tracing into Triton, inside a traced autograd Function
-(:class:`_TracedFused`) that gives their gradient; in eager mode they would cost about 90 µs more
-per forward call (``perf/NOTES.md``). Both doors keep a plan per call signature (:func:`_cached_plan`,
-:func:`_op_plan`), so a repeated call, eager or from a compiled graph, is a lookup plus the
-plan's kept, bound launches.
+(:class:`_TracedFused`) that gives their gradient; in eager mode they would cost about 90 µs
+more per forward call (``perf/NOTES.md``). Both doors keep a plan per call signature
+(:func:`_cached_plan`, :func:`_op_plan`), so a repeated call, eager or from a compiled graph, is
+a lookup plus the plan's kept, bound launches.
 """
 
 import functools
@@ -113,10 +113,11 @@ def _bound(where, args, constexprs, make, launchers=None):
     """The :class:`rerope.launch.Launcher` of a launch; ``make()`` builds a new one.
 
     ``launchers``: a plan's own dict (see :func:`_cached_plan`), whose call signature already
-    fixes every argument of the launch (shapes, strides, alignment; outputs and scratch are fresh
-    contiguous tensors): kept there per ``where`` (kernel and grid) and constexprs, a short key.
-    Without one, kept in :data:`_LAUNCHERS` per exact argument list: integers by value, tensors
-    by dtype and pointer alignment (what Triton specialises a compiled kernel on)."""
+    fixes every argument of the launch (shapes, strides, alignment; outputs and scratch are
+    fresh contiguous tensors): kept there per ``where`` (kernel and grid) and constexprs, a
+    short key. Without one, kept in :data:`_LAUNCHERS` per exact argument list: integers by
+    value, tensors by dtype and pointer alignment (what Triton specialises a compiled kernel
+    on)."""
     if launchers is not None:
         return kept_launcher(launchers, where, constexprs, make)
     key = (where, tuple(constexprs.items()), tuple(map(_arg_key, args)))
@@ -148,7 +149,8 @@ def _use_tma(mode, *tensors):
     if mode != "on" and (INTERPRET or not configs.tma_pays(
             _capability(t.device), t.element_size(), t.shape[-1])):
         return False
-    return all(_tma_layout_ok(t) for t in tensors)   # the cheap checks first: this runs per call
+    # the cheap checks first: this runs per call
+    return all(_tma_layout_ok(t) for t in tensors)
 
 
 def _tma_of(launchers, where, mode, *tensors):
@@ -163,7 +165,7 @@ def _tma_of(launchers, where, mode, *tensors):
     return tma
 
 
-# --- how the kernels read q and k ----------------------------------------------------------------
+# --- how the kernels read q and k -------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -213,15 +215,15 @@ def _rotations(n_k, head_dim, base, window, leaky, logn_len, rotated, device, in
     key = (n_k, head_dim, base, window, leaky, logn_len, rotated, device, inv_freq, group)
     operands = _OPERANDS.get(key)
     if operands is None:
-        rotation = rotation_tables(n_k, head_dim, window, leaky, rotated, device, base, inv_freq,
-                                   group)
+        rotation = rotation_tables(n_k, head_dim, window, leaky, rotated, device, base,
+                                   inv_freq, group)
         operands = _OPERANDS[key] = Operands(fused=True, tables=rotation.tables,
                                              flags=rotation.flags,
                                              logn_factor=logn_factor(logn_len))
     return operands
 
 
-# --- launchers -----------------------------------------------------------------------------------
+# --- launchers --------------------------------------------------------------------------------
 
 PRETURN_BLOCK_M = 128        # the forward's largest query block (configs.py)
 
@@ -236,10 +238,10 @@ def preturn_keys(n_k, n_q=PRETURN_BLOCK_M + 1, q_per_kv=1, config=None):
     grouped-query attention); turning in registers costs elementwise work and a trip of the
     turned tile through shared memory per (query block, key tile) of that product — most of
     the key axis for rotated inputs, whose outside product turns keys. From
-    ``config.preturn_min_keys`` keys on, and only where a key tile would be turned at least twice in
-    registers, by the ``q_per_kv · cdiv(Nq, 128)`` programs that read it (a chunk of at most 128
-    queries without grouped-query attention reads each key once: the extra pass would be pure
-    cost). The threshold's measurements are in ``perf/NOTES.md`` (pre-turned keys).
+    ``config.preturn_min_keys`` keys on, and only where a key tile would be turned at least
+    twice in registers, by the ``q_per_kv · cdiv(Nq, 128)`` programs that read it (a chunk of at
+    most 128 queries without grouped-query attention reads each key once: the extra pass would
+    be pure cost). The threshold's measurements are in ``perf/NOTES.md`` (pre-turned keys).
     """
     config = config or configs.current()
     return n_k >= config.preturn_min_keys and q_per_kv * -(-n_q // PRETURN_BLOCK_M) >= 2
@@ -516,7 +518,7 @@ def _backward_call(delta, turn, dkdv, dq, dq_first, dk_first):
     return call
 
 
-# --- the ops, registered with torch.library --------------------------------------------------------
+# --- the ops, registered with torch.library ---------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -640,8 +642,9 @@ def _fused_bwd_impl(dout, q, k, v, out, lse, window, causal, sm_scale, base, lea
 
 
 def _contiguous_like(t):
-    """What the kernels return for an output or a gradient: a fresh contiguous tensor of ``t``'s shape (not
-    ``empty_like``, which copies ``t``'s strides: a fused-QKV view's would be wrong)."""
+    """What the kernels return for an output or a gradient: a fresh contiguous tensor of ``t``'s
+    shape (not ``empty_like``, which copies ``t``'s strides: a fused-QKV view's would be
+    wrong)."""
     return t.new_empty(t.shape)
 
 
@@ -712,7 +715,8 @@ class _TracedFive(torch.autograd.Function):
 
 def _first_order_only(backward):
     """Run a backward without building a graph; where a graph was asked for
-    (``create_graph=True``: a gradient penalty, say), return gradients whose own backward raises.
+    (``create_graph=True``: a gradient penalty, say), return gradients whose own backward
+    raises.
 
     ``torch.autograd.function.once_differentiable`` does this only when the upstream gradient
     requires grad; when it does not (``(g ** 2).sum()`` of ``g = grad(out.sum(), q,
@@ -818,7 +822,7 @@ def _direct_apply(function):
 _apply_five, _apply_fused = _direct_apply(_FiveTensorAttention), _direct_apply(_FusedAttention)
 
 
-# --- the public ops: checked and planned once per call signature ----------------------------------
+# --- the public ops: checked and planned once per call signature ------------------------------
 
 PLANS = PlanCache()
 """The plans of ``rerope``, ``rerope_attention`` and their ``torch.library`` ops (a

@@ -154,7 +154,8 @@ class Config:
             near = difflib.get_close_matches(name, VARIABLES, 1, 0.85)
             if near:
                 warnings.warn(f"environment variable {name} is not read by rerope: did you "
-                              f"mean {near[0]}? (it reads {', '.join(VARIABLES)})", stacklevel=2)
+                              f"mean {near[0]}? (it reads {', '.join(VARIABLES)})",
+                              stacklevel=2)
         tma = _switch("REROPE_TMA", get("REROPE_TMA"), "auto", ("auto",))
         return cls(
             autotune=_switch("REROPE_AUTOTUNE", get("REROPE_AUTOTUNE"), True),
@@ -233,7 +234,8 @@ _FUSED_CANDIDATES = {
     "dkdv": {128: [(32, 64, 4, 3), (32, 64, 4, 2), (32, 128, 8, 3), (64, 128, 8, 2)]},
     "dq": {128: [(64, 32, 4, 3), (128, 64, 8, 2), (128, 32, 8, 3), (64, 64, 4, 2)]},
 }
-# Where no candidate fits (small GPUs, fp32, D=256): the first of these that fits, else the last.
+# Where no candidate fits (small GPUs, fp32, D=256): the first of these that fits, else the
+# last.
 _FALLBACKS = [(32, 32, 4, 2), (16, 16, 4, 1)]
 
 INTERPRETER_CONFIG = {"BLOCK_M": 16, "BLOCK_N": 16}
@@ -249,10 +251,11 @@ def estimate_shared_memory(kernel, block_m, block_n, num_stages, head_dim, elem_
     """A conservative estimate of a configuration's shared memory (bytes).
 
     Every pass streams two tiles per pipeline stage: ``k, v`` (``BLOCK_N × D``) in the forward
-    and dQ kernels, ``q, dO`` (``BLOCK_M × D``) in dK/dV. The blocks a program keeps (``q1, q2``;
-    ``q1, q2, dO``; ``k1, k2, v``), one fp32 score tile for layout conversions and a few KB for
-    barriers come on top. The fused-rotation form (``fused``) rotates each streamed ``k`` (or
-    ``q`` in dK/dV) tile in registers and stages the result for the tensor cores: one more tile.
+    and dQ kernels, ``q, dO`` (``BLOCK_M × D``) in dK/dV. The blocks a program keeps
+    (``q1, q2``; ``q1, q2, dO``; ``k1, k2, v``), one fp32 score tile for layout conversions and
+    a few KB for barriers come on top. The fused-rotation form (``fused``) rotates each streamed
+    ``k`` (or ``q`` in dK/dV) tile in registers and stages the result for the tensor cores: one
+    more tile.
     """
     streamed_rows = block_m if kernel == "dkdv" else block_n
     if kernel == "dkdv":

@@ -27,9 +27,9 @@ one other launch, ``decode.chunk_map``, takes the lock itself; the book's exerci
 launch readers' kernels without it).
 
 Threads: a :class:`PlanCache` is a ``dict`` whose single operations are atomic; two threads that
-miss at once both build the same plan and one wins, and a :class:`Launcher` bound twice binds the
-same compiled kernel; a plan is only filled in (its kept launches) on its first calls, where a
-race keeps the same launches twice. Threads may share the plans and the ops.
+miss at once both build the same plan and one wins, and a :class:`Launcher` bound twice binds
+the same compiled kernel; a plan is only filled in (its kept launches) on its first calls, where
+a race keeps the same launches twice. Threads may share the plans and the ops.
 
 What every op asks of the GPU before it launches lives here too, so that the ops import it from
 one place below them: the compute capability (:func:`_capability`), whether a tensor's layout
@@ -80,9 +80,10 @@ class Launcher:
     """One kernel launch, bound to its compiled kernel after the first call.
 
     ``kernel``: a ``@triton.jit`` function or a ``triton.autotune`` wrapper of one. ``grid``: a
-    tuple, or a function of the chosen configuration's meta-parameters (as for ``kernel[grid]``).
-    ``constexprs``: the compile-time arguments, fixed for the launcher's life. Calling it with the
-    runtime arguments (positional, in the kernel's order) launches on the current stream.
+    tuple, or a function of the chosen configuration's meta-parameters (as for
+    ``kernel[grid]``). ``constexprs``: the compile-time arguments, fixed for the launcher's
+    life. Calling it with the runtime arguments (positional, in the kernel's order) launches on
+    the current stream.
     """
 
     def __init__(self, kernel, grid, **constexprs):
@@ -127,7 +128,8 @@ class Launcher:
             jit = jit.fn
         names = list(jit.arg_names)
         if (not _no_launch_hooks() or len(args) > len(names)
-                or not all(hasattr(compiled, a) for a in ("run", "function", "packed_metadata"))):
+                or not all(hasattr(compiled, a)
+                           for a in ("run", "function", "packed_metadata"))):
             return
         defaults = {n: p.default for n, p in inspect.signature(jit.fn).parameters.items()}
         tail = []
@@ -136,7 +138,7 @@ class Launcher:
                 tail.append(meta[name])
             elif defaults.get(name, inspect.Parameter.empty) is not inspect.Parameter.empty:
                 tail.append(defaults[name])
-            else:                            # an argument we cannot place: stay on the slow path
+            else:    # an argument we cannot place: stay on the slow path
                 return
         grid = self.grid(meta) if callable(self.grid) else self.grid
         self._grid3 = tuple(grid) + (1,) * (3 - len(grid))
@@ -195,7 +197,7 @@ def kept_launcher(launchers, where, constexprs, make):
     return launcher
 
 
-# --- what a launch asks of the GPU --------------------------------------------------------------
+# --- what a launch asks of the GPU ------------------------------------------------------------
 
 
 @functools.lru_cache(maxsize=CACHE_SIZE)
@@ -224,7 +226,7 @@ def _ensure_scratch_allocator():
         triton.set_allocator(_torch_scratch)
 
 
-# --- launch hooks --------------------------------------------------------------------------------
+# --- launch hooks -----------------------------------------------------------------------------
 
 try:
     from triton.knobs import runtime as _runtime_knobs

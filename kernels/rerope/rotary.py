@@ -82,7 +82,8 @@ def rope_table(n, head_dim, base, speed, device, inv_freq=None, group=None):
         positions = rows * float(speed)
         if group is not None:
             positions = positions + torch.div(rows, group, rounding_mode="floor")
-        angles = positions[:, None] * frequencies(head_dim, base, inv_freq, device=device)[None, :]
+        angles = (positions[:, None]
+                  * frequencies(head_dim, base, inv_freq, device=device)[None, :])
         table = torch.cat((angles.cos(), angles.sin()), dim=-1).to(torch.float32).contiguous()
         _TABLES[key] = table
     return table
@@ -102,8 +103,9 @@ def rotation_offset(head_dim, base, offset, device, inv_freq=None):
 
 @dataclass(frozen=True)
 class Rotation:
-    """How one product rotates its operands: keys by ``R(a(j))``, queries by ``R(a(i) + offset)``,
-    with ``a(p) = speed·p`` (plus ``⌊p/group⌋`` where ``group`` is set: Self-Extend)."""
+    """How one product rotates its operands: keys by ``R(a(j))``, queries by
+    ``R(a(i) + offset)``, with ``a(p) = speed·p`` (plus ``⌊p/group⌋`` where ``group`` is set:
+    Self-Extend)."""
 
     speed: float
     offset: float
@@ -179,25 +181,27 @@ def logn_factor(logn_len):
     return 0.0 if logn_len is None else 1.0 / math.log2(logn_len)
 
 
-# --- in-kernel helpers ---------------------------------------------------------------------------
+# --- in-kernel helpers ------------------------------------------------------------------------
 
 
 @triton.jit
 def _rotate(x_a, x_b, cos, sin):
-    """``R x`` for the halves ``[x_a, x_b]`` of head vectors: ``[a cos − b sin, b cos + a sin]``."""
+    """``R x`` for the halves ``[x_a, x_b]`` of head vectors:
+    ``[a cos − b sin, b cos + a sin]``."""
     return x_a * cos - x_b * sin, x_b * cos + x_a * sin
 
 
 @triton.jit
 def _unrotate(x_a, x_b, cos, sin):
-    """``R⁻¹ x = Rᵀ x``: the chain rule through :func:`_rotate` (gradients back to the inputs)."""
+    """``R⁻¹ x = Rᵀ x``: the chain rule through :func:`_rotate` (gradients back to the
+    inputs)."""
     return x_a * cos + x_b * sin, x_b * cos - x_a * sin
 
 
 @triton.jit
 def _table_rows(Table, positions, HALF: tl.constexpr):
-    """``(cos, sin)`` of ``speed · p · θ`` from :func:`rope_table` for ``positions`` × the ``D/2``
-    frequencies (the table is long enough for whole tiles: no masks)."""
+    """``(cos, sin)`` of ``speed · p · θ`` from :func:`rope_table` for ``positions`` × the
+    ``D/2`` frequencies (the table is long enough for whole tiles: no masks)."""
     row = Table + positions.to(tl.int64)[:, None] * (2 * HALF) + tl.arange(0, HALF)[None, :]
     return tl.load(row), tl.load(row + HALF)
 
@@ -205,7 +209,8 @@ def _table_rows(Table, positions, HALF: tl.constexpr):
 @triton.jit
 def _angles(Table, positions, Offset, TURN: tl.constexpr, SHIFT: tl.constexpr,
             SHIFT_SIGN: tl.constexpr, HALF: tl.constexpr):
-    """``(cos, sin)`` of ``(speed · p ± offset) · θ`` for ``positions`` × the ``D/2`` frequencies.
+    """``(cos, sin)`` of ``(speed · p ± offset) · θ`` for ``positions`` × the ``D/2``
+    frequencies.
 
     ``TURN``: a table row (the speed is not 0); ``SHIFT``: the offset, added (``SHIFT_SIGN`` 1)
     or subtracted (-1), with the angle-addition formulas. At least one of the two is on.
@@ -228,9 +233,9 @@ def _angles(Table, positions, Offset, TURN: tl.constexpr, SHIFT: tl.constexpr,
 @triton.jit
 def _turn_keys_kernel(K, Out, Table, sk, n_heads, n_k, HEAD_DIM: tl.constexpr,
                       BLOCK: tl.constexpr):
-    """Grid ``(B · Hkv, cdiv(Nk, BLOCK))``: rows ``j`` of one key head turned by ``R(speed · j)``
-    from ``Table``, in fp32, rounded once to ``Out``'s dtype (``Out`` contiguous; ``sk``:
-    ``K``'s four strides)."""
+    """Grid ``(B · Hkv, cdiv(Nk, BLOCK))``: rows ``j`` of one key head turned by
+    ``R(speed · j)`` from ``Table``, in fp32, rounded once to ``Out``'s dtype (``Out``
+    contiguous; ``sk``: ``K``'s four strides)."""
     batch = tl.program_id(0) // n_heads
     head = tl.program_id(0) % n_heads
     rows = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -248,8 +253,9 @@ def _turn_keys_kernel(K, Out, Table, sk, n_heads, n_k, HEAD_DIM: tl.constexpr,
 
 
 def turn_keys(k, table):
-    """``R(speed · j) k_j`` for every key (``table`` from :func:`rope_table`): ``(B, Hkv, Nk, D)``,
-    contiguous, in ``k``'s dtype — exactly the tiles a kernel would turn in registers.
+    """``R(speed · j) k_j`` for every key (``table`` from :func:`rope_table`):
+    ``(B, Hkv, Nk, D)``, contiguous, in ``k``'s dtype — exactly the tiles a kernel would turn in
+    registers.
 
     The forward launcher turns keys this way for long sequences (see
     :func:`rerope.attention.preturn_keys`): one pass over ``k``, instead of turning every key
@@ -270,7 +276,7 @@ def _logn_scale(positions, logn_factor):
     return tl.maximum(tl.math.log2(positions.to(tl.float32) + 1.0) * logn_factor, 1.0)
 
 
-# --- pre-turned operands for the backward ---------------------------------------------------------
+# --- pre-turned operands for the backward -----------------------------------------------------
 
 
 @triton.jit
@@ -309,7 +315,8 @@ def _turn_operands_kernel(X, Out1, Out2, Tables, sx, n_heads, n_rows, first_posi
            + rows.to(tl.int64)[:, None] * sx[2])
     a = tl.load(src + half * sx[3], mask=keep, other=0.0)
     b = tl.load(src + (half + HEAD_DIM // 2) * sx[3], mask=keep, other=0.0)
-    dst = (tl.program_id(0).to(tl.int64) * n_rows + rows.to(tl.int64)[:, None]) * HEAD_DIM + half
+    dst = ((tl.program_id(0).to(tl.int64) * n_rows + rows.to(tl.int64)[:, None]) * HEAD_DIM
+           + half)
     if FIRST is not None:
         a1, b1 = _turn_operand(a, b, positions, (Tables[0], Tables[1]), logn_factor, FIRST,
                                LOGN, HEAD_DIM // 2)
@@ -327,12 +334,13 @@ def turn_operands(x, inside, outside, first_position=0, logn_factor=0.0, launche
 
     ``inside`` / ``outside``: ``(table, offset, turn, shift)`` of a product — its
     :func:`rope_table` (read where ``turn``) and :func:`rotation_offset` vector (read where
-    ``shift``) — or ``None`` for a product whose operand is not needed (``x`` is returned). Row ``r`` sits at position ``first_position + r`` and is scaled by log-n
-    (``logn_factor`` from :func:`logn_factor`, 0: off), then turned by
-    ``R(speed · p + offset)``. Returns ``(x1, x2)``: a new contiguous tensor in ``x``'s dtype
-    for a product that changes its operand, ``x`` itself for one that does not (nothing is
-    launched when neither does). Queries: ``first_position = Nk - Nq`` and both switches;
-    keys: ``shift`` off, ``logn_factor`` 0 (then a product's result equals :func:`turn_keys`).
+    ``shift``) — or ``None`` for a product whose operand is not needed (``x`` is returned). Row
+    ``r`` sits at position ``first_position + r`` and is scaled by log-n (``logn_factor`` from
+    :func:`logn_factor`, 0: off), then turned by ``R(speed · p + offset)``. Returns
+    ``(x1, x2)``: a new contiguous tensor in ``x``'s dtype for a product that changes its
+    operand, ``x`` itself for one that does not (nothing is launched when neither does).
+    Queries: ``first_position = Nk - Nq`` and both switches; keys: ``shift`` off,
+    ``logn_factor`` 0 (then a product's result equals :func:`turn_keys`).
 
     The backward launcher uses it (:func:`rerope.attention.preturn_backward`): the two
     backward kernels then read each product's operands as stored instead of turning every tile

@@ -2,14 +2,14 @@
 
 Triton decides at ``@triton.jit`` time (module import) whether a kernel is compiled or
 interpreted, from the environment variable ``TRITON_INTERPRET``; a launch does not read it again
-(Triton 3.4 to 3.9). When the variable is unset and torch sees no CUDA device, ``rerope`` chooses
-the interpreter for its own kernels only: it sets ``TRITON_INTERPRET=1`` while Triton and the
-package's kernel modules are imported (:func:`kernels_decorated`) and restores the environment
-afterwards, so ``os.environ`` is left as it was: child processes and the caller's own
-``@triton.jit`` kernels are not switched. On a laptop or a CI box the very same kernels then run
-on CPU tensors through the interpreter (slowly, with one fixed launch configuration). Set
-``TRITON_INTERPRET=0`` or ``1`` yourself before importing ``rerope`` (and Triton) to force either
-mode, and to get your own kernels interpreted too (the book's setup cell does).
+(Triton 3.4 to 3.9). When the variable is unset and torch sees no CUDA device, ``rerope``
+chooses the interpreter for its own kernels only: it sets ``TRITON_INTERPRET=1`` while Triton
+and the package's kernel modules are imported (:func:`kernels_decorated`) and restores the
+environment afterwards, so ``os.environ`` is left as it was: child processes and the caller's
+own ``@triton.jit`` kernels are not switched. On a laptop or a CI box the very same kernels then
+run on CPU tensors through the interpreter (slowly, with one fixed launch configuration). Set
+``TRITON_INTERPRET=0`` or ``1`` yourself before importing ``rerope`` (and Triton) to force
+either mode, and to get your own kernels interpreted too (the book's setup cell does).
 
 One thing is shared with the whole process: Triton's own helpers (``tl.sum``, ``tl.cdiv``, ...)
 are decorated when ``triton`` is first imported. ``import rerope`` on a machine without CUDA
@@ -42,7 +42,8 @@ from . import _compat
 # The interpreter by this package's own choice (no CUDA, TRITON_INTERPRET unset): set only while
 # the kernels are decorated (kernels_decorated), never left in os.environ.
 CHOSEN = "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available()
-INTERPRET = CHOSEN or os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+INTERPRET = (CHOSEN
+             or os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes"))
 
 
 class InterpreterModeError(ImportError):
@@ -72,10 +73,10 @@ def _check_triton_mode():
     import triton.language as tl
     if INTERPRET and type(tl.standard.cdiv).__name__ == "JITFunction":
         raise InterpreterModeError(
-            "rerope runs Triton's CPU interpreter here (no CUDA device), but Triton was imported "
-            "before rerope with TRITON_INTERPRET unset, so its own helpers (tl.sum, tl.cdiv, ...) "
-            "are compiled-mode and cannot run in the interpreter. Import rerope before triton, "
-            "or set TRITON_INTERPRET=1 before importing triton.")
+            "rerope runs Triton's CPU interpreter here (no CUDA device), but Triton was "
+            "imported before rerope with TRITON_INTERPRET unset, so its own helpers (tl.sum, "
+            "tl.cdiv, ...) are compiled-mode and cannot run in the interpreter. Import rerope "
+            "before triton, or set TRITON_INTERPRET=1 before importing triton.")
 
 
 with kernels_decorated():
