@@ -44,18 +44,21 @@ from .harness import environment, event_times_ms, wall_ms, write_results  # noqa
 
 
 class Block(torch.nn.Module):
-    """``Linear(dim, 3 dim)`` → view/permute → ``rerope.rerope(window)`` → ``Linear(dim, dim)``."""
+    """An attention block as most models write it: ``Linear(dim, 3 dim)`` → view/permute (q, k,
+    v strided views of one buffer) → ``rerope.rerope(window, **options)`` → ``Linear(dim,
+    dim)``. The tests' compile and overhead checks use it at small sizes; ``attention = False``
+    puts ``q * 2`` where the attention was (what compiling costs any such block)."""
 
-    def __init__(self, dim=512, heads=8, window=256):
+    def __init__(self, dim=512, heads=8, window=256, **options):
         super().__init__()
-        self.heads, self.window = heads, window
+        self.heads, self.window, self.options, self.attention = heads, window, options, True
         self.qkv = torch.nn.Linear(dim, 3 * dim)
         self.proj = torch.nn.Linear(dim, dim)
 
     def forward(self, x):
         b, n, dim = x.shape
         q, k, v = self.qkv(x).view(b, n, 3, self.heads, dim // self.heads).permute(2, 0, 3, 1, 4)
-        out = rerope.rerope(q, k, v, self.window)
+        out = rerope.rerope(q, k, v, self.window, **self.options) if self.attention else q * 2
         return self.proj(out.transpose(1, 2).reshape(b, n, dim))
 
 

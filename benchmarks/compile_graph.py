@@ -43,25 +43,17 @@ import torch  # noqa: E402
 
 import rerope  # noqa: E402
 
+from . import compile_block  # noqa: E402
+from .harness import write_json  # noqa: E402
+
 CACHE_NAMES = ("_OPERANDS", "_TABLES", "_OFFSETS", "PLANS", "_LAUNCHERS", "_STEPS", "_CLASSES",
                "_entries")
 BLOCK_OPS = {"linear", "view", "permute", "getitem", "transpose", "reshape", "rerope"}
 
 
-class Block(torch.nn.Module):
-    """``Linear(dim, 3 dim)`` → view/permute → ``rerope.rerope`` → ``Linear(dim, dim)``."""
-
-    def __init__(self, dim=512, heads=8, window=16):
-        super().__init__()
-        self.heads, self.window, self.attention = heads, window, True
-        self.qkv = torch.nn.Linear(dim, 3 * dim)
-        self.proj = torch.nn.Linear(dim, dim)
-
-    def forward(self, x):
-        b, n, dim = x.shape
-        q, k, v = self.qkv(x).view(b, n, 3, self.heads, dim // self.heads).permute(2, 0, 3, 1, 4)
-        out = rerope.rerope(q, k, v, self.window) if self.attention else q * 2
-        return self.proj(out.transpose(1, 2).reshape(b, n, dim))
+def Block(dim=512, heads=8, window=16):
+    """The compile benchmark's block (:class:`benchmarks.compile_block.Block`), window 16."""
+    return compile_block.Block(dim, heads, window)
 
 
 def _fx_op_name(node):
@@ -304,9 +296,7 @@ def main():
                     file.write(code)
     result["seconds"] = round(time.time() - t0, 1)
     if args.out:
-        with open(args.out, "w") as file:
-            json.dump(result, file, indent=1)
-            file.write("\n")
+        write_json(args.out, result)
 
 
 if __name__ == "__main__":

@@ -130,13 +130,18 @@ def describe_error(error):
 # --- the results file -------------------------------------------------------------------------------
 
 def write_results(path, rows, meta, **extra):
-    """Write ``{"meta": meta, "rows": rows, **extra}`` to ``path``, atomically (never half a
-    file), creating its folder if needed."""
+    """Write ``{"meta": meta, "rows": rows, **extra}`` to ``path`` (:func:`write_json`)."""
+    write_json(path, {"meta": meta, "rows": rows, **extra})
+
+
+def write_json(path, data):
+    """Write ``data`` as indented JSON to ``path``, atomically (never half a file), creating its
+    folder if needed."""
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
     temporary = f"{path}.tmp"
     with open(temporary, "w") as file:
-        json.dump({"meta": meta, "rows": rows, **extra}, file, indent=1)
+        json.dump(data, file, indent=1)
         file.write("\n")
     os.replace(temporary, path)
 

@@ -28,6 +28,8 @@ import time
 
 import torch
 
+from .harness import write_json
+
 
 class _Layer(torch.nn.Module):
     """What the attention function reads of a model's attention layer."""
@@ -113,9 +115,7 @@ def main():
     result = run(args.device, args.layers, args.steps, args.context)
     print(json.dumps(result, indent=1))
     if args.out:
-        with open(args.out, "w") as file:
-            json.dump(result, file, indent=1)
-            file.write("\n")
+        write_json(args.out, result)
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ from rerope import attention, decode
 from rerope.caches import LRUCache
 from rerope.reference import rerope_from_relative_positions
 
+from benchmarks import compile_block
 from conftest import kernel_device, randn, results_problems, tolerance
 
 F32 = torch.float32
@@ -174,21 +175,10 @@ def test_opcheck_decode_op(gen):
 # --- torch.compile of a fused-QKV block -----------------------------------------------------------
 
 
-class Block(torch.nn.Module):
-    """An attention block as most models write it: one ``Linear`` for q, k, v, reshaped and
-    permuted (so q, k, v are strided views of one buffer), ReRoPE attention, an output proj."""
-
-    def __init__(self, dim=32, heads=2, window=5):
-        super().__init__()
-        self.heads, self.window = heads, window
-        self.qkv = torch.nn.Linear(dim, 3 * dim)
-        self.proj = torch.nn.Linear(dim, dim)
-
-    def forward(self, x):
-        b, n, dim = x.shape
-        q, k, v = self.qkv(x).view(b, n, 3, self.heads, dim // self.heads).permute(2, 0, 3, 1, 4)
-        out = rerope.rerope(q, k, v, self.window, leaky=8.0)
-        return self.proj(out.transpose(1, 2).reshape(b, n, dim))
+def Block():
+    """The compile benchmark's fused-QKV block (:class:`benchmarks.compile_block.Block`), small,
+    with Leaky ReRoPE: q, k, v are strided views of one buffer, as most models write it."""
+    return compile_block.Block(dim=32, heads=2, window=5, leaky=8.0)
 
 
 def _block_results(block, x):

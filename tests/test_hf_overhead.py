@@ -22,6 +22,7 @@ import torch
 import rerope
 from rerope import attention, decode
 
+from benchmarks import compile_block
 from conftest import kernel_device
 
 CACHE_NAMES = ("_OPERANDS", "_TABLES", "_OFFSETS", "PLANS", "_LAUNCHERS", "_STEPS", "_CLASSES",
@@ -31,21 +32,9 @@ CACHE_NAMES = ("_OPERANDS", "_TABLES", "_OFFSETS", "PLANS", "_LAUNCHERS", "_STEP
 MAX_PACKAGE_GUARDS = 100
 
 
-class Block(torch.nn.Module):
-    """``Linear(dim, 3 dim)`` → view/permute (strided views of one buffer) → ``rerope.rerope``
-    → ``Linear``: the layout of ``tests/test_generation.py``'s compile test."""
-
-    def __init__(self, dim=32, heads=2, window=5):
-        super().__init__()
-        self.heads, self.window = heads, window
-        self.qkv = torch.nn.Linear(dim, 3 * dim)
-        self.proj = torch.nn.Linear(dim, dim)
-
-    def forward(self, x):
-        b, n, dim = x.shape
-        q, k, v = self.qkv(x).view(b, n, 3, self.heads, dim // self.heads).permute(2, 0, 3, 1, 4)
-        out = rerope.rerope(q, k, v, self.window)
-        return self.proj(out.transpose(1, 2).reshape(b, n, dim))
+def Block():
+    """The compile benchmark's fused-QKV block (:class:`benchmarks.compile_block.Block`), small."""
+    return compile_block.Block(dim=32, heads=2, window=5)
 
 
 @pytest.fixture
