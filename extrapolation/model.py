@@ -99,16 +99,17 @@ def ntk_base(base, head_dim, alpha):
 
 
 def attend(q, k, v, positions, base):
-    """Causal attention of raw (un-rotated) ``q`` ``(B, Hq, N, D)``, ``k, v`` ``(B, Hkv, N, D)``.
+    """Causal attention of raw (un-rotated) ``q`` ``(B, Hq, N, D)``, ``k, v``
+    ``(B, Hkv, N, D)``.
 
     RoPE / NTK run through :func:`rerope.rope.apply_rope` and PyTorch's
-    ``scaled_dot_product_attention``; ReRoPE / Leaky ReRoPE through :func:`rerope.rerope` (or
-    the naive reference). Returns ``(B, Hq, N, D)``.
+    ``scaled_dot_product_attention``; ReRoPE / Leaky ReRoPE through
+    :func:`rerope.rerope` (or the naive reference). Returns ``(B, Hq, N, D)``.
     """
     if positions.kind in ("rerope", "leaky"):
         op = rerope.rerope if positions.backend == "kernels" else reference.rerope
-        return op(q, k, v, positions.window, causal=True, base=base, leaky=positions.leaky,
-                  logn_len=positions.logn_len)
+        return op(q, k, v, positions.window, causal=True, base=base,
+                  leaky=positions.leaky, logn_len=positions.logn_len)
     n = q.shape[-2]
     if positions.kind == "ntk":
         base = ntk_base(base, q.shape[-1], positions.ntk_alpha)

@@ -197,11 +197,12 @@ def _rebuild_rotary(model):
 def set_method(model, method, length):
     """Switch ``model`` (from :func:`load`) to ``method`` for reading ``length`` tokens.
 
-    Every call starts from the stock model: ReRoPE off, default RoPE, SDPA, so methods never
-    stack. Returns ``model``.
+    Every call starts from the stock model: ReRoPE off, default RoPE, SDPA, so methods
+    never stack. Returns ``model``.
     """
     if not isinstance(method, Method):
-        raise TypeError(f"method must be a realmodel.smollm2.Method, got {type(method).__name__}")
+        raise TypeError("method must be a realmodel.smollm2.Method, got "
+                        f"{type(method).__name__}")
     if rerope.hf.is_rerope_enabled(model):
         rerope.hf.disable_rerope(model)
     base = float(model.config.rope_parameters["rope_theta"])
@@ -212,14 +213,15 @@ def set_method(model, method, length):
         if method.kind == "yarn":
             params["original_max_position_embeddings"] = TRAIN_LEN
     elif method.kind not in ("rope", "rerope", "self_extend"):
-        raise ValueError(f"method.kind must be rope, dynamic, yarn, rerope or self_extend, got "
-                         f"{method.kind!r}")
+        raise ValueError("method.kind must be rope, dynamic, yarn, rerope or "
+                         f"self_extend, got {method.kind!r}")
     with _quiet_transformers():
         model.config.rope_parameters = params
         _rebuild_rotary(model)
     logn_len = TRAIN_LEN if method.logn else None
     if method.kind == "rerope":
-        rerope.hf.enable_rerope(model, method.window, leaky=method.leaky, logn_len=logn_len)
+        rerope.hf.enable_rerope(model, method.window, leaky=method.leaky,
+                                logn_len=logn_len)
     elif method.kind == "self_extend":
         rerope.hf.enable_rerope(model, method.window, logn_len=logn_len,
                                 group=method.group_for(length))
@@ -231,23 +233,24 @@ def set_method(model, method, length):
 
 @torch.no_grad()
 def token_losses(model, ids, chunk=4096):
-    """Per-token losses ``(B, N - 1)`` float32 (nats) of ``ids`` ``(B, N)``: the loss of token
-    ``p + 1`` given tokens ``0..p``.
+    """Per-token losses ``(B, N - 1)`` float32 (nats) of ``ids`` ``(B, N)``: the loss of
+    token ``p + 1`` given tokens ``0..p``.
 
-    Runs the model's base (``model.model``) once and applies ``lm_head`` and cross-entropy in
-    chunks of ``chunk`` positions, so the full ``(B, N, vocab)`` logits (12.9 GB in float32 at
-    64k tokens) never exist.
+    Runs the model's base (``model.model``) once and applies ``lm_head`` and
+    cross-entropy in chunks of ``chunk`` positions, so the full ``(B, N, vocab)`` logits
+    (12.9 GB in float32 at 64k tokens) never exist.
     """
     if ids.dim() != 2 or ids.shape[1] < 2:
-        raise ValueError(f"ids must be (batch, tokens >= 2), got shape {tuple(ids.shape)}")
+        raise ValueError("ids must be (batch, tokens >= 2), got shape "
+                         f"{tuple(ids.shape)}")
     hidden = model.model(input_ids=ids, use_cache=False).last_hidden_state
     n = ids.shape[1] - 1
     out = torch.empty(ids.shape[0], n, dtype=torch.float32, device=ids.device)
     for start in range(0, n, chunk):
         end = min(n, start + chunk)
         logits = model.lm_head(hidden[:, start:end]).float()
-        out[:, start:end] = F.cross_entropy(logits.transpose(1, 2), ids[:, start + 1:end + 1],
-                                            reduction="none")
+        out[:, start:end] = F.cross_entropy(logits.transpose(1, 2),
+                                            ids[:, start + 1:end + 1], reduction="none")
     return out
 
 

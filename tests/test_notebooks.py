@@ -210,6 +210,31 @@ def test_listed_modules_fit_the_page(path):
     assert not wide, f"lines wider than {LISTING_WIDTH} characters: " + ", ".join(wide)
 
 
+# The stored listings themselves (issue 35): a cell that prints source (``rerope.source(...)``,
+# ``Code(...)``) stores it as text; at most 88 characters a line, nothing wraps on the site.
+STORED_LISTING_WIDTH = 88
+NOTEBOOKS = sorted((ROOT / "book").glob("*.ipynb"))
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda path: path.stem)
+def test_stored_listings_fit_88_columns(path):
+    """Every line of the stored text/plain (or stream) outputs of a code cell that calls
+    ``source(`` or ``Code(`` is at most 88 characters (not bytes)."""
+    nb = json.loads(path.read_text(encoding="utf-8"))
+    wide = []
+    for index, cell in code_cells(nb):
+        source = text(cell["source"])
+        if "source(" not in source and "Code(" not in source:
+            continue
+        for output in cell.get("outputs", []):
+            stored = text(output.get("data", {}).get("text/plain") or output.get("text") or "")
+            wide += [f"cell {cell.get('id', index)}: a line of {len(line)} characters: "
+                     f"{line.strip()[:60]!r}"
+                     for line in stored.splitlines() if len(line) > STORED_LISTING_WIDTH]
+    assert not wide, (f"{path.relative_to(ROOT)}: stored listings wider than "
+                      f"{STORED_LISTING_WIDTH} characters:\n" + "\n".join(wide))
+
+
 # --- numbers in the prose, against the data files they describe ---------------------------------
 
 DATA = ROOT / "book" / "data"

@@ -1318,7 +1318,7 @@ def _turn_tile_kernel(X, Out, Table, Offset, n_rows, offset_sign, TURN: tl.const
     first = rows[:, None] * HEAD_DIM + freqs
     x_a = tl.load(X + first, mask=ok, other=0.0).to(tl.float32)
     x_b = tl.load(X + first + HEAD_DIM // 2, mask=ok, other=0.0).to(tl.float32)
-    table = Table + rows[:, None] * HEAD_DIM + freqs      # the table has rows past n_rows
+    table = Table + rows[:, None] * HEAD_DIM + freqs  # the table has rows past n_rows
     cos_p, sin_p = tl.load(table), tl.load(table + HEAD_DIM // 2)
     cos_o = tl.load(Offset + freqs)
     sin_o = tl.load(Offset + HEAD_DIM // 2 + freqs) * offset_sign

@@ -407,10 +407,10 @@ def _rerope_fwd_kernel(
         block = n_blocks - 1 - block
     batch = bh // n_heads
     head = bh % n_heads
-    _fwd_rows(Q1, Q2, K1, K2, V, Out, Lse + bh.to(tl.int64) * n_q, Tables, None, sq1, sq2,
-              sk1, sk2, sv, so, batch, head, head // q_per_kv, block * BLOCK_M, n_q, n_k,
-              window, qk_scale, logn_factor, HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, TMA,
-              LOGN, INSIDE_FLAGS, OUTSIDE_FLAGS, 0)
+    _fwd_rows(Q1, Q2, K1, K2, V, Out, Lse + bh.to(tl.int64) * n_q, Tables, None, sq1,
+              sq2, sk1, sk2, sv, so, batch, head, head // q_per_kv, block * BLOCK_M,
+              n_q, n_k, window, qk_scale, logn_factor, HEAD_DIM, BLOCK_M, BLOCK_N,
+              CAUSAL, TMA, LOGN, INSIDE_FLAGS, OUTSIDE_FLAGS, 0)
 
 
 @triton.jit

@@ -661,18 +661,21 @@ def _attend_static(settings, query, key, value, seqlens, scaling, kwargs):
 
 
 def _attend(q, k, v, settings, scaling, logn_len):
-    """One kernel call: ``rerope.rerope_decode`` for a generation step (few new queries against
-    a longer cache, no gradient needed), else ``rerope.rerope``; both on rotated inputs, with
-    the model's RoPE frequencies (``settings.base`` or ``settings.inv_freq``)."""
+    """One kernel call: ``rerope.rerope_decode`` for a generation step (few new queries
+    against a longer cache, no gradient needed), else ``rerope.rerope``; both on rotated
+    inputs, with the model's RoPE frequencies (``settings.base`` or
+    ``settings.inv_freq``)."""
     n_q, n_k = q.shape[2], k.shape[2]
-    needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad
+                                              or v.requires_grad)
     if n_q <= MAX_QUERIES and n_q < n_k and not needs_grad:
-        return rerope_decode(q, k, v, settings.window, sm_scale=scaling, base=settings.base,
-                             leaky=settings.leaky, logn_len=logn_len, rotated=True,
+        return rerope_decode(q, k, v, settings.window, sm_scale=scaling,
+                             base=settings.base, leaky=settings.leaky,
+                             logn_len=logn_len, rotated=True,
                              inv_freq=settings.inv_freq, group=settings.group)
-    return rerope(q, k, v, settings.window, causal=True, sm_scale=scaling, base=settings.base,
-                  leaky=settings.leaky, logn_len=logn_len, rotated=True,
-                  inv_freq=settings.inv_freq, group=settings.group)
+    return rerope(q, k, v, settings.window, causal=True, sm_scale=scaling,
+                  base=settings.base, leaky=settings.leaky, logn_len=logn_len,
+                  rotated=True, inv_freq=settings.inv_freq, group=settings.group)
 
 
 # --- positions ----------------------------------------------------------------------------------
