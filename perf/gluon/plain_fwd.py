@@ -48,9 +48,12 @@ LN2 = 0.6931471805599453
 # ----------------------------------------------------------------------------------------------
 @gluon.jit
 def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty,
-              q_row, kv_row0, n_tiles, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-    mbarrier.expect(q_bar, q_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(q_desc, [q_row, 0], q_bar, q_smem)
+              q_row, kv_row0, n_tiles, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr):
+    # Q: SPLIT sub-tiles of BLOCK_M // SPLIT rows, one per consumer partition, on one barrier
+    SUB_M: gl.constexpr = q_desc.block_type.shape[0]
+    mbarrier.expect(q_bar, SPLIT * q_desc.block_type.nbytes)
+    for j in gl.static_range(SPLIT):
+        tma.async_copy_global_to_shared(q_desc, [q_row + j * SUB_M, 0], q_bar, q_smem.index(j))
     for i in range(n_tiles):
         s = i % STAGES
         phase = (i // STAGES) & 1
@@ -128,7 +131,7 @@ def _consumer(o_desc, lse_ptr, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, 
     for i in range(0, n_full):  # tiles wholly below the diagonal: no mask
         acc, m_i, l_i = _tile(i, acc, m_i, l_i, q_smem, k_smem, v_smem, k_ready, v_ready, kv_empty, m0,
                               qk_scale, BLOCK_M, BLOCK_N, STAGES, False, s_layout, o_layout)
-    for i in range(n_full, n_tiles):  # diagonal tiles
+    for i in range(n_full, n_tiles):  # diagonal tiles (for a lower sub-tile maybe one fully masked)
         acc, m_i, l_i = _tile(i, acc, m_i, l_i, q_smem, k_smem, v_smem, k_ready, v_ready, kv_empty, m0,
                               qk_scale, BLOCK_M, BLOCK_N, STAGES, True, s_layout, o_layout)
 
@@ -150,7 +153,13 @@ def _consumer(o_desc, lse_ptr, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, 
 def attn_fwd_causal_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, N, qk_scale,
                            BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
                            STAGES: gl.constexpr, CONSUMER_WARPS: gl.constexpr,
-                           STORE_LSE: gl.constexpr):
+                           STORE_LSE: gl.constexpr, SPLIT: gl.constexpr):
+    """SPLIT=1: one consumer partition of CONSUMER_WARPS warps (= num_warps) on the whole BLOCK_M
+    tile. SPLIT=2: two consumer partitions of 4 warps (num_warps=4: the default partition plus a
+    4-warp worker), each with its own BLOCK_M/2-row Q sub-tile, sharing the K/V ring (kv_empty
+    counts 2 arrivals) and free to drift apart, so one's softmax can overlap the other's wgmma
+    (FA3's ping-pong without the explicit ordering barriers). q_desc / o_desc blocks are
+    [BLOCK_M // SPLIT, HEAD_D]."""
     pid_m = gl.program_id(0)
     bh = gl.program_id(1)
     m_block = gl.num_programs(0) - 1 - pid_m  # heaviest query blocks first
@@ -158,10 +167,10 @@ def attn_fwd_causal_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, N, qk_scale,
     q_row = bh * N + m0
     kv_row0 = bh * N
     n_tiles = gl.cdiv(m0 + BLOCK_M, BLOCK_N)
-    n_full = m0 // BLOCK_N
+    SUB_M: gl.constexpr = BLOCK_M // SPLIT
 
     dtype: gl.constexpr = q_desc.dtype
-    q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_D], q_desc.layout)
+    q_smem = gl.allocate_shared_memory(dtype, [SPLIT, SUB_M, HEAD_D], q_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_D], k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_D], v_desc.layout)
     q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -172,21 +181,39 @@ def attn_fwd_causal_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, N, qk_scale,
     for j in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(j), count=1)
         mbarrier.init(v_ready.index(j), count=1)
-        mbarrier.init(kv_empty.index(j), count=1)
+        mbarrier.init(kv_empty.index(j), count=SPLIT)  # one arrival per consumer partition
 
     # Triton 3.6 signature: warp_specialize(functions_and_args, worker_num_warps, worker_num_regs);
     # the first (function, args) pair is the default partition (runs in the kernel's num_warps).
-    gl.warp_specialize(
-        [
-            (_consumer, (o_desc, lse_ptr, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty, q_row, m0,
-                         n_full, n_tiles, qk_scale, BLOCK_M, BLOCK_N, HEAD_D, STAGES, CONSUMER_WARPS,
-                         STORE_LSE)),
-            (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty, q_row,
-                         kv_row0, n_tiles, BLOCK_N, STAGES)),
-        ],
-        [1],  # worker_num_warps
-        [24],  # worker_num_regs
-    )
+    if SPLIT == 1:
+        gl.warp_specialize(
+            [
+                (_consumer, (o_desc, lse_ptr, q_smem.index(0), k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty,
+                             q_row, m0, m0 // BLOCK_N, n_tiles, qk_scale, BLOCK_M, BLOCK_N, HEAD_D, STAGES,
+                             CONSUMER_WARPS, STORE_LSE)),
+                (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty,
+                             q_row, kv_row0, n_tiles, BLOCK_N, STAGES, SPLIT)),
+            ],
+            [1],  # worker_num_warps
+            [24],  # worker_num_regs
+        )
+    else:
+        gl.static_assert(SPLIT == 2, "SPLIT is 1 or 2")
+        gl.static_assert(CONSUMER_WARPS == 4, "SPLIT=2: two 4-warp consumer partitions")
+        gl.warp_specialize(
+            [
+                (_consumer, (o_desc, lse_ptr, q_smem.index(0), k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty,
+                             q_row, m0, m0 // BLOCK_N, n_tiles, qk_scale, SUB_M, BLOCK_N, HEAD_D, STAGES, 4,
+                             STORE_LSE)),
+                (_consumer, (o_desc, lse_ptr, q_smem.index(1), k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty,
+                             q_row + SUB_M, m0 + SUB_M, (m0 + SUB_M) // BLOCK_N, n_tiles, qk_scale, SUB_M,
+                             BLOCK_N, HEAD_D, STAGES, 4, STORE_LSE)),
+                (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty,
+                             q_row, kv_row0, n_tiles, BLOCK_N, STAGES, SPLIT)),
+            ],
+            [4, 1],  # worker_num_warps
+            [240, 24],  # worker_num_regs
+        )
 
     mbarrier.invalidate(q_bar)
     for j in gl.static_range(STAGES):
@@ -199,18 +226,17 @@ def attn_fwd_causal_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, N, qk_scale,
 # host side
 # ----------------------------------------------------------------------------------------------
 def default_config(head_dim):
-    """(BLOCK_M, BLOCK_N, STAGES, CONSUMER_WARPS) — FA3's tile sizes for the causal forward."""
-    if head_dim == 64:
-        return 128, 128, 2, 8
-    if head_dim == 128:
-        return 128, 128, 2, 8
+    """(BLOCK_M, BLOCK_N, STAGES, CONSUMER_WARPS, SPLIT) — FA3's tile sizes for the causal forward;
+    one 8-warp consumer partition (two warp groups in lockstep) on a 128-row Q tile."""
+    if head_dim in (64, 128):
+        return 128, 128, 2, 8, 1
     raise ValueError(f"head_dim must be 64 or 128, got {head_dim}")
 
 
-# Variants the device script also checks and times: (BLOCK_M, BLOCK_N, STAGES, CONSUMER_WARPS).
+# Variants the device script also checks and times. SPLIT=2: two 4-warp consumer partitions.
 EXTRA_CONFIGS = {
-    64: [(64, 128, 2, 4), (128, 128, 3, 8), (128, 128, 4, 8)],
-    128: [(64, 128, 2, 4), (128, 128, 3, 8), (128, 64, 3, 8)],
+    64: [(64, 128, 2, 4, 1), (128, 128, 3, 8, 1), (128, 128, 2, 4, 2), (128, 128, 3, 4, 2)],
+    128: [(64, 128, 2, 4, 1), (128, 128, 3, 8, 1), (128, 128, 2, 4, 2), (128, 64, 3, 8, 1)],
 }
 
 SMEM_LIMIT_SM90 = 232448  # bytes of shared memory one CTA may use on H100/H200 (227 KiB)
@@ -233,24 +259,25 @@ def attention(q, k, v, sm_scale=None, return_lse=False, config=None):
     B, H, N, D = q.shape
     assert k.shape == q.shape and v.shape == q.shape, "prototype: same shapes for q, k, v (no GQA)"
     assert q.dtype in (torch.float16, torch.bfloat16) and k.dtype == q.dtype and v.dtype == q.dtype
-    BLOCK_M, BLOCK_N, STAGES, CONSUMER_WARPS = config or default_config(D)
+    BLOCK_M, BLOCK_N, STAGES, CONSUMER_WARPS, SPLIT = config or default_config(D)
     assert N % BLOCK_M == 0 and N % BLOCK_N == 0, f"prototype: N must be a multiple of {max(BLOCK_M, BLOCK_N)}"
-    assert BLOCK_M == 16 * CONSUMER_WARPS, "one 16-row wgmma slab per warp (64 rows per warp group)"
+    assert BLOCK_M == 16 * CONSUMER_WARPS * SPLIT, "one 16-row wgmma slab per warp (64 rows per warp group)"
+    SUB_M = BLOCK_M // SPLIT
     if sm_scale is None:
         sm_scale = 1.0 / math.sqrt(D)
     q2, k2, v2 = (t.contiguous().view(B * H * N, D) for t in (q, k, v))
     o = torch.empty_like(q2)
     lse = torch.empty((B, H, N), device=q.device, dtype=torch.float32) if return_lse else o
     gdt = _gl_dtype(q.dtype)
-    q_layout = smem_layout([BLOCK_M, D], gdt)
+    q_layout = smem_layout([SUB_M, D], gdt)
     kv_layout = smem_layout([BLOCK_N, D], gdt)
-    q_desc = TensorDescriptor.from_tensor(q2, [BLOCK_M, D], q_layout)
-    o_desc = TensorDescriptor.from_tensor(o, [BLOCK_M, D], q_layout)
+    q_desc = TensorDescriptor.from_tensor(q2, [SUB_M, D], q_layout)
+    o_desc = TensorDescriptor.from_tensor(o, [SUB_M, D], q_layout)
     k_desc = TensorDescriptor.from_tensor(k2, [BLOCK_N, D], kv_layout)
     v_desc = TensorDescriptor.from_tensor(v2, [BLOCK_N, D], kv_layout)
     grid = (N // BLOCK_M, B * H)
     attn_fwd_causal_kernel[grid](q_desc, k_desc, v_desc, o_desc, lse, N, sm_scale * LOG2E,
-                                 BLOCK_M, BLOCK_N, D, STAGES, CONSUMER_WARPS, return_lse,
+                                 BLOCK_M, BLOCK_N, D, STAGES, CONSUMER_WARPS, return_lse, SPLIT,
                                  num_warps=CONSUMER_WARPS)
     o = o.view(B, H, N, D)
     return (o, lse) if return_lse else o
