@@ -35,6 +35,12 @@ def parse_args(argv=None):
     ap.add_argument("--heads", type=int, default=32)
     ap.add_argument("--check-n", type=int, nargs="+", default=[1024, 8192])
     ap.add_argument("--time-n", type=int, nargs="+", default=[8192, 1024])
+    ap.add_argument("--smoke", metavar="PROGRESS_FILE",
+                    help="only run every config once at N=512 H=2 (both dtypes, LSE on), writing "
+                         "'start KEY' before and 'ok KEY' / 'bad KEY' after each to PROGRESS_FILE, so that a "
+                         "wrapper can tell which config hung or crashed the process")
+    ap.add_argument("--skip", nargs="*", default=[], metavar="KEY",
+                    help="configs to leave out, as D:dtype:BLOCK_M,BLOCK_N,STAGES,WARPS,SPLIT")
     ap.add_argument("--cpu-dry-run", action="store_true",
                     help="test this script without a GPU: CPU tensors, the Gluon kernel replaced by SDPA, "
                          "wall-clock timing; use with small --heads/--check-n/--time-n")
@@ -139,13 +145,43 @@ def main(argv=None):
         with open(args.out, "w") as f:
             json.dump(res, f, indent=1)
 
-    def configs(D):
-        return [pf.default_config(D)] + ([] if args.quick else list(pf.EXTRA_CONFIGS[D]))
+    def key(D, dt, cfg):
+        return f"{D}:{str(dt).replace('torch.', '')}:{','.join(map(str, cfg))}"
+
+    res["skipped"] = list(args.skip)
+
+    def configs(D, dt):
+        cfgs = [pf.default_config(D)] + ([] if args.quick else list(pf.EXTRA_CONFIGS[D]))
+        return [c for c in cfgs if key(D, dt, c) not in args.skip]
 
     dtypes = [torch.float16, torch.bfloat16]
     B, H = 1, args.heads
     t0 = time.time()
     bad = set()  # (D, dtype, config) that failed correctness: not timed
+
+    if args.smoke:
+        fails = 0
+        with open(args.smoke, "a") as prog:
+            for D in (64, 128):
+                for dt in dtypes:
+                    q, k, v = (torch.randn(1, 2, 512, D, device=dev, dtype=dt) for _ in range(3))
+                    ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True)
+                    for cfg in configs(D, dt):
+                        kk = key(D, dt, cfg)
+                        prog.write(f"start {kk}\n")
+                        prog.flush()
+                        os.fsync(prog.fileno())
+                        try:
+                            o, _ = pf.attention(q, k, v, return_lse=True, config=cfg)
+                            err = (o.float() - ref).abs().max().item()  # synchronises
+                            ok = math.isfinite(err) and err < 5e-2
+                        except Exception as e:
+                            err, ok = f"{type(e).__name__}: {e}"[:300], False
+                        fails += not ok
+                        prog.write(f"{'ok' if ok else 'bad'} {kk}\n")
+                        prog.flush()
+                        print(f"smoke {kk}: {'ok' if ok else 'BAD'} (max err {err})", flush=True)
+        return 1 if fails else 0
 
     # ---------------------------------------------------------------- correctness
     print(f"{'N':>5} {'D':>3} {'dtype':>8} {'config':>18} {'max|dO|':>9} {'mean|dO|':>9} {'max|dLSE|':>9} {'sdpa max':>9}  ok")
@@ -167,7 +203,7 @@ def main(argv=None):
                     sdpa_err = (F.scaled_dot_product_attention(q, k, v, is_causal=True).float() - ref).abs().max().item()
                 except Exception:
                     sdpa_err = float("nan")
-                for cfg in configs(D):
+                for cfg in configs(D, dt):
                     row = {"N": N, "D": D, "dtype": str(dt).replace("torch.", ""), "config": list(cfg),
                            "sdpa_max_abs_err": sdpa_err}
                     try:
@@ -212,7 +248,7 @@ def main(argv=None):
                         with sdpa_kernel(be):
                             return F.scaled_dot_product_attention(q, k, v, is_causal=True)
                     impls.append((name, f))
-                for cfg in configs(D):
+                for cfg in configs(D, dt):
                     if (D, dt, tuple(cfg)) in bad:
                         continue
                     impls.append((f"gluon{list(cfg)}", lambda cfg=cfg: pf.attention(q, k, v, config=cfg)))
