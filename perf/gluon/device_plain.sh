@@ -4,7 +4,7 @@
 #
 #   OUT=$OUT bash perf/gluon/device_plain.sh
 #
-# First a smoke pass (each config once at N=512, own process, 60 s cap, repeated without a config
+# First a smoke pass (each config once at N=512, own process, 90 s cap, repeated without a config
 # that hung or crashed it: $OUT/smoke.log, smoke.txt, skipped.txt); then
 # writes $OUT/gluon_plain.json (correctness rows + timing rows, rewritten after every row),
 # $OUT/gluon_plain.log (the printed tables), $OUT/cross_compile.txt (shared memory / registers of
@@ -41,7 +41,7 @@ SKIP=()
 for attempt in 1 2 3; do
     ((SECONDS > 150)) && { echo "no time left for another smoke attempt"; break; }
     : > "$OUT/smoke.txt"
-    timeout 60 $PY "$HERE/bench_plain.py" "${Q[@]}" --smoke "$OUT/smoke.txt" --skip "${SKIP[@]}" 2>&1 | tee -a "$OUT/smoke.log"
+    timeout 90 $PY "$HERE/bench_plain.py" "${Q[@]}" --smoke "$OUT/smoke.txt" --skip "${SKIP[@]}" 2>&1 | tee -a "$OUT/smoke.log"
     src=$?
     last=$(grep '^start ' "$OUT/smoke.txt" | tail -1 | cut -d' ' -f2)
     if [[ $src == 0 || -z "$last" ]] || grep -q "^\(ok\|bad\) $last\$" "$OUT/smoke.txt"; then

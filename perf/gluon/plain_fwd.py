@@ -113,10 +113,72 @@ def _tile(i, acc, m_i, l_i, q_smem, k_smem, v_smem, k_ready, v_ready, kv_empty, 
 
 
 @gluon.jit
+def _softmax(qk, m_i, l_i, i, m0, n_full, qk_scale, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+             s_layout: gl.constexpr):
+    """Online-softmax step for tile i (mask decided at run time: i >= n_full). Returns p (fp32),
+    the new m_i, l_i and alpha = exp2(m_old - m_new)."""
+    qk = qk * qk_scale
+    if i >= n_full:
+        rows = m0 + gl.arange(0, BLOCK_M, gl.SliceLayout(1, s_layout))
+        cols = i * BLOCK_N + gl.arange(0, BLOCK_N, gl.SliceLayout(0, s_layout))
+        qk = gl.where(rows[:, None] >= cols[None, :], qk, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(qk, 1))
+    alpha = gl.exp2(m_i - m_new)
+    p = gl.exp2(qk - m_new[:, None])
+    l_i = l_i * alpha + gl.sum(p, 1)
+    return p, m_new, l_i, alpha
+
+
+@gluon.jit
+def _loop_pipelined(acc, m_i, l_i, q_smem, k_smem, v_smem, k_ready, v_ready, kv_empty, m0, n_full, n_tiles,
+                    qk_scale, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                    s_layout: gl.constexpr, o_layout: gl.constexpr):
+    """FA3's intra-warpgroup overlap: in iteration i, S_i = Q K_i and O += P_{i-1} V_{i-1} are both
+    issued, the wait for S_i leaves the PV wgmma running (num_outstanding=1) while softmax_i runs,
+    then O is waited for, slot i-1 released and O rescaled by alpha_i. Needs n_tiles >= 1."""
+    dtype: gl.constexpr = q_smem.dtype
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
+
+    mbarrier.wait(k_ready.index(0), 0)
+    k_tile = k_smem.index(0)
+    qk = warpgroup_mma(q_smem, k_tile.permute((1, 0)), zero, use_acc=False, is_async=True)
+    qk, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=(qk, q_smem, k_tile))
+    p, m_i, l_i, alpha = _softmax(qk, m_i, l_i, 0, m0, n_full, qk_scale, BLOCK_M, BLOCK_N, s_layout)
+
+    for i in range(1, n_tiles):
+        s = i % STAGES
+        sp = (i - 1) % STAGES
+        mbarrier.wait(k_ready.index(s), (i // STAGES) & 1)
+        k_tile = k_smem.index(s)
+        qk = warpgroup_mma(q_smem, k_tile.permute((1, 0)), zero, use_acc=False, is_async=True)
+        mbarrier.wait(v_ready.index(sp), ((i - 1) // STAGES) & 1)
+        v_tile = v_smem.index(sp)
+        acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), v_tile, acc, is_async=True)
+        # wgmma groups retire in order: with one left outstanding, S_i (issued first) is done
+        qk, _, _ = warpgroup_mma_wait(num_outstanding=1, deps=(qk, q_smem, k_tile))
+        p, m_i, l_i, alpha = _softmax(qk, m_i, l_i, i, m0, n_full, qk_scale, BLOCK_M, BLOCK_N, s_layout)
+        acc, _ = warpgroup_mma_wait(num_outstanding=0, deps=(acc, v_tile))
+        gl.thread_barrier()
+        mbarrier.arrive(kv_empty.index(sp), count=1)
+        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+
+    last = n_tiles - 1
+    sl = last % STAGES
+    mbarrier.wait(v_ready.index(sl), (last // STAGES) & 1)
+    v_tile = v_smem.index(sl)
+    acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), v_tile, acc, is_async=True)
+    acc, _ = warpgroup_mma_wait(num_outstanding=0, deps=(acc, v_tile))
+    gl.thread_barrier()
+    mbarrier.arrive(kv_empty.index(sl), count=1)
+    return acc, m_i, l_i
+
+
+@gluon.jit
 def _consumer(o_desc, lse_ptr, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty, q_row, m0,
               n_full, n_tiles, qk_scale, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
               HEAD_D: gl.constexpr, STAGES: gl.constexpr, CONSUMER_WARPS: gl.constexpr,
-              STORE_LSE: gl.constexpr):
+              STORE_LSE: gl.constexpr, PIPE: gl.constexpr):
     # wgmma accumulator layouts: instr_shape [m=16, n, k=256/16bit]; warps tile M (16 rows each,
     # 4 warps = one warp group = 64 rows).
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[CONSUMER_WARPS, 1],
@@ -128,12 +190,16 @@ def _consumer(o_desc, lse_ptr, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, 
     acc = gl.zeros([BLOCK_M, HEAD_D], gl.float32, o_layout)
 
     mbarrier.wait(q_bar, 0)
-    for i in range(0, n_full):  # tiles wholly below the diagonal: no mask
-        acc, m_i, l_i = _tile(i, acc, m_i, l_i, q_smem, k_smem, v_smem, k_ready, v_ready, kv_empty, m0,
-                              qk_scale, BLOCK_M, BLOCK_N, STAGES, False, s_layout, o_layout)
-    for i in range(n_full, n_tiles):  # diagonal tiles (for a lower sub-tile maybe one fully masked)
-        acc, m_i, l_i = _tile(i, acc, m_i, l_i, q_smem, k_smem, v_smem, k_ready, v_ready, kv_empty, m0,
-                              qk_scale, BLOCK_M, BLOCK_N, STAGES, True, s_layout, o_layout)
+    if PIPE:
+        acc, m_i, l_i = _loop_pipelined(acc, m_i, l_i, q_smem, k_smem, v_smem, k_ready, v_ready, kv_empty, m0,
+                                        n_full, n_tiles, qk_scale, BLOCK_M, BLOCK_N, STAGES, s_layout, o_layout)
+    else:
+        for i in range(0, n_full):  # tiles wholly below the diagonal: no mask
+            acc, m_i, l_i = _tile(i, acc, m_i, l_i, q_smem, k_smem, v_smem, k_ready, v_ready, kv_empty, m0,
+                                  qk_scale, BLOCK_M, BLOCK_N, STAGES, False, s_layout, o_layout)
+        for i in range(n_full, n_tiles):  # diagonal tiles (for a lower sub-tile maybe one fully masked)
+            acc, m_i, l_i = _tile(i, acc, m_i, l_i, q_smem, k_smem, v_smem, k_ready, v_ready, kv_empty, m0,
+                                  qk_scale, BLOCK_M, BLOCK_N, STAGES, True, s_layout, o_layout)
 
     # epilogue: O / l through Q's shared buffer (Q is no longer read) and a TMA store
     acc = acc / gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))[:, None]
@@ -153,13 +219,14 @@ def _consumer(o_desc, lse_ptr, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, 
 def attn_fwd_causal_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, N, qk_scale,
                            BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
                            STAGES: gl.constexpr, CONSUMER_WARPS: gl.constexpr,
-                           STORE_LSE: gl.constexpr, SPLIT: gl.constexpr):
+                           STORE_LSE: gl.constexpr, SPLIT: gl.constexpr, PIPE: gl.constexpr):
     """SPLIT=1: one consumer partition of CONSUMER_WARPS warps (= num_warps) on the whole BLOCK_M
     tile. SPLIT=2: two consumer partitions of 4 warps (num_warps=4: the default partition plus a
     4-warp worker), each with its own BLOCK_M/2-row Q sub-tile, sharing the K/V ring (kv_empty
     counts 2 arrivals) and free to drift apart, so one's softmax can overlap the other's wgmma
     (FA3's ping-pong without the explicit ordering barriers). q_desc / o_desc blocks are
-    [BLOCK_M // SPLIT, HEAD_D]."""
+    [BLOCK_M // SPLIT, HEAD_D]. PIPE=1: the consumers overlap softmax i with the PV wgmma of tile
+    i-1 (_loop_pipelined)."""
     pid_m = gl.program_id(0)
     bh = gl.program_id(1)
     m_block = gl.num_programs(0) - 1 - pid_m  # heaviest query blocks first
@@ -190,7 +257,7 @@ def attn_fwd_causal_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, N, qk_scale,
             [
                 (_consumer, (o_desc, lse_ptr, q_smem.index(0), k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty,
                              q_row, m0, m0 // BLOCK_N, n_tiles, qk_scale, BLOCK_M, BLOCK_N, HEAD_D, STAGES,
-                             CONSUMER_WARPS, STORE_LSE)),
+                             CONSUMER_WARPS, STORE_LSE, PIPE)),
                 (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty,
                              q_row, kv_row0, n_tiles, BLOCK_N, STAGES, SPLIT)),
             ],
@@ -204,10 +271,10 @@ def attn_fwd_causal_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, N, qk_scale,
             [
                 (_consumer, (o_desc, lse_ptr, q_smem.index(0), k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty,
                              q_row, m0, m0 // BLOCK_N, n_tiles, qk_scale, SUB_M, BLOCK_N, HEAD_D, STAGES, 4,
-                             STORE_LSE)),
+                             STORE_LSE, PIPE)),
                 (_consumer, (o_desc, lse_ptr, q_smem.index(1), k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty,
                              q_row + SUB_M, m0 + SUB_M, (m0 + SUB_M) // BLOCK_N, n_tiles, qk_scale, SUB_M,
-                             BLOCK_N, HEAD_D, STAGES, 4, STORE_LSE)),
+                             BLOCK_N, HEAD_D, STAGES, 4, STORE_LSE, PIPE)),
                 (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty,
                              q_row, kv_row0, n_tiles, BLOCK_N, STAGES, SPLIT)),
             ],
@@ -226,17 +293,21 @@ def attn_fwd_causal_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, N, qk_scale,
 # host side
 # ----------------------------------------------------------------------------------------------
 def default_config(head_dim):
-    """(BLOCK_M, BLOCK_N, STAGES, CONSUMER_WARPS, SPLIT) — FA3's tile sizes for the causal forward;
-    one 8-warp consumer partition (two warp groups in lockstep) on a 128-row Q tile."""
+    """(BLOCK_M, BLOCK_N, STAGES, CONSUMER_WARPS, SPLIT, PIPE) — FA3's tile sizes for the causal
+    forward; one 8-warp consumer partition (two warp groups in lockstep) on a 128-row Q tile, the
+    simple (unpipelined) loop."""
     if head_dim in (64, 128):
-        return 128, 128, 2, 8, 1
+        return 128, 128, 2, 8, 1, 0
     raise ValueError(f"head_dim must be 64 or 128, got {head_dim}")
 
 
-# Variants the device script also checks and times. SPLIT=2: two 4-warp consumer partitions.
+# Variants the device script also checks and times. SPLIT=2: two 4-warp consumer partitions;
+# PIPE=1: softmax overlapped with the previous tile's PV wgmma.
 EXTRA_CONFIGS = {
-    64: [(64, 128, 2, 4, 1), (128, 128, 3, 8, 1), (128, 128, 2, 4, 2), (128, 128, 3, 4, 2)],
-    128: [(64, 128, 2, 4, 1), (128, 128, 3, 8, 1), (128, 128, 2, 4, 2), (128, 64, 3, 8, 1)],
+    64: [(64, 128, 2, 4, 1, 0), (128, 128, 3, 8, 1, 0), (128, 128, 2, 4, 2, 0), (128, 128, 3, 4, 2, 0),
+         (128, 128, 3, 8, 1, 1), (128, 128, 3, 4, 2, 1)],
+    128: [(64, 128, 2, 4, 1, 0), (128, 128, 3, 8, 1, 0), (128, 128, 2, 4, 2, 0), (128, 64, 3, 8, 1, 0),
+          (128, 128, 2, 8, 1, 1), (128, 128, 3, 8, 1, 1), (128, 128, 2, 4, 2, 1)],
 }
 
 SMEM_LIMIT_SM90 = 232448  # bytes of shared memory one CTA may use on H100/H200 (227 KiB)
@@ -259,7 +330,7 @@ def attention(q, k, v, sm_scale=None, return_lse=False, config=None):
     B, H, N, D = q.shape
     assert k.shape == q.shape and v.shape == q.shape, "prototype: same shapes for q, k, v (no GQA)"
     assert q.dtype in (torch.float16, torch.bfloat16) and k.dtype == q.dtype and v.dtype == q.dtype
-    BLOCK_M, BLOCK_N, STAGES, CONSUMER_WARPS, SPLIT = config or default_config(D)
+    BLOCK_M, BLOCK_N, STAGES, CONSUMER_WARPS, SPLIT, PIPE = config or default_config(D)
     assert N % BLOCK_M == 0 and N % BLOCK_N == 0, f"prototype: N must be a multiple of {max(BLOCK_M, BLOCK_N)}"
     assert BLOCK_M == 16 * CONSUMER_WARPS * SPLIT, "one 16-row wgmma slab per warp (64 rows per warp group)"
     SUB_M = BLOCK_M // SPLIT
@@ -278,6 +349,6 @@ def attention(q, k, v, sm_scale=None, return_lse=False, config=None):
     grid = (N // BLOCK_M, B * H)
     attn_fwd_causal_kernel[grid](q_desc, k_desc, v_desc, o_desc, lse, N, sm_scale * LOG2E,
                                  BLOCK_M, BLOCK_N, D, STAGES, CONSUMER_WARPS, return_lse, SPLIT,
-                                 num_warps=CONSUMER_WARPS)
+                                 PIPE, num_warps=CONSUMER_WARPS)
     o = o.view(B, H, N, D)
     return (o, lse) if return_lse else o
