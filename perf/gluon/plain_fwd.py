@@ -13,18 +13,23 @@ Structure (FlashAttention-3's, simplified):
   - a **producer** partition (1 warp, few registers) that TMA-loads Q once and then K/V tiles into
     a ``STAGES``-deep shared-memory ring, waiting on ``kv_empty`` and signalling ``k_ready`` /
     ``v_ready`` mbarriers (byte-count ``expect``);
-  - the **consumer** (default) partition, ``CONSUMER_WARPS`` warps = 1 or 2 warp groups that share
-    one ``BLOCK_M`` query tile (64 rows per warp group, "cooperative", not ping-pong): S = Q Kᵀ with
-    ``warpgroup_mma`` (both operands in shared memory), online softmax in registers with exp2 and
-    the scale folded into ``qk_scale = sm_scale * log2(e)``, O += P V with ``warpgroup_mma``
-    (P from registers as a dot operand, V from shared memory), then it frees the ring slot;
-* causal masking only on the diagonal tiles (a second loop over those tiles);
+  - the **consumer** partition(s): by default one partition of ``CONSUMER_WARPS`` warps = 1 or 2
+    warp groups sharing one ``BLOCK_M`` query tile (64 rows per warp group, "cooperative"):
+    S = Q Kᵀ with ``warpgroup_mma`` (both operands in shared memory), online softmax in registers
+    with exp2 and the scale folded into ``qk_scale = sm_scale * log2(e)``, O += P V with
+    ``warpgroup_mma`` (P from registers as a dot operand, V from shared memory), then it frees the
+    ring slot; ``SPLIT=2``: two 4-warp consumer partitions, each with its own half of the Q tile;
+* causal masking only on the diagonal tiles (a second loop over those tiles, or a run-time test in
+  the ``PIPE=1`` loop, which overlaps softmax i with the PV wgmma of tile i-1, FA3-style);
 * epilogue: O / l written through shared memory (Q's buffer, free by then) with a TMA store;
   optional LSE (natural log, float32, ``(B, H, N)``).
 
-Known simplifications (next steps once it is measured): QK of tile j+1 is not overlapped with the
-softmax of tile j (FA3's intra-warpgroup pipelining), no ping-pong between two consumer warp
-groups, no register reallocation beyond the producer's ``worker_num_regs``.
+``config = (BLOCK_M, BLOCK_N, STAGES, CONSUMER_WARPS, SPLIT, PIPE)``: ``default_config`` and
+``EXTRA_CONFIGS`` list what ``device_plain.sh`` checks and times.
+
+Known simplifications (next steps once it is measured): no ordered ping-pong between the SPLIT
+partitions (FA3's named barriers), K and V freed together, no persistent scheduling, no GQA,
+N must be a multiple of 128.
 """
 import math
 
