@@ -1,0 +1,359 @@
+"""Plain causal attention forward for Hopper (sm_90), written in Gluon for **Triton 3.6.0**.
+
+UNMEASURED PROTOTYPE (issue 38, step 1). It cross-compiles for sm_90 with Triton 3.6 (see
+``cross_compile.py`` / ``cross_compile_3.6.txt``) but has not yet run on a GPU: correctness and
+speed are checked by ``device_plain.sh``. Not part of the ``rerope`` package; nothing imports it.
+
+Structure (FlashAttention-3's, simplified):
+
+* grid ``(N / BLOCK_M, B * H)``; the heaviest query blocks (most key tiles) are launched first;
+* Q, K, V, O are seen through host-side TMA descriptors over the ``(B*H*N, D)`` view, so a tile
+  never straddles two heads as long as ``N % BLOCK_M == 0`` and ``N % BLOCK_N == 0``;
+* ``gl.warp_specialize`` splits the CTA into
+  - a **producer** partition (1 warp, few registers) that TMA-loads Q once and then K/V tiles into
+    a ``STAGES``-deep shared-memory ring, waiting on ``kv_empty`` and signalling ``k_ready`` /
+    ``v_ready`` mbarriers (byte-count ``expect``);
+  - the **consumer** partition(s): by default one partition of ``CONSUMER_WARPS`` warps = 1 or 2
+    warp groups sharing one ``BLOCK_M`` query tile (64 rows per warp group, "cooperative"):
+    S = Q Kᵀ with ``warpgroup_mma`` (both operands in shared memory), online softmax in registers
+    with exp2 and the scale folded into ``qk_scale = sm_scale * log2(e)``, O += P V with
+    ``warpgroup_mma`` (P from registers as a dot operand, V from shared memory), then it frees the
+    ring slot; ``SPLIT=2``: two 4-warp consumer partitions, each with its own half of the Q tile;
+* causal masking only on the diagonal tiles (a second loop over those tiles, or a run-time test in
+  the ``PIPE=1`` loop, which overlaps softmax i with the PV wgmma of tile i-1, FA3-style);
+* epilogue: O / l written through shared memory (Q's buffer, free by then) with a TMA store;
+  optional LSE (natural log, float32, ``(B, H, N)``).
+
+``config = (BLOCK_M, BLOCK_N, STAGES, CONSUMER_WARPS, SPLIT, PIPE)``: ``default_config`` and
+``EXTRA_CONFIGS`` list what ``device_plain.sh`` checks and times.
+
+Known simplifications (next steps once it is measured): no ordered ping-pong between the SPLIT
+partitions (FA3's named barriers), K and V freed together, no persistent scheduling, no GQA,
+N must be a multiple of 128.
+"""
+import math
+
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+
+# ----------------------------------------------------------------------------------------------
+# producer: one warp issuing TMA loads
+# ----------------------------------------------------------------------------------------------
+@gluon.jit
+def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty,
+              q_row, kv_row0, n_tiles, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr):
+    # Q: SPLIT sub-tiles of BLOCK_M // SPLIT rows, one per consumer partition, on one barrier
+    SUB_M: gl.constexpr = q_desc.block_type.shape[0]
+    mbarrier.expect(q_bar, SPLIT * q_desc.block_type.nbytes)
+    for j in gl.static_range(SPLIT):
+        tma.async_copy_global_to_shared(q_desc, [q_row + j * SUB_M, 0], q_bar, q_smem.index(j))
+    for i in range(n_tiles):
+        s = i % STAGES
+        phase = (i // STAGES) & 1
+        # A fresh mbarrier counts as having completed the phase before phase 0, so waiting for
+        # parity `phase ^ 1` lets the first STAGES loads through without a pre-arrive.
+        mbarrier.wait(kv_empty.index(s), phase ^ 1)
+        row = kv_row0 + i * BLOCK_N
+        mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [row, 0], k_ready.index(s), k_smem.index(s))
+        mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(v_desc, [row, 0], v_ready.index(s), v_smem.index(s))
+
+
+# ----------------------------------------------------------------------------------------------
+# consumer: warp group(s) doing wgmma + online softmax
+# ----------------------------------------------------------------------------------------------
+@gluon.jit
+def _tile(i, acc, m_i, l_i, q_smem, k_smem, v_smem, k_ready, v_ready, kv_empty, m0, qk_scale,
+          BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, MASK: gl.constexpr,
+          s_layout: gl.constexpr, o_layout: gl.constexpr):
+    s = i % STAGES
+    phase = (i // STAGES) & 1
+    dtype: gl.constexpr = q_smem.dtype
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+
+    # S = Q K^T (K tile viewed transposed in shared memory; wgmma handles the transpose)
+    mbarrier.wait(k_ready.index(s), phase)
+    zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
+    k_tile = k_smem.index(s)
+    qk = warpgroup_mma(q_smem, k_tile.permute((1, 0)), zero, use_acc=False, is_async=True)
+    # deps keeps the operands alive until the wgmma is done; with several deps it returns a tuple
+    qk, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=(qk, q_smem, k_tile))
+    qk = qk * qk_scale
+    if MASK:
+        rows = m0 + gl.arange(0, BLOCK_M, gl.SliceLayout(1, s_layout))
+        cols = i * BLOCK_N + gl.arange(0, BLOCK_N, gl.SliceLayout(0, s_layout))
+        qk = gl.where(rows[:, None] >= cols[None, :], qk, float("-inf"))
+
+    # online softmax (log2 domain)
+    m_new = gl.maximum(m_i, gl.max(qk, 1))
+    alpha = gl.exp2(m_i - m_new)
+    p = gl.exp2(qk - m_new[:, None])
+    l_i = l_i * alpha + gl.sum(p, 1)
+    m_i = m_new
+    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+
+    # O += P V (P from registers)
+    p = gl.convert_layout(p.to(dtype), p_layout)
+    mbarrier.wait(v_ready.index(s), phase)
+    v_tile = v_smem.index(s)
+    acc = warpgroup_mma(p, v_tile, acc, is_async=True)
+    acc, _ = warpgroup_mma_wait(num_outstanding=0, deps=(acc, v_tile))
+    # every warp group of the partition has finished reading K and V of slot s
+    gl.thread_barrier()
+    mbarrier.arrive(kv_empty.index(s), count=1)
+    return acc, m_i, l_i
+
+
+@gluon.jit
+def _softmax(qk, m_i, l_i, i, m0, n_full, qk_scale, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+             s_layout: gl.constexpr):
+    """Online-softmax step for tile i (mask decided at run time: i >= n_full). Returns p (fp32),
+    the new m_i, l_i and alpha = exp2(m_old - m_new)."""
+    qk = qk * qk_scale
+    if i >= n_full:
+        rows = m0 + gl.arange(0, BLOCK_M, gl.SliceLayout(1, s_layout))
+        cols = i * BLOCK_N + gl.arange(0, BLOCK_N, gl.SliceLayout(0, s_layout))
+        qk = gl.where(rows[:, None] >= cols[None, :], qk, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(qk, 1))
+    alpha = gl.exp2(m_i - m_new)
+    p = gl.exp2(qk - m_new[:, None])
+    l_i = l_i * alpha + gl.sum(p, 1)
+    return p, m_new, l_i, alpha
+
+
+@gluon.jit
+def _loop_pipelined(acc, m_i, l_i, q_smem, k_smem, v_smem, k_ready, v_ready, kv_empty, m0, n_full, n_tiles,
+                    qk_scale, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                    s_layout: gl.constexpr, o_layout: gl.constexpr):
+    """FA3's intra-warpgroup overlap: in iteration i, S_i = Q K_i and O += P_{i-1} V_{i-1} are both
+    issued, the wait for S_i leaves the PV wgmma running (num_outstanding=1) while softmax_i runs,
+    then O is waited for, slot i-1 released and O rescaled by alpha_i. Needs n_tiles >= 1."""
+    dtype: gl.constexpr = q_smem.dtype
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
+
+    mbarrier.wait(k_ready.index(0), 0)
+    k_tile = k_smem.index(0)
+    qk = warpgroup_mma(q_smem, k_tile.permute((1, 0)), zero, use_acc=False, is_async=True)
+    qk, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=(qk, q_smem, k_tile))
+    p, m_i, l_i, alpha = _softmax(qk, m_i, l_i, 0, m0, n_full, qk_scale, BLOCK_M, BLOCK_N, s_layout)
+
+    for i in range(1, n_tiles):
+        s = i % STAGES
+        sp = (i - 1) % STAGES
+        mbarrier.wait(k_ready.index(s), (i // STAGES) & 1)
+        k_tile = k_smem.index(s)
+        qk = warpgroup_mma(q_smem, k_tile.permute((1, 0)), zero, use_acc=False, is_async=True)
+        mbarrier.wait(v_ready.index(sp), ((i - 1) // STAGES) & 1)
+        v_tile = v_smem.index(sp)
+        acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), v_tile, acc, is_async=True)
+        # wgmma groups retire in order: with one left outstanding, S_i (issued first) is done
+        qk, _, _ = warpgroup_mma_wait(num_outstanding=1, deps=(qk, q_smem, k_tile))
+        p, m_i, l_i, alpha = _softmax(qk, m_i, l_i, i, m0, n_full, qk_scale, BLOCK_M, BLOCK_N, s_layout)
+        acc, _ = warpgroup_mma_wait(num_outstanding=0, deps=(acc, v_tile))
+        gl.thread_barrier()
+        mbarrier.arrive(kv_empty.index(sp), count=1)
+        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+
+    last = n_tiles - 1
+    sl = last % STAGES
+    mbarrier.wait(v_ready.index(sl), (last // STAGES) & 1)
+    v_tile = v_smem.index(sl)
+    acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), v_tile, acc, is_async=True)
+    acc, _ = warpgroup_mma_wait(num_outstanding=0, deps=(acc, v_tile))
+    gl.thread_barrier()
+    mbarrier.arrive(kv_empty.index(sl), count=1)
+    return acc, m_i, l_i
+
+
+@gluon.jit
+def _consumer(o_desc, lse_ptr, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty, q_row, m0,
+              n_full, n_tiles, qk_scale, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+              HEAD_D: gl.constexpr, STAGES: gl.constexpr, CONSUMER_WARPS: gl.constexpr,
+              STORE_LSE: gl.constexpr, PIPE: gl.constexpr):
+    # wgmma accumulator layouts: instr_shape [m=16, n, k=256/16bit]; warps tile M (16 rows each,
+    # 4 warps = one warp group = 64 rows).
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[CONSUMER_WARPS, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[CONSUMER_WARPS, 1],
+                                                       instr_shape=[16, HEAD_D, 16])
+    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
+    l_i = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, s_layout))
+    acc = gl.zeros([BLOCK_M, HEAD_D], gl.float32, o_layout)
+
+    mbarrier.wait(q_bar, 0)
+    if PIPE:
+        acc, m_i, l_i = _loop_pipelined(acc, m_i, l_i, q_smem, k_smem, v_smem, k_ready, v_ready, kv_empty, m0,
+                                        n_full, n_tiles, qk_scale, BLOCK_M, BLOCK_N, STAGES, s_layout, o_layout)
+    else:
+        for i in range(0, n_full):  # tiles wholly below the diagonal: no mask
+            acc, m_i, l_i = _tile(i, acc, m_i, l_i, q_smem, k_smem, v_smem, k_ready, v_ready, kv_empty, m0,
+                                  qk_scale, BLOCK_M, BLOCK_N, STAGES, False, s_layout, o_layout)
+        for i in range(n_full, n_tiles):  # diagonal tiles (for a lower sub-tile maybe one fully masked)
+            acc, m_i, l_i = _tile(i, acc, m_i, l_i, q_smem, k_smem, v_smem, k_ready, v_ready, kv_empty, m0,
+                                  qk_scale, BLOCK_M, BLOCK_N, STAGES, True, s_layout, o_layout)
+
+    # epilogue: O / l through Q's shared buffer (Q is no longer read) and a TMA store
+    acc = acc / gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))[:, None]
+    q_smem.store(acc.to(q_smem.dtype))
+    fence_async_shared()
+    tma.async_copy_shared_to_global(o_desc, [q_row, 0], q_smem)
+    if STORE_LSE:
+        rows = gl.arange(0, BLOCK_M, gl.SliceLayout(1, s_layout))
+        gl.store(lse_ptr + q_row + rows, (m_i + gl.log2(l_i)) * 0.6931471805599453)
+    tma.store_wait(pendings=0)
+
+
+# ----------------------------------------------------------------------------------------------
+# kernel
+# ----------------------------------------------------------------------------------------------
+@gluon.jit
+def attn_fwd_causal_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, N, qk_scale,
+                           BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
+                           STAGES: gl.constexpr, CONSUMER_WARPS: gl.constexpr,
+                           STORE_LSE: gl.constexpr, SPLIT: gl.constexpr, PIPE: gl.constexpr):
+    """SPLIT=1: one consumer partition of CONSUMER_WARPS warps (= num_warps) on the whole BLOCK_M
+    tile. SPLIT=2: two consumer partitions of 4 warps (num_warps=4: the default partition plus a
+    4-warp worker), each with its own BLOCK_M/2-row Q sub-tile, sharing the K/V ring (kv_empty
+    counts 2 arrivals) and free to drift apart, so one's softmax can overlap the other's wgmma
+    (FA3's ping-pong without the explicit ordering barriers). q_desc / o_desc blocks are
+    [BLOCK_M // SPLIT, HEAD_D]. PIPE=1: the consumers overlap softmax i with the PV wgmma of tile
+    i-1 (_loop_pipelined)."""
+    pid_m = gl.program_id(0)
+    bh = gl.program_id(1)
+    m_block = gl.num_programs(0) - 1 - pid_m  # heaviest query blocks first
+    m0 = m_block * BLOCK_M
+    q_row = bh * N + m0
+    kv_row0 = bh * N
+    n_tiles = gl.cdiv(m0 + BLOCK_M, BLOCK_N)
+    SUB_M: gl.constexpr = BLOCK_M // SPLIT
+
+    dtype: gl.constexpr = q_desc.dtype
+    q_smem = gl.allocate_shared_memory(dtype, [SPLIT, SUB_M, HEAD_D], q_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_D], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_D], v_desc.layout)
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_bar, count=1)
+    for j in gl.static_range(STAGES):
+        mbarrier.init(k_ready.index(j), count=1)
+        mbarrier.init(v_ready.index(j), count=1)
+        mbarrier.init(kv_empty.index(j), count=SPLIT)  # one arrival per consumer partition
+
+    # Triton 3.6 signature: warp_specialize(functions_and_args, worker_num_warps, worker_num_regs);
+    # the first (function, args) pair is the default partition (runs in the kernel's num_warps).
+    if SPLIT == 1:
+        gl.warp_specialize(
+            [
+                (_consumer, (o_desc, lse_ptr, q_smem.index(0), k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty,
+                             q_row, m0, m0 // BLOCK_N, n_tiles, qk_scale, BLOCK_M, BLOCK_N, HEAD_D, STAGES,
+                             CONSUMER_WARPS, STORE_LSE, PIPE)),
+                (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty,
+                             q_row, kv_row0, n_tiles, BLOCK_N, STAGES, SPLIT)),
+            ],
+            [1],  # worker_num_warps
+            [24],  # worker_num_regs
+        )
+    else:
+        gl.static_assert(SPLIT == 2, "SPLIT is 1 or 2")
+        gl.static_assert(CONSUMER_WARPS == 4, "SPLIT=2: two 4-warp consumer partitions")
+        gl.warp_specialize(
+            [
+                (_consumer, (o_desc, lse_ptr, q_smem.index(0), k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty,
+                             q_row, m0, m0 // BLOCK_N, n_tiles, qk_scale, SUB_M, BLOCK_N, HEAD_D, STAGES, 4,
+                             STORE_LSE, PIPE)),
+                (_consumer, (o_desc, lse_ptr, q_smem.index(1), k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty,
+                             q_row + SUB_M, m0 + SUB_M, (m0 + SUB_M) // BLOCK_N, n_tiles, qk_scale, SUB_M,
+                             BLOCK_N, HEAD_D, STAGES, 4, STORE_LSE, PIPE)),
+                (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty,
+                             q_row, kv_row0, n_tiles, BLOCK_N, STAGES, SPLIT)),
+            ],
+            [4, 1],  # worker_num_warps
+            [240, 24],  # worker_num_regs
+        )
+
+    mbarrier.invalidate(q_bar)
+    for j in gl.static_range(STAGES):
+        mbarrier.invalidate(k_ready.index(j))
+        mbarrier.invalidate(v_ready.index(j))
+        mbarrier.invalidate(kv_empty.index(j))
+
+
+# ----------------------------------------------------------------------------------------------
+# host side
+# ----------------------------------------------------------------------------------------------
+def default_config(head_dim):
+    """(BLOCK_M, BLOCK_N, STAGES, CONSUMER_WARPS, SPLIT, PIPE) — FA3's tile sizes for the causal
+    forward; one 8-warp consumer partition (two warp groups in lockstep) on a 128-row Q tile, the
+    simple (unpipelined) loop."""
+    if head_dim in (64, 128):
+        return 128, 128, 2, 8, 1, 0
+    raise ValueError(f"head_dim must be 64 or 128, got {head_dim}")
+
+
+# Variants the device script also checks and times. SPLIT=2: two 4-warp consumer partitions;
+# PIPE=1: softmax overlapped with the previous tile's PV wgmma.
+EXTRA_CONFIGS = {
+    64: [(64, 128, 2, 4, 1, 0), (128, 128, 3, 8, 1, 0), (128, 128, 2, 4, 2, 0), (128, 128, 3, 4, 2, 0),
+         (128, 128, 3, 8, 1, 1), (128, 128, 3, 4, 2, 1)],
+    128: [(64, 128, 2, 4, 1, 0), (128, 128, 3, 8, 1, 0), (128, 128, 2, 4, 2, 0), (128, 64, 3, 8, 1, 0),
+          (128, 128, 2, 8, 1, 1), (128, 128, 3, 8, 1, 1), (128, 128, 2, 4, 2, 1)],
+}
+
+SMEM_LIMIT_SM90 = 232448  # bytes of shared memory one CTA may use on H100/H200 (227 KiB)
+
+
+def smem_layout(block_shape, gl_dtype):
+    return gl.NVMMASharedLayout.get_default_for(block_shape, gl_dtype)
+
+
+def _gl_dtype(torch_dtype):
+    import torch
+    return {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16}[torch_dtype]
+
+
+def attention(q, k, v, sm_scale=None, return_lse=False, config=None):
+    """Causal attention forward. q, k, v: (B, H, N, D), fp16/bf16, D in {64, 128}; same shapes."""
+    import torch
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    B, H, N, D = q.shape
+    assert k.shape == q.shape and v.shape == q.shape, "prototype: same shapes for q, k, v (no GQA)"
+    assert q.dtype in (torch.float16, torch.bfloat16) and k.dtype == q.dtype and v.dtype == q.dtype
+    BLOCK_M, BLOCK_N, STAGES, CONSUMER_WARPS, SPLIT, PIPE = config or default_config(D)
+    assert N % BLOCK_M == 0 and N % BLOCK_N == 0, f"prototype: N must be a multiple of {max(BLOCK_M, BLOCK_N)}"
+    assert BLOCK_M == 16 * CONSUMER_WARPS * SPLIT, "one 16-row wgmma slab per warp (64 rows per warp group)"
+    SUB_M = BLOCK_M // SPLIT
+    if sm_scale is None:
+        sm_scale = 1.0 / math.sqrt(D)
+    q2, k2, v2 = (t.contiguous().view(B * H * N, D) for t in (q, k, v))
+    o = torch.empty_like(q2)
+    lse = torch.empty((B, H, N), device=q.device, dtype=torch.float32) if return_lse else o
+    gdt = _gl_dtype(q.dtype)
+    q_layout = smem_layout([SUB_M, D], gdt)
+    kv_layout = smem_layout([BLOCK_N, D], gdt)
+    q_desc = TensorDescriptor.from_tensor(q2, [SUB_M, D], q_layout)
+    o_desc = TensorDescriptor.from_tensor(o, [SUB_M, D], q_layout)
+    k_desc = TensorDescriptor.from_tensor(k2, [BLOCK_N, D], kv_layout)
+    v_desc = TensorDescriptor.from_tensor(v2, [BLOCK_N, D], kv_layout)
+    grid = (N // BLOCK_M, B * H)
+    attn_fwd_causal_kernel[grid](q_desc, k_desc, v_desc, o_desc, lse, N, sm_scale * LOG2E,
+                                 BLOCK_M, BLOCK_N, D, STAGES, CONSUMER_WARPS, return_lse, SPLIT,
+                                 PIPE, num_warps=CONSUMER_WARPS)
+    o = o.view(B, H, N, D)
+    return (o, lse) if return_lse else o
