@@ -13,6 +13,12 @@
 #   hf           python -m benchmarks.hf -> hf_h200.json (chapter 10)
 #   host         python -m benchmarks.host -> host_h200.json (chapters 6, 9; the book's file keeps
 #                several runs side by side in meta.before_after, merged by hand)
+#   varlen       python -m benchmarks.varlen --scenarios prefill,chunk -> varlen_h200.json
+#                (chapter 8 reads book/data/varlen_h100.json today)
+#   compile      python -m benchmarks.compile_block -> compile_h200.json (the fused-QKV block
+#                eager / compiled / reduce-overhead)
+#   gluon        perf/gluon/device_plain.sh: the Gluon Hopper prototype against cuDNN
+#                (gluon_plain.json; not part of the package)
 #   tp           python -m benchmarks.tp, one process then two ranks (torchrun, NCCL, NVLink
 #                multicast off) -> tp_h200x2.json; needs two GPUs (nvidia-h200-x2)
 #   preturn      python -m benchmarks.preturn -> preturn_h200.json (chapter 7)
@@ -76,6 +82,12 @@ run() {   # run TARGET: its commands, output in $OUT/TARGET.log
         python3 -m benchmarks.hf --out "$OUT/hf_h200.json" ;;
     host)
         python3 -m benchmarks.host --out "$OUT/host_h200.json" ;;
+    varlen)
+        python3 -m benchmarks.varlen --scenarios prefill,chunk --out "$OUT/varlen_h200.json" ;;
+    compile)
+        python3 -m benchmarks.compile_block --out "$OUT/compile_h200.json" ;;
+    gluon)
+        OUT=$OUT bash perf/gluon/device_plain.sh ;;
     tp)   # a machine of two GPUs (nvidia-h200-x2): one process, then two ranks
         rm -rf /tmp/tp &&
         python3 -m benchmarks.tp --world-dir /tmp/tp --out "$OUT/tp_h200x2.json" &&
