@@ -91,18 +91,8 @@ def _tile(i, acc, m_i, l_i, q_smem, k_smem, v_smem, k_ready, v_ready, kv_empty, 
     qk = warpgroup_mma(q_smem, k_tile.permute((1, 0)), zero, use_acc=False, is_async=True)
     # deps keeps the operands alive until the wgmma is done; with several deps it returns a tuple
     qk, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=(qk, q_smem, k_tile))
-    qk = qk * qk_scale
-    if MASK:
-        rows = m0 + gl.arange(0, BLOCK_M, gl.SliceLayout(1, s_layout))
-        cols = i * BLOCK_N + gl.arange(0, BLOCK_N, gl.SliceLayout(0, s_layout))
-        qk = gl.where(rows[:, None] >= cols[None, :], qk, float("-inf"))
-
-    # online softmax (log2 domain)
-    m_new = gl.maximum(m_i, gl.max(qk, 1))
-    alpha = gl.exp2(m_i - m_new)
-    p = gl.exp2(qk - m_new[:, None])
-    l_i = l_i * alpha + gl.sum(p, 1)
-    m_i = m_new
+    # online softmax (log2 domain); MASK is a constexpr here, so the branch compiles away
+    p, m_i, l_i, alpha = _softmax(qk, m_i, l_i, i, m0, MASK, qk_scale, BLOCK_M, BLOCK_N, s_layout)
     acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
 
     # O += P V (P from registers)
@@ -118,12 +108,12 @@ def _tile(i, acc, m_i, l_i, q_smem, k_smem, v_smem, k_ready, v_ready, kv_empty, 
 
 
 @gluon.jit
-def _softmax(qk, m_i, l_i, i, m0, n_full, qk_scale, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+def _softmax(qk, m_i, l_i, i, m0, masked, qk_scale, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
              s_layout: gl.constexpr):
-    """Online-softmax step for tile i (mask decided at run time: i >= n_full). Returns p (fp32),
-    the new m_i, l_i and alpha = exp2(m_old - m_new)."""
+    """Online-softmax step for tile i (``masked``: a diagonal tile, run-time or constexpr).
+    Returns p (fp32), the new m_i, l_i and alpha = exp2(m_old - m_new)."""
     qk = qk * qk_scale
-    if i >= n_full:
+    if masked:
         rows = m0 + gl.arange(0, BLOCK_M, gl.SliceLayout(1, s_layout))
         cols = i * BLOCK_N + gl.arange(0, BLOCK_N, gl.SliceLayout(0, s_layout))
         qk = gl.where(rows[:, None] >= cols[None, :], qk, float("-inf"))
@@ -149,7 +139,7 @@ def _loop_pipelined(acc, m_i, l_i, q_smem, k_smem, v_smem, k_ready, v_ready, kv_
     k_tile = k_smem.index(0)
     qk = warpgroup_mma(q_smem, k_tile.permute((1, 0)), zero, use_acc=False, is_async=True)
     qk, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=(qk, q_smem, k_tile))
-    p, m_i, l_i, alpha = _softmax(qk, m_i, l_i, 0, m0, n_full, qk_scale, BLOCK_M, BLOCK_N, s_layout)
+    p, m_i, l_i, alpha = _softmax(qk, m_i, l_i, 0, m0, 0 >= n_full, qk_scale, BLOCK_M, BLOCK_N, s_layout)
 
     for i in range(1, n_tiles):
         s = i % STAGES
@@ -162,7 +152,7 @@ def _loop_pipelined(acc, m_i, l_i, q_smem, k_smem, v_smem, k_ready, v_ready, kv_
         acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), v_tile, acc, is_async=True)
         # wgmma groups retire in order: with one left outstanding, S_i (issued first) is done
         qk, _, _ = warpgroup_mma_wait(num_outstanding=1, deps=(qk, q_smem, k_tile))
-        p, m_i, l_i, alpha = _softmax(qk, m_i, l_i, i, m0, n_full, qk_scale, BLOCK_M, BLOCK_N, s_layout)
+        p, m_i, l_i, alpha = _softmax(qk, m_i, l_i, i, m0, i >= n_full, qk_scale, BLOCK_M, BLOCK_N, s_layout)
         acc, _ = warpgroup_mma_wait(num_outstanding=0, deps=(acc, v_tile))
         gl.thread_barrier()
         mbarrier.arrive(kv_empty.index(sp), count=1)
