@@ -112,16 +112,12 @@ def timed_ms(step, device, reps):
     if device != "cuda":
         return wall_ms(step, reps, device), wall_ms(step, reps, device)
     single = statistics.median(event_times_ms(step, reps, sync_each=True))
-    piped = []
-    for _ in range(5):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
+
+    def window():                                  # 20 steps back to back, one event pair
         for _ in range(20):
             step()
-        end.record()
-        torch.cuda.synchronize()
-        piped.append(start.elapsed_time(end) / 20)
-    return single, statistics.median(piped)
+
+    return single, statistics.median(event_times_ms(window, 5, sync_each=True)) / 20
 
 
 def host_profile(step, steps=20, top=25):

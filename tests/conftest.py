@@ -97,6 +97,17 @@ def where_kernels_run():
     return "interpreter" if INTERPRET else "gpu"
 
 
+@contextlib.contextmanager
+def true_float32():
+    """Matmuls in true float32 inside (no TF32): a float32 reference on a GPU."""
+    was = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = was
+
+
 def kernel_device():
     """Where the kernels' inputs must live: CPU tensors for the interpreter, else CUDA."""
     return "cpu" if where_kernels_run() == "interpreter" else "cuda"

@@ -38,7 +38,8 @@ from rerope_testing import (BF16, CASES, F16, F32, FUSED_CASES, GRAD_NAMES, NAME
                             error_stats, fused_inputs, fused_results, fused_settings,
                             kernel_device, kernel_results, log_errors, make_inputs, oracle_results,
                             poisoned_empty, randn, raw_inputs, raw_leaves, reference_results,
-                            results_problems, tolerance, where_kernels_run, window_contrast_inputs)
+                            results_problems, tolerance, true_float32, where_kernels_run,
+                            window_contrast_inputs)
 
 
 @pytest.mark.parametrize("case", CASES, ids=Case.id)
@@ -911,12 +912,8 @@ def test_decode_route_of_rerope_passes_group(gen):
 
 
 def _float32_reference(leaves, window, **kw):
-    was = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False          # a true float32 reference
-    try:
+    with true_float32():
         return reference.rerope(*leaves, window, **kw)
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = was
 
 
 @pytest.mark.gpu

@@ -15,7 +15,7 @@ import rerope
 from rerope import reference
 from rerope_testing import (BF16, C, F16, FUSED_CASES, NAMES, FusedCase, describe, error_stats,
                             fused_inputs, fused_results, fused_settings, log_errors,
-                            oracle_results, results_problems, tolerance)
+                            oracle_results, results_problems, tolerance, true_float32)
 
 
 @pytest.fixture
@@ -139,13 +139,9 @@ def test_both_backward_paths_at_full_size(dtype, d, rotated):
     tol = tolerance(dtype, "gpu")
     problems = results_problems(grads[True], grads[False], tol)
     leaves = [t[:, :2].float().requires_grad_() for t in (q, k, v)]
-    was = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False          # a true float32 reference
-    try:
+    with true_float32():
         ref = torch.autograd.grad(reference.rerope(*leaves, w, rotated=rotated), leaves,
                                   dout[:, :2].float())
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = was
     want = dict(zip(NAMES[1:], ref))
     for p in (False, True):
         problems += results_problems({n_: g[:, :2] for n_, g in grads[p].items()}, want, tol)

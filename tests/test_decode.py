@@ -33,7 +33,8 @@ import torch
 import rerope
 from rerope import decode, reference, rope
 from rerope_testing import (close_problems, cross_compile, describe, kernel_device,
-                            poisoned_empty, randn, results_problems, tolerance)
+                            poisoned_empty, randn, results_problems, tolerance,
+                            true_float32)
 
 F16, F32, BF16 = torch.float16, torch.float32, torch.bfloat16
 
@@ -541,10 +542,8 @@ needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CU
 
 @pytest.fixture
 def full_precision_reference():
-    was = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32 = was
+    with true_float32():
+        yield
 
 
 def float32_reference(q, k_cache, v_cache, lengths, window, leaky=None, logn_len=None,
