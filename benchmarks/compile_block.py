@@ -11,7 +11,10 @@ and permute (q, k, v strided views of one buffer) → ``rerope.rerope(window=256
 (under ``torch.no_grad()``) and ``fwd+bwd`` (a training step: gradients set to ``None``,
 forward, ``out.float().square().mean().backward()``). Compiled: ``torch.compile(block,
 fullgraph=True)`` (Inductor, default mode) and the same with ``mode="reduce-overhead"``
-(``torch.compiler.cudagraph_mark_step_begin()`` before each step). Each is checked against eager first (``max_abs_diff`` of the output).
+(``torch.compiler.cudagraph_mark_step_begin()`` before each step). Each is checked against
+eager first (``max_abs_diff`` of the output). The yardstick, ``stock_*``: the same three
+variants of the same block with RoPE in torch and causal SDPA instead of ``rerope`` (what
+compiling does to a block without our ops; ``stock_*_vs_eager`` against ``stock_eager_ms``).
 
 Times (ms, median, :func:`benchmarks.harness.event_times_ms`): ``*_ms`` one step at a time, a
 synchronisation after each, so the host's latency before the first kernel counts (what a
@@ -39,6 +42,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import rerope  # noqa: E402
+from rerope.rope import rope_frequencies, rotate_half  # noqa: E402
 
 from .harness import environment, event_times_ms, wall_ms, write_results  # noqa: E402
 
@@ -46,20 +50,41 @@ from .harness import environment, event_times_ms, wall_ms, write_results  # noqa
 class Block(torch.nn.Module):
     """An attention block as most models write it: ``Linear(dim, 3 dim)`` → view/permute (q, k,
     v strided views of one buffer) → ``rerope.rerope(window, **options)`` → ``Linear(dim,
-    dim)``. The tests' compile and overhead checks use it at small sizes; ``attention = False``
-    puts ``q * 2`` where the attention was (what compiling costs any such block)."""
+    dim)``. The tests' compile and overhead checks use it at small sizes. ``attention``:
+    ``True`` (ReRoPE), ``"rope_sdpa"`` (the stock block: RoPE in torch from cos/sin tables
+    built once, then causal ``F.scaled_dot_product_attention``; the yardstick for what
+    compiling does to any such block) or ``False`` (``q * 2`` where the attention was)."""
 
-    def __init__(self, dim=512, heads=8, window=256, **options):
+    def __init__(self, dim=512, heads=8, window=256, attention=True, **options):
         super().__init__()
-        self.heads, self.window, self.options, self.attention = heads, window, options, True
+        self.heads, self.window, self.options, self.attention = heads, window, options, attention
         self.qkv = torch.nn.Linear(dim, 3 * dim)
         self.proj = torch.nn.Linear(dim, dim)
+        self.rope_cache = {}
 
     def forward(self, x):
         b, n, dim = x.shape
         q, k, v = self.qkv(x).view(b, n, 3, self.heads, dim // self.heads).permute(2, 0, 3, 1, 4)
-        out = rerope.rerope(q, k, v, self.window, **self.options) if self.attention else q * 2
+        if self.attention == "rope_sdpa":
+            cos, sin = self._rope_tables(n, dim // self.heads, x)
+            q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+            out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        elif self.attention:
+            out = rerope.rerope(q, k, v, self.window, **self.options)
+        else:
+            out = q * 2
         return self.proj(out.transpose(1, 2).reshape(b, n, dim))
+
+    def _rope_tables(self, n, head_dim, like):
+        """``(cos, sin)`` ``(n, head_dim)`` in ``like``'s dtype, built once per length (as models
+        keep them in a buffer)."""
+        key = (n, head_dim, like.dtype, like.device)
+        if key not in self.rope_cache:
+            angles = (torch.arange(n, dtype=torch.float64, device=like.device)[:, None]
+                      * rope_frequencies(head_dim, device=like.device)[None, :])
+            angles = torch.cat((angles, angles), dim=-1)
+            self.rope_cache[key] = (angles.cos().to(like.dtype), angles.sin().to(like.dtype))
+        return self.rope_cache[key]
 
 
 def step_fn(block, x, mode, graphs=False):
@@ -171,24 +196,28 @@ def measure(n, mode, device, dtype, batch, dim, heads, window, reps, profile, va
     import torch._dynamo
 
     torch.manual_seed(0)
-    block = Block(dim, heads, window).to(device=device, dtype=dtype)
+    blocks = {kind: Block(dim, heads, window, attention=kind).to(device=device, dtype=dtype)
+              for kind in (True, "rope_sdpa")}
     x = torch.randn(batch, n, dim, device=device, dtype=dtype)
     row = dict(N=n, mode=mode, B=batch, heads=heads, head_dim=dim // heads, window=window,
                dtype=str(dtype).replace("torch.", ""))
     kernels = {}
-    want = step_fn(block, x, mode)().detach().float()
+    wants = {kind: step_fn(block, x, mode)().detach().float() for kind, block in blocks.items()}
     for name in variants:
         torch._dynamo.reset()
+        kind = "rope_sdpa" if name.startswith("stock_") else True
+        block, want = blocks[kind], wants[kind]
         model = block
-        if name != "eager":
+        if name.removeprefix("stock_") != "eager":
             model = copy.deepcopy(block)
-            options = {"mode": "reduce-overhead"} if name == "reduce_overhead" else {}
+            options = ({"mode": "reduce-overhead"} if name.endswith("reduce_overhead")
+                       else {})
             model.forward = torch.compile(model.forward, fullgraph=True, **options)
-        step = step_fn(model, x, mode, graphs=name == "reduce_overhead")
+        step = step_fn(model, x, mode, graphs=name.endswith("reduce_overhead"))
         try:
             start = time.time()
             got = step().detach().float().clone()
-            if name != "eager":
+            if name.removeprefix("stock_") != "eager":
                 row[f"{name}_compile_s"] = round(time.time() - start, 1)
                 row[f"{name}_max_abs_diff"] = round((got - want).abs().max().item(), 5)
             single, piped = timed_ms(step, device, reps)
@@ -205,9 +234,10 @@ def measure(n, mode, device, dtype, batch, dim, heads, window, reps, profile, va
             del error
         del model, step
     torch._dynamo.reset()
-    for name in variants[1:]:
-        if row.get(f"{name}_ms") and row.get("eager_ms"):
-            row[f"{name}_vs_eager"] = round(row[f"{name}_ms"] / row["eager_ms"], 3)
+    for name in variants:
+        eager = "stock_eager" if name.startswith("stock_") else "eager"
+        if name != eager and row.get(f"{name}_ms") and row.get(f"{eager}_ms"):
+            row[f"{name}_vs_eager"] = round(row[f"{name}_ms"] / row[f"{eager}_ms"], 3)
     return row, kernels
 
 
@@ -226,11 +256,14 @@ def main():
     device = "cuda" if torch.cuda.is_available() and not args.tiny else "cpu"
     if args.tiny or device == "cpu":
         shape = dict(batch=1, dim=128, heads=2, window=16, dtype=torch.float32)
-        lengths, variants, reps, profile = [32], ("eager", "compiled"), 2, False
+        lengths, reps, profile = [32], 2, False
+        variants = ("eager", "compiled", "stock_eager", "stock_compiled")
     else:
         shape = dict(batch=2, dim=512, heads=8, window=256, dtype=torch.float16)
         lengths = [int(n) for n in args.n.split(",")]
-        variants, reps = ("eager", "compiled", "reduce_overhead"), args.reps
+        variants = ("eager", "compiled", "reduce_overhead", "stock_eager", "stock_compiled",
+                    "stock_reduce_overhead")
+        reps = args.reps
         profile = not args.no_profile
     meta = {**environment(device), "rerope_autotune": rerope.config().autotune,
             "block": f"Linear({shape['dim']}, {3 * shape['dim']}) -> view/permute -> "
