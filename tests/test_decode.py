@@ -471,6 +471,95 @@ def test_a_plan_runs_grown_caches_and_refuses_other_layouts(gen):
         plan.run(q, k[:, :, :1], v[:, :, :1])
 
 
+def _kept_steps(q):
+    """The kept steps of :data:`rerope.decode._STEPS` whose calls had this ``q``."""
+    return [step for (key, _), (step, _, _) in decode._STEPS._entries.items()
+            if key[0][0][:2] == (q.shape, q.stride())]
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_a_growing_cache_keeps_one_step(paged, gen):
+    """A decode loop over a cache one key longer each call (contiguous: a new tensor each
+    time, as a Hugging Face dynamic cache; paged: the pool and the block table one page
+    larger as the lengths cross a page) binds its launches once: one plan, one kept step
+    for every length (``plan.steps``, the same object in every ``_STEPS`` entry: one per
+    exact signature), and each call
+    equals, bit for bit, a fresh plan's call that keeps nothing, a repeated call, and the
+    float64 oracle. A call with another head count or dtype gets its own plan and step;
+    a value cache of another head dim is refused."""
+    case = DecodeCase(64, (64,), 1, 12, hq=4, hkv=2, num_splits=2)
+    q, k_full, v_full, _ = make_cache(gen, case, 1, kernel_device())
+    settings = (case.window, None, 10000.0, None, None, True, 2, None, None)
+    decode.PLANS.clear()
+    decode._STEPS.clear()
+    steps = set()
+    for n in range(24, 44):
+        lengths = _lengths(n)
+        if paged:     # 16-key pages in order; the pool and the table hold the row's pages
+            pages = -(-n // 16)
+            k_cache, v_cache = (torch.nn.functional.pad(c, (0, 0, 0, 64 - n))
+                                .reshape(2, 4, 16, 32).permute(1, 2, 0, 3)[:pages]
+                                for c in (k_full[0, :, :n], v_full[0, :, :n]))
+            table = torch.arange(pages, dtype=torch.int32, device=q.device)[None]
+        else:
+            k_cache, v_cache = k_full[:, :, :n].contiguous(), v_full[:, :, :n].contiguous()
+            table = None
+        with torch.no_grad():
+            out = rerope.rerope_decode(q, k_cache, v_cache, case.window, lengths,
+                                       num_splits=2, block_table=table)
+            again = rerope.rerope_decode(q, k_cache, v_cache, case.window, lengths,
+                                         num_splits=2, block_table=table)
+            fresh = decode._make_plan(None, q, k_cache, v_cache, table, settings,
+                                      rerope.configs.current())
+            unkept = fresh._run(q, k_cache, v_cache, lengths, table)
+        plan = decode.decode_plan(q, k_cache, v_cache, case.window, lengths, num_splits=2,
+                                  block_table=table)
+        steps.add(id(plan.steps[False]))
+        assert torch.equal(out, unkept) and torch.equal(out, again), f"step at {n} keys"
+        want = oracle(q, k_full[:, :, :n], v_full[:, :, :n], lengths, case)
+        problems = close_problems(f"step at {n} keys", out, want, tolerance(F32))
+        assert not problems, "\n".join(problems)
+    assert decode.PLANS.built == 1 and len(steps) == 1 and len(plan.steps) == 1
+    kept = _kept_steps(q)
+    assert len(kept) == (2 if paged else 20) and all(step is plan.steps[False] for step in kept)
+    for other in ({"hkv": 1}, {"dtype": F16}):   # another layout class: a plan of its own
+        other_case = DecodeCase(**{**asdict(case), "n_max": 30, "lengths": (30,), **other})
+        q2, k2, v2, lengths = make_cache(gen, other_case, 1, kernel_device())
+        with torch.no_grad():
+            got = rerope.rerope_decode(q2, k2, v2, case.window, lengths, num_splits=2)
+        other_plan = decode.decode_plan(q2, k2, v2, case.window, lengths, num_splits=2)
+        assert other_plan is not plan and other_plan.steps[False] is not plan.steps[False]
+        want = oracle(q2, k2, v2, lengths, other_case)
+        assert not close_problems(str(other), got, want, tolerance(other_case.dtype))
+    assert decode.PLANS.built == 3
+    if not paged:
+        with pytest.raises(ValueError, match="head dim"):
+            rerope.rerope_decode(q, k_full, v_full[..., :16].contiguous(), case.window)
+
+
+@pytest.mark.parametrize("num_splits, split_cap, tma_min_keys",
+                         [(None, 8, None), (None, 1, None), (3, 8, None), (None, 8, 64),
+                          (None, 5, 0), (2, 8, 100)])
+def test_a_step_range_launches_alike(num_splits, split_cap, tma_min_keys, gen):
+    """``DecodePlan._step_range(n)``: every cache size in it launches as ``n`` does (the
+    same split count and TMA choice, :meth:`DecodePlan.splits_for`) within the rotation
+    tables' rows, and it holds ``n``: a kept step never serves a size it does not fit."""
+    from dataclasses import replace
+
+    q = randn(gen, 1, 2, 1, 16, dtype=F32, device=kernel_device())
+    k = randn(gen, 1, 1, 8, 16, dtype=F32, device=kernel_device())
+    base = decode.decode_plan(q, k, k, 4)
+    base._rotation_tables(3000)
+    plan = replace(base, num_splits=num_splits, split_cap=split_cap,
+                   tma_min_keys=tma_min_keys, tables=base.tables)
+    rows = plan.tables.rows
+    launch = [None] + [plan.splits_for(n) for n in range(1, rows + 1)]
+    for n in range(1, 3000):
+        lo, hi = plan._step_range(n)
+        assert 1 <= lo <= n <= hi <= rows - decode.TABLE_MARGIN, (n, lo, hi)
+        assert set(launch[lo:hi + 1]) == {launch[n]}, (n, lo, hi)
+
+
 # --- what the compiler takes (the interpreter accepts more) ---------------------------
 
 

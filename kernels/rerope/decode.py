@@ -96,6 +96,7 @@ MAX_SPLITS = 128
 MERGE_SPLITS_BLOCK = 64   # partials the merge folds per step
 MERGE_TILE = 8192         # at most this many partial elements per step (registers)
 MERGE_ROWS = 1            # rows per merge program: its programs run side by side
+TABLE_MARGIN = 256        # rotation table rows past the keys: whole tiles read unmasked
 
 
 # --- the split kernel -----------------------------------------------------------------
@@ -814,15 +815,21 @@ def rerope_decode(q, k_cache, v_cache, window, cache_seqlens=None, sm_scale=None
 
 
 def _call(q, k_cache, v_cache, cache_seqlens, block_table, settings, return_lse=False):
-    """A call: its kept step where this exact signature ran before, else its plan."""
+    """A call: its kept step and arguments where this exact signature ran before
+    (:data:`_STEPS`), else its plan."""
     try:
         exact = (_exact_key(q, k_cache, v_cache, cache_seqlens, block_table, settings),
                  return_lse)
-        step = _STEPS.get(exact)
+        kept = _STEPS.get(exact)
     except (AttributeError, TypeError):   # not tensors, unhashable settings: checks say
-        exact, step = None, None
-    if step is not None:
-        return _run_step(step, q, k_cache, v_cache, cache_seqlens, block_table)
+        exact, kept = None, None
+    if kept is not None:
+        step, n_max, args = kept
+        if cache_seqlens is not None:
+            cache_seqlens = step.plan._checked_lengths(n_max, cache_seqlens, block_table,
+                                                       k_cache)
+        return _run_step(step, n_max, args, q, k_cache, v_cache, cache_seqlens,
+                         block_table)[0]
     plan = _plan_for(q, k_cache, v_cache, cache_seqlens, block_table, settings)
     return plan._run(q, k_cache, v_cache, cache_seqlens, block_table, exact, return_lse)
 
@@ -857,7 +864,8 @@ class DecodePlan:
     the cache is read per :meth:`run` and passed to the launch: the cache's length
     ``Nmax`` (checked), the split count (the caller's ``num_splits``, else
     :func:`default_num_splits` of ``Nmax``), whether TMA pays at that split length, and
-    the rotation tables' rows.
+    the rotation tables' rows. Its launches are bound once and kept (``steps``, a
+    :class:`_Step`) for every ``Nmax`` with the same split count, TMA choice and tables.
     """
 
     key: tuple                   # the layout class, settings and Config it was made for
@@ -882,6 +890,7 @@ class DecodePlan:
     tables: _Tables = field(default_factory=_Tables, compare=False)
     # (num_splits, tma) -> _Launches
     launches: dict = field(default_factory=dict, compare=False)
+    steps: dict = field(default_factory=dict, compare=False)   # return_lse -> _Step
 
     def run(self, q, k_cache, v_cache, cache_seqlens=None, block_table=None):
         """Run the plan on tensors of its layout class (``ValueError`` otherwise); the
@@ -917,14 +926,21 @@ class DecodePlan:
                 return out, torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
             return out
         if cache_seqlens is not None:
-            if cache_seqlens.device.type == "cpu":   # free to read; on a GPU, a sync
-                _check_lengths_on_host(cache_seqlens, self.n_queries, n_max)
-                if block_table is not None:
-                    _check_block_table_on_host(block_table, cache_seqlens,
-                                               self.page_size, k_cache.shape[0])
-            cache_seqlens = cache_seqlens.contiguous()    # read with unit stride
+            cache_seqlens = self._checked_lengths(n_max, cache_seqlens, block_table,
+                                                  k_cache)
         return _launch(self, n_max, q, k_cache, v_cache, cache_seqlens, block_table,
                        exact, return_lse)
+
+    def _checked_lengths(self, n_max, cache_seqlens, block_table, k_cache):
+        """``cache_seqlens`` (not ``None``) as the kernel reads it (contiguous), checked
+        against ``n_max`` with the block table's entries where that is free (CPU
+        tensors)."""
+        if cache_seqlens.device.type == "cpu":   # free to read; on a GPU, a sync
+            _check_lengths_on_host(cache_seqlens, self.n_queries, n_max)
+            if block_table is not None:
+                _check_block_table_on_host(block_table, cache_seqlens, self.page_size,
+                                           k_cache.shape[0])
+        return cache_seqlens.contiguous()    # read with unit stride
 
     def _cache_length(self, q, k_cache, v_cache, cache_seqlens, block_table):
         """``Nmax`` of this call, checked: the one part of the validation the plan's key
@@ -948,6 +964,22 @@ class DecodePlan:
         splits = self.num_splits or rule
         tma = self.tma_min_keys is not None and -(-n_max // splits) >= self.tma_min_keys
         return splits, tma
+
+    def _step_range(self, n_max):
+        """``(lo, hi)``: the cache sizes from ``lo`` to ``hi`` slots that launch as
+        ``n_max`` does (the same :meth:`splits_for`) on the rotation tables held now (rows
+        for ``hi``): the sizes a :class:`_Step` made for ``n_max`` fits."""
+        num_splits, tma = self.splits_for(n_max)
+        lo, hi = 1, self.tables.rows - TABLE_MARGIN
+        if not self.num_splits and self.split_cap > 1:   # the rule: a split per 256 keys
+            if num_splits > 1:
+                lo = (num_splits - 1) * MIN_KEYS_PER_SPLIT + 1
+            if num_splits < self.split_cap:
+                hi = min(hi, num_splits * MIN_KEYS_PER_SPLIT)
+        if self.tma_min_keys is not None:   # TMA above (tma_min_keys - 1) · splits keys
+            edge = (self.tma_min_keys - 1) * num_splits
+            lo, hi = (max(lo, edge + 1), hi) if tma else (lo, min(hi, edge))
+        return lo, hi
 
     def _launches(self, num_splits, tma, return_lse=False):
         """The launches for ``num_splits`` splits (made on first use, then kept); with
@@ -978,7 +1010,7 @@ class DecodePlan:
         """The four tables of :func:`rerope.rotary.rotation_tables`, with rows for
         ``n_max``."""
         held = self.tables
-        if held.rows < n_max + 256:          # rotation_tables' margin for whole tiles
+        if held.rows < n_max + TABLE_MARGIN:
             tables = rotation_tables(n_max, *self.rotation).tables
             if held.tables is not None:
                 held.retired.append(held.tables)
@@ -992,15 +1024,42 @@ def _launch(plan, n_max, q, k_cache, v_cache, cache_seqlens, block_table, exact=
             return_lse=False):
     """Run ``plan`` for a cache of ``n_max`` slots, lengths and block table checked:
     allocate the output (and partials), launch the split kernel, then the merge (several
-    splits). With ``exact`` (the call's exact signature), keep the launches with every
-    argument but the call's tensors bound, once bound (:class:`_Step`)."""
+    splits). Through the plan's kept step where it fits ``n_max``, else a new one, kept
+    once its launches are bound (:class:`_Step`). With ``exact`` (the call's exact
+    signature), keep the step with this call's arguments for it (:data:`_STEPS`)."""
+    step = plan.steps.get(return_lse)
+    made = step is None or not step.lo <= n_max <= step.hi
+    if made:
+        step, launches = _make_step(plan, n_max, return_lse)
+    out, args = _run_step(step, n_max, None, q, k_cache, v_cache, cache_seqlens,
+                          block_table)
+    if made:
+        if not (launches.split.bound or INTERPRET):
+            return out
+        step = plan.steps[return_lse] = _make_step(plan, n_max, return_lse)[0]   # bound
+    if exact is not None:
+        _STEPS.put(exact, (step, n_max, args))
+    return out
+
+
+def _make_step(plan, n_max, return_lse):
+    """``(step, launches)``: the :class:`_Step` of ``plan`` for a cache of ``n_max``
+    slots, and the :class:`_Launches` it binds."""
     num_splits, tma = plan.splits_for(n_max)
     launches = plan._launches(num_splits, tma, return_lse)
     tables = plan._rotation_tables(n_max)
-    dtype = q.dtype
-    if plan.lift:                         # bf16 under the interpreter: fp32 copies
-        q, k_cache, v_cache = q.float(), k_cache.float(), v_cache.float()
-    out, part, lse, final_lse = _outputs(plan, num_splits, q, return_lse)
+    merge = launches.merge
+    if merge is not None:
+        merge = merge.fixed(plan.batch * plan.q_heads * plan.n_queries, num_splits)
+    split = launches.split.fixed(plan.qk_scale, plan.logn_factor, *tables)
+    return (_Step(plan, num_splits, *plan._step_range(n_max), split, merge, return_lse),
+            launches)
+
+
+def _cache_args(plan, n_max, num_splits, q, k_cache, v_cache, block_table):
+    """The split kernel's arguments from ``q_strides`` to ``window`` (what a call's cache
+    length decides, passed per launch): the strides, the pool's pages, the head and query
+    counts, ``n_max``, the split count and the window clipped to ``n_max``."""
     k_strides, v_strides = k_cache.stride(), v_cache.stride()
     if plan.page_size:    # pools (page, slot, head, dim) in the kernel's order
         k_strides = (k_strides[0], k_strides[2], k_strides[1], k_strides[3])
@@ -1008,19 +1067,9 @@ def _launch(plan, n_max, q, k_cache, v_cache, cache_seqlens, block_table, exact=
         table_strides, num_blocks = block_table.stride(), k_cache.shape[0]
     else:
         table_strides, num_blocks = (0, 0), 0
-    tail = (q.stride(), k_strides, v_strides, table_strides, num_blocks, plan.kv_heads,
+    return (q.stride(), k_strides, v_strides, table_strides, num_blocks, plan.kv_heads,
             plan.q_heads // plan.kv_heads, plan.n_queries, n_max, num_splits,
-            min(plan.window, n_max), plan.qk_scale, plan.logn_factor, *tables)
-    launches.split(q, k_cache, v_cache, cache_seqlens, block_table, part, lse, *tail)
-    n_rows = plan.batch * plan.q_heads * plan.n_queries
-    if launches.merge is not None:
-        launches.merge(part, lse, out, final_lse, n_rows, num_splits)
-    if exact is not None and (launches.split.bound or INTERPRET):
-        merge = launches.merge
-        merge = None if merge is None else merge.fixed(n_rows, num_splits)
-        _STEPS.put(exact, _Step(plan, num_splits, launches.split.fixed(*tail), merge,
-                                return_lse))
-    return _result(plan, out, final_lse, dtype)
+            min(plan.window, n_max))
 
 
 def _result(plan, out, final_lse, dtype):
@@ -1048,50 +1097,54 @@ def _outputs(plan, num_splits, q, return_lse=False):
 
 
 class _Step(NamedTuple):
-    """A call signature met before, shapes and strides exactly: its plan, split count
-    and launches with all but the call's tensors bound (:meth:`Launcher.fixed`), so a
-    repeated call is a lookup, an allocation and the launches (the checks its signature
-    passed hold again; lengths and block tables on the CPU are still read)."""
+    """A plan's launches for one split count, bound (:meth:`Launcher.fixed`) to all but
+    what a call gives: its tensors and what its cache's length decides
+    (:func:`_cache_args`). A plan keeps one per ``return_lse`` (``plan.steps``) and uses
+    it for every cache size from ``lo`` to ``hi`` slots, so a cache that grows by a key
+    per call binds no launch again."""
 
     plan: DecodePlan
     num_splits: int
+    lo: int                      # it fits caches of lo to hi slots: its split count,
+    hi: int                      # TMA choice and rotation tables (DecodePlan._step_range)
     split: object
     merge: object
     return_lse: bool = False
 
 
-_STEPS = LRUCache()   # (exact signature, settings, Config) -> _Step
+_STEPS = LRUCache()
+"""``(exact signature, return_lse) -> (step, n_max, args)``: a call signature met before,
+shapes and strides exactly (:func:`_exact_key`), with its plan's :class:`_Step`, its cache
+size and the step's per-call arguments (:func:`_cache_args`), so a repeated call is a
+lookup, an allocation and the launches (the checks its signature passed hold again;
+lengths and block tables on the CPU are still read)."""
 
 
 def _exact_key(q, k_cache, v_cache, cache_seqlens, block_table, settings):
-    """A call's exact signature (what a :class:`_Step` is kept for): every tensor's
-    shape, strides, dtype, device and 16-byte alignment, the settings and the Config."""
+    """A call's exact signature: every tensor's shape, strides, dtype, device and 16-byte
+    alignment, the settings and the Config."""
     return (tuple([None if t is None else
                    (t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16 == 0)
                    for t in (q, k_cache, v_cache, cache_seqlens, block_table)]),
             settings, tuple(map(type, settings)), configs.current())
 
 
-def _run_step(step, q, k_cache, v_cache, cache_seqlens, block_table):
-    """A repeated call: its kept launches (:class:`_Step`)."""
+def _run_step(step, n_max, args, q, k_cache, v_cache, cache_seqlens, block_table):
+    """Launch ``step`` for a call it fits, on a cache of ``n_max`` slots (lengths and
+    block table checked, ``cache_seqlens`` contiguous): ``(result, args)``, ``args`` the
+    call's :func:`_cache_args` (given, or computed when ``None``)."""
     plan = step.plan
-    if cache_seqlens is not None:
-        if cache_seqlens.device.type == "cpu":     # free to read; on a GPU, a sync
-            n_max = (k_cache.shape[2] if not plan.page_size
-                     else block_table.shape[1] * plan.page_size)
-            _check_lengths_on_host(cache_seqlens, plan.n_queries, n_max)
-            if block_table is not None:
-                _check_block_table_on_host(block_table, cache_seqlens, plan.page_size,
-                                           k_cache.shape[0])
-        cache_seqlens = cache_seqlens.contiguous()    # read with unit stride
     dtype = q.dtype
     if plan.lift:                         # bf16 under the interpreter: fp32 copies
         q, k_cache, v_cache = q.float(), k_cache.float(), v_cache.float()
+    if args is None:
+        args = _cache_args(plan, n_max, step.num_splits, q, k_cache, v_cache,
+                           block_table)
     out, part, lse, final_lse = _outputs(plan, step.num_splits, q, step.return_lse)
-    step.split(q, k_cache, v_cache, cache_seqlens, block_table, part, lse)
+    step.split(q, k_cache, v_cache, cache_seqlens, block_table, part, lse, *args)
     if step.merge is not None:
         step.merge(part, lse, out, final_lse)
-    return _result(plan, out, final_lse, dtype)
+    return _result(plan, out, final_lse, dtype), args
 
 
 def _layout(t, size=0):
@@ -1120,7 +1173,8 @@ def _call_key(q, k_cache, v_cache, cache_seqlens, block_table):
     the slot axis of a contiguous cache, the pages of a pool and the block table's
     width)."""
     if block_table is None:
-        k_shape, v_shape = k_cache.shape[:2] + k_cache.shape[3:], v_cache.shape[:2]
+        k_shape = k_cache.shape[:2] + k_cache.shape[3:]
+        v_shape = v_cache.shape[:2] + v_cache.shape[3:]
         table = None
     else:
         k_shape, v_shape = k_cache.shape[1:], v_cache.shape[1:]
