@@ -1,0 +1,236 @@
+"""Correctness and speed of perf/gluon/rerope_fwd.py (run by device_rerope.sh).
+
+    PYTHONPATH=kernels:. REROPE_AUTOTUNE=0 python perf/gluon/bench_rerope.py --out $OUT/gluon_rerope.json
+
+1. Correctness (causal, B1, D 64/128, fp16/bf16, every config): against a float32 torch evaluation of
+   the five-tensor formula (``ref_rows``). N=1024, H=--heads: windows 1, 100, 129, 300, 1024, 4096
+   (all rows; non-multiples of 128 put i-j = w-1 / w inside tiles). N=8192: windows 2048, 1000,
+   float32 reference on sampled row ranges, and the package's Triton ``rerope.rerope_attention`` on
+   all rows (reported as ``max_abs_vs_triton``). O and LSE; pass: O below 1e-2 fp16 / 4e-2 bf16
+   (or 2x the Triton kernel's own error on the same rows), LSE below 1e-2.
+2. Speed, B1 H32 N8192 window 2048 causal, D 64/128, fp16/bf16: SDPA cuDNN (plain causal on
+   q1, k1, v), the package's Triton kernel (REROPE_AUTOTUNE=0), each Gluon config; median of 5
+   windows of --reps calls (CUDA events); ratio = cuDNN ms / impl ms.
+The JSON is rewritten after every row. --smoke FILE: each config once at N=1024 H=2 window 300
+(start/ok/bad KEY lines for device_rerope.sh). --cpu-dry-run: no GPU, kernels replaced by the reference.
+"""
+import argparse
+import json
+import math
+import os
+import platform
+import sys
+import time
+import traceback
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+sys.path.insert(0, HERE)
+from bench_plain import cuda_ms, die, wall_ms  # noqa: E402
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "/tmp/out"), "gluon_rerope.json"))
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--quick", action="store_true", help="default configs only")
+    ap.add_argument("--heads", type=int, default=32)
+    ap.add_argument("--check-n", type=int, nargs="+", default=[1024, 8192])
+    ap.add_argument("--time-n", type=int, default=8192)
+    ap.add_argument("--time-window", type=int, default=2048)
+    ap.add_argument("--smoke", metavar="PROGRESS_FILE")
+    ap.add_argument("--skip", nargs="*", default=[], metavar="KEY", help="D:dtype:BLOCK_M,BLOCK_N,STAGES,WARPS,SPLIT,PIPE")
+    ap.add_argument("--cpu-dry-run", action="store_true")
+    return ap.parse_args(argv)
+
+
+def ref_rows(q1, q2, k1, k2, v, window, rows, sm_scale=None):
+    """float32 five-tensor ReRoPE, causal, for query rows `rows` (1-D long tensor): (o, lse)."""
+    import torch
+    N, D = q1.shape[-2], q1.shape[-1]
+    sm_scale = sm_scale or 1.0 / math.sqrt(D)
+    f = lambda t: t.float()  # noqa: E731
+    s1 = f(q1[..., rows, :]) @ f(k1).transpose(-1, -2)
+    s2 = f(q2[..., rows, :]) @ f(k2).transpose(-1, -2)
+    d = rows[:, None] - torch.arange(N, device=q1.device)[None, :]
+    s = torch.where(d < window, s1, s2) * sm_scale
+    del s1, s2
+    s = s.masked_fill(d < 0, float("-inf"))
+    lse = torch.logsumexp(s, -1)
+    o = torch.exp(s - lse[..., None]) @ f(v)
+    return o, lse
+
+
+def sample_rows(N, device):
+    import torch
+    if N <= 2048:
+        return torch.arange(N, device=device)
+    parts = [torch.arange(0, 256), torch.arange(N // 2 - 128, N // 2 + 128), torch.arange(N - 256, N)]
+    return torch.cat(parts).to(device)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    os.environ.setdefault("REROPE_AUTOTUNE", "0")
+    if args.cpu_dry_run:
+        import torch
+        dev, timer = "cpu", wall_ms
+    else:
+        import torch
+        if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+            die("bench_rerope: needs an sm_90 CUDA device (H100/H200); nothing run")
+        dev, timer = "cuda", cuda_ms
+    import triton
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    import rerope_fwd as rf
+
+    def full_ref(q1, q2, k1, k2, v, window, sm_scale=None, return_lse=False, config=None, causal=True):
+        o, lse = ref_rows(q1, q2, k1, k2, v, window, torch.arange(q1.shape[-2], device=q1.device))
+        o = o.to(q1.dtype)
+        return (o, lse) if return_lse else o
+
+    gluon = full_ref if args.cpu_dry_run else rf.rerope_attention
+    try:
+        if args.cpu_dry_run:
+            raise ImportError("dry run")
+        sys.path.insert(0, os.path.join(ROOT, "kernels"))
+        import rerope as pkg
+        triton_impl = lambda *a, **k: pkg.rerope_attention(*a, causal=True, **k)  # noqa: E731
+    except Exception as e:
+        print(f"package Triton kernel not used: {e}", flush=True)
+        triton_impl = full_ref
+    cudnn = SDPBackend.MATH if args.cpu_dry_run else SDPBackend.CUDNN_ATTENTION
+
+    res = {"device": "cpu dry run" if args.cpu_dry_run else torch.cuda.get_device_name(), "torch": torch.__version__,
+           "triton": triton.__version__, "python": platform.python_version(), "B": 1, "causal": True,
+           "skipped": list(args.skip), "checks": [], "timing": [], "errors": []}
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+
+    def save():
+        with open(args.out, "w") as f:
+            json.dump(res, f, indent=1)
+
+    def key(D, dt, cfg):
+        return f"{D}:{str(dt).replace('torch.', '')}:{','.join(map(str, cfg))}"
+
+    def configs(D, dt):
+        cfgs = [rf.default_config(D)] + ([] if args.quick else list(rf.EXTRA_CONFIGS[D]))
+        return [c for c in cfgs if key(D, dt, c) not in args.skip]
+
+    def inputs(B, H, N, D, dt, seed):
+        g = torch.Generator(device=dev).manual_seed(seed)
+        return [torch.randn(B, H, N, D, device=dev, dtype=dt, generator=g) for _ in range(5)]
+
+    dtypes = [torch.float16, torch.bfloat16]
+    sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
+    t0 = time.time()
+
+    if args.smoke:
+        fails = 0
+        with open(args.smoke, "a") as prog:
+            for D in (64, 128):
+                for dt in dtypes:
+                    ts = inputs(1, 2, 1024, D, dt, D)
+                    ref, _ = ref_rows(*ts, 300, torch.arange(1024, device=dev))
+                    for cfg in configs(D, dt):
+                        kk = key(D, dt, cfg)
+                        prog.write(f"start {kk}\n"); prog.flush(); os.fsync(prog.fileno())  # noqa: E702
+                        try:
+                            o, _ = gluon(*ts, 300, return_lse=True, config=cfg)
+                            err = (o.float() - ref).abs().max().item()
+                            ok = math.isfinite(err) and err < 5e-2
+                        except Exception as e:
+                            err, ok = f"{type(e).__name__}: {e}"[:300], False
+                        fails += not ok
+                        prog.write(f"{'ok' if ok else 'bad'} {kk}\n"); prog.flush()  # noqa: E702
+                        print(f"smoke {kk}: {'ok' if ok else 'BAD'} (max err {err})", flush=True)
+        return 1 if fails else 0
+
+    # ------------------------------------------------------------ correctness
+    bad = set()
+    print(f"{'N':>5} {'win':>5} {'D':>3} {'dtype':>8} {'config':>22} {'max|dO|':>9} {'max|dLSE|':>9} "
+          f"{'triton':>9} {'vsTriton':>9}  ok")
+    for N in args.check_n:
+        windows = [1, 100, 129, 300, 1024, 4096] if N <= 2048 else [2048, 1000]
+        for D in (64, 128):
+            for dt in dtypes:
+                for w in windows:
+                    ts = inputs(1, args.heads, N, D, dt, N + D + w)
+                    rows = sample_rows(N, dev)
+                    ref_o, ref_lse = ref_rows(*ts, w, rows)
+                    try:
+                        tri = triton_impl(*ts, w)
+                        tri_err = (tri[..., rows, :].float() - ref_o).abs().max().item()
+                    except Exception as e:
+                        tri, tri_err = None, float("nan")
+                        res["errors"].append(f"triton N{N} D{D} w{w}: {type(e).__name__}: {e}"[:1000])
+                    for cfg in configs(D, dt):
+                        row = {"N": N, "window": w, "D": D, "dtype": str(dt).replace("torch.", ""),
+                               "config": list(cfg), "triton_max_abs_err": tri_err}
+                        try:
+                            o, lse = gluon(*ts, w, return_lse=True, config=cfg)
+                            sync()
+                            row["max_abs_err"] = (o[..., rows, :].float() - ref_o).abs().max().item()
+                            row["lse_max_abs_err"] = (lse[..., rows] - ref_lse).abs().max().item()
+                            row["max_abs_vs_triton"] = None if tri is None else (o.float() - tri.float()).abs().max().item()
+                            tol = 4e-2 if dt == torch.bfloat16 else 1e-2
+                            if math.isfinite(tri_err):
+                                tol = max(tol, 2 * tri_err)
+                            row["ok"] = bool(math.isfinite(row["max_abs_err"]) and row["max_abs_err"] < tol
+                                             and row["lse_max_abs_err"] < 1e-2)
+                        except Exception as e:
+                            row["ok"] = False
+                            row["error"] = f"{type(e).__name__}: {e}"[:2000]
+                            res["errors"].append(traceback.format_exc()[-4000:])
+                        if not row["ok"]:
+                            bad.add((D, dt, tuple(cfg)))
+                        res["checks"].append(row)
+                        save()
+                        g = lambda k: row.get(k) if row.get(k) is not None else float("nan")  # noqa: E731
+                        print(f"{N:>5} {w:>5} {D:>3} {row['dtype']:>8} {str(cfg):>22} {g('max_abs_err'):>9.2e} "
+                              f"{g('lse_max_abs_err'):>9.2e} {tri_err:>9.2e} {g('max_abs_vs_triton'):>9.2e}  {row['ok']}"
+                              + (f"  {row['error'][:200]}" if "error" in row else ""), flush=True)
+                    del ts, ref_o, ref_lse, tri
+    print(f"correctness: {time.time() - t0:.0f} s", flush=True)
+
+    # ------------------------------------------------------------ timing
+    N, w = args.time_n, args.time_window
+    print(f"\n{'N':>5} {'win':>5} {'D':>3} {'dtype':>8} {'impl':>30} {'ms':>8} {'1-call':>8} {'cuDNN/impl':>10}")
+    for D in (64, 128):
+        for dt in dtypes:
+            ts = inputs(1, args.heads, N, D, dt, 7)
+            q1, q2, k1, k2, v = ts
+
+            def f_cudnn():
+                with sdpa_kernel(cudnn):
+                    return F.scaled_dot_product_attention(q1, k1, v, is_causal=True)
+            impls = [("sdpa_cudnn", f_cudnn), ("triton_rerope", lambda: triton_impl(*ts, w))]
+            impls += [(f"gluon{list(c)}", lambda c=c: gluon(*ts, w, config=c))
+                      for c in configs(D, dt) if (D, dt, tuple(c)) not in bad]
+            base = None
+            for name, f in impls:
+                row = {"N": N, "window": w, "D": D, "dtype": str(dt).replace("torch.", ""), "impl": name}
+                try:
+                    row["ms"], row["ms_single_call"] = timer(f, args.reps, args.warmup)
+                    if name == "sdpa_cudnn":
+                        base = row["ms"]
+                    row["cudnn_over_impl"] = None if base is None else base / row["ms"]
+                except Exception as e:
+                    row["error"] = f"{type(e).__name__}: {e}"[:2000]
+                res["timing"].append(row)
+                save()
+                r = row.get("cudnn_over_impl")
+                print(f"{N:>5} {w:>5} {D:>3} {row['dtype']:>8} {name:>30} {row.get('ms', float('nan')):>8.3f} "
+                      f"{row.get('ms_single_call', float('nan')):>8.3f} {(r if r is not None else float('nan')):>10.2f}"
+                      + (f"  {row['error'][:200]}" if "error" in row else ""), flush=True)
+            del ts, q1, q2, k1, k2, v
+    res["seconds"] = time.time() - t0
+    save()
+    print(f"total {res['seconds']:.0f} s; wrote {args.out}")
+    return 1 if any(not r["ok"] for r in res["checks"]) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

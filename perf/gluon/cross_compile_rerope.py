@@ -1,0 +1,69 @@
+"""Compile perf/gluon/rerope_fwd.py ahead of time for sm_90 with Triton 3.6, no GPU needed.
+
+    /work/venv36/bin/python perf/gluon/cross_compile_rerope.py > perf/gluon/cross_compile_rerope_3.6.txt
+
+Same method as ``cross_compile.py`` (whose ``ptxas_info`` it reuses): every config of
+``rerope_fwd.all_configs`` for D 64/128 (fp16; the defaults also bf16), LSE on.
+"""
+import os
+import re
+import sys
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.runtime.jit import mangle_type
+from triton.experimental.gluon._runtime import GluonASTSource
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import rerope_fwd as rf  # noqa: E402
+from cross_compile import ptxas_info  # noqa: E402
+
+
+def compile_variant(dtype, D, config, store_lse=True):
+    BLOCK_M, BLOCK_N, STAGES, CW, SPLIT, PIPE = config
+    SUB_M = BLOCK_M // SPLIT
+    gdt = rf._gl_dtype(dtype)
+    t = torch.empty((1024, D), dtype=dtype)
+    q = mangle_type(TensorDescriptor.from_tensor(t, [SUB_M, D], rf.smem_layout([SUB_M, D], gdt)))
+    kv = mangle_type(TensorDescriptor.from_tensor(t, [BLOCK_N, D], rf.smem_layout([BLOCK_N, D], gdt)))
+    fn = rf.rerope_fwd_causal_kernel
+    signature = {"q1_desc": q, "q2_desc": q, "k1_desc": kv, "k2_desc": kv, "v_desc": kv, "o_desc": q,
+                 "lse_ptr": "*fp32", "N": "i32", "window": "i32", "qk_scale": "fp32",
+                 "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "HEAD_D": "constexpr", "STAGES": "constexpr",
+                 "CONSUMER_WARPS": "constexpr", "STORE_LSE": "constexpr", "SPLIT": "constexpr"}
+    constexprs = {"BLOCK_M": BLOCK_M, "BLOCK_N": BLOCK_N, "HEAD_D": D, "STAGES": STAGES, "CONSUMER_WARPS": CW,
+                  "STORE_LSE": store_lse, "SPLIT": SPLIT}
+    src = GluonASTSource(fn, signature, constexprs={(fn.arg_names.index(k), ): v for k, v in constexprs.items()})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": CW})
+
+
+def main():
+    print(f"triton {triton.__version__}, torch {torch.__version__}, target cuda sm_90 (warp size 32), rerope_fwd")
+    jobs = [(D, dt, rf.default_config(D)) for D in (64, 128) for dt in (torch.float16, torch.bfloat16)]
+    jobs += [(D, torch.float16, c) for D in (64, 128) for c in rf.EXTRA_CONFIGS[D]]
+    fails = 0
+    for D, dt, cfg in jobs:
+        name = f"D{D} {str(dt).replace('torch.', '')} {cfg}"
+        try:
+            k = compile_variant(dt, D, cfg)
+        except Exception as e:
+            fails += 1
+            print(f"{name}: FAILED: {type(e).__name__}: {str(e)[:3000]}", flush=True)
+            continue
+        ptx = k.asm["ptx"]
+        regs, spills = ptxas_info(ptx)
+        sh = k.metadata.shared
+        nreg = sorted(set(re.findall(r"setmaxnreg\.((?:inc|dec))\.sync\.aligned\.u32\s+(\d+)", ptx)))
+        print(f"{name}: num_warps(total)={k.metadata.num_warps} shared={sh} B "
+              f"({'fits' if sh <= rf.SMEM_LIMIT_SM90 else 'DOES NOT FIT'} sm_90) regs/thread={regs} spills={spills} "
+              f"wgmma.mma_async x{len(re.findall(r'wgmma.mma_async', ptx))} "
+              f"cp.async.bulk.tensor x{len(re.findall(r'cp.async.bulk.tensor', ptx))} "
+              f"setmaxnreg={' '.join(a + ':' + b for a, b in nreg)}", flush=True)
+        fails += sh > rf.SMEM_LIMIT_SM90
+    sys.exit(1 if fails else 0)
+
+
+if __name__ == "__main__":
+    main()

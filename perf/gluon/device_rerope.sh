@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# Issue 38, step 2: the ReRoPE Gluon forward (perf/gluon/rerope_fwd.py) on one sm_90 GPU
+# (H100/H200, Triton 3.6), from the repository root, in at most ~240 s:
+#
+#   OUT=$OUT bash perf/gluon/device_rerope.sh
+#
+# Smoke pass (each config once at N=1024 H=2 window 300 in its own process, 60 s cap, repeated
+# without a config that hung or crashed it: smoke.log, smoke.txt, skipped.txt), then
+# bench_rerope.py: $OUT/gluon_rerope.json (rewritten after every row) and gluon_rerope.log;
+# $OUT/cross_compile_rerope.txt, versions.txt. QUICK=1: default configs only. REPS (default 20).
+set -o pipefail
+export PYTHONUNBUFFERED=1 REROPE_AUTOTUNE=0
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+PY=${PYTHON:-python3}
+HERE=$(cd "$(dirname "$0")" && pwd)
+ROOT=$(cd "$HERE/../.." && pwd)
+export PYTHONPATH="$ROOT/kernels:$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+
+if ! $PY -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0) else 1)' 2>/dev/null; then
+    echo "device_rerope.sh: no sm_90 CUDA device here; nothing run" >&2
+    exit 2
+fi
+{ nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv 2>&1
+  $PY -c 'import sys, torch, triton; print(sys.version); print("torch", torch.__version__, "cuda", torch.version.cuda, "cudnn", torch.backends.cudnn.version()); print("triton", triton.__version__)'
+} > "$OUT/versions.txt" 2>&1
+cat "$OUT/versions.txt"
+
+timeout 45 $PY "$HERE/cross_compile_rerope.py" > "$OUT/cross_compile_rerope.txt" 2>&1
+echo "cross_compile_rerope rc=$?"; cut -c1-220 "$OUT/cross_compile_rerope.txt"
+
+Q=(); [[ "${QUICK:-0}" == 1 ]] && Q=(--quick)
+SKIP=()
+for attempt in 1 2 3; do
+    ((SECONDS > 130)) && { echo "no time left for another smoke attempt"; break; }
+    : > "$OUT/smoke.txt"
+    timeout 60 $PY "$HERE/bench_rerope.py" "${Q[@]}" --smoke "$OUT/smoke.txt" --skip "${SKIP[@]}" 2>&1 | tee -a "$OUT/smoke.log"
+    src=$?
+    last=$(grep '^start ' "$OUT/smoke.txt" | tail -1 | cut -d' ' -f2)
+    if [[ $src == 0 || -z "$last" ]] || grep -q "^\(ok\|bad\) $last\$" "$OUT/smoke.txt"; then
+        echo "smoke attempt $attempt rc=$src"; break
+    fi
+    echo "smoke attempt $attempt rc=$src: $last hung or crashed the process; skipping it" | tee -a "$OUT/smoke.log"
+    SKIP+=("$last")
+done
+# configs that smoked 'bad' (wrong numbers) are skipped too
+for k in $(grep '^bad ' "$OUT/smoke.txt" 2>/dev/null | cut -d' ' -f2); do SKIP+=("$k"); done
+echo "skipped: ${SKIP[*]:-none}" | tee "$OUT/skipped.txt"
+
+left=$((235 - SECONDS)); ((left < 60)) && left=60
+timeout $left $PY "$HERE/bench_rerope.py" "${Q[@]}" --out "$OUT/gluon_rerope.json" --reps "${REPS:-20}" \
+    --skip "${SKIP[@]}" 2>&1 | tee "$OUT/gluon_rerope.log"
+rc=$?
+echo "bench_rerope rc=$rc after ${SECONDS} s (124: cut at $left s, the JSON holds the rows done; 1: a correctness row failed)"
+exit $rc

@@ -1,0 +1,324 @@
+"""Causal five-tensor ReRoPE attention forward for Hopper (sm_90) in Gluon, **Triton 3.6.0**.
+
+UNMEASURED PROTOTYPE (issue 38, step 2): cross-compiles for sm_90 (``cross_compile.py --rerope``);
+checked and timed on a GPU by ``device_rerope.sh``. Not part of the ``rerope`` package.
+
+Score (natural units) ``s_ij = sm_scale * (q1_i . k1_j if i - j < window else q2_i . k2_j)``, causal
+``j <= i``; ``o_i = softmax_j(s_ij) @ v``. Same structure as ``plain_fwd.py`` (1-warp TMA producer,
+consumer partition(s) with ``warpgroup_mma``), with the key tiles of a query block ``[m0, m0+BLOCK_M)``
+in three consecutive regions (``_regions``):
+
+* OUTSIDE ``[0, n_out)``: every pair has ``i - j >= window``: S = Q2 K2^T only (loads K2, V);
+* BAND ``[n_out, n_in)``: both products, selected elementwise by ``i - j < window``, causal mask
+  applied too (the band may contain the diagonal when window < BLOCK_M) (loads K1, K2, V);
+* INSIDE ``[n_in, n_tiles)``: every pair has ``i - j < window``: S = Q1 K1^T (loads K1, V); causal
+  mask on the tiles from the consumer's own diagonal on (``n_full = m0_sub // BLOCK_N``).
+
+The regions are computed once per program in the kernel from the whole BLOCK_M block and passed to
+the producer and to every consumer, so all partitions walk the same tile sequence; a tile that is
+BAND for the block may be all-inside / all-outside for one SPLIT half: the select is still exact.
+Ring slots hold a K1, a K2 and a V tile (one ``k_ready`` barrier expecting the bytes of the K tiles
+the region loads, one ``v_ready``, one ``kv_empty``). Q1 and Q2 are loaded once (two buffers;
+the output goes out through Q1's buffer).
+
+``config = (BLOCK_M, BLOCK_N, STAGES, CONSUMER_WARPS, SPLIT, PIPE)`` as in plain_fwd (PIPE must be 0
+here). D128 uses BLOCK_N 64 by default: 2 x 32 KB of Q + STAGES x 3 tiles of 32 KB at BLOCK_N 128
+would not fit 227 KB with 2 stages.
+"""
+import math
+import os
+import sys
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from plain_fwd import LOG2E, SMEM_LIMIT_SM90, _gl_dtype, _softmax, smem_layout  # noqa: E402,F401
+
+OUTSIDE = gl.constexpr(0)
+BAND = gl.constexpr(1)
+INSIDE = gl.constexpr(2)
+
+
+@gluon.jit
+def _regions(m0, window, n_tiles, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    """(n_out, n_in) for query rows [m0, m0+BLOCK_M): tiles [0, n_out) are all-outside
+    ((t+1)*BLOCK_N - 1 <= m0 - window), [n_in, n_tiles) all-inside (m0+BLOCK_M-1 - t*BLOCK_N < window),
+    between them the band. Non-negative operands only (integer division truncates)."""
+    n_out = gl.maximum(m0 - window + 1, 0) // BLOCK_N
+    n_in = (gl.maximum(m0 + BLOCK_M - 1 - window, -1) + BLOCK_N) // BLOCK_N
+    n_in = gl.minimum(gl.maximum(n_in, n_out), n_tiles)
+    return n_out, n_in
+
+
+# ----------------------------------------------------------------------------------------------
+# producer
+# ----------------------------------------------------------------------------------------------
+@gluon.jit
+def _load_tile(i, k1_desc, k2_desc, v_desc, k1_smem, k2_smem, v_smem, k_ready, v_ready, kv_empty, kv_row0,
+               BLOCK_N: gl.constexpr, STAGES: gl.constexpr, REGION: gl.constexpr):
+    s = i % STAGES
+    mbarrier.wait(kv_empty.index(s), ((i // STAGES) & 1) ^ 1)  # first round passes (parity trick)
+    row = kv_row0 + i * BLOCK_N
+    if REGION == OUTSIDE:
+        mbarrier.expect(k_ready.index(s), k2_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k2_desc, [row, 0], k_ready.index(s), k2_smem.index(s))
+    elif REGION == BAND:
+        mbarrier.expect(k_ready.index(s), 2 * k1_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k1_desc, [row, 0], k_ready.index(s), k1_smem.index(s))
+        tma.async_copy_global_to_shared(k2_desc, [row, 0], k_ready.index(s), k2_smem.index(s))
+    else:
+        mbarrier.expect(k_ready.index(s), k1_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k1_desc, [row, 0], k_ready.index(s), k1_smem.index(s))
+    mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(v_desc, [row, 0], v_ready.index(s), v_smem.index(s))
+
+
+@gluon.jit
+def _producer(q1_desc, q2_desc, k1_desc, k2_desc, v_desc, q1_smem, q2_smem, k1_smem, k2_smem, v_smem, q_bar,
+              k_ready, v_ready, kv_empty, q_row, kv_row0, n_out, n_in, n_tiles,
+              BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr):
+    SUB_M: gl.constexpr = q1_desc.block_type.shape[0]
+    mbarrier.expect(q_bar, 2 * SPLIT * q1_desc.block_type.nbytes)
+    for j in gl.static_range(SPLIT):
+        tma.async_copy_global_to_shared(q1_desc, [q_row + j * SUB_M, 0], q_bar, q1_smem.index(j))
+        tma.async_copy_global_to_shared(q2_desc, [q_row + j * SUB_M, 0], q_bar, q2_smem.index(j))
+    for i in range(0, n_out):
+        _load_tile(i, k1_desc, k2_desc, v_desc, k1_smem, k2_smem, v_smem, k_ready, v_ready, kv_empty, kv_row0,
+                   BLOCK_N, STAGES, OUTSIDE)
+    for i in range(n_out, n_in):
+        _load_tile(i, k1_desc, k2_desc, v_desc, k1_smem, k2_smem, v_smem, k_ready, v_ready, kv_empty, kv_row0,
+                   BLOCK_N, STAGES, BAND)
+    for i in range(n_in, n_tiles):
+        _load_tile(i, k1_desc, k2_desc, v_desc, k1_smem, k2_smem, v_smem, k_ready, v_ready, kv_empty, kv_row0,
+                   BLOCK_N, STAGES, INSIDE)
+
+
+# ----------------------------------------------------------------------------------------------
+# consumer
+# ----------------------------------------------------------------------------------------------
+@gluon.jit
+def _scores(i, q1_smem, q2_smem, k1_smem, k2_smem, m0, window, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+            STAGES: gl.constexpr, REGION: gl.constexpr, s_layout: gl.constexpr):
+    """Raw scores of tile i (k_ready already waited): Q2K2^T, Q1K1^T, or the elementwise select."""
+    s = i % STAGES
+    zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
+    if REGION == OUTSIDE:
+        k2 = k2_smem.index(s)
+        qk = warpgroup_mma(q2_smem, k2.permute((1, 0)), zero, use_acc=False, is_async=True)
+        qk, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=(qk, q2_smem, k2))
+    elif REGION == INSIDE:
+        k1 = k1_smem.index(s)
+        qk = warpgroup_mma(q1_smem, k1.permute((1, 0)), zero, use_acc=False, is_async=True)
+        qk, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=(qk, q1_smem, k1))
+    else:
+        k1 = k1_smem.index(s)
+        k2 = k2_smem.index(s)
+        qk1 = warpgroup_mma(q1_smem, k1.permute((1, 0)), zero, use_acc=False, is_async=True)
+        qk2 = warpgroup_mma(q2_smem, k2.permute((1, 0)), zero, use_acc=False, is_async=True)
+        qk1, qk2, _, _, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=(qk1, qk2, q1_smem, k1, q2_smem, k2))
+        rows = m0 + gl.arange(0, BLOCK_M, gl.SliceLayout(1, s_layout))
+        cols = i * BLOCK_N + gl.arange(0, BLOCK_N, gl.SliceLayout(0, s_layout))
+        qk = gl.where((rows[:, None] - cols[None, :]) < window, qk1, qk2)
+    return qk
+
+
+@gluon.jit
+def _tile(i, acc, m_i, l_i, q1_smem, q2_smem, k1_smem, k2_smem, v_smem, k_ready, v_ready, kv_empty, m0, window,
+          qk_scale, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, REGION: gl.constexpr,
+          MASK: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr):
+    """One key tile: scores of its region, online softmax (causal mask if MASK), O += P V, free slot."""
+    s = i % STAGES
+    phase = (i // STAGES) & 1
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    mbarrier.wait(k_ready.index(s), phase)
+    qk = _scores(i, q1_smem, q2_smem, k1_smem, k2_smem, m0, window, BLOCK_M, BLOCK_N, STAGES, REGION, s_layout)
+    p, m_i, l_i, alpha = _softmax(qk, m_i, l_i, i, m0, MASK, qk_scale, BLOCK_M, BLOCK_N, s_layout)
+    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+    p = gl.convert_layout(p.to(q1_smem.dtype), p_layout)
+    mbarrier.wait(v_ready.index(s), phase)
+    v_tile = v_smem.index(s)
+    acc = warpgroup_mma(p, v_tile, acc, is_async=True)
+    acc, _ = warpgroup_mma_wait(num_outstanding=0, deps=(acc, v_tile))
+    gl.thread_barrier()  # every warp of the partition is done with slot s
+    mbarrier.arrive(kv_empty.index(s), count=1)
+    return acc, m_i, l_i
+
+
+@gluon.jit
+def _consumer(o_desc, lse_ptr, q1_smem, q2_smem, k1_smem, k2_smem, v_smem, q_bar, k_ready, v_ready, kv_empty,
+              q_row, m0, window, n_out, n_in, n_tiles, qk_scale, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+              HEAD_D: gl.constexpr, STAGES: gl.constexpr, CONSUMER_WARPS: gl.constexpr, STORE_LSE: gl.constexpr):
+    """BLOCK_M query rows from m0 (a SPLIT half or the whole block): outside, band, inside tiles."""
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[CONSUMER_WARPS, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[CONSUMER_WARPS, 1],
+                                                       instr_shape=[16, HEAD_D, 16])
+    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
+    l_i = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, s_layout))
+    acc = gl.zeros([BLOCK_M, HEAD_D], gl.float32, o_layout)
+    n_full = gl.maximum(m0 // BLOCK_N, n_in)  # inside tiles from here on may cross this half's diagonal
+
+    mbarrier.wait(q_bar, 0)
+    for i in range(0, n_out):
+        acc, m_i, l_i = _tile(i, acc, m_i, l_i, q1_smem, q2_smem, k1_smem, k2_smem, v_smem, k_ready, v_ready,
+                              kv_empty, m0, window, qk_scale, BLOCK_M, BLOCK_N, STAGES, OUTSIDE, False,
+                              s_layout, o_layout)
+    for i in range(n_out, n_in):
+        acc, m_i, l_i = _tile(i, acc, m_i, l_i, q1_smem, q2_smem, k1_smem, k2_smem, v_smem, k_ready, v_ready,
+                              kv_empty, m0, window, qk_scale, BLOCK_M, BLOCK_N, STAGES, BAND, True,
+                              s_layout, o_layout)
+    for i in range(n_in, n_full):
+        acc, m_i, l_i = _tile(i, acc, m_i, l_i, q1_smem, q2_smem, k1_smem, k2_smem, v_smem, k_ready, v_ready,
+                              kv_empty, m0, window, qk_scale, BLOCK_M, BLOCK_N, STAGES, INSIDE, False,
+                              s_layout, o_layout)
+    for i in range(n_full, n_tiles):
+        acc, m_i, l_i = _tile(i, acc, m_i, l_i, q1_smem, q2_smem, k1_smem, k2_smem, v_smem, k_ready, v_ready,
+                              kv_empty, m0, window, qk_scale, BLOCK_M, BLOCK_N, STAGES, INSIDE, True,
+                              s_layout, o_layout)
+
+    acc = acc / gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))[:, None]
+    q1_smem.store(acc.to(q1_smem.dtype))
+    fence_async_shared()
+    tma.async_copy_shared_to_global(o_desc, [q_row, 0], q1_smem)
+    if STORE_LSE:
+        rows = gl.arange(0, BLOCK_M, gl.SliceLayout(1, s_layout))
+        gl.store(lse_ptr + q_row + rows, (m_i + gl.log2(l_i)) * 0.6931471805599453)
+    tma.store_wait(pendings=0)
+
+
+# ----------------------------------------------------------------------------------------------
+# kernel
+# ----------------------------------------------------------------------------------------------
+@gluon.jit(do_not_specialize=["window"])  # window == 1 must not become a constexpr
+def rerope_fwd_causal_kernel(q1_desc, q2_desc, k1_desc, k2_desc, v_desc, o_desc, lse_ptr, N, window, qk_scale,
+                             BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
+                             STAGES: gl.constexpr, CONSUMER_WARPS: gl.constexpr,
+                             STORE_LSE: gl.constexpr, SPLIT: gl.constexpr):
+    """grid (N / BLOCK_M, B*H), heaviest query blocks first. SPLIT=1: one consumer partition of
+    CONSUMER_WARPS warps; SPLIT=2: two 4-warp consumer partitions on BLOCK_M/2 rows each."""
+    pid_m = gl.program_id(0)
+    bh = gl.program_id(1)
+    m0 = (gl.num_programs(0) - 1 - pid_m) * BLOCK_M
+    q_row = bh * N + m0
+    kv_row0 = bh * N
+    n_tiles = gl.cdiv(m0 + BLOCK_M, BLOCK_N)
+    n_out, n_in = _regions(m0, window, n_tiles, BLOCK_M, BLOCK_N)
+    SUB_M: gl.constexpr = BLOCK_M // SPLIT
+
+    dtype: gl.constexpr = q1_desc.dtype
+    q1_smem = gl.allocate_shared_memory(dtype, [SPLIT, SUB_M, HEAD_D], q1_desc.layout)
+    q2_smem = gl.allocate_shared_memory(dtype, [SPLIT, SUB_M, HEAD_D], q1_desc.layout)
+    k1_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_D], k1_desc.layout)
+    k2_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_D], k1_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_D], v_desc.layout)
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_bar, count=1)
+    for j in gl.static_range(STAGES):
+        mbarrier.init(k_ready.index(j), count=1)
+        mbarrier.init(v_ready.index(j), count=1)
+        mbarrier.init(kv_empty.index(j), count=SPLIT)
+
+    if SPLIT == 1:
+        gl.warp_specialize(
+            [
+                (_consumer, (o_desc, lse_ptr, q1_smem.index(0), q2_smem.index(0), k1_smem, k2_smem, v_smem, q_bar,
+                             k_ready, v_ready, kv_empty, q_row, m0, window, n_out, n_in, n_tiles, qk_scale,
+                             BLOCK_M, BLOCK_N, HEAD_D, STAGES, CONSUMER_WARPS, STORE_LSE)),
+                (_producer, (q1_desc, q2_desc, k1_desc, k2_desc, v_desc, q1_smem, q2_smem, k1_smem, k2_smem, v_smem,
+                             q_bar, k_ready, v_ready, kv_empty, q_row, kv_row0, n_out, n_in, n_tiles,
+                             BLOCK_N, STAGES, SPLIT)),
+            ],
+            [1],
+            [24],
+        )
+    else:
+        gl.static_assert(SPLIT == 2, "SPLIT is 1 or 2")
+        gl.static_assert(CONSUMER_WARPS == 4, "SPLIT=2: two 4-warp consumer partitions")
+        gl.warp_specialize(
+            [
+                (_consumer, (o_desc, lse_ptr, q1_smem.index(0), q2_smem.index(0), k1_smem, k2_smem, v_smem, q_bar,
+                             k_ready, v_ready, kv_empty, q_row, m0, window, n_out, n_in, n_tiles, qk_scale,
+                             SUB_M, BLOCK_N, HEAD_D, STAGES, 4, STORE_LSE)),
+                (_consumer, (o_desc, lse_ptr, q1_smem.index(1), q2_smem.index(1), k1_smem, k2_smem, v_smem, q_bar,
+                             k_ready, v_ready, kv_empty, q_row + SUB_M, m0 + SUB_M, window, n_out, n_in, n_tiles,
+                             qk_scale, SUB_M, BLOCK_N, HEAD_D, STAGES, 4, STORE_LSE)),
+                (_producer, (q1_desc, q2_desc, k1_desc, k2_desc, v_desc, q1_smem, q2_smem, k1_smem, k2_smem, v_smem,
+                             q_bar, k_ready, v_ready, kv_empty, q_row, kv_row0, n_out, n_in, n_tiles,
+                             BLOCK_N, STAGES, SPLIT)),
+            ],
+            [4, 1],
+            [240, 24],
+        )
+
+    mbarrier.invalidate(q_bar)
+    for j in gl.static_range(STAGES):
+        mbarrier.invalidate(k_ready.index(j))
+        mbarrier.invalidate(v_ready.index(j))
+        mbarrier.invalidate(kv_empty.index(j))
+
+
+# ----------------------------------------------------------------------------------------------
+# host side
+# ----------------------------------------------------------------------------------------------
+def default_config(head_dim):
+    """(BLOCK_M, BLOCK_N, STAGES, CONSUMER_WARPS, SPLIT, PIPE): SPLIT=2 (the plain kernel's winner)."""
+    if head_dim == 64:
+        return 128, 128, 2, 4, 2, 0
+    if head_dim == 128:
+        return 128, 64, 2, 4, 2, 0
+    raise ValueError(f"head_dim must be 64 or 128, got {head_dim}")
+
+
+EXTRA_CONFIGS = {
+    64: [(128, 128, 2, 8, 1, 0), (128, 128, 3, 4, 2, 0), (128, 64, 3, 4, 2, 0)],
+    128: [(128, 64, 2, 8, 1, 0), (128, 64, 3, 4, 2, 0)],  # (128, 128, 1, 4, 2, 0) fits but spills
+}
+
+
+def all_configs(head_dim):
+    return [default_config(head_dim)] + list(EXTRA_CONFIGS[head_dim])
+
+
+def rerope_attention(q1, q2, k1, k2, v, window, sm_scale=None, return_lse=False, config=None):
+    """Causal five-tensor ReRoPE forward. All (B, H, N, D), fp16/bf16, D 64/128, N % 128 == 0.
+    Returns o (B, H, N, D) [and lse (B, H, N) float32, natural log]."""
+    import torch
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    B, H, N, D = q1.shape
+    ts = (q1, q2, k1, k2, v)
+    assert all(t.shape == q1.shape and t.dtype == q1.dtype for t in ts), "same shape/dtype for all five"
+    assert q1.dtype in (torch.float16, torch.bfloat16)
+    assert int(window) >= 1, "window >= 1"
+    BLOCK_M, BLOCK_N, STAGES, CW, SPLIT, PIPE = config or default_config(D)
+    assert PIPE == 0, "PIPE=1 not implemented for ReRoPE"
+    assert N % BLOCK_M == 0 and N % BLOCK_N == 0
+    assert BLOCK_M == 16 * CW * SPLIT
+    SUB_M = BLOCK_M // SPLIT
+    if sm_scale is None:
+        sm_scale = 1.0 / math.sqrt(D)
+    flat = [t.contiguous().view(B * H * N, D) for t in ts]
+    o = torch.empty_like(flat[0])
+    lse = torch.empty((B, H, N), device=q1.device, dtype=torch.float32) if return_lse else o
+    gdt = _gl_dtype(q1.dtype)
+    q_layout = smem_layout([SUB_M, D], gdt)
+    kv_layout = smem_layout([BLOCK_N, D], gdt)
+    q1d, q2d, od = (TensorDescriptor.from_tensor(t, [SUB_M, D], q_layout) for t in (flat[0], flat[1], o))
+    k1d, k2d, vd = (TensorDescriptor.from_tensor(t, [BLOCK_N, D], kv_layout) for t in flat[2:])
+    window = min(int(window), N + 1)  # >= N: everything inside
+    rerope_fwd_causal_kernel[(N // BLOCK_M, B * H)](q1d, q2d, k1d, k2d, vd, od, lse, N, window, sm_scale * LOG2E,
+                                                     BLOCK_M, BLOCK_N, D, STAGES, CW, return_lse, SPLIT,
+                                                     num_warps=CW)
+    o = o.view(B, H, N, D)
+    return (o, lse) if return_lse else o
