@@ -196,6 +196,37 @@ def test_paged_reads_the_pages_in_place(gen, page_size, rotated):
     assert not problems, describe(gen, case=case.id()) + "\n" + "\n".join(problems)
 
 
+@pytest.mark.parametrize("page_size", [16, 48, 12])
+@pytest.mark.parametrize("preturn", [False, True], ids=["in-registers", "preturned"])
+def test_paged_tiles_through_descriptors(gen, page_size, preturn):
+    """TMA on (forced; the interpreter runs descriptors): where a page holds whole 16-key
+    tiles (16, 48) each tile is one descriptor copy from its page, else (12) pointer loads
+    as before. Equal to the pointer loads bit for bit, free slots NaN and table entries past
+    the pages poisoned; a page outside the pool still makes its rows NaN."""
+    case = Case((7, 1, 19, 3), (23, 9, 19, 3), 5, hq=4, hkv=2, options=(("rotated", True),))
+    q, k, v, cu_q, cu_k = packed(gen, case)
+    kp, vp, table = pool_of(gen, k, v, case.lk, page_size)
+    table = torch.cat([table, torch.full((4, 2), 10 ** 6, dtype=torch.int32)], 1)
+    settings = (case.window, True, None, 10000.0, None, None, True, None, None)
+    outs, plans = {}, {}
+    for mode in ("off", "on"):
+        with rerope.using_config(tma=mode), poisoned_empty():
+            plans[mode] = varlen._plan(q, 23, settings)      # the plan holds the config
+            outs[mode] = varlen._forward(q, kp, vp, cu_q, cu_k, 19, 23, plans[mode],
+                                         preturn=preturn, block_table=table)
+    assert torch.equal(outs["on"][0], outs["off"][0])
+    assert torch.equal(outs["on"][1], outs["off"][1])
+    want, _ = reference_of(q, k, v, cu_q, cu_k, case)
+    assert not close_problems("out", outs["on"][0], want, tolerance(F32))
+    bad = table.clone()
+    bad[2, 0] = kp.shape[0] + 5                       # sequence 2's first keys: no page
+    out, _ = varlen._forward(q, kp, vp, cu_q, cu_k, 19, 23, plans["on"], preturn=preturn,
+                             block_table=bad)
+    first, end = cu_q[2].item(), cu_q[3].item()       # sequence 2: 19 queries, NaN
+    assert torch.isnan(out[first:end]).all()
+    assert not torch.isnan(out[:first]).any() and not torch.isnan(out[end:]).any()
+
+
 @pytest.mark.parametrize("preturn", [False, True], ids=["in-registers", "preturned"])
 def test_pages_outside_the_pool_give_nan_rows_where_unchecked(gen, preturn):
     """On a GPU a bad page is not checked (no sync): its sequence's rows that read it come
@@ -450,11 +481,13 @@ jobs = [
     (varlen._varlen_fwd_kernel, dict(common, BLOCK_M=128, BLOCK_N=64, PAGE_SIZE=0,
                                      INSIDE_FLAGS=(True, False, True),
                                      OUTSIDE_FLAGS=(True, True, False)), 8, 3),
-    # paged: a page a tile, pages of 16 keys (one entry per page), 24 (one per key)
+    # paged: a page a tile, pages of 16 keys (one entry per page), 24 (one per key);
+    # with TMA, a descriptor copy per tile (64, 128) or pointer loads (16)
     *((varlen._varlen_fwd_kernel, dict(common, BLOCK_M=128, BLOCK_N=64, PAGE_SIZE=page,
-                                       TMA=False, INSIDE_FLAGS=(False, False, False),
+                                       TMA=tma, INSIDE_FLAGS=(False, False, False),
                                        OUTSIDE_FLAGS=(True, True, False)), 8, 3)
-      for page in (64, 16, 24)),
+      for page, tma in ((64, False), (16, False), (24, False), (64, True), (128, True),
+                        (16, True))),
     (varlen._varlen_dq_kernel, dict(common, BLOCK_M=64, BLOCK_N=64,
                                     INSIDE_FLAGS=(True, False), OUTSIDE_FLAGS=(True, True)),
      4, 2),
@@ -479,7 +512,7 @@ def test_kernels_compile_for_hopper(tmp_path):
     import json
 
     shared = [json.loads(line) for line in cross_compile(tmp_path, _COMPILE_CHILD)]
-    assert len(shared) == 8, shared
+    assert len(shared) == 11, shared
     assert all(size <= 232448 for _, size in shared), shared
 
 

@@ -37,8 +37,9 @@ is an ``exp2``, and the per-row log-sum-exp (log2 units) saved for the backward 
 Tiles are read through :func:`_tiles` / :func:`_load_tile`: TMA tensor descriptors on
 Hopper (fp16/bf16, aligned layouts), pointer loads elsewhere; the launcher picks
 (``TMA``). A paged cache (``rerope_varlen``'s ``block_table``, ``PAGE_SIZE > 0``) is read
-in place by :func:`_paged_tile`: pointer loads whose rows the block table gives
-(:func:`_tile_pages`, :func:`_key_rows`, which :mod:`rerope.decode` shares).
+in place by :func:`_paged_tile`: a descriptor copy per tile where a page holds whole tiles,
+else pointer loads whose rows the block table gives (:func:`_tile_pages`,
+:func:`_key_rows`, which :mod:`rerope.decode` shares).
 
 Strides travel as tuples (``x.stride()``: batch, head, row, column), so a kernel takes
 one argument per tensor; Triton still specialises each entry (a unit column stride is a
@@ -274,33 +275,49 @@ def _turned(a, b, positions, turn, logn_factor, TURN: tl.constexpr,
 @triton.jit
 def _paged_tile(Ka, Kb, V, sk, sv, pages, start, n_k, turn, TURN: tl.constexpr,
                 BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, MASKED: tl.constexpr,
-                PAGED: tl.constexpr):
+                PAGED: tl.constexpr, TMA: tl.constexpr):
     """Key tile ``start`` of a paged cache read in place: ``(k_a, k_b, v, on_pool)``,
     the keys made an operand (:func:`_turned`, ``TURN`` a tuple: the fused form only).
 
     ``PAGED``: ``(PAGE_SIZE, KEYS_PAGED)``; ``pages``: ``(this sequence's block-table
     row, its entry stride, num_blocks)``; ``V`` (and ``Ka, Kb`` with ``KEYS_PAGED``)
-    point at page 0 of the KV head, ``sv[0]`` / ``sk[0]`` being the page stride, and key
+    are page 0 of the KV head, ``sv[0]`` / ``sk[0]`` being the page stride, and key
     ``j`` lives in slot ``j % PAGE_SIZE`` of page ``table[j // PAGE_SIZE]``
     (:func:`_tile_pages`, :func:`_key_rows`). Keys the launcher pre-turned
     (``KEYS_PAGED`` off) are rows ``j`` of a contiguous slice. Rotations use the logical
     position ``j``, never the slot. Rows past ``n_k`` (``MASKED``) and rows whose page is
     outside the pool (``on_pool`` false) read zeros.
+
+    With ``TMA`` (a page holds whole tiles: the launcher's rule) ``V`` and the paged
+    keys are descriptors over the pool's rows, row ``page · PAGE_SIZE + slot`` (the
+    pool's page stride is ``PAGE_SIZE`` slots), and a tile is one bulk copy from its page.
     """
     cols = start + tl.arange(0, BLOCK_N)
     table = (pages[0], pages[1], sk[0], sv[0], pages[2])
     page = _tile_pages(table, start, n_k, BLOCK_N, PAGED[0])
-    k_rows, v_rows, on_pool = _key_rows(table, page, cols, sk[2], sv[2], BLOCK_N, PAGED[0])
-    if not PAGED[1]:
-        k_rows = cols.to(tl.int64) * sk[2]
-    live = on_pool
-    if MASKED:
-        live = live & (cols < n_k)
-    halves = tl.arange(0, HEAD_DIM // 2)[None, :] * sk[3]
-    a = tl.load(Ka + k_rows[:, None] + halves, mask=live[:, None], other=0.0)
-    b = tl.load(Kb + k_rows[:, None] + halves, mask=live[:, None], other=0.0)
-    v = tl.load(V + v_rows[:, None] + tl.arange(0, HEAD_DIM)[None, :] * sv[3],
-                mask=live[:, None], other=0.0)
+    if TMA:
+        on_pool = tl.full([BLOCK_N], 0, tl.int64) + page
+        on_pool = (on_pool >= 0) & (on_pool < pages[2])
+        row = (page * PAGED[0] + start % PAGED[0]).to(tl.int32)
+        k_row = row if PAGED[1] else start
+        a = _load_tile(Ka, k_row, sk, n_k, BLOCK_N, HEAD_DIM // 2, False, True)
+        b = _load_tile(Kb, k_row, sk, n_k, BLOCK_N, HEAD_DIM // 2, False, True)
+        v = _load_tile(V, row, sv, n_k, BLOCK_N, HEAD_DIM, False, True)
+        if MASKED:     # the last page's free slots may hold anything: P = 0 must meet 0
+            v = tl.where((cols < n_k)[:, None], v, 0.0)
+    else:
+        k_rows, v_rows, on_pool = _key_rows(table, page, cols, sk[2], sv[2], BLOCK_N,
+                                            PAGED[0])
+        if not PAGED[1]:
+            k_rows = cols.to(tl.int64) * sk[2]
+        live = on_pool
+        if MASKED:
+            live = live & (cols < n_k)
+        halves = tl.arange(0, HEAD_DIM // 2)[None, :] * sk[3]
+        a = tl.load(Ka + k_rows[:, None] + halves, mask=live[:, None], other=0.0)
+        b = tl.load(Kb + k_rows[:, None] + halves, mask=live[:, None], other=0.0)
+        v = tl.load(V + v_rows[:, None] + tl.arange(0, HEAD_DIM)[None, :] * sv[3],
+                    mask=live[:, None], other=0.0)
     k_a, k_b = _turned(a, b, cols, turn, 0.0, TURN, HEAD_DIM)
     return k_a, k_b, v, on_pool
 
@@ -333,7 +350,7 @@ def _fwd_pass(acc, l_i, m_i, q_a, q_b, Ka, Kb, V, sk, sv, turn, pages, rows, wal
         else:
             k_a, k_b, v, on_pool = _paged_tile(Ka, Kb, V, sk, sv, pages, start_n, n_k,
                                                turn, TURN, BLOCK_N, HEAD_DIM, MASKED,
-                                               PAGED)
+                                               PAGED, TMA)
         scores = _scores(q_a, q_b, k_a, k_b, TURN is not None and HEAD_DIM >= 32,
                          DOT_PRECISION)
         if MASKED:
@@ -427,7 +444,7 @@ def _fwd_rows(Q1, Q2, K1, K2, V, Out, Lse, Tables, Pages, sq1, sq2, sk1, sk2, sv
     (batch, head)'s first query. Tensors, strides and flags as
     :func:`_rerope_fwd_kernel` takes them; a caller with a packed batch
     (:mod:`rerope.varlen`) passes base pointers moved to the sequence's first row and
-    ``batch`` 0. ``PAGE_SIZE > 0`` (the fused form, no TMA): ``V`` and the keys not
+    ``batch`` 0. ``PAGE_SIZE > 0`` (the fused form): ``V`` and the keys not
     pre-turned are page pools read through ``Pages``, ``(the sequence's block-table
     row, its entry stride, num_blocks)``, their strides' first entry the page stride
     (:func:`_paged_tile`); ``0``: ``Pages`` is not read.
@@ -435,9 +452,18 @@ def _fwd_rows(Q1, Q2, K1, K2, V, Out, Lse, Tables, Pages, sq1, sq2, sk1, sk2, sv
     FP32: tl.constexpr = Q1.dtype.element_ty == tl.float32
     DOT_PRECISION: tl.constexpr = "tf32x3" if FP32 else "tf32"       # 3xTF32: near fp32
     FUSED: tl.constexpr = INSIDE_FLAGS is not None
+    # TMA reads a paged tile in one copy only where a page holds whole tiles
+    TILE_TMA: tl.constexpr = TMA and PAGE_SIZE % BLOCK_N == 0
     start_pos = n_k - n_q + start_m      # a row of q; its position is n_k - n_q + row
-    K1a, K1b = _halves(_slice(K1, sk1, batch, kv_head), sk1, n_k, BLOCK_N, HEAD_DIM,
-                       FUSED, TMA)
+    k1_rows, k2_rows, v_rows = n_k, n_k, n_k     # rows a descriptor spans
+    if PAGE_SIZE > 0:                    # a pool's: all of its pages, for paged tensors
+        v_rows = Pages[2] * PAGE_SIZE
+        if INSIDE_FLAGS[2] == INSIDE_FLAGS[0]:
+            k1_rows = v_rows
+        if OUTSIDE_FLAGS[2] == OUTSIDE_FLAGS[0]:
+            k2_rows = v_rows
+    K1a, K1b = _halves(_slice(K1, sk1, batch, kv_head), sk1, k1_rows, BLOCK_N, HEAD_DIM,
+                       FUSED, TILE_TMA)
     if FUSED:                                # one q serves both products
         Q2, sq2 = Q1, sq1
     ONE_K: tl.constexpr = FUSED and (INSIDE_FLAGS[2] == INSIDE_FLAGS[0]
@@ -446,9 +472,9 @@ def _fwd_rows(Q1, Q2, K1, K2, V, Out, Lse, Tables, Pages, sq1, sq2, sk1, sk2, sv
         K2a, K2b = K1a, K1b
         sk2 = sk1
     else:
-        K2a, K2b = _halves(_slice(K2, sk2, batch, kv_head), sk2, n_k, BLOCK_N, HEAD_DIM,
-                           FUSED, TMA)
-    V = _tiles(_slice(V, sv, batch, kv_head), sv, n_k, BLOCK_N, HEAD_DIM, TMA)
+        K2a, K2b = _halves(_slice(K2, sk2, batch, kv_head), sk2, k2_rows, BLOCK_N,
+                           HEAD_DIM, FUSED, TILE_TMA)
+    V = _tiles(_slice(V, sv, batch, kv_head), sv, v_rows, BLOCK_N, HEAD_DIM, TILE_TMA)
 
     rows = start_pos + tl.arange(0, BLOCK_M)
     # the running max starts at -inf; _softmax_step keeps a row that has seen only
@@ -465,13 +491,13 @@ def _fwd_rows(Q1, Q2, K1, K2, V, Out, Lse, Tables, Pages, sq1, sq2, sk1, sk2, sv
         acc, l_i, m_i, _slice(Q2, sq2, batch, head), sq2, K2a, K2b, sk2, V, sv,
         (Tables[2], Tables[3]), Pages, logn_factor, start_m, rows,
         (outside_clean, band, edge_outside), n_q, n_k, window, qk_scale, OUTSIDE,
-        OUTSIDE_FLAGS, LOGN, CAUSAL, BLOCK_M, BLOCK_N, HEAD_DIM, DOT_PRECISION, TMA,
+        OUTSIDE_FLAGS, LOGN, CAUSAL, BLOCK_M, BLOCK_N, HEAD_DIM, DOT_PRECISION, TILE_TMA,
         PAGE_SIZE)
     acc, l_i, m_i = _fwd_product(
         acc, l_i, m_i, _slice(Q1, sq1, batch, head), sq1, K1a, K1b, sk1, V, sv,
         (Tables[0], Tables[1]), Pages, logn_factor, start_m, rows,
         (inside_clean, band, edge_inside), n_q, n_k, window, qk_scale, INSIDE,
-        INSIDE_FLAGS, LOGN, CAUSAL, BLOCK_M, BLOCK_N, HEAD_DIM, DOT_PRECISION, TMA,
+        INSIDE_FLAGS, LOGN, CAUSAL, BLOCK_M, BLOCK_N, HEAD_DIM, DOT_PRECISION, TILE_TMA,
         PAGE_SIZE)
 
     q_rows = start_m + tl.arange(0, BLOCK_M)

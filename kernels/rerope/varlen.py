@@ -87,11 +87,12 @@ def _varlen_fwd_kernel(
     A sequence whose lengths are out of range (``Lq > Lk``, above ``max_seqlen_*``, rows
     outside the tensors) gets NaN rows (no host check on a GPU).
 
-    Paged (``PAGE_SIZE > 0``, no TMA): ``V`` and the keys not pre-turned are page pools
+    Paged (``PAGE_SIZE > 0``): ``V`` and the keys not pre-turned are page pools
     ``(num_blocks, PAGE_SIZE, Hkv, D)`` (strides as ``(page, head, slot, dim)``) read in
-    place through ``Pages``, ``(block_table, its two strides, num_blocks)``; pre-turned
-    keys are packed as ``k`` would be (``total_k`` rows, sequence ``b`` from
-    ``cu_seqlens_k[b]``). ``0``: ``Pages`` is not read."""
+    place through ``Pages``, ``(block_table, its two strides, num_blocks)`` (with ``TMA``,
+    one copy per tile where a page holds whole tiles); pre-turned keys are packed as ``k``
+    would be (``total_k`` rows, sequence ``b`` from ``cu_seqlens_k[b]``). ``0``: ``Pages``
+    is not read."""
     PAGED: tl.constexpr = PAGE_SIZE > 0
     bh, block, n_blocks = _program(HEADS_FIRST)
     if CAUSAL:   # the last query blocks have the most keys: start them first
@@ -504,6 +505,17 @@ def _pages(k, block_table):
     return (block_table, *block_table.stride(), k.shape[0]), k.shape[1]
 
 
+def _pool_rows(t):
+    """A page pool ``(num_blocks, block_size, H, D)`` as the ``(rows, H, D)`` tensor a TMA
+    descriptor over it spans (row ``page · block_size + slot``), or ``None`` where its
+    pages are not ``block_size`` slots apart; a ``(rows, H, D)`` tensor as it is."""
+    if t.dim() == 3:
+        return t
+    if t.stride(0) != t.shape[1] * t.stride(1):
+        return None
+    return t.as_strided((t.shape[0] * t.shape[1], *t.shape[2:]), t.stride()[1:])
+
+
 def _forward(q, k, v, cu_q, cu_k, max_q, max_k, plan, preturn=None, block_table=None):
     """Launch the forward; ``(out, lse)``, ``lse`` ``(Hq, total_q)`` in log2 units.
     ``preturn``: whether products that turn keys get them turned once first (``None``:
@@ -529,7 +541,9 @@ def _forward(q, k, v, cu_q, cu_k, max_q, max_k, plan, preturn=None, block_table=
     if block_table is None:
         total_k, tma = k.shape[0], _tma(plan, q, k1, k2, v)
     else:      # pools as (page, head, slot, dim); pre-turned keys packed in B · max_k rows
-        total_k, tma = batch * max_k, False
+        total_k = batch * max_k
+        rows = [_pool_rows(t) for t in (k1, k2, v)]
+        tma = None not in rows and _tma(plan, q, *rows)
     args = [q, k1, k2, v, out, lse, operands.tables, (cu_q, cu_k), pages,
             *_views(q, k1, k2, v, out), hq, hq // hkv, total_q, total_k, max_q, max_k,
             plan.window, plan.scale * LOG2E, operands.logn_factor]
