@@ -14,7 +14,9 @@ fullgraph=True)`` (Inductor, default mode) and the same with ``mode="reduce-over
 (``torch.compiler.cudagraph_mark_step_begin()`` before each step). Each is checked against
 eager first (``max_abs_diff`` of the output). The yardstick, ``stock_*``: the same three
 variants of the same block with RoPE in torch and causal SDPA instead of ``rerope`` (what
-compiling does to a block without our ops; ``stock_*_vs_eager`` against ``stock_eager_ms``).
+compiling does to a block without our ops; ``stock_*_vs_eager`` against ``stock_eager_ms``);
+the floor, ``floor_*``: the block with no attention at all (``q * 2`` in its place), what
+compiling does to the rest of the block (its guards, wrappers and two GEMMs).
 
 Times (ms, median, :func:`benchmarks.harness.event_times_ms`): ``*_ms`` one step at a time, a
 synchronisation after each, so the host's latency before the first kernel counts (what a
@@ -85,6 +87,18 @@ class Block(torch.nn.Module):
             angles = torch.cat((angles, angles), dim=-1)
             self.rope_cache[key] = (angles.cos().to(like.dtype), angles.sin().to(like.dtype))
         return self.rope_cache[key]
+
+
+# The blocks a variant's name prefix runs (Block's ``attention``): ReRoPE, the stock block,
+# and the floor (no attention: what compiling does to the rest of the block).
+KINDS = {"": True, "stock_": "rope_sdpa", "floor_": False}
+
+
+def _split(name):
+    """``(prefix, base)`` of a variant's name: ``"stock_compiled"`` → ``("stock_",
+    "compiled")``."""
+    prefix = next((p for p in KINDS if p and name.startswith(p)), "")
+    return prefix, name[len(prefix):]
 
 
 def step_fn(block, x, mode, graphs=False):
@@ -197,7 +211,7 @@ def measure(n, mode, device, dtype, batch, dim, heads, window, reps, profile, va
 
     torch.manual_seed(0)
     blocks = {kind: Block(dim, heads, window, attention=kind).to(device=device, dtype=dtype)
-              for kind in (True, "rope_sdpa")}
+              for kind in KINDS.values()}
     x = torch.randn(batch, n, dim, device=device, dtype=dtype)
     row = dict(N=n, mode=mode, B=batch, heads=heads, head_dim=dim // heads, window=window,
                dtype=str(dtype).replace("torch.", ""))
@@ -205,10 +219,10 @@ def measure(n, mode, device, dtype, batch, dim, heads, window, reps, profile, va
     wants = {kind: step_fn(block, x, mode)().detach().float() for kind, block in blocks.items()}
     for name in variants:
         torch._dynamo.reset()
-        kind = "rope_sdpa" if name.startswith("stock_") else True
-        block, want = blocks[kind], wants[kind]
+        prefix, base = _split(name)
+        block, want = blocks[KINDS[prefix]], wants[KINDS[prefix]]
         model = block
-        if name.removeprefix("stock_") != "eager":
+        if base != "eager":
             model = copy.deepcopy(block)
             options = ({"mode": "reduce-overhead"} if name.endswith("reduce_overhead")
                        else {})
@@ -217,7 +231,7 @@ def measure(n, mode, device, dtype, batch, dim, heads, window, reps, profile, va
         try:
             start = time.time()
             got = step().detach().float().clone()
-            if name.removeprefix("stock_") != "eager":
+            if base != "eager":
                 row[f"{name}_compile_s"] = round(time.time() - start, 1)
                 row[f"{name}_max_abs_diff"] = round((got - want).abs().max().item(), 5)
             single, piped = timed_ms(step, device, reps)
@@ -235,7 +249,7 @@ def measure(n, mode, device, dtype, batch, dim, heads, window, reps, profile, va
         del model, step
     torch._dynamo.reset()
     for name in variants:
-        eager = "stock_eager" if name.startswith("stock_") else "eager"
+        eager = _split(name)[0] + "eager"
         if name != eager and row.get(f"{name}_ms") and row.get(f"{eager}_ms"):
             row[f"{name}_vs_eager"] = round(row[f"{name}_ms"] / row[f"{eager}_ms"], 3)
     return row, kernels
@@ -257,12 +271,13 @@ def main():
     if args.tiny or device == "cpu":
         shape = dict(batch=1, dim=128, heads=2, window=16, dtype=torch.float32)
         lengths, reps, profile = [32], 2, False
-        variants = ("eager", "compiled", "stock_eager", "stock_compiled")
+        variants = ("eager", "compiled", "stock_eager", "stock_compiled", "floor_eager",
+                    "floor_compiled")
     else:
         shape = dict(batch=2, dim=512, heads=8, window=256, dtype=torch.float16)
         lengths = [int(n) for n in args.n.split(",")]
-        variants = ("eager", "compiled", "reduce_overhead", "stock_eager", "stock_compiled",
-                    "stock_reduce_overhead")
+        variants = tuple(prefix + base for prefix in KINDS
+                         for base in ("eager", "compiled", "reduce_overhead"))
         reps = args.reps
         profile = not args.no_profile
     meta = {**environment(device), "rerope_autotune": rerope.config().autotune,
