@@ -25,6 +25,7 @@ import torch
 
 import rerope
 from rerope import attention, rotary
+from rerope.launch import Launcher
 from rerope.reference import rerope_from_relative_positions
 
 from rerope_testing import (F16, C, describe, fused_inputs, fused_results, fused_settings,
@@ -60,6 +61,42 @@ def _kept_calls(plan):
         names += ["forward call"] * len(state.forward_calls)
         names += ["backward call"] * sum(len(b.calls) for b in state.backward.values())
     return names
+
+
+def test_plan_state_is_typed(gen):
+    """A plan keeps its decisions and launches in typed fields (:class:`rerope.attention.
+    PlanState`): after a first call with a gradient, the grid order, both pre-turn decisions and
+    both TMA decisions are made (the forward's in the plan, the backward's per layout of
+    ``dout``), the kept forward is filed under the plan's pre-turn decision and the kept
+    backward under the backward's, and every launch kept is a :class:`Launcher`. A second call
+    with the same shapes builds no plan and creates no launcher."""
+    attention.PLANS.clear()
+    q, k, v = (t.detach().requires_grad_() for t in _fused_qkv(gen))
+    dout = randn(gen, *q.shape, dtype=F32, device=kernel_device())
+
+    def step():
+        out = rerope.rerope(q, k, v, 5, leaky=8.0)
+        return (out, *torch.autograd.grad(out, (q, k, v), dout))
+
+    first = step()
+    (plan,) = attention.PLANS.values()
+    state = plan.state
+    assert isinstance(state, attention.PlanState)
+    assert state.heads_first is True              # 20 keys: heads first (rerope.Config)
+    assert state.preturn_keys is False and state.preturn_backward is False
+    assert state.tma is False                     # never under the interpreter
+    assert list(state.forward_calls) == [state.preturn_keys]
+    (backward,) = state.backward.values()
+    assert isinstance(backward, attention.BackwardState) and backward.tma is False
+    assert list(backward.calls) == [state.preturn_backward]
+    launchers = state.kept_launchers()
+    assert launchers and all(isinstance(launcher, Launcher) for launcher in launchers)
+    assert all(launcher in launchers for launcher in backward.launchers.values())
+    second = step()
+    assert attention.PLANS.built == 1 and len(state.backward) == 1
+    assert [id(launcher) for launcher in state.kept_launchers()] == list(map(id, launchers))
+    for a, b in zip(first, second):
+        assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize("leaky", [None, 8.0], ids=["rerope", "leaky"])
