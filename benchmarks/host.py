@@ -34,22 +34,11 @@ from .harness import environment, write_results
 CHECKS = {}
 
 
-def _plan_launchers(launchers):
-    """The :class:`rerope.launch.Launcher` objects a plan keeps (sub-dicts included)."""
-    found = []
-    for value in launchers.values():
-        if isinstance(value, dict):
-            found += _plan_launchers(value)
-        elif hasattr(value, "bound"):
-            found.append(value)
-    return found
-
-
 def _all_bound():
     """Whether every launcher the op plans and the old per-argument cache keep is bound."""
     launchers = list(attention._LAUNCHERS.values())
     for plan in attention.PLANS.values():
-        launchers += _plan_launchers(getattr(plan, "launchers", {}))
+        launchers += attention.plan_launchers(plan)
     return bool(launchers) and all(l.bound for l in launchers)
 PROFILE = os.environ.get("HOST_PROFILE")      # a path prefix: write cProfile tables there
 

@@ -42,11 +42,11 @@ def case(n, d, rotated, dtype=torch.float16, hq=32, hkv=32):
            "Hq": hq, "Hkv": hkv, "window": WINDOW}
     outs = {}
     for preturn in (False, True):
-        launchers = {}           # a plan's own: its launches bound, as every call through it
+        state = attention.PlanState()    # a plan's own: its launches bound, as every call
 
         def run():
             return attention.rerope_forward(q, q, k, k, v, WINDOW, True, d ** -0.5, ops, preturn,
-                                            launchers)
+                                            state)
         outs[preturn] = run()[0]
         row["preturn_ms" if preturn else "in_registers_ms"] = triton.testing.do_bench(
             run, warmup=10, rep=60)

@@ -94,10 +94,9 @@ def test_repeated_call_runs_the_kept_call(preturn, rotated, gen):
             results.append((out, *torch.autograd.grad(out, (q, k, v),
                                                       torch.ones_like(out) / 3)))
     (plan,) = attention.PLANS.values()
-    calls = [key[0] for key in plan.launchers if isinstance(key[0], str)]
-    backward = [key[0] for sub in plan.launchers.values() if isinstance(sub, dict) for key in sub
-                if isinstance(key[0], str)]
-    assert "forward call" in calls and "backward call" in backward, (calls, backward)
+    calls = plan.state.forward_calls
+    backward = [call for kept in plan.state.backward.values() for call in kept.calls.values()]
+    assert calls and backward, (calls, backward)
     for a, b in zip(results[0], results[1]):
         assert torch.equal(a, b)
     assert not torch.equal(results[0][0], results[2][0]), "the kept call ignored its inputs"

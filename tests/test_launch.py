@@ -24,7 +24,7 @@ import pytest
 import torch
 
 import rerope
-from rerope import attention
+from rerope import attention, rotary
 from rerope.launch import Launcher
 from rerope.reference import rerope_from_relative_positions
 
@@ -48,31 +48,55 @@ def _op_plans():
             if isinstance(plan, attention.OpPlan)]
 
 
-def _call_keys(launchers):
-    """The names of the kept calls in a plan's launchers (sub-dicts included)."""
+def _states(plan):
+    """A plan's :class:`rerope.attention.PlanState` objects: its own, and an op plan's
+    backward's (one per layout of ``out`` and ``lse``)."""
+    return [plan.state, *getattr(plan, "backward_states", {}).values()]
+
+
+def _kept_calls(plan):
+    """Which kept calls a plan holds: ``"forward call"``, ``"backward call"``."""
     names = []
-    for key, value in launchers.items():
-        if isinstance(value, dict):
-            names += _call_keys(value)
-        elif isinstance(key[0], str):
-            names.append(key[0])
+    for state in _states(plan):
+        names += ["forward call"] * len(state.forward_calls)
+        names += ["backward call"] * sum(len(b.calls) for b in state.backward.values())
     return names
 
 
-def _launchers(launchers):
-    return [launcher for _, launcher in _keyed_launchers(launchers)]
+def test_plan_state_is_typed(gen):
+    """A plan keeps its decisions and launches in typed fields (:class:`rerope.attention.
+    PlanState`): after a first call with a gradient, the grid order, both pre-turn decisions and
+    both TMA decisions are made (the forward's in the plan, the backward's per layout of
+    ``dout``), the kept forward is filed under the plan's pre-turn decision and the kept
+    backward under the backward's, and every launch kept is a :class:`Launcher`. A second call
+    with the same shapes builds no plan and creates no launcher."""
+    attention.PLANS.clear()
+    q, k, v = (t.detach().requires_grad_() for t in _fused_qkv(gen))
+    dout = randn(gen, *q.shape, dtype=F32, device=kernel_device())
 
+    def step():
+        out = rerope.rerope(q, k, v, 5, leaky=8.0)
+        return (out, *torch.autograd.grad(out, (q, k, v), dout))
 
-def _keyed_launchers(launchers):
-    """``(key, launcher)`` of every :class:`Launcher` in a plan's ``launchers``, sub-dicts
-    included (a key's first item names the launch: ``(kernel, grid)``)."""
-    found = []
-    for key, value in launchers.items():
-        if isinstance(value, dict):
-            found += _keyed_launchers(value)
-        elif isinstance(value, Launcher):
-            found.append((key, value))
-    return found
+    first = step()
+    (plan,) = attention.PLANS.values()
+    state = plan.state
+    assert isinstance(state, attention.PlanState)
+    assert state.heads_first is True              # 20 keys: heads first (rerope.Config)
+    assert state.preturn_keys is False and state.preturn_backward is False
+    assert state.tma is False                     # never under the interpreter
+    assert list(state.forward_calls) == [state.preturn_keys]
+    (backward,) = state.backward.values()
+    assert isinstance(backward, attention.BackwardState) and backward.tma is False
+    assert list(backward.calls) == [state.preturn_backward]
+    launchers = state.kept_launchers()
+    assert launchers and all(isinstance(launcher, Launcher) for launcher in launchers)
+    assert all(launcher in launchers for launcher in backward.launchers.values())
+    second = step()
+    assert attention.PLANS.built == 1 and len(state.backward) == 1
+    assert [id(launcher) for launcher in state.kept_launchers()] == list(map(id, launchers))
+    for a, b in zip(first, second):
+        assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize("leaky", [None, 8.0], ids=["rerope", "leaky"])
@@ -90,7 +114,7 @@ def test_fused_ops_reuse_their_plan(leaky, gen):
         grads = torch.ops.rerope.rerope_bwd(dout, q, k, v, out, lse, *settings)
         results.append((out, lse, *grads))
     (plan,) = _op_plans()
-    names = _call_keys(plan.launchers)
+    names = _kept_calls(plan)
     assert "forward call" in names and "backward call" in names, names
     for a, b in zip(results[0], results[1]):
         assert torch.equal(a, b)
@@ -111,7 +135,7 @@ def test_fused_op_backward_keyed_by_out_layout(gen):
     strided = out.transpose(1, 2).contiguous().transpose(1, 2)
     got = torch.ops.rerope.rerope_bwd(dout, q, k, v, strided, lse, *SETTINGS)
     (plan,) = _op_plans()
-    assert sum(isinstance(key, tuple) and key[0] == "op backward" for key in plan.launchers) == 2
+    assert len(plan.backward_states) == 2
     for a, b in zip(got, want):
         assert torch.equal(a, b)
 
@@ -154,7 +178,7 @@ def test_compiled_block_runs_through_op_plans(gen):
     second = _block_results(compiled_block, x)
     torch._dynamo.reset()
     assert _op_plans() == plans, "the second compiled step built a new plan"
-    names = _call_keys(plans[0].launchers)
+    names = _kept_calls(plans[0])
     assert "forward call" in names and "backward call" in names, names
     for name in first:
         assert torch.equal(first[name], second[name]), name
@@ -256,10 +280,10 @@ def test_gpu_plan_launchers_are_bound(preturn, gen):
     for a, b in zip(*runs):
         assert torch.equal(a, b)
     launchers = [l for plan in attention.PLANS.values()
-                 for l in _launchers(plan.launchers)]
+                 for l in attention.plan_launchers(plan)]
     assert len(launchers) >= 8 and all(l.bound for l in launchers)
-    turns = [key for plan in attention.PLANS.values()
-             for key, _ in _keyed_launchers(plan.launchers) if key[0][0] == "turn operands"]
+    turns = [launcher for launcher in launchers
+             if launcher.kernel is rotary._turn_operands_kernel]
     assert bool(turns) == preturn, turns
 
 

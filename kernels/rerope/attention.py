@@ -76,6 +76,76 @@ def heads_first(n_k, programs=1, config=None):
     return n_k <= config.heads_first_max_keys or programs > GRID_Y_MAX
 
 
+# --- a plan's state: its decisions and kept launches ------------------------------------------
+
+
+@dataclass(eq=False)
+class BackwardState:
+    """What a plan keeps for its backward per layout of ``dout`` (the one argument of the
+    backward its key does not fix), filled by the first backward call with that layout.
+
+    ``tma``: whether the backward kernels read tiles through TMA (:func:`_use_tma`; ``None``:
+    not decided yet). ``calls``: the fused form's kept backward (:func:`_backward_call`) per
+    pre-turn choice (:func:`preturn_backward`'s answer, or the caller's ``preturn``).
+    ``launchers``: the backward's bound launches (:func:`_bound`)."""
+
+    tma: Optional[bool] = None
+    calls: dict = field(default_factory=dict)
+    launchers: dict = field(default_factory=dict)
+
+
+@dataclass(eq=False)
+class PlanState:
+    """What a plan decides and keeps on its first calls, for its later ones: the plan's key
+    (the call signature: shapes, strides, dtype, device, alignment; and its
+    :class:`rerope.Config`) fixes every input of each decision, so each is made once.
+
+    ``heads_first``: the kernels' grid order (:func:`heads_first`). ``preturn_keys``: whether
+    the fused forward turns keys once first (:func:`preturn_keys`). ``preturn_backward``:
+    whether the fused backward runs on pre-turned operands where some differ from the inputs
+    (:func:`preturn_backward`). ``tma``: whether the forward reads tiles through TMA
+    (:func:`_use_tma`). ``None``: not decided yet. ``forward_calls``: the fused form's kept
+    forward (:func:`_forward_call`) per pre-turn choice. ``backward``: a
+    :class:`BackwardState` per layout of ``dout`` (:func:`rerope.launch.signature`).
+    ``launchers``: the forward's bound launches, per launch site and constexprs
+    (:func:`_bound`, :func:`rerope.launch.kept_launcher`)."""
+
+    heads_first: Optional[bool] = None
+    preturn_keys: Optional[bool] = None
+    preturn_backward: Optional[bool] = None
+    tma: Optional[bool] = None
+    forward_calls: dict = field(default_factory=dict)
+    backward: dict = field(default_factory=dict)
+    launchers: dict = field(default_factory=dict)
+
+    def backward_of(self, dout):
+        """The :class:`BackwardState` for ``dout``'s layout (a new one the first time)."""
+        key = signature(dout)
+        kept = self.backward.get(key)
+        if kept is None:
+            kept = self.backward[key] = BackwardState()
+        return kept
+
+    def kept_launchers(self):
+        """Every :class:`rerope.launch.Launcher` kept: the forward's and the backward's."""
+        return [*self.launchers.values(),
+                *(launcher for kept in self.backward.values()
+                  for launcher in kept.launchers.values())]
+
+
+def _decided(state, name, decide):
+    """``decide()``, made once per plan: kept in ``state``'s field ``name`` (a
+    :class:`PlanState` or :class:`BackwardState`; ``None`` there: not decided yet); made on
+    every call without a ``state``."""
+    if state is None:
+        return decide()
+    value = getattr(state, name)
+    if value is None:
+        value = decide()
+        setattr(state, name, value)
+    return value
+
+
 def _launch(kernel, blocks_of, rows, programs, args, launchers=None, autotune=True,
             **constexprs):
     """Launch ``kernel`` over ``(cdiv(rows, meta[blocks_of]), programs)``, or ``(programs,
@@ -112,12 +182,12 @@ _LAUNCHERS = LRUCache()
 def _bound(where, args, constexprs, make, launchers=None):
     """The :class:`rerope.launch.Launcher` of a launch; ``make()`` builds a new one.
 
-    ``launchers``: a plan's own dict (see :func:`_cached_plan`), whose call signature already
-    fixes every argument of the launch (shapes, strides, alignment; outputs and scratch are
-    fresh contiguous tensors): kept there per ``where`` (kernel and grid) and constexprs, a
-    short key. Without one, kept in :data:`_LAUNCHERS` per exact argument list: integers by
-    value, tensors by dtype and pointer alignment (what Triton specialises a compiled kernel
-    on)."""
+    ``launchers``: a plan's dict of bound launches (:attr:`PlanState.launchers`,
+    :attr:`BackwardState.launchers`), whose call signature already fixes every argument of the
+    launch (shapes, strides, alignment; outputs and scratch are fresh contiguous tensors):
+    kept there per ``where`` (kernel and grid) and constexprs, a short key. Without one, kept
+    in :data:`_LAUNCHERS` per exact argument list: integers by value, tensors by dtype and
+    pointer alignment (what Triton specialises a compiled kernel on)."""
     if launchers is not None:
         return kept_launcher(launchers, where, constexprs, make)
     key = (where, tuple(constexprs.items()), tuple(map(_arg_key, args)))
@@ -151,18 +221,6 @@ def _use_tma(mode, *tensors):
         return False
     # the cheap checks first: this runs per call
     return all(_tma_layout_ok(t) for t in tensors)
-
-
-def _tma_of(launchers, where, mode, *tensors):
-    """:func:`_use_tma`, decided once per plan (``launchers``, see :func:`_bound`: the plan's
-    call signature fixes every layout and alignment it looks at, its config the mode)."""
-    if launchers is None:
-        return _use_tma(mode, *tensors)
-    key = ("tma", where)
-    tma = launchers.get(key)
-    if tma is None:
-        tma = launchers[key] = _use_tma(mode, *tensors)
-    return tma
 
 
 # --- how the kernels read q and k -------------------------------------------------------------
@@ -301,29 +359,32 @@ def preturn_backward(n_k, extra_bytes, device, config=None):
 
 
 def rerope_forward(q1, q2, k1, k2, v, window, causal, sm_scale, operands=None, preturn=None,
-                   launchers=None, config=None):
+                   state=None, config=None):
     """Run the forward kernel; returns ``(out, lse)`` (``lse`` in log2 units, ``(B·Hq, Nq)``).
 
     ``operands=None``: the five-tensor form. Otherwise ``q1 is q2`` is ``q``, ``k1 is k2`` is
     ``k`` and ``operands`` (:class:`Operands`) says how they are rotated; ``preturn`` whether
     the products that turn keys get them turned once first (``None``: :func:`preturn_keys`).
-    ``launchers``: the plan's (see :func:`_bound`), made for ``config`` (the plan's
+    ``state``: the plan's :class:`PlanState` (its decisions, kept calls and bound launches;
+    ``None``: all decided on this call), made for ``config`` (the plan's
     :class:`rerope.Config`; default the active one).
     """
-    call_key = ("forward call", preturn)    # the plan fixes the shapes and the Config, so
-    if launchers is not None and operands is not None:     # the decisions below: its call
-        call = launchers.get(call_key)
+    fused = operands is not None
+    if state is not None and fused:       # the plan fixes the shapes and the Config, so the
+        call = state.forward_calls.get(   # decisions below: its kept call
+            state.preturn_keys if preturn is None else preturn)
         if call is not None:
             return call(q1, q2, k1, k2, v)
     config = config or configs.current()
     batch, n_heads, n_q, head_dim = q1.shape
     n_k = k1.shape[2]
-    pre = (preturn_keys(n_k, n_q, n_heads // k1.shape[1], config) if preturn is None
-           else preturn)
-    first = heads_first(n_k, batch * n_heads, config)
+    first = _decided(state, "heads_first", lambda: heads_first(n_k, batch * n_heads, config))
+    pre = preturn if preturn is not None else _decided(
+        state, "preturn_keys", lambda: preturn_keys(n_k, n_q, n_heads // k1.shape[1], config))
+    launchers = None if state is None else state.launchers
     out = torch.empty(q1.shape, dtype=q1.dtype, device=q1.device)
     lse = torch.empty(batch * n_heads, n_q, dtype=torch.float32, device=q1.device)
-    fused, keys = operands is not None, k1      # keys: as given (the plan's layout)
+    keys = k1                                   # as given (the plan's layout)
     operands = operands or _five_tensors(lse)
     turn_keys_in, turn_keys_out = operands.flags["TURN_IN"], operands.flags["TURN_OUT"]
     turn_tables = (None, None)
@@ -340,11 +401,11 @@ def rerope_forward(q1, q2, k1, k2, v, window, causal, sm_scale, operands=None, p
         "fwd", "BLOCK_M", n_q, batch * n_heads, launchers=launchers, args=args,
         autotune=config.autotune,
         HEAD_DIM=head_dim, CAUSAL=causal,
-        TMA=_tma_of(launchers, "fwd", config.tma, q1, q2, k1, k2, v),
+        TMA=_decided(state, "tma", lambda: _use_tma(config.tma, q1, q2, k1, k2, v)),
         HEADS_FIRST=first, **operands.constexprs(turn_keys_in, turn_keys_out))
-    if launchers is not None and fused:
-        launchers[call_key] = _forward_call(launcher, out, lse, keys, turn_tables,
-                                            tuple(args[7:]), launchers)
+    if state is not None and fused:
+        state.forward_calls[pre] = _forward_call(launcher, out, lse, keys, turn_tables,
+                                                 tuple(args[7:]), launchers)
     return out, lse
 
 
@@ -399,7 +460,7 @@ def _forward_call(launcher, out, lse, keys, turn_tables, tail, launchers):
 
 
 def rerope_backward(dout, q1, q2, k1, k2, v, out, lse, window, causal, sm_scale, operands=None,
-                    preturn=None, launchers=None, config=None):
+                    preturn=None, state=None, config=None):
     """Run the three backward kernels: ``(dq1, dq2, dk1, dk2, dv)`` in the five-tensor form,
     ``(dq, dk, dv)`` with ``operands`` (see :func:`rerope_forward`).
 
@@ -407,22 +468,23 @@ def rerope_backward(dout, q1, q2, k1, k2, v, out, lse, window, causal, sm_scale,
     memory, see :func:`preturn_backward`; ``None``: that function decides) or turn tiles in
     registers (``False``; also where no product changes an operand). Both give ``dq, dk, dv``
     of the input dtype, contiguous, equal within rounding (``dq`` bit for bit where both run
-    one dot per score, D = 16). ``launchers``: the forward's plan's (see :func:`_bound`); the
-    backward keeps its own per layout of ``dout``, the one argument the plan does not fix.
-    ``config``: the plan's :class:`rerope.Config` (default the active one).
+    one dot per score, D = 16). ``state``: the forward's plan's :class:`PlanState`; the
+    backward keeps its own :class:`BackwardState` there per layout of ``dout``, the one
+    argument the plan does not fix. ``config``: the plan's :class:`rerope.Config` (default
+    the active one).
     """
-    config = config or configs.current()
-    if launchers is not None:
-        launchers = launchers.setdefault(("backward", *signature(dout)), {})
     fused = operands is not None
-    call_key = ("backward call", preturn)
-    if launchers is not None and fused:            # the fused form's plan: its call
-        call = launchers.get(call_key)
+    kept = None if state is None else state.backward_of(dout)
+    if kept is not None and fused:            # the fused form's plan: its kept call
+        call = kept.calls.get(state.preturn_backward if preturn is None else preturn)
         if call is not None:
             return call(dout, q1, k1, v, out, lse)
+    config = config or configs.current()
+    launchers = None if kept is None else kept.launchers
     batch, n_heads, n_q, head_dim = q1.shape
     n_kv_heads, n_k = k1.shape[1], k1.shape[2]
     q_per_kv = n_heads // n_kv_heads
+    first = _decided(state, "heads_first", lambda: heads_first(n_k, batch * n_heads, config))
     delta = torch.empty_like(lse)
     args = (out, dout, delta, *_strides(out, dout), n_heads, n_q)
     grid = (batch * n_heads, triton.cdiv(n_q, configs.DELTA_BLOCK_M))
@@ -436,8 +498,9 @@ def rerope_backward(dout, q1, q2, k1, k2, v, out, lse, window, causal, sm_scale,
     if fused:
         outside = _has_outside(n_k, window)
         writes, extra = _preturned_shapes(q1, k1, operands, outside)
-        if any(writes) and (preturn_backward(n_k, extra, q1.device, config) if preturn is None
-                              else preturn):
+        preturn = preturn if preturn is not None else _decided(
+            state, "preturn_backward", lambda: preturn_backward(n_k, extra, q1.device, config))
+        if any(writes) and preturn:
             # the five-tensor kernels on each product's operands, gradients turned back
             q_in, k_in = q1, k1
             q1, q2, k1, k2 = _operand_turns(operands, n_k - n_q, outside, launchers)(q1, k1)
@@ -450,8 +513,9 @@ def rerope_backward(dout, q1, q2, k1, k2, v, out, lse, window, causal, sm_scale,
     dv = torch.empty(k1.shape, dtype=k1.dtype, device=k1.device)
     strides = _strides(q1, q2, k1, k2, v, dout)
     common = dict(HEAD_DIM=head_dim, CAUSAL=causal,
-                  TMA=_tma_of(launchers, "bwd", config.tma, q1, q2, k1, k2, v, dout),
-                  HEADS_FIRST=heads_first(n_k, batch * n_heads, config), **constexprs)
+                  TMA=_decided(kept, "tma", lambda: _use_tma(config.tma, q1, q2, k1, k2, v,
+                                                             dout)),
+                  HEADS_FIRST=first, **constexprs)
     dkdv_args = [q1, q2, k1, k2, v, dout, lse, delta, dk[0], dk[-1], dv, operands.tables,
                  *strides, n_heads, q_per_kv, n_q, n_k, window, sm_scale * LOG2E,
                  sm_scale, operands.logn_factor]
@@ -464,8 +528,8 @@ def rerope_backward(dout, q1, q2, k1, k2, v, out, lse, window, causal, sm_scale,
     dq_launcher = _launch("dq", "BLOCK_M", n_q, batch * n_heads, launchers=launchers,
                           autotune=config.autotune,
                           args=dq_args, **common)
-    if launchers is not None and fused:
-        launchers[call_key] = _backward_call(
+    if kept is not None and fused:
+        kept.calls[preturn] = _backward_call(
             (delta_launcher, args[3:]), turn, (dkdv, tuple(dkdv_args[11:])),
             (dq_launcher, tuple(dq_args[10:])), dq[0], dk[0])
     return (dq[0], dk[0], dv) if fused else (dq[0], dq[1], dk[0], dk[1], dv)
@@ -525,12 +589,14 @@ def _backward_call(delta, turn, dkdv, dq, dq_first, dk_first):
 class OpPlan:
     """A custom op's real call, planned once per call signature (:func:`_op_plan`): the
     configuration it was planned under, the rotation operands (``None`` for the five-tensor
-    form) and the bound launches and kept calls (:func:`_bound`, :func:`_forward_call`,
-    :func:`_backward_call`), filled by its first call."""
+    form), and what its first calls decide and keep (:class:`PlanState`): ``state`` for the
+    forward, ``backward_states`` for the backward per layout of ``out`` and ``lse``
+    (:func:`_op_backward_state`)."""
 
     config: configs.Config
     operands: Optional[Operands]
-    launchers: dict = field(default_factory=dict)
+    state: PlanState = field(default_factory=PlanState)
+    backward_states: dict = field(default_factory=dict)
 
 
 def _make_five_op_plan(config, window, causal, sm_scale):
@@ -566,13 +632,18 @@ def _op_plan(make, tensors, settings):
     return plan
 
 
-def _op_backward_launchers(plan, out, lse):
-    """The backward's launchers of an op plan: per layout of ``out`` and ``lse`` too (in eager
-    mode they are the forward's own fresh outputs; an op's caller may pass any)."""
+def _op_backward_state(plan, out, lse):
+    """The :class:`PlanState` of an op plan's backward: per layout of ``out`` and ``lse`` too
+    (in eager mode they are the forward's own fresh outputs; an op's caller may pass any);
+    ``None`` where they have no layout to key on (no data pointer)."""
     try:
-        return plan.launchers.setdefault(("op backward", *signature(out, lse)), {})
+        key = signature(out, lse)
     except (AttributeError, RuntimeError):
         return None
+    state = plan.backward_states.get(key)
+    if state is None:
+        state = plan.backward_states[key] = PlanState()
+    return state
 
 
 # The ops are defined with the plain ``torch.library.Library`` API, not ``custom_op``: a
@@ -601,14 +672,14 @@ def _define(schema, implementation, fake):
 
 def _five_fwd_impl(q1, q2, k1, k2, v, window, causal, sm_scale):
     plan = _op_plan(_make_five_op_plan, (q1, q2, k1, k2, v), (window, causal, sm_scale))
-    return rerope_forward(q1, q2, k1, k2, v, window, causal, sm_scale, launchers=plan.launchers,
+    return rerope_forward(q1, q2, k1, k2, v, window, causal, sm_scale, state=plan.state,
                           config=plan.config)
 
 
 def _five_bwd_impl(dout, q1, q2, k1, k2, v, out, lse, window, causal, sm_scale):
     plan = _op_plan(_make_five_op_plan, (q1, q2, k1, k2, v), (window, causal, sm_scale))
     return list(rerope_backward(dout, q1, q2, k1, k2, v, out, lse, window, causal,
-                                sm_scale, launchers=_op_backward_launchers(plan, out, lse),
+                                sm_scale, state=_op_backward_state(plan, out, lse),
                                 config=plan.config))
 
 
@@ -628,7 +699,7 @@ def _fused_fwd_impl(q, k, v, window, causal, sm_scale, base, leaky, logn_len, ro
     plan = _op_plan(_make_fused_op_plan, (q, k, v), _fused_op_settings(
         window, causal, sm_scale, base, leaky, logn_len, rotated, inv_freq, group))
     return rerope_forward(q, q, k, k, v, window, causal, sm_scale, plan.operands,
-                          launchers=plan.launchers, config=plan.config)
+                          state=plan.state, config=plan.config)
 
 
 def _fused_bwd_impl(dout, q, k, v, out, lse, window, causal, sm_scale, base, leaky, logn_len,
@@ -637,7 +708,7 @@ def _fused_bwd_impl(dout, q, k, v, out, lse, window, causal, sm_scale, base, lea
         window, causal, sm_scale, base, leaky, logn_len, rotated, inv_freq, group))
     return list(rerope_backward(dout, q, q, k, k, v, out, lse, window, causal,
                                 sm_scale, plan.operands,
-                                launchers=_op_backward_launchers(plan, out, lse),
+                                state=_op_backward_state(plan, out, lse),
                                 config=plan.config))
 
 
@@ -740,12 +811,12 @@ def _first_order_only(backward):
 
 class _FiveTensorAttention(torch.autograd.Function):
     """Eager autograd for the five-tensor op (see the module docstring); ``plan``: the call's
-    :class:`FivePlan` (settings, configuration and launchers)."""
+    :class:`FivePlan` (settings, configuration and kept state)."""
 
     @staticmethod
     def forward(ctx, q1, q2, k1, k2, v, plan, return_lse=False):
         out, lse = rerope_forward(q1, q2, k1, k2, v, plan.window, plan.causal, plan.scale,
-                                  launchers=plan.launchers, config=plan.config)
+                                  state=plan.state, config=plan.config)
         ctx.save_for_backward(q1, q2, k1, k2, v, out, lse)
         ctx.plan = plan
         return _with_lse(ctx, out, lse, return_lse)
@@ -756,18 +827,18 @@ class _FiveTensorAttention(torch.autograd.Function):
         *tensors, out, lse = ctx.saved_tensors
         plan = ctx.plan
         grads = rerope_backward(dout, *tensors, out, lse, plan.window, plan.causal, plan.scale,
-                                launchers=plan.launchers, config=plan.config)
+                                state=plan.state, config=plan.config)
         return (*grads, None, None)
 
 
 class _FusedAttention(torch.autograd.Function):
     """Eager autograd for the fused-rotation op (see the module docstring); ``plan``: the
-    call's :class:`FusedPlan` (settings, configuration, operands and launchers)."""
+    call's :class:`FusedPlan` (settings, configuration, operands and kept state)."""
 
     @staticmethod
     def forward(ctx, q, k, v, plan, return_lse=False):
         out, lse = rerope_forward(q, q, k, k, v, plan.window, plan.causal, plan.scale,
-                                  plan.operands, launchers=plan.launchers, config=plan.config)
+                                  plan.operands, state=plan.state, config=plan.config)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.plan = plan
         return _with_lse(ctx, out, lse, return_lse)
@@ -778,7 +849,7 @@ class _FusedAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         plan = ctx.plan
         grads = rerope_backward(dout, q, q, k, k, v, out, lse, plan.window, plan.causal,
-                                plan.scale, plan.operands, launchers=plan.launchers,
+                                plan.scale, plan.operands, state=plan.state,
                                 config=plan.config)
         return (*grads, None, None)
 
@@ -829,6 +900,14 @@ PLANS = PlanCache()
 :class:`rerope.launch.PlanCache`: ``len(PLANS)``, ``PLANS.built``, ``PLANS.clear()``)."""
 
 
+def plan_launchers(plan):
+    """Every :class:`rerope.launch.Launcher` a plan of :data:`PLANS` keeps: its forward's and
+    backward's (:meth:`PlanState.kept_launchers`; an op plan's backward's per layout of ``out``
+    and ``lse`` too)."""
+    states = [plan.state, *getattr(plan, "backward_states", {}).values()]
+    return [launcher for state in states for launcher in state.kept_launchers()]
+
+
 def _settings_key(settings):
     """A tuple of settings as a cache key: with their types, so that ``1``, ``1.0`` and
     ``True`` (which hash alike) never share a plan that checked only one of them."""
@@ -867,8 +946,8 @@ def _cached_plan(make, tensors, settings, compiling=False):
 @dataclass(frozen=True)
 class FivePlan:
     """A checked ``rerope.rerope_attention`` call: its settings, the configuration it was
-    planned under, and its bound launches (``launchers``, :func:`_bound`), filled by its
-    first call."""
+    planned under, and what its first calls decide and keep (``state``, a
+    :class:`PlanState`: decisions, bound launches)."""
 
     config: Optional[configs.Config]      # None when traced by torch.compile
     window: int         # at most N: any window >= N means the same
@@ -876,7 +955,14 @@ class FivePlan:
     scale: float
     grad: bool          # whether the call needs a gradient (part of the plan's key)
     lift: bool          # bf16 under the interpreter: computed in fp32 (rerope.runtime)
-    launchers: dict = field(default_factory=dict)
+    state: Optional[PlanState] = None     # None when traced (see _plan_state)
+
+
+def _plan_state(config):
+    """A new plan's :class:`PlanState`; ``None`` for a plan traced by ``torch.compile``
+    (``config`` ``None``), whose graph calls the ops, which keep their own (:class:`OpPlan`):
+    the compiler cannot trace building one."""
+    return None if config is None else PlanState()
 
 
 def _plan_five(config, q1, q2, k1, k2, v, window, causal, sm_scale):
@@ -888,7 +974,7 @@ def _plan_five(config, q1, q2, k1, k2, v, window, causal, sm_scale):
     scale = q1.shape[-1] ** -0.5 if sm_scale is None else float(sm_scale)
     # the kernels' int32 index arithmetic never sees a huge window
     return FivePlan(config, min(int(window), q1.shape[2]), causal, scale,
-                    _needs_grad(q1, q2, k1, k2, v), _lifted(q1))
+                    _needs_grad(q1, q2, k1, k2, v), _lifted(q1), _plan_state(config))
 
 
 def rerope_attention(q1, q2, k1, k2, v, window, causal=True, sm_scale=None, return_lse=False):
@@ -948,7 +1034,7 @@ def rerope_attention(q1, q2, k1, k2, v, window, causal=True, sm_scale=None, retu
         result = _apply_five(q1, q2, k1, k2, v, plan, return_lse)
     else:                               # no gradient: no autograd node either
         out, lse = rerope_forward(q1, q2, k1, k2, v, plan.window, plan.causal, plan.scale,
-                                  launchers=plan.launchers, config=plan.config)
+                                  state=plan.state, config=plan.config)
         result = (out, _lse_of(out, lse)) if return_lse else out
     return _lowered(result, dtype, plan.lift)
 
@@ -966,8 +1052,8 @@ def _lowered(result, dtype, lift):
 @dataclass(frozen=True)
 class FusedPlan:
     """A checked ``rerope.rerope`` call: its settings, the configuration it was planned under,
-    its rotation operands (tables and flags) and its bound launches (``launchers``,
-    :func:`_bound`), filled by its first call."""
+    its rotation operands (tables and flags) and what its first calls decide and keep
+    (``state``, a :class:`PlanState`: decisions, kept calls, bound launches)."""
 
     config: Optional[configs.Config]      # None when traced by torch.compile
     window: int         # at most Nk: any window >= Nk means the same
@@ -977,7 +1063,7 @@ class FusedPlan:
     operands: Optional[Operands]          # None when traced (the op makes its own)
     grad: bool          # whether the call needs a gradient (part of the plan's key)
     lift: bool          # bf16 under the interpreter: computed in fp32 (rerope.runtime)
-    launchers: dict = field(default_factory=dict)
+    state: Optional[PlanState] = None     # None when traced (see _plan_state)
 
 
 def _plan_fused(config, q, k, v, window, causal, sm_scale, base, leaky, logn_len, rotated,
@@ -987,7 +1073,7 @@ def _plan_fused(config, q, k, v, window, causal, sm_scale, base, leaky, logn_len
         q, k.shape[2], window, causal, sm_scale, base, leaky, logn_len, rotated, inv_freq,
         group, build_operands=config is not None)
     return FusedPlan(config, window, causal, scale, rope, operands, _needs_grad(q, k, v),
-                     _lifted(q))
+                     _lifted(q), _plan_state(config))
 
 
 def fused_settings(q, n_k, window, causal, sm_scale, base, leaky, logn_len, rotated,
@@ -1153,6 +1239,6 @@ def rerope(q, k, v, window, causal=True, sm_scale=None, base=10000.0, leaky=None
         result = _apply_fused(q, k, v, plan, return_lse)
     else:                               # no gradient: no autograd node either
         out, lse = rerope_forward(q, q, k, k, v, plan.window, plan.causal, plan.scale,
-                                  plan.operands, launchers=plan.launchers, config=plan.config)
+                                  plan.operands, state=plan.state, config=plan.config)
         result = (out, _lse_of(out, lse)) if return_lse else out
     return _lowered(result, dtype, plan.lift)

@@ -187,9 +187,10 @@ def _address(arg):
 
 
 def kept_launcher(launchers, where, constexprs, make):
-    """The :class:`Launcher` a plan keeps in its dict ``launchers`` for the launch ``where``
-    (kernel and grid) with ``constexprs``; ``make()`` builds it on the first call. The plan's
-    call signature fixes every other argument of the launch, so this short key is enough."""
+    """The :class:`Launcher` a plan keeps in its dict of bound launches ``launchers`` (e.g.
+    :attr:`rerope.attention.PlanState.launchers`) for the launch ``where`` (kernel and grid)
+    with ``constexprs``; ``make()`` builds it on the first call. The plan's call signature
+    fixes every other argument of the launch, so this short key is enough."""
     key = (where, tuple(constexprs.items()))
     launcher = launchers.get(key)
     if launcher is None:

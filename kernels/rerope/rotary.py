@@ -346,9 +346,10 @@ def turn_operands(x, inside, outside, first_position=0, logn_factor=0.0, launche
     backward kernels then read each product's operands as stored instead of turning every tile
     of the other axis again in every program that reads it.
 
-    ``launchers``: a plan's dict (whose call signature fixes ``x``'s shape, strides and
-    alignment): the launch is kept there, bound (:class:`rerope.launch.Launcher`), so a repeated
-    call skips Triton's Python launch path; ``None``: launched through ``kernel[grid]``.
+    ``launchers``: a plan's dict of bound launches (:attr:`rerope.attention.PlanState.
+    launchers`; the plan's call signature fixes ``x``'s shape, strides and alignment): the
+    launch is kept there, bound (:class:`rerope.launch.Launcher`), so a repeated call skips
+    Triton's Python launch path; ``None``: launched through ``kernel[grid]``.
     """
     return kept_turn(x, inside, outside, first_position, logn_factor, launchers)(x)
 
