@@ -23,7 +23,7 @@ rotations at the keys' logical positions. Keys pre-turned before the kernel (lon
 
 import functools
 import numbers
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -407,7 +407,6 @@ class VarlenPlan:
     scale: float
     operands: object
     lift: bool
-    launchers: dict = field(default_factory=dict)
 
 
 _PLANS = LRUCache()
