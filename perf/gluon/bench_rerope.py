@@ -13,6 +13,10 @@
    windows of --reps calls (CUDA events); ratio = cuDNN ms / impl ms.
 The JSON is rewritten after every row. --smoke FILE: each config once at N=1024 H=2 window 300
 (start/ok/bad KEY lines for device_rerope.sh). --cpu-dry-run: no GPU, kernels replaced by the reference.
+Configs: rerope_fwd.all_configs (default + EXTRA_CONFIGS, incl. the BAND_TWICE ones, whose seventh
+field is 1); --all-configs adds RETIRED_CONFIGS; --quick: quick_configs (default + one BAND_TWICE).
+--list-keys prints the config keys; --precompile KEY...: only JIT-compile those configs (with and
+without LSE) into Triton's on-disk cache, nothing launched (device_rerope.sh: one process per key).
 """
 import argparse
 import json
@@ -34,13 +38,17 @@ def parse_args(argv=None):
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "/tmp/out"), "gluon_rerope.json"))
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=5)
-    ap.add_argument("--quick", action="store_true", help="default configs only")
+    ap.add_argument("--quick", action="store_true", help="rerope_fwd.quick_configs: default + one BAND_TWICE")
+    ap.add_argument("--all-configs", action="store_true", help="also rerope_fwd.RETIRED_CONFIGS")
+    ap.add_argument("--list-keys", action="store_true", help="print the config keys and exit")
+    ap.add_argument("--precompile", nargs="+", metavar="KEY", help="only JIT-compile these configs")
     ap.add_argument("--heads", type=int, default=32)
     ap.add_argument("--check-n", type=int, nargs="+", default=[1024, 8192])
     ap.add_argument("--time-n", type=int, default=8192)
     ap.add_argument("--time-window", type=int, default=2048)
     ap.add_argument("--smoke", metavar="PROGRESS_FILE")
-    ap.add_argument("--skip", nargs="*", default=[], metavar="KEY", help="D:dtype:BLOCK_M,BLOCK_N,STAGES,WARPS,SPLIT,PIPE")
+    ap.add_argument("--skip", nargs="*", default=[], metavar="KEY",
+                    help="D:dtype:BLOCK_M,BLOCK_N,STAGES,WARPS,SPLIT,PIPE[,BAND_TWICE]")
     ap.add_argument("--cpu-dry-run", action="store_true")
     return ap.parse_args(argv)
 
@@ -73,6 +81,16 @@ def sample_rows(N, device):
 def main(argv=None):
     args = parse_args(argv)
     os.environ.setdefault("REROPE_AUTOTUNE", "0")
+    if args.list_keys:  # no torch.cuda needed
+        import torch
+        import rerope_fwd as rf
+        for D in (64, 128):
+            for dt in ("float16", "bfloat16"):
+                for c in (rf.quick_configs(D) if args.quick else rf.all_configs(D, retired=args.all_configs)):
+                    k = f"{D}:{dt}:{','.join(map(str, c))}"
+                    if k not in args.skip:
+                        print(k)
+        return 0
     if args.cpu_dry_run:
         import torch
         dev, timer = "cpu", wall_ms
@@ -116,7 +134,7 @@ def main(argv=None):
         return f"{D}:{str(dt).replace('torch.', '')}:{','.join(map(str, cfg))}"
 
     def configs(D, dt):
-        cfgs = [rf.default_config(D)] + ([] if args.quick else list(rf.EXTRA_CONFIGS[D]))
+        cfgs = rf.quick_configs(D) if args.quick else rf.all_configs(D, retired=args.all_configs)
         return [c for c in cfgs if key(D, dt, c) not in args.skip]
 
     def inputs(B, H, N, D, dt, seed):
@@ -126,6 +144,18 @@ def main(argv=None):
     dtypes = [torch.float16, torch.bfloat16]
     sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
     t0 = time.time()
+
+    if args.precompile:
+        for kk in args.precompile:
+            D, dts, cfg = kk.split(":")
+            D, dt, cfg = int(D), getattr(torch, dts), tuple(int(x) for x in cfg.split(","))
+            ts = [torch.empty(1, 1, 1024, D, device=dev, dtype=dt) for _ in range(5)]
+            t1 = time.time()
+            for lse in (True, False):
+                if not args.cpu_dry_run:
+                    rf.rerope_attention(*ts, 300, return_lse=lse, config=cfg, _warmup=True)
+            print(f"precompiled {kk} in {time.time() - t1:.1f} s", flush=True)
+        return 0
 
     if args.smoke:
         fails = 0

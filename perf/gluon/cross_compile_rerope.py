@@ -3,7 +3,10 @@
     /work/venv36/bin/python perf/gluon/cross_compile_rerope.py > perf/gluon/cross_compile_rerope_3.6.txt
 
 Same method as ``cross_compile.py`` (whose ``ptxas_info`` it reuses): every config of
-``rerope_fwd.all_configs`` for D 64/128 (fp16; the defaults also bf16), LSE on.
+``rerope_fwd.all_configs(D, retired=True)`` for D 64/128 in fp16, the defaults and the BAND_TWICE
+configs (seventh field 1: ``rerope_fwd_twice_kernel``) also in bf16, LSE on. ``--twice``: only the
+BAND_TWICE configs. (/work/venv36: a venv with the triton-3.6.0 wheel and a .pth onto the main
+.venv's site-packages for torch; see README.md.)
 """
 import os
 import re
@@ -22,13 +25,13 @@ from cross_compile import ptxas_info  # noqa: E402
 
 
 def compile_variant(dtype, D, config, store_lse=True):
-    BLOCK_M, BLOCK_N, STAGES, CW, SPLIT, PIPE = config
+    BLOCK_M, BLOCK_N, STAGES, CW, SPLIT, PIPE = config[:6]
     SUB_M = BLOCK_M // SPLIT
     gdt = rf._gl_dtype(dtype)
     t = torch.empty((1024, D), dtype=dtype)
     q = mangle_type(TensorDescriptor.from_tensor(t, [SUB_M, D], rf.smem_layout([SUB_M, D], gdt)))
     kv = mangle_type(TensorDescriptor.from_tensor(t, [BLOCK_N, D], rf.smem_layout([BLOCK_N, D], gdt)))
-    fn = rf.rerope_fwd_causal_kernel
+    fn = rf.kernel_for(config)
     signature = {"q1_desc": q, "q2_desc": q, "k1_desc": kv, "k2_desc": kv, "v_desc": kv, "o_desc": q,
                  "lse_ptr": "*fp32", "N": "i32", "window": "i32", "qk_scale": "fp32",
                  "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "HEAD_D": "constexpr", "STAGES": "constexpr",
@@ -41,11 +44,14 @@ def compile_variant(dtype, D, config, store_lse=True):
 
 def main():
     print(f"triton {triton.__version__}, torch {torch.__version__}, target cuda sm_90 (warp size 32), rerope_fwd")
-    jobs = [(D, dt, rf.default_config(D)) for D in (64, 128) for dt in (torch.float16, torch.bfloat16)]
-    jobs += [(D, torch.float16, c) for D in (64, 128) for c in rf.EXTRA_CONFIGS[D]]
+    jobs = [(D, dt, c) for D in (64, 128) for c in rf.all_configs(D, retired=True)
+            for dt in (torch.float16, torch.bfloat16)
+            if dt == torch.float16 or c == rf.default_config(D) or rf.band_twice(c)]
+    if "--twice" in sys.argv:
+        jobs = [j for j in jobs if rf.band_twice(j[2])]
     fails = 0
     for D, dt, cfg in jobs:
-        name = f"D{D} {str(dt).replace('torch.', '')} {cfg}"
+        name = f"D{D} {str(dt).replace('torch.', '')} {cfg}{' BAND_TWICE' if rf.band_twice(cfg) else ''}"
         try:
             k = compile_variant(dt, D, cfg)
         except Exception as e:

@@ -1,7 +1,9 @@
 """Exercise rerope_fwd.rerope_attention's real JIT launch path (binding, specialization incl.
 window=1 with do_not_specialize, compile) with a mock sm_90 driver and warmup=True (nothing
-launched), on CPU tensors: every config (fp16), windows 1 and 300, LSE on; defaults also bf16.
-    /work/venv36/bin/python perf/gluon/launch_path_check_rerope.py"""
+launched), on CPU tensors: every config of all_configs (fp16; incl. BAND_TWICE, which goes to
+rerope_fwd_twice_kernel), windows 1 and 300, LSE on; the defaults and the BAND_TWICE configs also
+bf16; then the `_warmup=True` path (bench_rerope.py --precompile) with LSE off. ``--twice``: BAND_TWICE only.
+    /work/venv36/bin/python perf/gluon/launch_path_check_rerope.py [--twice]"""
 import sys, torch, triton
 from triton.backends.compiler import GPUTarget
 import triton.runtime.driver as drv
@@ -25,12 +27,24 @@ def getitem(self, grid):
 JITFunction.__getitem__ = getitem
 sys.path.insert(0, __import__("os").path.dirname(__import__("os").path.abspath(__file__)))
 import rerope_fwd as rf
+warm = []
+_warmup_orig = JITFunction.warmup
+def warmup(self, *a, grid, **k):
+    kern = _warmup_orig(self, *a, grid=grid, **k)
+    warm.append((self.fn.__name__, grid, kern.metadata.num_warps, kern.metadata.shared))
+    return kern
+JITFunction.warmup = warmup
 for D in (64, 128):
     for dt in (torch.float16, torch.bfloat16):
         ts = [torch.randn(1, 2, 256, D, dtype=dt) for _ in range(5)]
-        cfgs = rf.all_configs(D) if dt == torch.float16 else [rf.default_config(D)]
+        cfgs = [c for c in rf.all_configs(D) if dt == torch.float16 or rf.band_twice(c) or c == rf.default_config(D)]
+        if "--twice" in sys.argv:
+            cfgs = [c for c in cfgs if rf.band_twice(c)]
         for cfg in cfgs:
             for w in (1, 300):
                 rf.rerope_attention(*ts, w, return_lse=True, config=cfg)
+            print(f"D{D} {dt} {cfg}: {rf.kernel_for(cfg).fn.__name__} shared={compiled[-1][2]} OK", flush=True)
+            if rf.band_twice(cfg):
+                assert rf.rerope_attention(*ts, 300, config=cfg, _warmup=True) is None
 for c in compiled[:3]: print(c)
-print(len(compiled), "launch-path compiles OK")
+print(len(compiled), "launch-path calls OK;", len(warm), "_warmup compiles OK:", warm[:2])
