@@ -491,14 +491,14 @@ def _fwd_rows(Q1, Q2, K1, K2, V, Out, Lse, Tables, Pages, sq1, sq2, sk1, sk2, sv
         acc, l_i, m_i, _slice(Q2, sq2, batch, head), sq2, K2a, K2b, sk2, V, sv,
         (Tables[2], Tables[3]), Pages, logn_factor, start_m, rows,
         (outside_clean, band, edge_outside), n_q, n_k, window, qk_scale, OUTSIDE,
-        OUTSIDE_FLAGS, LOGN, CAUSAL, BLOCK_M, BLOCK_N, HEAD_DIM, DOT_PRECISION, TILE_TMA,
-        PAGE_SIZE)
+        OUTSIDE_FLAGS, LOGN, CAUSAL, BLOCK_M, BLOCK_N, HEAD_DIM, DOT_PRECISION,
+        TILE_TMA, PAGE_SIZE)
     acc, l_i, m_i = _fwd_product(
         acc, l_i, m_i, _slice(Q1, sq1, batch, head), sq1, K1a, K1b, sk1, V, sv,
         (Tables[0], Tables[1]), Pages, logn_factor, start_m, rows,
         (inside_clean, band, edge_inside), n_q, n_k, window, qk_scale, INSIDE,
-        INSIDE_FLAGS, LOGN, CAUSAL, BLOCK_M, BLOCK_N, HEAD_DIM, DOT_PRECISION, TILE_TMA,
-        PAGE_SIZE)
+        INSIDE_FLAGS, LOGN, CAUSAL, BLOCK_M, BLOCK_N, HEAD_DIM, DOT_PRECISION,
+        TILE_TMA, PAGE_SIZE)
 
     q_rows = start_m + tl.arange(0, BLOCK_M)
     tl.store(Lse + q_rows, m_i + tl.math.log2(l_i), mask=q_rows < n_q)
