@@ -33,8 +33,9 @@ import triton.language as tl
 from . import configs
 from ._validate import (KERNEL_DTYPES, as_frequencies, check_alike, check_block_table,
                         check_flag, check_int32)
-from .attention import (_first_order_only, _lifted, _needs_grad, _use_tma, fused_settings,
-                        heads_first)
+from .attention import (_arg_key, _first_order_only, _lifted, _needs_grad, _use_tma,
+                        fused_settings, heads_first)
+from .attention import preturn_keys as _rectangular_preturn
 from .backward import _bwd_delta_kernel, _dkdv_rows, _dq_rows
 from .caches import CACHE_SIZE, LRUCache
 from .forward import _fwd_rows, _key_rows, _program, _tile_pages
@@ -253,7 +254,6 @@ def _launch(kernel, blocks_of, rows, programs, args, config, **constexprs):
     on a GPU, the interpreter's configuration on CPU; the :class:`rerope.launch.Launcher`
     is kept per launch shape and argument kinds (:func:`rerope.attention._arg_key`: ints
     by value, since Triton specialises on them)."""
-    from .attention import _arg_key
 
     def grid(blocks):
         return (programs, blocks) if constexprs["HEADS_FIRST"] else (blocks, programs)
@@ -466,9 +466,7 @@ def preturn_keys(max_q, max_k, q_per_kv, config):
     (:func:`turn_keys`), as :func:`rerope.attention.preturn_keys` decides for one sequence of
     ``max_seqlen_k`` keys and ``max_seqlen_q`` queries (the longest sequence dominates the
     call's time)."""
-    from .attention import preturn_keys as rectangular
-
-    return rectangular(max_k, max_q, q_per_kv, config)
+    return _rectangular_preturn(max_k, max_q, q_per_kv, config)
 
 
 def turn_keys(k, cu_k, max_k, operands, outside=True, block_table=None):
