@@ -14,6 +14,11 @@ fp32 on the CPU). On the CPU every Triton launch of the package is skipped
 (``rerope.launch.Launcher`` made a no-op, outputs garbage): what is timed is the Python around
 the kernels; on a GPU the kernels run and a step ends with a synchronisation.
 
+``--impl stock_sdpa_flash``: the yardstick, the same loop through transformers'
+``sdpa_attention_forward`` under SDPA's FlashAttention-2 backend (no mask function: the stock
+model's mask for one new token is not timed), so that one call measures what a layer costs
+each way.
+
 Reports ``us_per_step`` (median over ``--steps``), ``us_per_layer`` (= step / layers),
 ``us_mask`` (the mask function), ``us_first_layer`` / ``us_other_layers`` (where a new cache length costs more), and the decode
 plan cache's counters (``rerope.decode.PLANS``: ``plans_built`` over the whole run, 1 when a
@@ -32,15 +37,26 @@ from .harness import write_json
 
 
 class _Layer(torch.nn.Module):
-    """What the attention function reads of a model's attention layer."""
+    """What the attention functions read of a model's attention layer (32:8 heads)."""
 
     is_causal = True
+    num_key_value_groups = 4
 
 
 def run(device="cpu", layers=16, steps=32, context=1024, heads=32, kv_heads=8, head_dim=64,
-        window=256):
+        window=256, impl="rerope"):
+    """One run; ``impl`` ``"rerope"`` (ReRoPE's mask and attention functions) or
+    ``"stock_sdpa_flash"`` (transformers' ``sdpa_attention_forward`` under SDPA's
+    FlashAttention-2 backend, no mask function: what the stock model calls per layer)."""
     import rerope.hf as hf
     from rerope import decode
+
+    from .hf import sdpa_backends
+
+    if impl not in ("rerope", "stock_sdpa_flash"):
+        raise ValueError(f"impl must be 'rerope' or 'stock_sdpa_flash', got {impl!r}")
+    if impl == "stock_sdpa_flash":
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     settings = hf.Settings(window, base=500000.0)
@@ -70,13 +86,21 @@ def run(device="cpu", layers=16, steps=32, context=1024, heads=32, kv_heads=8, h
         position_ids = torch.full((1, 1), n - 1, dtype=torch.long, device=device)
         sync()
         start = time.perf_counter()
-        rows = hf.rerope_mask(1, q_length=1, kv_length=n, q_offset=n - 1,
-                              attention_mask=mask.bool())
+        if impl == "rerope":
+            rows = hf.rerope_mask(1, q_length=1, kv_length=n, q_offset=n - 1,
+                                  attention_mask=mask.bool())
         marks = [time.perf_counter()]
-        for cache in caches:
-            hf.rerope_attention_forward(settings, module, query, cache, cache, rows,
-                                        scaling=head_dim ** -0.5, position_ids=position_ids)
-            marks.append(time.perf_counter())
+        with sdpa_backends(impl):
+            for cache in caches:
+                if impl == "rerope":
+                    hf.rerope_attention_forward(settings, module, query, cache, cache, rows,
+                                                scaling=head_dim ** -0.5,
+                                                position_ids=position_ids)
+                else:
+                    sdpa_attention_forward(module, query, cache, cache, None,
+                                           scaling=head_dim ** -0.5,
+                                           position_ids=position_ids)
+                marks.append(time.perf_counter())
         sync()
         end = time.perf_counter()
         if step >= 3:                            # warm: plans, tables
@@ -85,15 +109,17 @@ def run(device="cpu", layers=16, steps=32, context=1024, heads=32, kv_heads=8, h
             first_us.append((marks[1] - marks[0]) * 1e6)
             other_us.append((marks[-1] - marks[1]) * 1e6 / max(1, layers - 1))
     median = statistics.median
-    return {"device": device, "layers": layers, "steps": steps, "context": context,
+    return {"impl": impl, "device": device, "layers": layers, "steps": steps,
+            "context": context,
             "heads": heads, "kv_heads": kv_heads, "head_dim": head_dim, "window": window,
-            "launches": "run" if device == "cuda" else "skipped",
+            "launches": ("run" if device == "cuda" else
+                         "skipped" if impl == "rerope" else "CPU math"),
             "us_per_step": round(median(step_us), 1),
             "us_per_layer": round(median(step_us) / layers, 1),
             "us_mask": round(median(mask_us), 1),
             "us_first_layer": round(median(first_us), 1),
             "us_other_layers": round(median(other_us), 1),
-            "plans_built": decode.PLANS.built}
+            "plans_built": decode.PLANS.built if impl == "rerope" else None}
 
 
 def main():
@@ -103,6 +129,9 @@ def main():
     parser.add_argument("--layers", type=int, default=16)
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--context", type=int, default=1024)
+    parser.add_argument("--impl", default="rerope", choices=("rerope", "stock_sdpa_flash"),
+                        help="ReRoPE's functions, or transformers' SDPA attention function "
+                             "(FlashAttention-2 backend) as the yardstick")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     if args.device == "cpu":
@@ -112,7 +141,7 @@ def main():
 
     if args.device == "cpu":
         launch.Launcher._slow_launch = lambda self, launch_args: None   # Python only
-    result = run(args.device, args.layers, args.steps, args.context)
+    result = run(args.device, args.layers, args.steps, args.context, impl=args.impl)
     print(json.dumps(result, indent=1))
     if args.out:
         write_json(args.out, result)

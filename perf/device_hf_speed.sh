@@ -15,7 +15,8 @@
 #   profile_decode.txt  python -m benchmarks.hf_profile --context 32768: torch.profiler tables
 #        (CPU and GPU) and cProfile of HF decode steps, stock_sdpa_flash then rerope, with the
 #        attention and mask functions' CPU time per step
-#   hf_host.json  python -m benchmarks.hf_host --device cuda: the attention function's host
+#   hf_host.json, hf_host_stock.json  python -m benchmarks.hf_host --device cuda (--impl
+#        stock_sdpa_flash for the second): the attention function's host
 #        time per layer in a 16-layer step on a growing cache (first layer vs the others)
 #   gpu.txt, versions.txt, timing.txt (seconds per part)
 # Each part has a time cap (the whole stays under BUDGET seconds, default 465; the compiled block
@@ -82,8 +83,11 @@ part hf_32k 130 $PY -m benchmarks.hf "${HF_ARGS_32[@]}" --impls $IMPLS \
 part profile_decode 60 $PY -m benchmarks.hf_profile "${PROF_ARGS[@]}"
 mv "$W/profile_decode.log" "$W/profile_decode.txt"
 cp "$W/profile_decode.txt" "$OUT/profile_decode.txt"
-# 3. the attention function's host time per layer
+# 3. the attention function's host time per layer, ReRoPE's then stock FlashAttention-2's
+#    (the 8k decode gap of session 47 is host time: which part of a layer is it?)
 part hf_host 25 $PY -m benchmarks.hf_host "${HOST_ARGS[@]}" --out "$W/hf_host.json"
+part hf_host_stock 25 $PY -m benchmarks.hf_host "${HOST_ARGS[@]}" --impl stock_sdpa_flash \
+    --out "$W/hf_host_stock.json"
 # 4. the compiled block, last: whatever is left of the budget (its JSON is written per row,
 #    N=1024 first)
 part compile 400 $PY -m benchmarks.compile_block "${CB_ARGS[@]}" --out "$W/compile.json"
