@@ -288,9 +288,11 @@ def _paged_tile(Ka, Kb, V, sk, sv, pages, start, n_k, turn, TURN: tl.constexpr,
     position ``j``, never the slot. Rows past ``n_k`` (``MASKED``) and rows whose page is
     outside the pool (``on_pool`` false) read zeros.
 
-    With ``TMA`` (a page holds whole tiles: the launcher's rule) ``V`` and the paged
+    With ``TMA`` (a page holds whole tiles: ``_fwd_rows``' rule) ``V`` and the paged
     keys are descriptors over the pool's rows, row ``page · PAGE_SIZE + slot`` (the
-    pool's page stride is ``PAGE_SIZE`` slots), and a tile is one bulk copy from its page.
+    pool's page stride is ``PAGE_SIZE`` slots), and a tile is one bulk copy from its page;
+    rows past ``n_k`` then read the page's free slots: ``V``'s are zeroed, the keys' scores
+    are masked by the caller.
     """
     cols = start + tl.arange(0, BLOCK_N)
     table = (pages[0], pages[1], sk[0], sv[0], pages[2])
