@@ -211,6 +211,33 @@ def _consumer(o_desc, lse_ptr, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, 
 # kernel
 # ----------------------------------------------------------------------------------------------
 @gluon.jit
+def _ring_barriers(STAGES: gl.constexpr, SPLIT: gl.constexpr):
+    """The ring's mbarriers, initialised: ``q_bar`` (Q arrived), and per slot ``k_ready`` /
+    ``v_ready`` (its K / V tile arrived) and ``kv_empty`` (one arrival per consumer partition:
+    the slot may be refilled)."""
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_bar, count=1)
+    for j in gl.static_range(STAGES):
+        mbarrier.init(k_ready.index(j), count=1)
+        mbarrier.init(v_ready.index(j), count=1)
+        mbarrier.init(kv_empty.index(j), count=SPLIT)
+    return q_bar, k_ready, v_ready, kv_empty
+
+
+@gluon.jit
+def _invalidate_ring(q_bar, k_ready, v_ready, kv_empty, STAGES: gl.constexpr):
+    """Invalidate :func:`_ring_barriers`' mbarriers at the kernel's end."""
+    mbarrier.invalidate(q_bar)
+    for j in gl.static_range(STAGES):
+        mbarrier.invalidate(k_ready.index(j))
+        mbarrier.invalidate(v_ready.index(j))
+        mbarrier.invalidate(kv_empty.index(j))
+
+
+@gluon.jit
 def attn_fwd_causal_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, N, qk_scale,
                            BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
                            STAGES: gl.constexpr, CONSUMER_WARPS: gl.constexpr,
@@ -235,15 +262,7 @@ def attn_fwd_causal_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, N, qk_scale,
     q_smem = gl.allocate_shared_memory(dtype, [SPLIT, SUB_M, HEAD_D], q_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_D], k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_D], v_desc.layout)
-    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(q_bar, count=1)
-    for j in gl.static_range(STAGES):
-        mbarrier.init(k_ready.index(j), count=1)
-        mbarrier.init(v_ready.index(j), count=1)
-        mbarrier.init(kv_empty.index(j), count=SPLIT)  # one arrival per consumer partition
+    q_bar, k_ready, v_ready, kv_empty = _ring_barriers(STAGES, SPLIT)
 
     # Triton 3.6 signature: warp_specialize(functions_and_args, worker_num_warps, worker_num_regs);
     # the first (function, args) pair is the default partition (runs in the kernel's num_warps).
@@ -277,11 +296,7 @@ def attn_fwd_causal_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, N, qk_scale,
             [240, 24],  # worker_num_regs
         )
 
-    mbarrier.invalidate(q_bar)
-    for j in gl.static_range(STAGES):
-        mbarrier.invalidate(k_ready.index(j))
-        mbarrier.invalidate(v_ready.index(j))
-        mbarrier.invalidate(kv_empty.index(j))
+    _invalidate_ring(q_bar, k_ready, v_ready, kv_empty, STAGES)
 
 
 # ----------------------------------------------------------------------------------------------

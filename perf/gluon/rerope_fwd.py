@@ -47,7 +47,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from plain_fwd import LOG2E, SMEM_LIMIT_SM90, _gl_dtype, _softmax, smem_layout  # noqa: E402,F401
+from plain_fwd import (LOG2E, SMEM_LIMIT_SM90, _gl_dtype, _invalidate_ring,  # noqa: E402,F401
+                       _ring_barriers, _softmax, smem_layout)
 
 OUTSIDE = gl.constexpr(0)
 BAND = gl.constexpr(1)
@@ -226,15 +227,7 @@ def rerope_fwd_causal_kernel(q1_desc, q2_desc, k1_desc, k2_desc, v_desc, o_desc,
     k1_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_D], k1_desc.layout)
     k2_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_D], k1_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_D], v_desc.layout)
-    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(q_bar, count=1)
-    for j in gl.static_range(STAGES):
-        mbarrier.init(k_ready.index(j), count=1)
-        mbarrier.init(v_ready.index(j), count=1)
-        mbarrier.init(kv_empty.index(j), count=SPLIT)
+    q_bar, k_ready, v_ready, kv_empty = _ring_barriers(STAGES, SPLIT)
 
     if SPLIT == 1:
         gl.warp_specialize(
@@ -268,11 +261,7 @@ def rerope_fwd_causal_kernel(q1_desc, q2_desc, k1_desc, k2_desc, v_desc, o_desc,
             [240, 24],
         )
 
-    mbarrier.invalidate(q_bar)
-    for j in gl.static_range(STAGES):
-        mbarrier.invalidate(k_ready.index(j))
-        mbarrier.invalidate(v_ready.index(j))
-        mbarrier.invalidate(kv_empty.index(j))
+    _invalidate_ring(q_bar, k_ready, v_ready, kv_empty, STAGES)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -442,15 +431,7 @@ def rerope_fwd_twice_kernel(q1_desc, q2_desc, k1_desc, k2_desc, v_desc, o_desc, 
     q2_smem = gl.allocate_shared_memory(dtype, [SPLIT, SUB_M, HEAD_D], q1_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_D], k1_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_D], v_desc.layout)
-    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(q_bar, count=1)
-    for j in gl.static_range(STAGES):
-        mbarrier.init(k_ready.index(j), count=1)
-        mbarrier.init(v_ready.index(j), count=1)
-        mbarrier.init(kv_empty.index(j), count=SPLIT)
+    q_bar, k_ready, v_ready, kv_empty = _ring_barriers(STAGES, SPLIT)
 
     if SPLIT == 1:
         gl.warp_specialize(
@@ -484,11 +465,7 @@ def rerope_fwd_twice_kernel(q1_desc, q2_desc, k1_desc, k2_desc, v_desc, o_desc, 
             [240, 24],
         )
 
-    mbarrier.invalidate(q_bar)
-    for j in gl.static_range(STAGES):
-        mbarrier.invalidate(k_ready.index(j))
-        mbarrier.invalidate(v_ready.index(j))
-        mbarrier.invalidate(kv_empty.index(j))
+    _invalidate_ring(q_bar, k_ready, v_ready, kv_empty, STAGES)
 
 
 # ----------------------------------------------------------------------------------------------
