@@ -540,7 +540,7 @@ def _forward(q, k, v, cu_q, cu_k, max_q, max_k, plan, preturn=None, block_table=
     else:      # pools as (page, head, slot, dim); pre-turned keys packed in B · max_k rows
         total_k = batch * max_k
         rows = [_pool_rows(t) for t in (k1, k2, v)]
-        tma = None not in rows and _tma(plan, q, *rows)
+        tma = all(r is not None for r in rows) and _tma(plan, q, *rows)
     args = [q, k1, k2, v, out, lse, operands.tables, (cu_q, cu_k), pages,
             *_views(q, k1, k2, v, out), hq, hq // hkv, total_q, total_k, max_q, max_k,
             plan.window, plan.scale * LOG2E, operands.logn_factor]
