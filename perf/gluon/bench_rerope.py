@@ -14,7 +14,8 @@
 The JSON is rewritten after every row. --smoke FILE: each config once at N=1024 H=2 window 300
 (start/ok/bad KEY lines for device_rerope.sh). --cpu-dry-run: no GPU, kernels replaced by the reference.
 Configs: rerope_fwd.all_configs (default + EXTRA_CONFIGS, incl. the BAND_TWICE ones, whose seventh
-field is 1); --all-configs adds RETIRED_CONFIGS; --quick: quick_configs (default + one BAND_TWICE).
+field is 1, and their FA3-scheduled variants: sixth field PIPE / eighth PINGPONG); --all-configs adds
+RETIRED_CONFIGS; --quick: quick_configs (default, one BAND_TWICE and its three FA3-scheduled variants).
 --list-keys prints the config keys; --precompile KEY...: only JIT-compile those configs (with and
 without LSE) into Triton's on-disk cache, nothing launched (device_rerope.sh: one process per key).
 """
@@ -38,7 +39,7 @@ def parse_args(argv=None):
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "/tmp/out"), "gluon_rerope.json"))
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=5)
-    ap.add_argument("--quick", action="store_true", help="rerope_fwd.quick_configs: default + one BAND_TWICE")
+    ap.add_argument("--quick", action="store_true", help="rerope_fwd.quick_configs: default + one BAND_TWICE (+ PIPE/PINGPONG)")
     ap.add_argument("--all-configs", action="store_true", help="also rerope_fwd.RETIRED_CONFIGS")
     ap.add_argument("--list-keys", action="store_true", help="print the config keys and exit")
     ap.add_argument("--precompile", nargs="+", metavar="KEY", help="only JIT-compile these configs")
@@ -48,7 +49,7 @@ def parse_args(argv=None):
     ap.add_argument("--time-window", type=int, default=2048)
     ap.add_argument("--smoke", metavar="PROGRESS_FILE")
     ap.add_argument("--skip", nargs="*", default=[], metavar="KEY",
-                    help="D:dtype:BLOCK_M,BLOCK_N,STAGES,WARPS,SPLIT,PIPE[,BAND_TWICE]")
+                    help="D:dtype:BLOCK_M,BLOCK_N,STAGES,WARPS,SPLIT,PIPE[,BAND_TWICE[,PINGPONG]]")
     ap.add_argument("--cpu-dry-run", action="store_true")
     return ap.parse_args(argv)
 

@@ -27,7 +27,9 @@ import plain_fwd as pf  # noqa: E402
 
 
 def compile_variant(dtype, D, config=None, store_lse=True):
-    BLOCK_M, BLOCK_N, STAGES, CW, SPLIT, PIPE = config or pf.default_config(D)
+    config = tuple(config or pf.default_config(D))
+    BLOCK_M, BLOCK_N, STAGES, CW, SPLIT, PIPE = config[:6]
+    PINGPONG = pf.pingpong(config)
     SUB_M = BLOCK_M // SPLIT
     N = 1024
     gdt = pf._gl_dtype(dtype)
@@ -40,12 +42,14 @@ def compile_variant(dtype, D, config=None, store_lse=True):
         "o_desc": mangle_type(q_desc), "lse_ptr": "*fp32", "N": "i32", "qk_scale": "fp32",
         "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "HEAD_D": "constexpr", "STAGES": "constexpr",
         "CONSUMER_WARPS": "constexpr", "STORE_LSE": "constexpr", "SPLIT": "constexpr", "PIPE": "constexpr",
+        "PINGPONG": "constexpr",
     }
     constexprs = {"BLOCK_M": BLOCK_M, "BLOCK_N": BLOCK_N, "HEAD_D": D, "STAGES": STAGES, "CONSUMER_WARPS": CW,
-                  "STORE_LSE": store_lse, "SPLIT": SPLIT, "PIPE": PIPE}
+                  "STORE_LSE": store_lse, "SPLIT": SPLIT, "PIPE": PIPE,
+                  "PINGPONG": PINGPONG}
     src = GluonASTSource(fn, signature, constexprs={(fn.arg_names.index(k), ): v for k, v in constexprs.items()})
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": CW})
-    return kernel, (BLOCK_M, BLOCK_N, STAGES, CW, SPLIT, PIPE), signature
+    return kernel, config, signature
 
 
 def ptxas_info(ptx):
@@ -87,7 +91,7 @@ def main():
             n_wgmma = len(re.findall(r"wgmma\.mma_async", ptx))
             n_tma = len(re.findall(r"cp\.async\.bulk\.tensor", ptx))
             setmaxnreg = sorted(set(re.findall(r"setmaxnreg\.((?:inc|dec))\.sync\.aligned\.u32\s+(\d+)", ptx)))
-            print(f"{name}: BLOCK_M/N={cfg[0]}/{cfg[1]} STAGES={cfg[2]} consumer warps={cfg[3]} x{cfg[4]} partition(s) pipe={cfg[5]} "
+            print(f"{name}: BLOCK_M/N={cfg[0]}/{cfg[1]} STAGES={cfg[2]} consumer warps={cfg[3]} x{cfg[4]} partition(s) pipe={cfg[5]} pingpong={pf.pingpong(cfg)} "
                   f"num_warps(total)={md.num_warps} shared={md.shared} B "
                   f"({'fits' if md.shared <= pf.SMEM_LIMIT_SM90 else 'DOES NOT FIT'} sm_90) "
                   f"regs/thread={regs} spills={spills} wgmma.mma_async x{n_wgmma} cp.async.bulk.tensor x{n_tma} "

@@ -4,13 +4,15 @@
 
 Same method as ``cross_compile.py`` (whose ``ptxas_info`` it reuses): every config of
 ``rerope_fwd.all_configs(D, retired=True)`` for D 64/128 in fp16, the defaults and the BAND_TWICE
-configs (seventh field 1: ``rerope_fwd_twice_kernel``) also in bf16, LSE on. ``--twice``: only the
-BAND_TWICE configs. (/work/venv36: a venv with the triton-3.6.0 wheel and a .pth onto the main
+configs (seventh field 1: ``rerope_fwd_twice_kernel``; with PIPE (sixth) or PINGPONG (eighth) = 1:
+``rerope_fwd_twice_pp_kernel``) also in bf16, LSE on. ``--twice``: only the BAND_TWICE configs;
+``--fa3``: only the PIPE / PINGPONG ones. (/work/venv36: a venv with the triton-3.6.0 wheel and a .pth onto the main
 .venv's site-packages for torch; see README.md.)
 """
 import os
 import re
 import sys
+import time
 
 import torch
 import triton
@@ -38,6 +40,9 @@ def compile_variant(dtype, D, config, store_lse=True):
                  "CONSUMER_WARPS": "constexpr", "STORE_LSE": "constexpr", "SPLIT": "constexpr"}
     constexprs = {"BLOCK_M": BLOCK_M, "BLOCK_N": BLOCK_N, "HEAD_D": D, "STAGES": STAGES, "CONSUMER_WARPS": CW,
                   "STORE_LSE": store_lse, "SPLIT": SPLIT}
+    if rf.fa3_sched(config):  # rerope_fwd_twice_pp_kernel: two more constexprs
+        signature.update(PIPE="constexpr", PINGPONG="constexpr")
+        constexprs.update(PIPE=PIPE, PINGPONG=rf.pingpong(config))
     src = GluonASTSource(fn, signature, constexprs={(fn.arg_names.index(k), ): v for k, v in constexprs.items()})
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": CW})
 
@@ -49,9 +54,13 @@ def main():
             if dt == torch.float16 or c == rf.default_config(D) or rf.band_twice(c)]
     if "--twice" in sys.argv:
         jobs = [j for j in jobs if rf.band_twice(j[2])]
+    if "--fa3" in sys.argv:  # only rerope_fwd_twice_pp_kernel's configs (PIPE / PINGPONG)
+        jobs = [j for j in jobs if rf.fa3_sched(j[2])]
     fails = 0
     for D, dt, cfg in jobs:
-        name = f"D{D} {str(dt).replace('torch.', '')} {cfg}{' BAND_TWICE' if rf.band_twice(cfg) else ''}"
+        name = (f"D{D} {str(dt).replace('torch.', '')} {cfg}{' BAND_TWICE' if rf.band_twice(cfg) else ''}"
+                f"{' PIPE' if rf.fa3_sched(cfg) and cfg[5] else ''}{' PINGPONG' if rf.pingpong(cfg) else ''}")
+        t0 = time.time()
         try:
             k = compile_variant(dt, D, cfg)
         except Exception as e:
@@ -66,7 +75,9 @@ def main():
               f"({'fits' if sh <= rf.SMEM_LIMIT_SM90 else 'DOES NOT FIT'} sm_90) regs/thread={regs} spills={spills} "
               f"wgmma.mma_async x{len(re.findall(r'wgmma.mma_async', ptx))} "
               f"cp.async.bulk.tensor x{len(re.findall(r'cp.async.bulk.tensor', ptx))} "
-              f"setmaxnreg={' '.join(a + ':' + b for a, b in nreg)}", flush=True)
+              f"wgmma.wait_group1 x{len(re.findall(r'wgmma.wait_group.sync.aligned 1;', ptx))} "
+              f"mbarrier.arrive x{len(re.findall(r'mbarrier.arrive', ptx))} "
+              f"setmaxnreg={' '.join(a + ':' + b for a, b in nreg)} compile={time.time() - t0:.1f}s", flush=True)
         fails += sh > rf.SMEM_LIMIT_SM90
     sys.exit(1 if fails else 0)
 

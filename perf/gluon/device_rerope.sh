@@ -10,9 +10,10 @@
 # N=1024 H=2 window 300 in its own process, 100 s cap, repeated without a config that hung or
 # crashed it: smoke.log, smoke.txt, skipped.txt), then bench_rerope.py: $OUT/gluon_rerope.json
 # (rewritten after every row) and gluon_rerope.log; versions.txt (CROSS=1: cross_compile_rerope.txt).
-# REPS (default 20). 18 config keys (rerope_fwd.all_configs: 8 old kernel, 10 BAND_TWICE; the 3
-# configs retired after perf/runs/s46 are not run). QUICK=1: rerope_fwd.quick_configs (the default
-# and (128,128,2,4,2,0,1) per D: 8 keys).
+# REPS (default 20). 26 config keys (rerope_fwd.all_configs: 8 old kernel, 4 BAND_TWICE, 14 BAND_TWICE
+# with FA3 scheduling (PIPE / PINGPONG, rerope_fwd_twice_pp_kernel, unmeasured); the configs retired
+# after perf/runs/s46 and s47 are not run). QUICK=1: rerope_fwd.quick_configs (the default,
+# (128,128,2,4,2,0,1) and its three FA3-scheduled variants per D: 20 keys).
 set -o pipefail
 export PYTHONUNBUFFERED=1 REROPE_AUTOTUNE=0
 OUT=${OUT:-/tmp/out}

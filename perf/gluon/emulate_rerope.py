@@ -9,9 +9,19 @@ Catches schedule/mask logic errors, not Gluon ones.
    band tiles masked to 0 <= i-j < w, causal mask from the partition's diagonal), with the kernel's
    -inf-safe online softmax (m_use). N = 1024, 1000 (zero-padded to a multiple of 128 as TMA pads
    out-of-bounds tiles; the kernel itself wants N % 128 == 0) and 8192 (--quick: 1024 only).
-    python perf/gluon/emulate_rerope.py [--quick]"""
+3. rerope_fwd_twice_pp_kernel (BAND_TWICE with PIPE / PINGPONG, config[5] / config[7]): its run-time
+   step classification (_step_pp: tile, Q1/Q2, mask lo <= i-j < hi) against _consumer_twice's five
+   loops, and the PIPE=1 recurrence (acc_k = (acc_{k-1} + P_{k-1} V_{k-1}) * alpha_k, last P V after
+   the loop) against the reference.
+4. --protocol (also run by default): the barrier protocol of rerope_fwd_twice_pp_kernel (producer
+   with k_empty / v_empty, two consumers, PIPE 0/1, PINGPONG 0/1, ``turn`` barriers) on random
+   interleavings with mbarrier parity semantics: no deadlock, no parity wait that could alias (the
+   awaited phase is always the last completed or the current one), no ring slot overwritten while
+   read, GEMM sections in ping-pong order.
+    python perf/gluon/emulate_rerope.py [--quick] [--protocol]"""
 import math
 import os
+import random
 import sys
 
 import torch
@@ -153,8 +163,256 @@ def check_twice(Ns, windows):
     return worst, worst_lse
 
 
+BIG = 1 << 30  # rerope_fwd.BIG
+
+
+def pp_steps(n_out, n_in, n_full, nt, w):
+    """Mirror of rerope_fwd._step_pp for every step k: [(k, t, 'K2' | 'K1', (masked, lo, hi))]."""
+    out = []
+    for k in range(n_in + nt - n_out):
+        ins = int(k >= n_in)
+        t = k - (n_in - n_out) * ins
+        band_in = ins == 1 and t < n_in
+        masked = (ins == 0 and t >= n_out) or band_in or (ins == 1 and t >= n_full)
+        lo = w * (1 - ins)
+        hi = BIG + (w - BIG) * int(band_in)
+        out.append((k, t, "K1" if ins else "K2", (masked, lo, hi)))
+    return out
+
+
+def mode_as_bounds(mode, w):
+    return {NO_MASK: (False,), MASK_OUT: (True, w, BIG), MASK_IN: (True, 0, w), MASK_CAUSAL: (True, 0, BIG)}[mode]
+
+
+def emulate_pp(q1, q2, k1, k2, v, w, BM, BN, SPLIT, PIPE):
+    """rerope_fwd_twice_pp_kernel's consumers (run-time masks; PIPE=1: the pipelined recurrence)."""
+    N, D = q1.shape
+    Np = -(-N // BM) * BM
+    pad = lambda t: torch.cat([t, t.new_zeros(Np - N, D)])  # noqa: E731
+    q1, q2, k1, k2, v = map(pad, (q1, q2, k1, k2, v))
+    scale = math.log2(math.e) / math.sqrt(D)
+    o = torch.empty(Np, D)
+    lse = torch.empty(Np)
+    for m0 in range(0, Np, BM):
+        nt = -(-(m0 + BM) // BN)
+        n_out, n_in = regions(m0, w, nt, BM, BN)
+        SUB = BM // SPLIT
+        for h in range(SPLIT):
+            ms = m0 + h * SUB
+            n_full = max(ms // BN, n_in)
+            steps = pp_steps(n_out, n_in, n_full, nt, w)
+            ref_steps = twice_consumer_steps(ms, n_out, n_in, nt, BN)
+            got = [(k, t, kn, mk if mk[0] else (False,)) for k, t, kn, mk in steps]
+            want = [(k, t, kn, mode_as_bounds(mode, w)) for k, t, kn, mode in ref_steps]
+            assert got == want, ("_step_pp differs from _consumer_twice", m0, h, w)
+            rows = torch.arange(ms, ms + SUB)
+            m = torch.full((SUB,), -math.inf)
+            l = torch.zeros(SUB)
+            acc = torch.zeros(SUB, D)
+            prev = None  # PIPE=1: (p, cols) of the previous step, its P V not yet added
+            for k, t, kname, (masked, lo, hi) in steps:
+                cols = torch.arange(t * BN, t * BN + BN)
+                qq, kk = (q2, k2) if kname == "K2" else (q1, k1)
+                s = (qq[rows] @ kk[cols].T) * scale
+                if masked:
+                    d = rows[:, None] - cols[None]
+                    s = torch.where((d >= lo) & (d < hi), s, -math.inf)
+                mn = torch.maximum(m, s.max(1).values)
+                mu = torch.where(mn == -math.inf, torch.zeros_like(mn), mn)
+                alpha = torch.exp2(m - mu)
+                p = torch.exp2(s - mu[:, None])
+                l = l * alpha + p.sum(1)
+                m = mn
+                if PIPE:
+                    if prev is not None:
+                        acc = (acc + prev[0] @ v[prev[1]]) * alpha[:, None]
+                    prev = (p.half().float(), cols)  # P goes through fp16 registers on the GPU
+                else:
+                    acc = acc * alpha[:, None] + p.half().float() @ v[cols]
+            if PIPE:
+                acc = acc + prev[0] @ v[prev[1]]
+            o[rows] = acc / l[:, None]
+            lse[rows] = (m + torch.log2(l)) * math.log(2)
+    return o[:N], lse[:N]
+
+
+def check_pp(Ns, windows):
+    worst = 0.0
+    for N in Ns:
+        torch.manual_seed(N + 1)
+        D = 16
+        ts = [torch.randn(N, D) for _ in range(5)]
+        for w in windows:
+            chunks = [ref_rows(*ts, w, torch.arange(r, min(r + 1024, N))) for r in range(0, N, 1024)]
+            ref_o, ref_l = torch.cat([c[0] for c in chunks]), torch.cat([c[1] for c in chunks])
+            for BM, BN, SPLIT in ((128, 128, 2), (128, 64, 2), (128, 128, 1)):
+                for PIPE in (0, 1):
+                    o, lse = emulate_pp(*ts, w, BM, BN, SPLIT, PIPE)
+                    err = (o - ref_o).abs().max().item()
+                    err_l = (lse - ref_l).abs().max().item()
+                    worst = max(worst, err)
+                    assert math.isfinite(err) and err < 5e-3 and err_l < 1e-4, (N, w, BM, BN, SPLIT, PIPE, err, err_l)
+        print(f"  FA3-scheduled BAND_TWICE N={N}: OK for windows {windows}, tilings 128/128x2, 128/64x2, "
+              f"128/128x1, PIPE 0 and 1", flush=True)
+    return worst
+
+
+# ---------------------------------------------------------------- barrier protocol (random interleavings)
+class Bar:
+    def __init__(self, name, count):
+        self.name, self.count, self.pending, self.done = name, count, count, 0  # done = completed phases
+
+    def arrive(self):
+        self.pending -= 1
+        assert self.pending >= 0, f"{self.name}: too many arrivals"
+        if self.pending == 0:
+            self.done += 1
+            self.pending = self.count
+
+    def ready(self, phase):
+        """Hardware: wait(parity = phase & 1) passes iff the current phase's parity differs. The
+        awaited phase must be the last completed one or the current one, else the parity lies."""
+        assert phase <= self.done <= phase + 1, \
+            f"{self.name}: parity alias (waits for phase {phase}, {self.done} completed)"
+        return (self.done & 1) != (phase & 1)
+
+
+def protocol_run(n_steps, STAGES, SPLIT, PIPE, PP, rng):
+    """One random interleaving of rerope_fwd_twice_pp_kernel's partitions for a block of n_steps steps."""
+    kr = [Bar(f"k_ready{s}", 1) for s in range(STAGES)]
+    vr = [Bar(f"v_ready{s}", 1) for s in range(STAGES)]
+    ke = [Bar(f"k_empty{s}", SPLIT) for s in range(STAGES)]
+    ve = [Bar(f"v_empty{s}", SPLIT) for s in range(STAGES)]
+    turn = [Bar("turn0", 1), Bar("turn1", 1)]
+    slot = {("K", s): None for s in range(STAGES)}
+    slot.update({("V", s): None for s in range(STAGES)})
+    inflight = []  # TMA copies: (kind, s, k, ready barrier)
+    sections = []
+
+    def producer():
+        for k in range(n_steps):
+            s = k % STAGES
+            yield ("wait", ke[s], k // STAGES - 1)  # parity ((k // STAGES) & 1) ^ 1; -1: fresh barrier
+            inflight.append(("K", s, k, kr[s]))
+            yield ("wait", ve[s], k // STAGES - 1)
+            inflight.append(("V", s, k, vr[s]))
+
+    def use(kind, k):  # a wgmma reads slot k % STAGES: it must hold step k's tile (checked at issue and at release)
+        assert slot[(kind, k % STAGES)] == k, f"{kind} slot {k % STAGES} holds {slot[(kind, k % STAGES)]}, step {k} reads"
+
+    def consumer(me):
+        def turn_wait(k):
+            return ("wait", turn[me], k - 1 + me)  # parity (k & 1) ^ (1 - me)
+
+        def section(k):
+            sections.append((me, k))
+
+        ks = range(n_steps)
+        if PIPE:
+            yield ("wait", kr[0], 0)
+            if PP:
+                yield turn_wait(0)
+            section(0)
+            use("K", 0)
+            if PP:
+                yield ("arrive", turn[1 - me])
+            use("K", 0)
+            yield ("arrive", ke[0])
+            for k in ks[1:]:
+                s, sp = k % STAGES, (k - 1) % STAGES
+                yield ("wait", kr[s], k // STAGES)
+                if PP:
+                    yield turn_wait(k)
+                section(k)
+                use("K", k)
+                yield ("wait", vr[sp], (k - 1) // STAGES)
+                use("V", k - 1)
+                if PP:
+                    yield ("arrive", turn[1 - me])
+                yield ("tick",)  # the S wgmma runs
+                use("K", k)
+                yield ("arrive", ke[s])
+                yield ("tick",)  # softmax while P V runs
+                use("V", k - 1)
+                yield ("arrive", ve[sp])
+            last = n_steps - 1
+            yield ("wait", vr[last % STAGES], last // STAGES)
+            use("V", last)
+            yield ("tick",)
+            use("V", last)
+            yield ("arrive", ve[last % STAGES])
+        else:
+            for k in ks:
+                s = k % STAGES
+                yield ("wait", kr[s], k // STAGES)
+                if PP:
+                    yield turn_wait(k)
+                section(k)
+                use("K", k)
+                if PP:
+                    yield ("arrive", turn[1 - me])
+                yield ("tick",)
+                use("K", k)
+                yield ("arrive", ke[s])
+                yield ("wait", vr[s], k // STAGES)
+                use("V", k)
+                yield ("tick",)
+                use("V", k)
+                yield ("arrive", ve[s])
+
+    agents = {"P": producer()}
+    for me in range(SPLIT):
+        agents[f"C{me}"] = consumer(me)
+    nxt = {a: None for a in agents}  # pending action per agent
+    while agents or inflight:
+        runnable = []
+        for a, g in agents.items():
+            if nxt[a] is None:
+                try:
+                    nxt[a] = next(g)
+                except StopIteration:
+                    nxt[a] = "done"
+            act = nxt[a]
+            if act == "done" or act[0] != "wait" or act[1].ready(act[2]):
+                runnable.append(a)
+        choices = runnable + (["tma"] if inflight else [])
+        assert choices, f"DEADLOCK: {[(a, nxt[a][0], nxt[a][1].name, nxt[a][2]) for a in agents]}"
+        c = rng.choice(choices)
+        if c == "tma":
+            kind, s, k, bar = inflight.pop(rng.randrange(len(inflight)))
+            slot[(kind, s)] = k
+            bar.arrive()
+            continue
+        act = nxt[c]
+        nxt[c] = None
+        if act == "done":
+            del agents[c]
+        elif act[0] == "arrive":
+            act[1].arrive()
+    if PP:
+        assert sections == [(me, k) for k in range(n_steps) for me in range(2)], "sections not in ping-pong order"
+    return len(sections)
+
+
+def check_protocol(runs=300, seed=0):
+    rng = random.Random(seed)
+    n = 0
+    for STAGES in (1, 2, 3):
+        for SPLIT, PP in ((1, 0), (2, 0), (2, 1)):
+            for PIPE in (0, 1):
+                for n_steps in (1, 2, 3, 5, 8):
+                    for _ in range(runs // 30 + 1):
+                        protocol_run(n_steps, STAGES, SPLIT, PIPE, PP, rng)
+                        n += 1
+    print(f"barrier protocol OK: {n} random interleavings (STAGES 1-3, SPLIT 1/2, PIPE 0/1, PINGPONG 0/1, "
+          f"1-8 steps): no deadlock, no parity alias, no slot overwritten while read, ping-pong order", flush=True)
+
+
 def main():
     quick = "--quick" in sys.argv
+    if "--protocol" in sys.argv:
+        check_protocol()
+        return
     torch.manual_seed(0)
     N, D = 512, 16
     ts = [torch.randn(N, D) for _ in range(5)]
@@ -172,6 +430,9 @@ def main():
     w_o, w_l = check_twice(Ns, windows)
     print(f"BAND_TWICE emulation OK: N {Ns} x 4 tilings x windows {windows}, "
           f"worst max|dO| {w_o:.1e}, max|dLSE| {w_l:.1e}")
+    w_p = check_pp((1024,) if quick else (1024, 1000), windows)
+    print(f"FA3-scheduled BAND_TWICE emulation OK: worst max|dO| {w_p:.1e} (P rounded to fp16 as on the GPU)")
+    check_protocol()
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ Structure (FlashAttention-3's, simplified):
 * epilogue: O / l written through shared memory (Q's buffer, free by then) with a TMA store;
   optional LSE (natural log, float32, ``(B, H, N)``).
 
-``config = (BLOCK_M, BLOCK_N, STAGES, CONSUMER_WARPS, SPLIT, PIPE)``: ``default_config`` and
+``config = (BLOCK_M, BLOCK_N, STAGES, CONSUMER_WARPS, SPLIT, PIPE[, 0, PINGPONG])``: ``default_config`` and
 ``EXTRA_CONFIGS`` list what ``device_plain.sh`` checks and times.
 
 Known simplifications (next steps once it is measured): no ordered ping-pong between the SPLIT
@@ -76,9 +76,11 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_
 # consumer: warp group(s) doing wgmma + online softmax
 # ----------------------------------------------------------------------------------------------
 @gluon.jit
-def _tile(i, acc, m_i, l_i, q_smem, k_smem, v_smem, k_ready, v_ready, kv_empty, m0, qk_scale,
+def _tile(i, acc, m_i, l_i, q_smem, k_smem, v_smem, k_ready, v_ready, kv_empty, turn, m0, qk_scale,
           BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, MASK: gl.constexpr,
-          s_layout: gl.constexpr, o_layout: gl.constexpr):
+          s_layout: gl.constexpr, o_layout: gl.constexpr, ME: gl.constexpr, PINGPONG: gl.constexpr):
+    """One key tile. PINGPONG=1: the S = Q K^T issue is this partition's GEMM section i, ordered
+    with the other partition's by the ``turn`` barriers (see rerope_fwd._consumer_pp)."""
     s = i % STAGES
     phase = (i // STAGES) & 1
     dtype: gl.constexpr = q_smem.dtype
@@ -86,9 +88,13 @@ def _tile(i, acc, m_i, l_i, q_smem, k_smem, v_smem, k_ready, v_ready, kv_empty, 
 
     # S = Q K^T (K tile viewed transposed in shared memory; wgmma handles the transpose)
     mbarrier.wait(k_ready.index(s), phase)
+    if PINGPONG:
+        mbarrier.wait(turn.index(ME), (i & 1) ^ (1 - ME))
     zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
     k_tile = k_smem.index(s)
     qk = warpgroup_mma(q_smem, k_tile.permute((1, 0)), zero, use_acc=False, is_async=True)
+    if PINGPONG:
+        mbarrier.arrive(turn.index(1 - ME), count=1)
     # deps keeps the operands alive until the wgmma is done; with several deps it returns a tuple
     qk, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=(qk, q_smem, k_tile))
     # online softmax (log2 domain); MASK is a constexpr here, so the branch compiles away
@@ -125,19 +131,25 @@ def _softmax(qk, m_i, l_i, i, m0, masked, qk_scale, BLOCK_M: gl.constexpr, BLOCK
 
 
 @gluon.jit
-def _loop_pipelined(acc, m_i, l_i, q_smem, k_smem, v_smem, k_ready, v_ready, kv_empty, m0, n_full, n_tiles,
+def _loop_pipelined(acc, m_i, l_i, q_smem, k_smem, v_smem, k_ready, v_ready, kv_empty, turn, m0, n_full, n_tiles,
                     qk_scale, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                    s_layout: gl.constexpr, o_layout: gl.constexpr):
+                    s_layout: gl.constexpr, o_layout: gl.constexpr, ME: gl.constexpr, PINGPONG: gl.constexpr):
     """FA3's intra-warpgroup overlap: in iteration i, S_i = Q K_i and O += P_{i-1} V_{i-1} are both
     issued, the wait for S_i leaves the PV wgmma running (num_outstanding=1) while softmax_i runs,
-    then O is waited for, slot i-1 released and O rescaled by alpha_i. Needs n_tiles >= 1."""
+    then O is waited for, slot i-1 released and O rescaled by alpha_i. Needs n_tiles >= 1.
+    PINGPONG=1: issuing S_0, and in iteration i S_i + P_{i-1} V_{i-1}, are GEMM section 0 / i of this
+    partition, ordered with the other's by ``turn`` (rerope_fwd._consumer_pp has the argument)."""
     dtype: gl.constexpr = q_smem.dtype
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
 
     mbarrier.wait(k_ready.index(0), 0)
+    if PINGPONG:
+        mbarrier.wait(turn.index(ME), 1 - ME)
     k_tile = k_smem.index(0)
     qk = warpgroup_mma(q_smem, k_tile.permute((1, 0)), zero, use_acc=False, is_async=True)
+    if PINGPONG:
+        mbarrier.arrive(turn.index(1 - ME), count=1)
     qk, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=(qk, q_smem, k_tile))
     p, m_i, l_i, alpha = _softmax(qk, m_i, l_i, 0, m0, 0 >= n_full, qk_scale, BLOCK_M, BLOCK_N, s_layout)
 
@@ -145,11 +157,15 @@ def _loop_pipelined(acc, m_i, l_i, q_smem, k_smem, v_smem, k_ready, v_ready, kv_
         s = i % STAGES
         sp = (i - 1) % STAGES
         mbarrier.wait(k_ready.index(s), (i // STAGES) & 1)
+        if PINGPONG:
+            mbarrier.wait(turn.index(ME), (i & 1) ^ (1 - ME))
         k_tile = k_smem.index(s)
         qk = warpgroup_mma(q_smem, k_tile.permute((1, 0)), zero, use_acc=False, is_async=True)
         mbarrier.wait(v_ready.index(sp), ((i - 1) // STAGES) & 1)
         v_tile = v_smem.index(sp)
         acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), v_tile, acc, is_async=True)
+        if PINGPONG:
+            mbarrier.arrive(turn.index(1 - ME), count=1)
         # wgmma groups retire in order: with one left outstanding, S_i (issued first) is done
         qk, _, _ = warpgroup_mma_wait(num_outstanding=1, deps=(qk, q_smem, k_tile))
         p, m_i, l_i, alpha = _softmax(qk, m_i, l_i, i, m0, i >= n_full, qk_scale, BLOCK_M, BLOCK_N, s_layout)
@@ -170,10 +186,10 @@ def _loop_pipelined(acc, m_i, l_i, q_smem, k_smem, v_smem, k_ready, v_ready, kv_
 
 
 @gluon.jit
-def _consumer(o_desc, lse_ptr, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty, q_row, m0,
+def _consumer(o_desc, lse_ptr, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty, turn, q_row, m0,
               n_full, n_tiles, qk_scale, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
               HEAD_D: gl.constexpr, STAGES: gl.constexpr, CONSUMER_WARPS: gl.constexpr,
-              STORE_LSE: gl.constexpr, PIPE: gl.constexpr):
+              STORE_LSE: gl.constexpr, PIPE: gl.constexpr, ME: gl.constexpr, PINGPONG: gl.constexpr):
     # wgmma accumulator layouts: instr_shape [m=16, n, k=256/16bit]; warps tile M (16 rows each,
     # 4 warps = one warp group = 64 rows).
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[CONSUMER_WARPS, 1],
@@ -186,15 +202,16 @@ def _consumer(o_desc, lse_ptr, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, 
 
     mbarrier.wait(q_bar, 0)
     if PIPE:
-        acc, m_i, l_i = _loop_pipelined(acc, m_i, l_i, q_smem, k_smem, v_smem, k_ready, v_ready, kv_empty, m0,
-                                        n_full, n_tiles, qk_scale, BLOCK_M, BLOCK_N, STAGES, s_layout, o_layout)
+        acc, m_i, l_i = _loop_pipelined(acc, m_i, l_i, q_smem, k_smem, v_smem, k_ready, v_ready, kv_empty, turn,
+                                        m0, n_full, n_tiles, qk_scale, BLOCK_M, BLOCK_N, STAGES, s_layout, o_layout,
+                                        ME, PINGPONG)
     else:
         for i in range(0, n_full):  # tiles wholly below the diagonal: no mask
-            acc, m_i, l_i = _tile(i, acc, m_i, l_i, q_smem, k_smem, v_smem, k_ready, v_ready, kv_empty, m0,
-                                  qk_scale, BLOCK_M, BLOCK_N, STAGES, False, s_layout, o_layout)
+            acc, m_i, l_i = _tile(i, acc, m_i, l_i, q_smem, k_smem, v_smem, k_ready, v_ready, kv_empty, turn, m0,
+                                  qk_scale, BLOCK_M, BLOCK_N, STAGES, False, s_layout, o_layout, ME, PINGPONG)
         for i in range(n_full, n_tiles):  # diagonal tiles (for a lower sub-tile maybe one fully masked)
-            acc, m_i, l_i = _tile(i, acc, m_i, l_i, q_smem, k_smem, v_smem, k_ready, v_ready, kv_empty, m0,
-                                  qk_scale, BLOCK_M, BLOCK_N, STAGES, True, s_layout, o_layout)
+            acc, m_i, l_i = _tile(i, acc, m_i, l_i, q_smem, k_smem, v_smem, k_ready, v_ready, kv_empty, turn, m0,
+                                  qk_scale, BLOCK_M, BLOCK_N, STAGES, True, s_layout, o_layout, ME, PINGPONG)
 
     # epilogue: O / l through Q's shared buffer (Q is no longer read) and a TMA store
     acc = acc / gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))[:, None]
@@ -241,14 +258,16 @@ def _invalidate_ring(q_bar, k_ready, v_ready, kv_empty, STAGES: gl.constexpr):
 def attn_fwd_causal_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, N, qk_scale,
                            BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
                            STAGES: gl.constexpr, CONSUMER_WARPS: gl.constexpr,
-                           STORE_LSE: gl.constexpr, SPLIT: gl.constexpr, PIPE: gl.constexpr):
+                           STORE_LSE: gl.constexpr, SPLIT: gl.constexpr, PIPE: gl.constexpr,
+                           PINGPONG: gl.constexpr):
     """SPLIT=1: one consumer partition of CONSUMER_WARPS warps (= num_warps) on the whole BLOCK_M
     tile. SPLIT=2: two consumer partitions of 4 warps (num_warps=4: the default partition plus a
     4-warp worker), each with its own BLOCK_M/2-row Q sub-tile, sharing the K/V ring (kv_empty
     counts 2 arrivals) and free to drift apart, so one's softmax can overlap the other's wgmma
     (FA3's ping-pong without the explicit ordering barriers). q_desc / o_desc blocks are
     [BLOCK_M // SPLIT, HEAD_D]. PIPE=1: the consumers overlap softmax i with the PV wgmma of tile
-    i-1 (_loop_pipelined)."""
+    i-1 (_loop_pipelined). PINGPONG=1 (SPLIT=2; unmeasured): the two partitions' wgmma issues take
+    turns through two ``turn`` mbarriers (FA3's warp-scheduler barriers; rerope_fwd._consumer_pp)."""
     pid_m = gl.program_id(0)
     bh = gl.program_id(1)
     m_block = gl.num_programs(0) - 1 - pid_m  # heaviest query blocks first
@@ -263,6 +282,13 @@ def attn_fwd_causal_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, N, qk_scale,
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_D], k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_D], v_desc.layout)
     q_bar, k_ready, v_ready, kv_empty = _ring_barriers(STAGES, SPLIT)
+    if PINGPONG:
+        gl.static_assert(SPLIT == 2, "PINGPONG needs SPLIT=2")
+        turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(turn.index(0), count=1)
+        mbarrier.init(turn.index(1), count=1)
+    else:
+        turn = kv_empty  # not used
 
     # Triton 3.6 signature: warp_specialize(functions_and_args, worker_num_warps, worker_num_regs);
     # the first (function, args) pair is the default partition (runs in the kernel's num_warps).
@@ -270,8 +296,8 @@ def attn_fwd_causal_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, N, qk_scale,
         gl.warp_specialize(
             [
                 (_consumer, (o_desc, lse_ptr, q_smem.index(0), k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty,
-                             q_row, m0, m0 // BLOCK_N, n_tiles, qk_scale, BLOCK_M, BLOCK_N, HEAD_D, STAGES,
-                             CONSUMER_WARPS, STORE_LSE, PIPE)),
+                             turn, q_row, m0, m0 // BLOCK_N, n_tiles, qk_scale, BLOCK_M, BLOCK_N, HEAD_D, STAGES,
+                             CONSUMER_WARPS, STORE_LSE, PIPE, 0, 0)),
                 (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty,
                              q_row, kv_row0, n_tiles, BLOCK_N, STAGES, SPLIT)),
             ],
@@ -284,11 +310,11 @@ def attn_fwd_causal_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, N, qk_scale,
         gl.warp_specialize(
             [
                 (_consumer, (o_desc, lse_ptr, q_smem.index(0), k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty,
-                             q_row, m0, m0 // BLOCK_N, n_tiles, qk_scale, SUB_M, BLOCK_N, HEAD_D, STAGES, 4,
-                             STORE_LSE, PIPE)),
+                             turn, q_row, m0, m0 // BLOCK_N, n_tiles, qk_scale, SUB_M, BLOCK_N, HEAD_D, STAGES, 4,
+                             STORE_LSE, PIPE, 0, PINGPONG)),
                 (_consumer, (o_desc, lse_ptr, q_smem.index(1), k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty,
-                             q_row + SUB_M, m0 + SUB_M, (m0 + SUB_M) // BLOCK_N, n_tiles, qk_scale, SUB_M,
-                             BLOCK_N, HEAD_D, STAGES, 4, STORE_LSE, PIPE)),
+                             turn, q_row + SUB_M, m0 + SUB_M, (m0 + SUB_M) // BLOCK_N, n_tiles, qk_scale, SUB_M,
+                             BLOCK_N, HEAD_D, STAGES, 4, STORE_LSE, PIPE, 1, PINGPONG)),
                 (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty,
                              q_row, kv_row0, n_tiles, BLOCK_N, STAGES, SPLIT)),
             ],
@@ -297,6 +323,9 @@ def attn_fwd_causal_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, N, qk_scale,
         )
 
     _invalidate_ring(q_bar, k_ready, v_ready, kv_empty, STAGES)
+    if PINGPONG:
+        mbarrier.invalidate(turn.index(0))
+        mbarrier.invalidate(turn.index(1))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -319,6 +348,16 @@ EXTRA_CONFIGS = {
     128: [(64, 128, 2, 4, 1, 0), (128, 128, 3, 8, 1, 0), (128, 128, 2, 4, 2, 0), (128, 64, 3, 8, 1, 0),
           (128, 128, 2, 8, 1, 1), (128, 128, 3, 8, 1, 1), (128, 128, 2, 4, 2, 1)],
 }
+# PINGPONG (unmeasured): the eighth field, as in rerope_fwd's config (the seventh, BAND_TWICE there,
+# must be 0 here): the SPLIT=2 configs with ordered wgmma sections, without / with PIPE.
+EXTRA_CONFIGS[64] += [(128, 128, 2, 4, 2, 0, 0, 1), (128, 128, 2, 4, 2, 1, 0, 1)]
+EXTRA_CONFIGS[128] += [(128, 128, 2, 4, 2, 0, 0, 1), (128, 128, 2, 4, 2, 1, 0, 1)]
+
+
+def pingpong(config):
+    """The eighth config field PINGPONG (0 when absent; the seventh must be 0 in plain_fwd)."""
+    assert len(config) <= 6 or int(config[6]) == 0, "plain_fwd has no BAND_TWICE (seventh field 0)"
+    return int(config[7]) if len(config) > 7 else 0
 
 SMEM_LIMIT_SM90 = 232448  # bytes of shared memory one CTA may use on H100/H200 (227 KiB)
 
@@ -340,7 +379,10 @@ def attention(q, k, v, sm_scale=None, return_lse=False, config=None):
     B, H, N, D = q.shape
     assert k.shape == q.shape and v.shape == q.shape, "prototype: same shapes for q, k, v (no GQA)"
     assert q.dtype in (torch.float16, torch.bfloat16) and k.dtype == q.dtype and v.dtype == q.dtype
-    BLOCK_M, BLOCK_N, STAGES, CONSUMER_WARPS, SPLIT, PIPE = config or default_config(D)
+    config = tuple(config or default_config(D))
+    BLOCK_M, BLOCK_N, STAGES, CONSUMER_WARPS, SPLIT, PIPE = config[:6]
+    PINGPONG = pingpong(config)
+    assert PINGPONG == 0 or SPLIT == 2, "PINGPONG=1 needs SPLIT=2"
     assert N % BLOCK_M == 0 and N % BLOCK_N == 0, f"prototype: N must be a multiple of {max(BLOCK_M, BLOCK_N)}"
     assert BLOCK_M == 16 * CONSUMER_WARPS * SPLIT, "one 16-row wgmma slab per warp (64 rows per warp group)"
     SUB_M = BLOCK_M // SPLIT
@@ -359,6 +401,6 @@ def attention(q, k, v, sm_scale=None, return_lse=False, config=None):
     grid = (N // BLOCK_M, B * H)
     attn_fwd_causal_kernel[grid](q_desc, k_desc, v_desc, o_desc, lse, N, sm_scale * LOG2E,
                                  BLOCK_M, BLOCK_N, D, STAGES, CONSUMER_WARPS, return_lse, SPLIT,
-                                 PIPE, num_warps=CONSUMER_WARPS)
+                                 PIPE, PINGPONG, num_warps=CONSUMER_WARPS)
     o = o.view(B, H, N, D)
     return (o, lse) if return_lse else o

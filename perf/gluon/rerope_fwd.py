@@ -31,6 +31,11 @@ side of the window with its own P V (exact: the online softmax does not depend o
 outside walk runs over tiles [0, n_in) with Q2, K2 (band tiles masked to i - j >= window), then the
 inside walk over [n_out, n_tiles) with Q1, K1 (band tiles masked to 0 <= i - j < window, causal mask
 from the partition's diagonal). D128 with BLOCK_N 128 and 2 stages: 2 x 32 KB of Q + 2 x 64 KB = 192 KB.
+
+BAND_TWICE with PIPE = 1 (sixth field) and/or PINGPONG = 1 (eighth field, default 0; ``rerope_fwd_twice_pp_kernel``,
+UNMEASURED): the same walk in one run-time-classified loop, FA3's intra-warpgroup overlap (PIPE) and
+ordered wgmma sections of the two consumer partitions through two ``turn`` mbarriers (PINGPONG, SPLIT=2),
+K and V slots freed separately. See ``_consumer_pp`` (deadlock argument) and README.md.
 """
 import math
 import os
@@ -469,6 +474,307 @@ def rerope_fwd_twice_kernel(q1_desc, q2_desc, k1_desc, k2_desc, v_desc, o_desc, 
 
 
 # ----------------------------------------------------------------------------------------------
+# BAND_TWICE with FlashAttention-3 scheduling (config[5] PIPE and/or config[7] PINGPONG):
+# rerope_fwd_twice_pp_kernel. UNMEASURED.
+# ----------------------------------------------------------------------------------------------
+BIG = gl.constexpr(1 << 30)  # "no upper bound" for i - j in _softmax_rt's mask
+
+
+@gluon.jit
+def _ring_barriers_pp(STAGES: gl.constexpr, SPLIT: gl.constexpr):
+    """_ring_barriers' q_bar, k_ready, v_ready, with the slot's empty barrier split in two:
+    ``k_empty`` (the K tile was read: released right after S = Q K^T is waited for) and ``v_empty``
+    (released after P V), each counting SPLIT arrivals; plus ``turn`` (2 barriers, count 1): the
+    ping-pong order of the two consumer partitions (see _consumer_pp)."""
+    q_bar, k_ready, v_ready, k_empty = _ring_barriers(STAGES, SPLIT)
+    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for j in gl.static_range(STAGES):
+        mbarrier.init(v_empty.index(j), count=SPLIT)
+    mbarrier.init(turn.index(0), count=1)
+    mbarrier.init(turn.index(1), count=1)
+    return q_bar, k_ready, v_ready, k_empty, v_empty, turn
+
+
+@gluon.jit
+def _load_kv_pp(k, t, k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, kv_row0,
+                BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """_load_kv with separate empties: K of step k goes in as soon as K of step k - STAGES was read by
+    every consumer, V when V of step k - STAGES was (parity trick for the first round, as before)."""
+    s = k % STAGES
+    ph = ((k // STAGES) & 1) ^ 1
+    row = kv_row0 + t * BLOCK_N
+    mbarrier.wait(k_empty.index(s), ph)
+    mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(k_desc, [row, 0], k_ready.index(s), k_smem.index(s))
+    mbarrier.wait(v_empty.index(s), ph)
+    mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(v_desc, [row, 0], v_ready.index(s), v_smem.index(s))
+
+
+@gluon.jit
+def _producer_pp(q1_desc, q2_desc, k1_desc, k2_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready,
+                 k_empty, v_empty, q_row, kv_row0, n_out, n_in, n_tiles,
+                 BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr):
+    """_producer_twice's step list (outside walk K2 over [0, n_in), inside walk K1 over [n_out, n_tiles));
+    Q of partition j: Q2 in q_smem[2j], Q1 in q_smem[2j + 1]."""
+    SUB_M: gl.constexpr = q1_desc.block_type.shape[0]
+    mbarrier.expect(q_bar, 2 * SPLIT * q1_desc.block_type.nbytes)
+    for j in gl.static_range(SPLIT):
+        tma.async_copy_global_to_shared(q2_desc, [q_row + j * SUB_M, 0], q_bar, q_smem.index(2 * j))
+        tma.async_copy_global_to_shared(q1_desc, [q_row + j * SUB_M, 0], q_bar, q_smem.index(2 * j + 1))
+    for t in range(0, n_in):  # outside walk: K2
+        _load_kv_pp(t, t, k2_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, kv_row0,
+                    BLOCK_N, STAGES)
+    off = n_in - n_out
+    for t in range(n_out, n_tiles):  # inside walk: K1
+        _load_kv_pp(t + off, t, k1_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, kv_row0,
+                    BLOCK_N, STAGES)
+
+
+@gluon.jit
+def _step_pp(k, n_out, n_in, n_full, window):
+    """What step k of the walk is, decided at run time (one loop instead of _consumer_twice's five):
+    returns (t, ins, masked, lo, hi): key tile t; ins = 0 outside walk (Q2 K2^T), 1 inside walk
+    (Q1 K1^T); the visit keeps lo <= i - j < hi when ``masked``. Same visits as _consumer_twice:
+    outside, t >= n_out: i-j >= w (MASK_OUT); inside, t < n_in: 0 <= i-j < w (MASK_IN); inside,
+    t >= n_full: i-j >= 0 (MASK_CAUSAL); else unmasked (emulate_rerope.py checks the equality)."""
+    ins = (k >= n_in).to(gl.int32)
+    t = k - (n_in - n_out) * ins
+    band_in = (ins == 1) & (t < n_in)
+    masked = ((ins == 0) & (t >= n_out)) | band_in | ((ins == 1) & (t >= n_full))
+    lo = window * (1 - ins)
+    hi = BIG + (window - BIG) * band_in.to(gl.int32)
+    return t, ins, masked, lo, hi
+
+
+@gluon.jit
+def _softmax_rt(qk, m_i, l_i, t, m0, masked, lo, hi, qk_scale, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                s_layout: gl.constexpr):
+    """_softmax_mode with the mask chosen at run time (keep lo <= i - j < hi where ``masked``);
+    -inf-safe (m_use) on every visit."""
+    qk = qk * qk_scale
+    if masked:
+        rows = m0 + gl.arange(0, BLOCK_M, gl.SliceLayout(1, s_layout))
+        cols = t * BLOCK_N + gl.arange(0, BLOCK_N, gl.SliceLayout(0, s_layout))
+        d = rows[:, None] - cols[None, :]
+        qk = gl.where((d >= lo) & (d < hi), qk, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(qk, 1))
+    m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = gl.exp2(m_i - m_use)
+    p = gl.exp2(qk - m_use[:, None])
+    l_i = l_i * alpha + gl.sum(p, 1)
+    return p, m_new, l_i, alpha
+
+
+@gluon.jit
+def _consumer_pp(o_desc, lse_ptr, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, turn,
+                 q_row, m0, window, n_out, n_in, n_tiles, qk_scale, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                 HEAD_D: gl.constexpr, STAGES: gl.constexpr, CONSUMER_WARPS: gl.constexpr,
+                 STORE_LSE: gl.constexpr, ME: gl.constexpr, PIPE: gl.constexpr, PINGPONG: gl.constexpr):
+    """Consumer partition ME (0 or 1) of rerope_fwd_twice_pp_kernel: the BAND_TWICE walk (steps
+    k = 0 .. n_steps-1, n_steps = n_in + n_tiles - n_out, classified by _step_pp) in ONE loop.
+
+    PIPE=1 (FA3's intra-warpgroup overlap): iteration k issues S_k = Q K_k^T and O += P_{k-1} V_{k-1},
+    waits for S_k only (num_outstanding=1; wgmma groups retire in issue order), frees K slot k,
+    runs softmax k while the P V wgmma still runs, then waits for it, frees V slot k-1 and rescales O
+    by alpha_k. (acc after k = (acc after k-1 + P_{k-1} V_{k-1}) * alpha_k, so acc + P_last V_last at
+    the end is the usual online softmax: exact.) PIPE=0: S_k, softmax, P_k V_k in turn.
+
+    PINGPONG=1 (FA3's warp-scheduler barriers, with mbarriers: Gluon 3.6 has no named-barrier op):
+    step k's "GEMM section" (PIPE=1: issuing S_k and P_{k-1} V_{k-1}; PIPE=0: issuing S_k) of
+    partition ME starts with ``wait(turn[ME], (k & 1) ^ (1 - ME))`` and ends with one
+    ``arrive(turn[1 - ME])``, so the sections run in the order 0_0, 1_0, 0_1, 1_1, ... and one
+    partition's softmax overlaps the other's wgmmas. Deadlock / phase argument:
+    * turn[1] is only arrived on by partition 0, once per step, so its phase c completes at
+      partition 0's arrive c, which comes after partition 0's wait c; partition 1's wait k (parity
+      k & 1) needs phase k. turn[0] likewise: partition 1's arrive c completes its phase c; partition
+      0's wait k (parity (k & 1) ^ 1) needs phase k - 1 (k = 0: a fresh barrier's "phase -1" counts
+      as completed, the parity trick), i.e. partition 1's arrive k - 1.
+    * no aliasing of the parity: partition 1's arrive c needs its wait c, which needs partition 0's
+      arrive c. While partition 0 waits at k it has arrived k times (0..k-1), so turn[0] has
+      completed at most phases 0..k-1: the phase it waits for (k - 1) is the last completed one or
+      the current one, never older (where the parity would lie). Symmetric: while partition 1 waits
+      at k, turn[1] has completed at most phases 0..k (partition 0's arrive k+1 needs partition 1's
+      arrive k). perf/gluon/emulate_rerope.py --protocol checks this on random interleavings.
+    * both partitions walk the same n_steps steps (the regions are computed once per block and
+      passed to everyone) and do one section per step (the last P V, after the loop, is outside the
+      turns), so every wait has its arrive; the last arrive of partition 1 completes a phase no one
+      waits for (harmless; the barriers are invalidated after the join).
+    * against the ring: the first unfinished section in the turn order belongs to a partition whose
+      turn wait is satisfied; it can only block on k_ready of step k or v_ready of step k - 1. Every
+      partition that is further along in the order has already released K of steps < k and V of
+      steps < k - 1, or will without waiting on a barrier (only on its own wgmmas); the producer
+      needs exactly those releases (K of step k - STAGES, V of step k - 1 - STAGES, STAGES >= 1) to
+      load K_k and V_{k-1}, so it does, and the blocked partition moves on. The ring's own parity
+      waits cannot alias: the producer refills slot s for step k + STAGES only after every consumer
+      released step k, which comes after that consumer's ready-wait for step k.
+    Ordering is a scheduling hint only (no data flows through ``turn``): the arrive is made by the
+    partition's first thread after it issued its wgmmas, without a thread_barrier first."""
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[CONSUMER_WARPS, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[CONSUMER_WARPS, 1],
+                                                       instr_shape=[16, HEAD_D, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    dtype: gl.constexpr = q_smem.dtype
+    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
+    l_i = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, s_layout))
+    acc = gl.zeros([BLOCK_M, HEAD_D], gl.float32, o_layout)
+    zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
+    n_full = gl.maximum(m0 // BLOCK_N, n_in)  # inside tiles from here on may cross this half's diagonal
+    n_steps = n_in + n_tiles - n_out  # >= 1
+
+    mbarrier.wait(q_bar, 0)
+    if PIPE:
+        # step 0: S_0 and softmax_0 only
+        t, ins, masked, lo, hi = _step_pp(0, n_out, n_in, n_full, window)
+        mbarrier.wait(k_ready.index(0), 0)
+        if PINGPONG:
+            mbarrier.wait(turn.index(ME), 1 - ME)
+        q_tile = q_smem.index(2 * ME + ins)
+        k_tile = k_smem.index(0)
+        qk = warpgroup_mma(q_tile, k_tile.permute((1, 0)), zero, use_acc=False, is_async=True)
+        if PINGPONG:
+            mbarrier.arrive(turn.index(1 - ME), count=1)
+        qk, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=(qk, q_tile, k_tile))
+        gl.thread_barrier()
+        mbarrier.arrive(k_empty.index(0), count=1)
+        p, m_i, l_i, alpha = _softmax_rt(qk, m_i, l_i, t, m0, masked, lo, hi, qk_scale, BLOCK_M, BLOCK_N,
+                                         s_layout)
+        for k in range(1, n_steps):
+            s = k % STAGES
+            sp = (k - 1) % STAGES
+            t, ins, masked, lo, hi = _step_pp(k, n_out, n_in, n_full, window)
+            mbarrier.wait(k_ready.index(s), (k // STAGES) & 1)
+            if PINGPONG:
+                mbarrier.wait(turn.index(ME), (k & 1) ^ (1 - ME))
+            q_tile = q_smem.index(2 * ME + ins)
+            k_tile = k_smem.index(s)
+            qk = warpgroup_mma(q_tile, k_tile.permute((1, 0)), zero, use_acc=False, is_async=True)
+            mbarrier.wait(v_ready.index(sp), ((k - 1) // STAGES) & 1)
+            v_tile = v_smem.index(sp)
+            acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), v_tile, acc, is_async=True)
+            if PINGPONG:
+                mbarrier.arrive(turn.index(1 - ME), count=1)
+            qk, _, _ = warpgroup_mma_wait(num_outstanding=1, deps=(qk, q_tile, k_tile))
+            gl.thread_barrier()
+            mbarrier.arrive(k_empty.index(s), count=1)
+            p, m_i, l_i, alpha = _softmax_rt(qk, m_i, l_i, t, m0, masked, lo, hi, qk_scale, BLOCK_M, BLOCK_N,
+                                             s_layout)
+            acc, _ = warpgroup_mma_wait(num_outstanding=0, deps=(acc, v_tile))
+            gl.thread_barrier()
+            mbarrier.arrive(v_empty.index(sp), count=1)
+            acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+        last = n_steps - 1
+        sl = last % STAGES
+        mbarrier.wait(v_ready.index(sl), (last // STAGES) & 1)
+        v_tile = v_smem.index(sl)
+        acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), v_tile, acc, is_async=True)
+        acc, _ = warpgroup_mma_wait(num_outstanding=0, deps=(acc, v_tile))
+        gl.thread_barrier()
+        mbarrier.arrive(v_empty.index(sl), count=1)
+    else:
+        for k in range(0, n_steps):
+            s = k % STAGES
+            phase = (k // STAGES) & 1
+            t, ins, masked, lo, hi = _step_pp(k, n_out, n_in, n_full, window)
+            mbarrier.wait(k_ready.index(s), phase)
+            if PINGPONG:
+                mbarrier.wait(turn.index(ME), (k & 1) ^ (1 - ME))
+            q_tile = q_smem.index(2 * ME + ins)
+            k_tile = k_smem.index(s)
+            qk = warpgroup_mma(q_tile, k_tile.permute((1, 0)), zero, use_acc=False, is_async=True)
+            if PINGPONG:
+                mbarrier.arrive(turn.index(1 - ME), count=1)
+            qk, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=(qk, q_tile, k_tile))
+            gl.thread_barrier()
+            mbarrier.arrive(k_empty.index(s), count=1)
+            p, m_i, l_i, alpha = _softmax_rt(qk, m_i, l_i, t, m0, masked, lo, hi, qk_scale, BLOCK_M, BLOCK_N,
+                                             s_layout)
+            acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+            mbarrier.wait(v_ready.index(s), phase)
+            v_tile = v_smem.index(s)
+            acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), v_tile, acc, is_async=True)
+            acc, _ = warpgroup_mma_wait(num_outstanding=0, deps=(acc, v_tile))
+            gl.thread_barrier()
+            mbarrier.arrive(v_empty.index(s), count=1)
+
+    o_smem = q_smem.index(2 * ME + 1)  # this partition's Q1 buffer (no longer read)
+    acc = acc / gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))[:, None]
+    o_smem.store(acc.to(dtype))
+    fence_async_shared()
+    tma.async_copy_shared_to_global(o_desc, [q_row, 0], o_smem)
+    if STORE_LSE:
+        rows = gl.arange(0, BLOCK_M, gl.SliceLayout(1, s_layout))
+        gl.store(lse_ptr + q_row + rows, (m_i + gl.log2(l_i)) * 0.6931471805599453)
+    tma.store_wait(pendings=0)
+
+
+@gluon.jit(do_not_specialize=["window"])
+def rerope_fwd_twice_pp_kernel(q1_desc, q2_desc, k1_desc, k2_desc, v_desc, o_desc, lse_ptr, N, window, qk_scale,
+                               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
+                               STAGES: gl.constexpr, CONSUMER_WARPS: gl.constexpr,
+                               STORE_LSE: gl.constexpr, SPLIT: gl.constexpr, PIPE: gl.constexpr,
+                               PINGPONG: gl.constexpr):
+    """BAND_TWICE (same walk, arguments, grid, shared-memory ring) with FA3's scheduling:
+    PIPE=1 intra-warpgroup overlap, PINGPONG=1 ordered GEMM sections of the two consumer partitions
+    (SPLIT=2 only); K and V slots freed separately (k_empty / v_empty). See _consumer_pp."""
+    pid_m = gl.program_id(0)
+    bh = gl.program_id(1)
+    m0 = (gl.num_programs(0) - 1 - pid_m) * BLOCK_M
+    q_row = bh * N + m0
+    kv_row0 = bh * N
+    n_tiles = gl.cdiv(m0 + BLOCK_M, BLOCK_N)
+    n_out, n_in = _regions(m0, window, n_tiles, BLOCK_M, BLOCK_N)
+    SUB_M: gl.constexpr = BLOCK_M // SPLIT
+
+    dtype: gl.constexpr = q1_desc.dtype
+    q_smem = gl.allocate_shared_memory(dtype, [2 * SPLIT, SUB_M, HEAD_D], q1_desc.layout)  # Q2_j, Q1_j
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_D], k1_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_D], v_desc.layout)
+    q_bar, k_ready, v_ready, k_empty, v_empty, turn = _ring_barriers_pp(STAGES, SPLIT)
+
+    if SPLIT == 1:
+        gl.static_assert(PINGPONG == 0, "PINGPONG needs SPLIT=2")
+        gl.warp_specialize(
+            [
+                (_consumer_pp, (o_desc, lse_ptr, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty,
+                                turn, q_row, m0, window, n_out, n_in, n_tiles, qk_scale, BLOCK_M, BLOCK_N, HEAD_D,
+                                STAGES, CONSUMER_WARPS, STORE_LSE, 0, PIPE, PINGPONG)),
+                (_producer_pp, (q1_desc, q2_desc, k1_desc, k2_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready,
+                                v_ready, k_empty, v_empty, q_row, kv_row0, n_out, n_in, n_tiles, BLOCK_N, STAGES,
+                                SPLIT)),
+            ],
+            [1],
+            [24],
+        )
+    else:
+        gl.static_assert(SPLIT == 2, "SPLIT is 1 or 2")
+        gl.static_assert(CONSUMER_WARPS == 4, "SPLIT=2: two 4-warp consumer partitions")
+        gl.warp_specialize(
+            [
+                (_consumer_pp, (o_desc, lse_ptr, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty,
+                                turn, q_row, m0, window, n_out, n_in, n_tiles, qk_scale, SUB_M, BLOCK_N, HEAD_D,
+                                STAGES, 4, STORE_LSE, 0, PIPE, PINGPONG)),
+                (_consumer_pp, (o_desc, lse_ptr, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty,
+                                turn, q_row + SUB_M, m0 + SUB_M, window, n_out, n_in, n_tiles, qk_scale, SUB_M,
+                                BLOCK_N, HEAD_D, STAGES, 4, STORE_LSE, 1, PIPE, PINGPONG)),
+                (_producer_pp, (q1_desc, q2_desc, k1_desc, k2_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready,
+                                v_ready, k_empty, v_empty, q_row, kv_row0, n_out, n_in, n_tiles, BLOCK_N, STAGES,
+                                SPLIT)),
+            ],
+            [4, 1],
+            [240, 24],
+        )
+
+    _invalidate_ring(q_bar, k_ready, v_ready, k_empty, STAGES)
+    for j in gl.static_range(STAGES):
+        mbarrier.invalidate(v_empty.index(j))
+    mbarrier.invalidate(turn.index(0))
+    mbarrier.invalidate(turn.index(1))
+
+
+# ----------------------------------------------------------------------------------------------
 # host side
 # ----------------------------------------------------------------------------------------------
 def default_config(head_dim):
@@ -482,17 +788,25 @@ def default_config(head_dim):
 
 # A seventh config field BAND_TWICE = 1 selects rerope_fwd_twice_kernel (one K tile per ring slot,
 # band tiles visited twice); six fields or 0: rerope_fwd_causal_kernel (K1, K2, V per slot).
+# An eighth field PINGPONG (default 0) and PIPE (sixth) = 1, with BAND_TWICE = 1, select
+# rerope_fwd_twice_pp_kernel (FA3 scheduling, unmeasured): PIPE=1 intra-warpgroup overlap,
+# PINGPONG=1 ordered wgmma sections of the two consumer partitions (SPLIT=2).
 EXTRA_CONFIGS = {
     64: [(128, 128, 3, 4, 2, 0),
-         (128, 128, 2, 4, 2, 0, 1), (128, 128, 3, 4, 2, 0, 1)],
+         (128, 128, 2, 4, 2, 0, 1),
+         (128, 128, 2, 4, 2, 1, 1, 0), (128, 128, 2, 4, 2, 0, 1, 1), (128, 128, 2, 4, 2, 1, 1, 1),
+         (128, 128, 3, 4, 2, 1, 1, 1)],
     128: [(128, 64, 3, 4, 2, 0),
-          (128, 128, 2, 4, 2, 0, 1), (128, 64, 2, 4, 2, 0, 1), (128, 64, 3, 4, 2, 0, 1)],
+          (128, 128, 2, 4, 2, 0, 1),
+          (128, 128, 2, 4, 2, 1, 1, 0), (128, 128, 2, 4, 2, 0, 1, 1), (128, 128, 2, 4, 2, 1, 1, 1)],
 }
-# measured slower on the H100 (perf/runs/s46: 0.75-0.80 of cuDNN against 0.84-0.90): still built by
+# measured slower (perf/runs/s46 on an H100: 0.75-0.80 of cuDNN against 0.84-0.90; perf/runs/s47 on
+# an H200: the BAND_TWICE ones below at 0.74-0.83 against 0.84-0.87): still built by
 # all_configs(..., retired=True) / bench_rerope.py --all-configs, no longer timed by default
 RETIRED_CONFIGS = {
-    64: [(128, 128, 2, 8, 1, 0), (128, 64, 3, 4, 2, 0)],
-    128: [(128, 64, 2, 8, 1, 0)],  # (128, 128, 1, 4, 2, 0) fits but spills
+    64: [(128, 128, 2, 8, 1, 0), (128, 64, 3, 4, 2, 0), (128, 128, 3, 4, 2, 0, 1)],
+    128: [(128, 64, 2, 8, 1, 0),  # (128, 128, 1, 4, 2, 0) fits but spills
+          (128, 64, 2, 4, 2, 0, 1), (128, 64, 3, 4, 2, 0, 1)],
 }
 
 
@@ -502,22 +816,36 @@ def all_configs(head_dim, retired=False):
 
 
 def quick_configs(head_dim):
-    """bench_rerope.py --quick: the default and one BAND_TWICE config (BLOCK_N 128, 2 stages)."""
-    return [default_config(head_dim), (128, 128, 2, 4, 2, 0, 1)]
+    """bench_rerope.py --quick: the default, the best BAND_TWICE config so far (BLOCK_N 128, 2 stages)
+    and its three FA3-scheduled variants (PIPE / PINGPONG / both)."""
+    base = (128, 128, 2, 4, 2)
+    return [default_config(head_dim), base + (0, 1), base + (1, 1, 0), base + (0, 1, 1), base + (1, 1, 1)]
 
 
 def band_twice(config):
-    """1 if config selects the BAND_TWICE kernel (seventh field), else 0."""
+    """1 if config selects a BAND_TWICE kernel (seventh field), else 0."""
     return int(config[6]) if len(config) > 6 else 0
 
 
+def pingpong(config):
+    """The eighth field PINGPONG (0 when absent)."""
+    return int(config[7]) if len(config) > 7 else 0
+
+
+def fa3_sched(config):
+    """1 if config selects rerope_fwd_twice_pp_kernel (BAND_TWICE with PIPE and/or PINGPONG)."""
+    return int(bool(band_twice(config) and (config[5] or pingpong(config))))
+
+
 def kernel_for(config):
+    if fa3_sched(config):
+        return rerope_fwd_twice_pp_kernel
     return rerope_fwd_twice_kernel if band_twice(config) else rerope_fwd_causal_kernel
 
 
 def rerope_attention(q1, q2, k1, k2, v, window, sm_scale=None, return_lse=False, config=None, _warmup=False):
     """Causal five-tensor ReRoPE forward. All (B, H, N, D), fp16/bf16, D 64/128, N % 128 == 0.
-    config: (BLOCK_M, BLOCK_N, STAGES, CONSUMER_WARPS, SPLIT, PIPE[, BAND_TWICE]).
+    config: (BLOCK_M, BLOCK_N, STAGES, CONSUMER_WARPS, SPLIT, PIPE[, BAND_TWICE[, PINGPONG]]).
     Returns o (B, H, N, D) [and lse (B, H, N) float32, natural log]. ``_warmup``: only JIT-compile
     (into Triton's on-disk cache; nothing launched), return None."""
     import torch
@@ -530,7 +858,8 @@ def rerope_attention(q1, q2, k1, k2, v, window, sm_scale=None, return_lse=False,
     assert int(window) >= 1, "window >= 1"
     config = tuple(config or default_config(D))
     BLOCK_M, BLOCK_N, STAGES, CW, SPLIT, PIPE = config[:6]
-    assert PIPE == 0, "PIPE=1 not implemented for ReRoPE"
+    assert PIPE == 0 or band_twice(config), "PIPE=1 only with BAND_TWICE=1 (rerope_fwd_twice_pp_kernel)"
+    assert pingpong(config) == 0 or (band_twice(config) and SPLIT == 2), "PINGPONG=1 needs BAND_TWICE=1, SPLIT=2"
     assert N % BLOCK_M == 0 and N % BLOCK_N == 0
     assert BLOCK_M == 16 * CW * SPLIT
     SUB_M = BLOCK_M // SPLIT
@@ -546,7 +875,7 @@ def rerope_attention(q1, q2, k1, k2, v, window, sm_scale=None, return_lse=False,
     k1d, k2d, vd = (TensorDescriptor.from_tensor(t, [BLOCK_N, D], kv_layout) for t in flat[2:])
     window = min(int(window), N + 1)  # >= N: everything inside
     args = (q1d, q2d, k1d, k2d, vd, od, lse, N, window, sm_scale * LOG2E, BLOCK_M, BLOCK_N, D, STAGES, CW,
-            return_lse, SPLIT)
+            return_lse, SPLIT) + ((PIPE, pingpong(config)) if fa3_sched(config) else ())
     if _warmup:
         kernel_for(config).warmup(*args, grid=(N // BLOCK_M, B * H), num_warps=CW)
         return None
