@@ -1084,16 +1084,19 @@ def _result(plan, out, final_lse, dtype):
 def _outputs(plan, num_splits, q, return_lse=False):
     """``(out, part, lse, final_lse)``: the output, the partials and their log-sum-exps
     (the output itself for one split), and the merged rows' log-sum-exps (``return_lse``;
-    else ``None``; one split: the split kernel's own)."""
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    else ``None``; one split: the split kernel's own). The partials and their
+    log-sum-exps share one allocation (a call's host time: one allocator call fewer)."""
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
     n_rows = plan.batch * plan.q_heads * plan.n_queries
     final = (torch.empty(n_rows, dtype=torch.float32, device=q.device) if return_lse
              else None)
     if num_splits == 1:
         return out, out, out if final is None else final, final
-    return (out, torch.empty((num_splits, n_rows, plan.head_dim), dtype=torch.float32,
-                             device=q.device),
-            torch.empty((num_splits, n_rows), dtype=torch.float32, device=q.device), final)
+    d = plan.head_dim
+    work = torch.empty(num_splits * n_rows * (d + 1), dtype=torch.float32, device=q.device)
+    return (out, work.as_strided((num_splits, n_rows, d), (n_rows * d, d, 1)),
+            work.as_strided((num_splits, n_rows), (n_rows, 1), num_splits * n_rows * d),
+            final)
 
 
 class _Step(NamedTuple):
