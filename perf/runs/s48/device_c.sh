@@ -5,7 +5,7 @@
 #    attention benchmark's warm-up (rerope only, 4 processes: fp16/bf16 x causal/not).
 # 2. Issue 34: python -m benchmarks.attention, impls rerope and sdpa_cudnn (the yardstick of
 #    the same run), the whole N x D x dtype x causal x mode grid -> bench_rerope_cudnn.json
-# 3. Issue 38: QUICK=1 perf/gluon/device_rerope.sh -> gluon/
+# 3. Issue 38: QUICK=1 perf/gluon/device_rerope.sh -> gluon/ (not with SKIP_GLUON=1)
 # 4. Issue 34: python -m benchmarks.decode, impls rerope_decode and sdpa_flash, what time is
 #    left (--budget-s) -> decode_h200.json
 export PYTHONUNBUFFERED=1 REROPE_AUTOTUNE=0 PYTHONPATH=kernels:.
@@ -13,7 +13,7 @@ export PYTHONUNBUFFERED=1 REROPE_AUTOTUNE=0 PYTHONPATH=kernels:.
   python3 -c "import torch,triton,transformers;print(torch.__version__,triton.__version__,transformers.__version__)"
 } > "$OUT/versions.txt" 2>&1
 mkdir -p "$OUT/gluon" /tmp/warm
-( python3 perf/gluon/bench_rerope.py --quick --list-keys \
+[ "${SKIP_GLUON:-0}" = 1 ] || ( python3 perf/gluon/bench_rerope.py --quick --list-keys \
     | timeout 150 xargs -P 8 -n 1 timeout 90 python3 perf/gluon/bench_rerope.py --precompile \
     > "$OUT/gluon/precompile_early.log" 2>&1 ) &
 for dtype in float16 bfloat16; do for causal in true false; do
@@ -26,8 +26,10 @@ echo "warm-up done at $SECONDS s: $(grep -c '^precompiled' "$OUT/gluon/precompil
 timeout 150 python3 -m benchmarks.attention --skip-check --reps 10 --impl rerope,sdpa_cudnn \
     --out "$OUT/bench_rerope_cudnn.json" > "$OUT/attention.log" 2>&1
 echo "attention rc=$? at $SECONDS s"
-QUICK=1 OUT=$OUT/gluon timeout 170 bash perf/gluon/device_rerope.sh > "$OUT/gluon/run.log" 2>&1
-echo "gluon rc=$? at $SECONDS s"
+if [ "${SKIP_GLUON:-0}" != 1 ]; then
+    QUICK=1 OUT=$OUT/gluon timeout 170 bash perf/gluon/device_rerope.sh > "$OUT/gluon/run.log" 2>&1
+    echo "gluon rc=$? at $SECONDS s"
+fi
 left=$((${TOTAL:-590} - SECONDS))
 timeout $left python3 -m benchmarks.decode --impl rerope_decode sdpa_flash \
     --budget-s $((left - 40)) --out "$OUT/decode_h200.json" > "$OUT/decode.log" 2>&1
