@@ -186,6 +186,22 @@ def _loop_pipelined(acc, m_i, l_i, q_smem, k_smem, v_smem, k_ready, v_ready, kv_
 
 
 @gluon.jit
+def _epilogue(acc, m_i, l_i, o_smem, o_desc, lse_ptr, q_row, BLOCK_M: gl.constexpr, STORE_LSE: gl.constexpr,
+              s_layout: gl.constexpr, o_layout: gl.constexpr):
+    """A consumer's end (plain and ReRoPE kernels): O = acc / l written to ``o_smem`` (a Q buffer the
+    partition no longer reads) and TMA-stored at rows [q_row, q_row + BLOCK_M); LSE (natural log) of
+    those rows if STORE_LSE; waits for the store."""
+    acc = acc / gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))[:, None]
+    o_smem.store(acc.to(o_smem.dtype))
+    fence_async_shared()
+    tma.async_copy_shared_to_global(o_desc, [q_row, 0], o_smem)
+    if STORE_LSE:
+        rows = gl.arange(0, BLOCK_M, gl.SliceLayout(1, s_layout))
+        gl.store(lse_ptr + q_row + rows, (m_i + gl.log2(l_i)) * 0.6931471805599453)
+    tma.store_wait(pendings=0)
+
+
+@gluon.jit
 def _consumer(o_desc, lse_ptr, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty, turn, q_row, m0,
               n_full, n_tiles, qk_scale, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
               HEAD_D: gl.constexpr, STAGES: gl.constexpr, CONSUMER_WARPS: gl.constexpr,
@@ -214,14 +230,7 @@ def _consumer(o_desc, lse_ptr, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, 
                                   qk_scale, BLOCK_M, BLOCK_N, STAGES, True, s_layout, o_layout, ME, PINGPONG)
 
     # epilogue: O / l through Q's shared buffer (Q is no longer read) and a TMA store
-    acc = acc / gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))[:, None]
-    q_smem.store(acc.to(q_smem.dtype))
-    fence_async_shared()
-    tma.async_copy_shared_to_global(o_desc, [q_row, 0], q_smem)
-    if STORE_LSE:
-        rows = gl.arange(0, BLOCK_M, gl.SliceLayout(1, s_layout))
-        gl.store(lse_ptr + q_row + rows, (m_i + gl.log2(l_i)) * 0.6931471805599453)
-    tma.store_wait(pendings=0)
+    _epilogue(acc, m_i, l_i, q_smem, o_desc, lse_ptr, q_row, BLOCK_M, STORE_LSE, s_layout, o_layout)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -255,6 +264,21 @@ def _invalidate_ring(q_bar, k_ready, v_ready, kv_empty, STAGES: gl.constexpr):
 
 
 @gluon.jit
+def _block_rows(N, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    """This program's query block (grid ``(N / BLOCK_M, B * H)``, heaviest blocks, i.e. most key tiles,
+    first): (m0, its first row in the sequence; q_row, its first row in the ``(B*H*N, D)`` view;
+    kv_row0, the head's first key row there; n_tiles, the key tiles it sees under the causal mask)."""
+    pid_m = gl.program_id(0)
+    bh = gl.program_id(1)
+    m_block = gl.num_programs(0) - 1 - pid_m  # heaviest query blocks first
+    m0 = m_block * BLOCK_M
+    q_row = bh * N + m0
+    kv_row0 = bh * N
+    n_tiles = gl.cdiv(m0 + BLOCK_M, BLOCK_N)
+    return m0, q_row, kv_row0, n_tiles
+
+
+@gluon.jit
 def attn_fwd_causal_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, N, qk_scale,
                            BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
                            STAGES: gl.constexpr, CONSUMER_WARPS: gl.constexpr,
@@ -268,13 +292,7 @@ def attn_fwd_causal_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, N, qk_scale,
     [BLOCK_M // SPLIT, HEAD_D]. PIPE=1: the consumers overlap softmax i with the PV wgmma of tile
     i-1 (_loop_pipelined). PINGPONG=1 (SPLIT=2; unmeasured): the two partitions' wgmma issues take
     turns through two ``turn`` mbarriers (FA3's warp-scheduler barriers; rerope_fwd._consumer_pp)."""
-    pid_m = gl.program_id(0)
-    bh = gl.program_id(1)
-    m_block = gl.num_programs(0) - 1 - pid_m  # heaviest query blocks first
-    m0 = m_block * BLOCK_M
-    q_row = bh * N + m0
-    kv_row0 = bh * N
-    n_tiles = gl.cdiv(m0 + BLOCK_M, BLOCK_N)
+    m0, q_row, kv_row0, n_tiles = _block_rows(N, BLOCK_M, BLOCK_N)
     SUB_M: gl.constexpr = BLOCK_M // SPLIT
 
     dtype: gl.constexpr = q_desc.dtype

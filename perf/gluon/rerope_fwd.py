@@ -44,7 +44,6 @@ import sys
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
-    fence_async_shared,
     mbarrier,
     tma,
     warpgroup_mma,
@@ -52,8 +51,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from plain_fwd import (LOG2E, SMEM_LIMIT_SM90, _gl_dtype, _invalidate_ring,  # noqa: E402,F401
-                       _ring_barriers, _softmax, smem_layout)
+from plain_fwd import (LOG2E, SMEM_LIMIT_SM90, _block_rows, _epilogue, _gl_dtype,  # noqa: E402,F401
+                       _invalidate_ring, _ring_barriers, _softmax, smem_layout)
 
 OUTSIDE = gl.constexpr(0)
 BAND = gl.constexpr(1)
@@ -69,6 +68,15 @@ def _regions(m0, window, n_tiles, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
     n_in = (gl.maximum(m0 + BLOCK_M - 1 - window, -1) + BLOCK_N) // BLOCK_N
     n_in = gl.minimum(gl.maximum(n_in, n_out), n_tiles)
     return n_out, n_in
+
+
+@gluon.jit
+def _block_regions(N, window, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    """The prologue of all three kernels: plain_fwd._block_rows' (m0, q_row, kv_row0, n_tiles) of this
+    program's query block, then its regions (n_out, n_in), computed once for every partition."""
+    m0, q_row, kv_row0, n_tiles = _block_rows(N, BLOCK_M, BLOCK_N)
+    n_out, n_in = _regions(m0, window, n_tiles, BLOCK_M, BLOCK_N)
+    return m0, q_row, kv_row0, n_tiles, n_out, n_in
 
 
 # ----------------------------------------------------------------------------------------------
@@ -197,14 +205,7 @@ def _consumer(o_desc, lse_ptr, q1_smem, q2_smem, k1_smem, k2_smem, v_smem, q_bar
                               kv_empty, m0, window, qk_scale, BLOCK_M, BLOCK_N, STAGES, INSIDE, True,
                               s_layout, o_layout)
 
-    acc = acc / gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))[:, None]
-    q1_smem.store(acc.to(q1_smem.dtype))
-    fence_async_shared()
-    tma.async_copy_shared_to_global(o_desc, [q_row, 0], q1_smem)
-    if STORE_LSE:
-        rows = gl.arange(0, BLOCK_M, gl.SliceLayout(1, s_layout))
-        gl.store(lse_ptr + q_row + rows, (m_i + gl.log2(l_i)) * 0.6931471805599453)
-    tma.store_wait(pendings=0)
+    _epilogue(acc, m_i, l_i, q1_smem, o_desc, lse_ptr, q_row, BLOCK_M, STORE_LSE, s_layout, o_layout)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -217,13 +218,7 @@ def rerope_fwd_causal_kernel(q1_desc, q2_desc, k1_desc, k2_desc, v_desc, o_desc,
                              STORE_LSE: gl.constexpr, SPLIT: gl.constexpr):
     """grid (N / BLOCK_M, B*H), heaviest query blocks first. SPLIT=1: one consumer partition of
     CONSUMER_WARPS warps; SPLIT=2: two 4-warp consumer partitions on BLOCK_M/2 rows each."""
-    pid_m = gl.program_id(0)
-    bh = gl.program_id(1)
-    m0 = (gl.num_programs(0) - 1 - pid_m) * BLOCK_M
-    q_row = bh * N + m0
-    kv_row0 = bh * N
-    n_tiles = gl.cdiv(m0 + BLOCK_M, BLOCK_N)
-    n_out, n_in = _regions(m0, window, n_tiles, BLOCK_M, BLOCK_N)
+    m0, q_row, kv_row0, n_tiles, n_out, n_in = _block_regions(N, window, BLOCK_M, BLOCK_N)
     SUB_M: gl.constexpr = BLOCK_M // SPLIT
 
     dtype: gl.constexpr = q1_desc.dtype
@@ -405,14 +400,7 @@ def _consumer_twice(o_desc, lse_ptr, q1_smem, q2_smem, k_smem, v_smem, q_bar, k_
                                     kv_empty, m0, window, qk_scale, BLOCK_M, BLOCK_N, STAGES, MASK_CAUSAL,
                                     s_layout, o_layout)
 
-    acc = acc / gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))[:, None]
-    q1_smem.store(acc.to(q1_smem.dtype))
-    fence_async_shared()
-    tma.async_copy_shared_to_global(o_desc, [q_row, 0], q1_smem)
-    if STORE_LSE:
-        rows = gl.arange(0, BLOCK_M, gl.SliceLayout(1, s_layout))
-        gl.store(lse_ptr + q_row + rows, (m_i + gl.log2(l_i)) * 0.6931471805599453)
-    tma.store_wait(pendings=0)
+    _epilogue(acc, m_i, l_i, q1_smem, o_desc, lse_ptr, q_row, BLOCK_M, STORE_LSE, s_layout, o_layout)
 
 
 @gluon.jit(do_not_specialize=["window"])  # window == 1 must not become a constexpr
@@ -422,13 +410,7 @@ def rerope_fwd_twice_kernel(q1_desc, q2_desc, k1_desc, k2_desc, v_desc, o_desc, 
                             STORE_LSE: gl.constexpr, SPLIT: gl.constexpr):
     """BAND_TWICE variant of rerope_fwd_causal_kernel (same arguments, grid and partitions): ring
     slots hold one key tile (K2 in the outside walk, K1 in the inside walk) and a V tile."""
-    pid_m = gl.program_id(0)
-    bh = gl.program_id(1)
-    m0 = (gl.num_programs(0) - 1 - pid_m) * BLOCK_M
-    q_row = bh * N + m0
-    kv_row0 = bh * N
-    n_tiles = gl.cdiv(m0 + BLOCK_M, BLOCK_N)
-    n_out, n_in = _regions(m0, window, n_tiles, BLOCK_M, BLOCK_N)
+    m0, q_row, kv_row0, n_tiles, n_out, n_in = _block_regions(N, window, BLOCK_M, BLOCK_N)
     SUB_M: gl.constexpr = BLOCK_M // SPLIT
 
     dtype: gl.constexpr = q1_desc.dtype
@@ -700,14 +682,7 @@ def _consumer_pp(o_desc, lse_ptr, q_smem, k_smem, v_smem, q_bar, k_ready, v_read
             mbarrier.arrive(v_empty.index(s), count=1)
 
     o_smem = q_smem.index(2 * ME + 1)  # this partition's Q1 buffer (no longer read)
-    acc = acc / gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))[:, None]
-    o_smem.store(acc.to(dtype))
-    fence_async_shared()
-    tma.async_copy_shared_to_global(o_desc, [q_row, 0], o_smem)
-    if STORE_LSE:
-        rows = gl.arange(0, BLOCK_M, gl.SliceLayout(1, s_layout))
-        gl.store(lse_ptr + q_row + rows, (m_i + gl.log2(l_i)) * 0.6931471805599453)
-    tma.store_wait(pendings=0)
+    _epilogue(acc, m_i, l_i, o_smem, o_desc, lse_ptr, q_row, BLOCK_M, STORE_LSE, s_layout, o_layout)
 
 
 @gluon.jit(do_not_specialize=["window"])
@@ -719,13 +694,7 @@ def rerope_fwd_twice_pp_kernel(q1_desc, q2_desc, k1_desc, k2_desc, v_desc, o_des
     """BAND_TWICE (same walk, arguments, grid, shared-memory ring) with FA3's scheduling:
     PIPE=1 intra-warpgroup overlap, PINGPONG=1 ordered GEMM sections of the two consumer partitions
     (SPLIT=2 only); K and V slots freed separately (k_empty / v_empty). See _consumer_pp."""
-    pid_m = gl.program_id(0)
-    bh = gl.program_id(1)
-    m0 = (gl.num_programs(0) - 1 - pid_m) * BLOCK_M
-    q_row = bh * N + m0
-    kv_row0 = bh * N
-    n_tiles = gl.cdiv(m0 + BLOCK_M, BLOCK_N)
-    n_out, n_in = _regions(m0, window, n_tiles, BLOCK_M, BLOCK_N)
+    m0, q_row, kv_row0, n_tiles, n_out, n_in = _block_regions(N, window, BLOCK_M, BLOCK_N)
     SUB_M: gl.constexpr = BLOCK_M // SPLIT
 
     dtype: gl.constexpr = q1_desc.dtype
