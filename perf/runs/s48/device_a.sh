@@ -5,9 +5,7 @@
 # 2. the GPU tests of decode, LSE and serving (perf/runs/s48/gpu_tests.txt) -> gpu_tests.log
 # 3. issue 34: benchmarks/device_run.sh decode host (what time is left)
 export PYTHONUNBUFFERED=1 REROPE_AUTOTUNE=0 PYTHONPATH=kernels:.
-{ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
-  python3 -c "import torch,triton,transformers;print(torch.__version__,triton.__version__,transformers.__version__)"
-} > "$OUT/versions.txt" 2>&1
+source perf/runs/s48/versions.sh
 timeout 130 python3 perf/runs/s48/host_parts.py --out "$OUT/host_parts_8k.json" > "$OUT/host_parts.log" 2>&1
 echo "host_parts rc=$? at $SECONDS s"
 PYTHONPATH=.dev/before/kernels:. timeout 40 python3 perf/runs/s48/host_parts.py --rounds 0 \

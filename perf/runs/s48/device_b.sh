@@ -5,9 +5,7 @@
 # on the other CPUs (8 processes); then QUICK=1 perf/gluon/device_rerope.sh (its precompile
 # now hits Triton's cache) -> $OUT/gluon/.
 export PYTHONUNBUFFERED=1 REROPE_AUTOTUNE=0 PYTHONPATH=kernels:.
-{ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
-  python3 -c "import torch,triton,transformers;print(torch.__version__,triton.__version__,transformers.__version__)"
-} > "$OUT/versions.txt" 2>&1
+source perf/runs/s48/versions.sh
 mkdir -p "$OUT/gluon"
 ( python3 perf/gluon/bench_rerope.py --quick --list-keys \
     | timeout 200 xargs -P 8 -n 1 timeout 90 python3 perf/gluon/bench_rerope.py --precompile \

@@ -9,9 +9,7 @@
 # 4. Issue 34: python -m benchmarks.decode, impls rerope_decode and sdpa_flash, what time is
 #    left (--budget-s) -> decode_h200.json
 export PYTHONUNBUFFERED=1 REROPE_AUTOTUNE=0 PYTHONPATH=kernels:.
-{ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
-  python3 -c "import torch,triton,transformers;print(torch.__version__,triton.__version__,transformers.__version__)"
-} > "$OUT/versions.txt" 2>&1
+source perf/runs/s48/versions.sh
 mkdir -p "$OUT/gluon" /tmp/warm
 [ "${SKIP_GLUON:-0}" = 1 ] || ( python3 perf/gluon/bench_rerope.py --quick --list-keys \
     | timeout 150 xargs -P 8 -n 1 timeout 90 python3 perf/gluon/bench_rerope.py --precompile \

@@ -4,9 +4,7 @@
 # issue 37's perf/runs/s48/host_parts.py (one model round) with what time is left.
 export PYTHONUNBUFFERED=1 REROPE_AUTOTUNE=0 PYTHONPATH=kernels:.
 TOTAL=${TOTAL:-180}
-{ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
-  python3 -c "import torch,triton,transformers;print(torch.__version__,triton.__version__,transformers.__version__)"
-} > "$OUT/versions.txt" 2>&1
+source perf/runs/s48/versions.sh
 mkdir -p "$OUT/gluon"
 QUICK=1 OUT=$OUT/gluon timeout $((TOTAL - 40)) bash perf/gluon/device_rerope.sh > "$OUT/gluon/run.log" 2>&1
 echo "gluon rc=$? at $SECONDS s"
