@@ -83,8 +83,6 @@ def _tile(i, acc, m_i, l_i, q_smem, k_smem, v_smem, k_ready, v_ready, kv_empty, 
     with the other partition's by the ``turn`` barriers (see rerope_fwd._consumer_pp)."""
     s = i % STAGES
     phase = (i // STAGES) & 1
-    dtype: gl.constexpr = q_smem.dtype
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
 
     # S = Q K^T (K tile viewed transposed in shared memory; wgmma handles the transpose)
     mbarrier.wait(k_ready.index(s), phase)
@@ -99,10 +97,17 @@ def _tile(i, acc, m_i, l_i, q_smem, k_smem, v_smem, k_ready, v_ready, kv_empty, 
     qk, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=(qk, q_smem, k_tile))
     # online softmax (log2 domain); MASK is a constexpr here, so the branch compiles away
     p, m_i, l_i, alpha = _softmax(qk, m_i, l_i, i, m0, MASK, qk_scale, BLOCK_M, BLOCK_N, s_layout)
-    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+    acc = _pv_and_free(acc, p, alpha, v_smem, v_ready, kv_empty, s, phase, o_layout)
+    return acc, m_i, l_i
 
-    # O += P V (P from registers)
-    p = gl.convert_layout(p.to(dtype), p_layout)
+
+@gluon.jit
+def _pv_and_free(acc, p, alpha, v_smem, v_ready, kv_empty, s, phase, o_layout: gl.constexpr):
+    """The end of a key tile's step in ring slot ``s``: rescale ``acc`` by ``alpha``, O += P V
+    (P from registers, once V's tile is in), then free the slot for the producer."""
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+    p = gl.convert_layout(p.to(v_smem.dtype), p_layout)
     mbarrier.wait(v_ready.index(s), phase)
     v_tile = v_smem.index(s)
     acc = warpgroup_mma(p, v_tile, acc, is_async=True)
@@ -110,7 +115,7 @@ def _tile(i, acc, m_i, l_i, q_smem, k_smem, v_smem, k_ready, v_ready, kv_empty, 
     # every warp group of the partition has finished reading K and V of slot s
     gl.thread_barrier()
     mbarrier.arrive(kv_empty.index(s), count=1)
-    return acc, m_i, l_i
+    return acc
 
 
 @gluon.jit

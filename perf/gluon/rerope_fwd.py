@@ -52,7 +52,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from plain_fwd import (LOG2E, SMEM_LIMIT_SM90, _block_rows, _epilogue, _gl_dtype,  # noqa: E402,F401
-                       _invalidate_ring, _ring_barriers, _softmax, smem_layout)
+                       _invalidate_ring, _pv_and_free, _ring_barriers, _softmax, smem_layout)
 
 OUTSIDE = gl.constexpr(0)
 BAND = gl.constexpr(1)
@@ -158,18 +158,10 @@ def _tile(i, acc, m_i, l_i, q1_smem, q2_smem, k1_smem, k2_smem, v_smem, k_ready,
     """One key tile: scores of its region, online softmax (causal mask if MASK), O += P V, free slot."""
     s = i % STAGES
     phase = (i // STAGES) & 1
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     mbarrier.wait(k_ready.index(s), phase)
     qk = _scores(i, q1_smem, q2_smem, k1_smem, k2_smem, m0, window, BLOCK_M, BLOCK_N, STAGES, REGION, s_layout)
     p, m_i, l_i, alpha = _softmax(qk, m_i, l_i, i, m0, MASK, qk_scale, BLOCK_M, BLOCK_N, s_layout)
-    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-    p = gl.convert_layout(p.to(q1_smem.dtype), p_layout)
-    mbarrier.wait(v_ready.index(s), phase)
-    v_tile = v_smem.index(s)
-    acc = warpgroup_mma(p, v_tile, acc, is_async=True)
-    acc, _ = warpgroup_mma_wait(num_outstanding=0, deps=(acc, v_tile))
-    gl.thread_barrier()  # every warp of the partition is done with slot s
-    mbarrier.arrive(kv_empty.index(s), count=1)
+    acc = _pv_and_free(acc, p, alpha, v_smem, v_ready, kv_empty, s, phase, o_layout)
     return acc, m_i, l_i
 
 
@@ -345,21 +337,13 @@ def _tile_twice(k, t, acc, m_i, l_i, q_smem, k_smem, v_smem, k_ready, v_ready, k
     softmax, O += P V, free the slot."""
     s = k % STAGES
     phase = (k // STAGES) & 1
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     mbarrier.wait(k_ready.index(s), phase)
     zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
     k_tile = k_smem.index(s)
     qk = warpgroup_mma(q_smem, k_tile.permute((1, 0)), zero, use_acc=False, is_async=True)
     qk, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=(qk, q_smem, k_tile))
     p, m_i, l_i, alpha = _softmax_mode(qk, m_i, l_i, t, m0, window, qk_scale, MODE, BLOCK_M, BLOCK_N, s_layout)
-    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-    p = gl.convert_layout(p.to(q_smem.dtype), p_layout)
-    mbarrier.wait(v_ready.index(s), phase)
-    v_tile = v_smem.index(s)
-    acc = warpgroup_mma(p, v_tile, acc, is_async=True)
-    acc, _ = warpgroup_mma_wait(num_outstanding=0, deps=(acc, v_tile))
-    gl.thread_barrier()  # every warp of the partition is done with slot s
-    mbarrier.arrive(kv_empty.index(s), count=1)
+    acc = _pv_and_free(acc, p, alpha, v_smem, v_ready, kv_empty, s, phase, o_layout)
     return acc, m_i, l_i
 
 
