@@ -43,7 +43,9 @@
 # Environment: OUT; NOTEBOOKS="book/06_speed.ipynb ..." executes those chapters at the end
 # (tools/execute_notebooks.py; Jupyter's wheels in .whl/, carried to the machine); GPU_TESTS (a
 # file of pytest node ids) runs those tests during the attention target's warm-up;
-# REROPE_AUTOTUNE defaults to 0 (the first, best-known configuration), as for the stored files.
+# ATTENTION_IMPLS (e.g. rerope,sdpa_cudnn) limits the attention grid (and its warm-up) to those
+# implementations; DECODE_ARGS are added to the decode target's command (e.g. "--impl
+# rerope_decode sdpa_flash --budget-s 200"); REROPE_AUTOTUNE defaults to 0 (the first, best-known configuration), as for the stored files.
 set -o pipefail
 export PYTHONUNBUFFERED=1 REROPE_AUTOTUNE=${REROPE_AUTOTUNE:-0}
 export PYTHONPATH="kernels:.${PYTHONPATH:+:$PYTHONPATH}"
@@ -63,9 +65,14 @@ run() {   # run TARGET: its commands, output in $OUT/TARGET.log
     case $1 in
     attention)
         mkdir -p /tmp/warm
+        local warm=rerope,flex_two_pass only=()     # what compiles: ReRoPE's and Flex's kernels
+        if [ -n "$ATTENTION_IMPLS" ]; then
+            only=(--impl "$ATTENTION_IMPLS")
+            [[ ",$ATTENTION_IMPLS," == *,flex_two_pass,* ]] || warm=rerope
+        fi
         for dtype in float16 bfloat16; do for causal in true false; do
             timeout "${WARM_TIMEOUT:-170}" python3 -m benchmarks.attention --skip-check --reps 1 \
-                --impl rerope,flex_two_pass --dtype $dtype --causal $causal \
+                --impl $warm --dtype $dtype --causal $causal \
                 --out /tmp/warm/$dtype-$causal.json > /tmp/warm/$dtype-$causal.log 2>&1 &
         done; done
         if [ -n "$GPU_TESTS" ]; then
@@ -73,11 +80,12 @@ run() {   # run TARGET: its commands, output in $OUT/TARGET.log
                 $(cat "$GPU_TESTS") -q -p no:cacheprovider > "$OUT/gpu_tests.log" 2>&1
         fi
         wait
-        python3 -m benchmarks.attention --skip-check --reps 10 --out "$OUT/bench_full.json" &&
+        python3 -m benchmarks.attention --skip-check --reps 10 "${only[@]}" \
+            --out "$OUT/bench_full.json" &&
         python3 -m benchmarks.merge "$OUT/bench_h200.json" book/data/bench_h200.json \
             "$OUT/bench_full.json" ;;
     decode)
-        python3 -m benchmarks.decode --out "$OUT/decode_h200.json" ;;
+        python3 -m benchmarks.decode $DECODE_ARGS --out "$OUT/decode_h200.json" ;;
     hf)
         python3 -m benchmarks.hf --out "$OUT/hf_h200.json" ;;
     host)

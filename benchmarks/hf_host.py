@@ -36,6 +36,9 @@ import torch
 from .harness import write_json
 
 
+IMPLS = ("rerope", "stock_sdpa_flash")
+
+
 class _Layer(torch.nn.Module):
     """What the attention functions read of a model's attention layer (32:8 heads)."""
 
@@ -53,8 +56,8 @@ def run(device="cpu", layers=16, steps=32, context=1024, heads=32, kv_heads=8, h
 
     from .hf import sdpa_backends
 
-    if impl not in ("rerope", "stock_sdpa_flash"):
-        raise ValueError(f"impl must be 'rerope' or 'stock_sdpa_flash', got {impl!r}")
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
     if impl == "stock_sdpa_flash":
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -129,7 +132,7 @@ def main():
     parser.add_argument("--layers", type=int, default=16)
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--context", type=int, default=1024)
-    parser.add_argument("--impl", default="rerope", choices=("rerope", "stock_sdpa_flash"),
+    parser.add_argument("--impl", default="rerope", choices=IMPLS,
                         help="ReRoPE's functions, or transformers' SDPA attention function "
                              "(FlashAttention-2 backend) as the yardstick")
     parser.add_argument("--out", default=None)

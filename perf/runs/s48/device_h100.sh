@@ -7,8 +7,8 @@
 # 3. the GPU tests of decode, LSE and serving (perf/runs/s48/gpu_tests.txt), if time is left
 export PYTHONUNBUFFERED=1 REROPE_AUTOTUNE=0 PYTHONPATH=kernels:.
 TOTAL=${TOTAL:-590}
-source perf/runs/s48/versions.sh
 mkdir -p "$OUT/gluon"
+source perf/runs/s48/versions.sh
 timeout 110 python3 perf/runs/s48/host_parts.py --out "$OUT/host_parts_8k.json" > "$OUT/host_parts.log" 2>&1
 echo "host_parts rc=$? at $SECONDS s"
 PYTHONPATH=.dev/before/kernels:. timeout 35 python3 perf/runs/s48/host_parts.py --rounds 0 \
