@@ -140,6 +140,25 @@ def test_lru_cache_keeps_the_recently_used():
         cache.get([1])                         # unhashable: as a dict
 
 
+def test_lru_cache_repeated_key_is_the_entry_and_keeps_the_order():
+    """A repeat of the last key used (a decode step's layers) is answered without the dict:
+    the same value, the same order of eviction; a key whose ``==`` is no truth value (a
+    tensor in it) goes to the dict; a cache of size 0 answers nothing."""
+    cache = LRUCache(size=2)
+    cache[(1, "a")] = "first"
+    cache[(2, "b")] = "second"
+    assert cache.get((1, "a")) == "first" and cache.get((1, "a")) == "first"
+    cache[(3, "c")] = "third"                  # evicts (2, "b"), the least recently used
+    assert cache.get((2, "b")) is None
+    assert [cache.get((1, "a")), cache.get((3, "c"))] == ["first", "third"]
+    cache[(torch.zeros(2),)] = "tensor"
+    assert cache.get((torch.zeros(2),)) is None          # a new tensor: another key (by hash)
+    assert cache.get((3, "c")) == "third" and cache.get((1, "a")) is None   # evicted by it
+    empty = LRUCache(size=0)
+    empty[(1,)] = "dropped"
+    assert empty.get((1,)) is None and len(empty) == 0
+
+
 @pytest.mark.parametrize("setting", ["leaky", "base"])
 def test_many_settings_keep_the_tables_bounded(setting, gen):
     """150 distinct ``leaky`` factors (or RoPE bases) at one shape: at most ``CACHE_SIZE``

@@ -16,6 +16,8 @@ from collections import OrderedDict
 # D=128 for sequences up to 4k; a model uses a handful of tables and plans per setting.
 CACHE_SIZE = 64
 
+_NOTHING = object()     # equal to no key
+
 
 class LRUCache:
     """A ``dict`` of at most :data:`CACHE_SIZE` entries that drops the least recently used one
@@ -29,14 +31,25 @@ class LRUCache:
     def __init__(self, size=CACHE_SIZE):
         self.size = size
         self._entries = OrderedDict()
+        # (key, value) of the last get or put: the most recently used entry already, so a
+        # repeat of its key (a decode step's layers, a training loop) is one comparison, not
+        # two hashes of a long key (the lookup and the reordering)
+        self._last = (_NOTHING, None)
 
     def get(self, key):
+        last_key, value = self._last
+        try:
+            if last_key == key:
+                return value
+        except Exception:          # an element whose == is no truth value (a tensor): the
+            pass                   # dict decides, by hash, as for any other key
         entries = self._entries
         try:
             value = entries[key]
             entries.move_to_end(key)
         except KeyError:           # missing, or dropped by another thread meanwhile
             return None
+        self._last = (key, value)
         return value
 
     def put(self, key, value):
@@ -48,6 +61,7 @@ class LRUCache:
                 entries.popitem(last=False)
             except KeyError:       # emptied by another thread meanwhile
                 break
+        self._last = (key, value) if self.size > 0 else (_NOTHING, None)
         return value
 
     __setitem__ = put
@@ -57,6 +71,7 @@ class LRUCache:
         return list(self._entries.values())
 
     def clear(self):
+        self._last = (_NOTHING, None)
         self._entries.clear()
 
     def __len__(self):

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Session 48, device call for an H200 (from the repository root, OUT set, within TOTAL seconds,
-# default 590): issue 34's "no speed lost" grids and, unless SKIP_GLUON=1, issue 38's Gluon run.
+# default 590; the attention and Gluon steps capped at ATT_CAP, default 320 s, and GLUON_CAP,
+# 170 s): issue 34's "no speed lost" grids and, unless SKIP_GLUON=1, issue 38's Gluon run.
 # 1. The Gluon kernels' JIT compiles (QUICK keys, 8 processes) start in the background.
 # 2. benchmarks/device_run.sh attention with ATTENTION_IMPLS=rerope,sdpa_cudnn: its warm-up,
 #    with the GPU tests of perf/runs/s48/gpu_tests.txt during the warm-up ($OUT/gpu_tests.log),
@@ -14,11 +15,11 @@ source perf/runs/s48/versions.sh
 [ "${SKIP_GLUON:-0}" = 1 ] || ( python3 perf/gluon/bench_rerope.py --quick --list-keys \
     | timeout 150 xargs -P 8 -n 1 timeout 90 python3 perf/gluon/bench_rerope.py --precompile \
     > "$OUT/gluon/precompile_early.log" 2>&1 ) &
-GPU_TESTS=perf/runs/s48/gpu_tests.txt ATTENTION_IMPLS=rerope,sdpa_cudnn WARM_TIMEOUT=150 timeout 320 bash benchmarks/device_run.sh attention
+GPU_TESTS=perf/runs/s48/gpu_tests.txt ATTENTION_IMPLS=rerope,sdpa_cudnn WARM_TIMEOUT=150 timeout ${ATT_CAP:-320} bash benchmarks/device_run.sh attention
 echo "attention rc=$? at $SECONDS s"
 wait
 if [ "${SKIP_GLUON:-0}" != 1 ]; then
-    QUICK=1 OUT=$OUT/gluon timeout 170 bash perf/gluon/device_rerope.sh > "$OUT/gluon/run.log" 2>&1
+    QUICK=1 OUT=$OUT/gluon timeout ${GLUON_CAP:-170} bash perf/gluon/device_rerope.sh > "$OUT/gluon/run.log" 2>&1
     echo "gluon rc=$? at $SECONDS s"
 fi
 left=$((${TOTAL:-590} - SECONDS))
