@@ -62,7 +62,8 @@ from ._validate import (Frequencies, as_frequencies, check_alike, check_block_ta
                         check_qkv, check_rope_args, check_sm_scale)
 from .caches import CACHE_SIZE, LRUCache
 from .forward import _key_rows, _tile_pages
-from .launch import Launcher, PlanCache, _capability, _ensure_scratch_allocator, _tma_layout_ok
+from .launch import (Launcher, PlanCache, _capability, _ensure_scratch_allocator, _tma_layout_ok,
+                     signature)
 from .online_softmax import LOG2E, _scores, _softmax_step, natural_lse
 from .regions import INSIDE, OUTSIDE, _nth_tile, _tile_count
 from .rotary import (_logn_scale, _rotate, _table_rows, _unrotate, logn_factor,
@@ -1126,9 +1127,7 @@ lengths and block tables on the CPU are still read)."""
 def _exact_key(q, k_cache, v_cache, cache_seqlens, block_table, settings):
     """A call's exact signature: every tensor's shape, strides, dtype, device and 16-byte
     alignment, the settings and the Config."""
-    return (tuple([None if t is None else
-                   (t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16 == 0)
-                   for t in (q, k_cache, v_cache, cache_seqlens, block_table)]),
+    return (signature(q, k_cache, v_cache, cache_seqlens, block_table),
             settings, tuple(map(type, settings)), configs.current())
 
 
