@@ -62,8 +62,8 @@ from ._validate import (Frequencies, as_frequencies, check_alike, check_block_ta
                         check_qkv, check_rope_args, check_sm_scale)
 from .caches import CACHE_SIZE, LRUCache
 from .forward import _key_rows, _tile_pages
-from .launch import (Launcher, PlanCache, _capability, _ensure_scratch_allocator, _tma_layout_ok,
-                     signature)
+from .launch import (Launcher, PlanCache, _capability, _ensure_scratch_allocator,
+                     _tma_layout_ok, signature)
 from .online_softmax import LOG2E, _scores, _softmax_step, natural_lse
 from .regions import INSIDE, OUTSIDE, _nth_tile, _tile_count
 from .rotary import (_logn_scale, _rotate, _table_rows, _unrotate, logn_factor,
