@@ -45,7 +45,8 @@
 # file of pytest node ids) runs those tests during the attention target's warm-up;
 # ATTENTION_IMPLS (e.g. rerope,sdpa_cudnn) limits the attention grid (and its warm-up) to those
 # implementations; DECODE_ARGS are added to the decode target's command (e.g. "--impl
-# rerope_decode sdpa_flash --budget-s 200"); REROPE_AUTOTUNE defaults to 0 (the first, best-known configuration), as for the stored files.
+# rerope_decode sdpa_flash --budget-s 200"); REROPE_AUTOTUNE defaults to 0 (the first,
+# best-known configuration), as for the stored files.
 set -o pipefail
 export PYTHONUNBUFFERED=1 REROPE_AUTOTUNE=${REROPE_AUTOTUNE:-0}
 export PYTHONPATH="kernels:.${PYTHONPATH:+:$PYTHONPATH}"

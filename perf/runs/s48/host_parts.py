@@ -20,7 +20,6 @@ import argparse
 import functools
 import json
 import statistics
-import time
 
 import torch
 import torch.nn.functional as F
@@ -28,18 +27,13 @@ import torch.nn.functional as F
 import rerope
 import rerope.hf
 from benchmarks import hf
+from benchmarks.harness import back_to_back_us
 
 
 def per_call_us(fn, calls, rounds=5):
-    fn(), fn()
-    torch.cuda.synchronize()
-    out = []
-    for _ in range(rounds):
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-        out.append((time.perf_counter() - start) * 1e6 / calls)
+    """Host µs per call: the median of ``rounds`` rounds of :func:`back_to_back_us`, and the
+    rounds."""
+    out = [back_to_back_us(fn, calls, warmup=2 if r == 0 else 0) for r in range(rounds)]
     return round(statistics.median(out), 2), [round(x, 2) for x in out]
 
 
