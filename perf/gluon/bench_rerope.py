@@ -18,6 +18,10 @@ field is 1, and their FA3-scheduled variants: sixth field PIPE / eighth PINGPONG
 RETIRED_CONFIGS; --quick: quick_configs (default, one BAND_TWICE and its three FA3-scheduled variants).
 --list-keys prints the config keys; --precompile KEY...: only JIT-compile those configs (with and
 without LSE) into Triton's on-disk cache, nothing launched (device_rerope.sh: one process per key).
+--d64 (device_rerope.sh D64=1): D64 only, rerope_fwd.d64_configs (the best D64 configs and the
+SPLIT=3 ones, BLOCK_M 192) and the plain Gluon kernel (plain_fwd) at SPLIT=2 and SPLIT=3 on
+(q1, k1, v) beside cuDNN, checked against the same reference with window > N; plain keys read
+``plain:64:dtype:config``.
 """
 import argparse
 import json
@@ -50,8 +54,28 @@ def parse_args(argv=None):
     ap.add_argument("--smoke", metavar="PROGRESS_FILE")
     ap.add_argument("--skip", nargs="*", default=[], metavar="KEY",
                     help="D:dtype:BLOCK_M,BLOCK_N,STAGES,WARPS,SPLIT,PIPE[,BAND_TWICE[,PINGPONG]]")
+    ap.add_argument("--d64", action="store_true",
+                    help="D64 only: rerope_fwd.d64_configs and plain Gluon SPLIT 2 / 3")
     ap.add_argument("--cpu-dry-run", action="store_true")
     return ap.parse_args(argv)
+
+
+def plain_d64_configs():
+    """--d64: plain_fwd's best config (SPLIT=2, 0.91-0.92 of cuDNN at D64 on the H100) and its
+    SPLIT=3 ones."""
+    import plain_fwd as pf
+    return [(128, 128, 2, 4, 2, 0)] + list(pf.SPLIT3_CONFIGS)
+
+
+def rerope_configs(args, D):
+    import rerope_fwd as rf
+    if args.d64:
+        return rf.d64_configs() if D == 64 else []
+    return rf.quick_configs(D) if args.quick else rf.all_configs(D, retired=args.all_configs)
+
+
+def head_dims(args):
+    return (64,) if args.d64 else (64, 128)
 
 
 def ref_rows(q1, q2, k1, k2, v, window, rows, sm_scale=None):
@@ -84,11 +108,12 @@ def main(argv=None):
     os.environ.setdefault("REROPE_AUTOTUNE", "0")
     if args.list_keys:  # no torch.cuda needed
         import torch
-        import rerope_fwd as rf
-        for D in (64, 128):
+        for D in head_dims(args):
             for dt in ("float16", "bfloat16"):
-                for c in (rf.quick_configs(D) if args.quick else rf.all_configs(D, retired=args.all_configs)):
-                    k = f"{D}:{dt}:{','.join(map(str, c))}"
+                keys = [f"{D}:{dt}:{','.join(map(str, c))}" for c in rerope_configs(args, D)]
+                if args.d64:
+                    keys += [f"plain:{D}:{dt}:{','.join(map(str, c))}" for c in plain_d64_configs()]
+                for k in keys:
                     if k not in args.skip:
                         print(k)
         return 0
@@ -103,6 +128,7 @@ def main(argv=None):
     import triton
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
+    import plain_fwd as pf
     import rerope_fwd as rf
 
     def full_ref(q1, q2, k1, k2, v, window, sm_scale=None, return_lse=False, config=None, causal=True):
@@ -110,7 +136,11 @@ def main(argv=None):
         o = o.to(q1.dtype)
         return (o, lse) if return_lse else o
 
+    def plain_ref(q, k, v, return_lse=False, config=None):  # --cpu-dry-run's plain_fwd.attention
+        return full_ref(q, q, k, k, v, q.shape[-2] + 1, return_lse=return_lse)
+
     gluon = full_ref if args.cpu_dry_run else rf.rerope_attention
+    plain = plain_ref if args.cpu_dry_run else pf.attention
     try:
         if args.cpu_dry_run:
             raise ImportError("dry run")
@@ -135,8 +165,11 @@ def main(argv=None):
         return f"{D}:{str(dt).replace('torch.', '')}:{','.join(map(str, cfg))}"
 
     def configs(D, dt):
-        cfgs = rf.quick_configs(D) if args.quick else rf.all_configs(D, retired=args.all_configs)
-        return [c for c in cfgs if key(D, dt, c) not in args.skip]
+        return [c for c in rerope_configs(args, D) if key(D, dt, c) not in args.skip]
+
+    def plain_configs(D, dt):  # --d64 only
+        cfgs = plain_d64_configs() if args.d64 and D == 64 else []
+        return [c for c in cfgs if "plain:" + key(D, dt, c) not in args.skip]
 
     def inputs(B, H, N, D, dt, seed):
         g = torch.Generator(device=dev).manual_seed(seed)
@@ -148,12 +181,17 @@ def main(argv=None):
 
     if args.precompile:
         for kk in args.precompile:
-            D, dts, cfg = kk.split(":")
+            is_plain = kk.startswith("plain:")
+            D, dts, cfg = kk.removeprefix("plain:").split(":")
             D, dt, cfg = int(D), getattr(torch, dts), tuple(int(x) for x in cfg.split(","))
             ts = [torch.empty(1, 1, 1024, D, device=dev, dtype=dt) for _ in range(5)]
             t1 = time.time()
             for lse in (True, False):
-                if not args.cpu_dry_run:
+                if args.cpu_dry_run:
+                    continue
+                if is_plain:
+                    pf.attention(ts[0], ts[2], ts[4], return_lse=lse, config=cfg, _warmup=True)
+                else:
                     rf.rerope_attention(*ts, 300, return_lse=lse, config=cfg, _warmup=True)
             print(f"precompiled {kk} in {time.time() - t1:.1f} s", flush=True)
         return 0
@@ -161,16 +199,23 @@ def main(argv=None):
     if args.smoke:
         fails = 0
         with open(args.smoke, "a") as prog:
-            for D in (64, 128):
+            for D in head_dims(args):
                 for dt in dtypes:
                     ts = inputs(1, 2, 1024, D, dt, D)
                     ref, _ = ref_rows(*ts, 300, torch.arange(1024, device=dev))
-                    for cfg in configs(D, dt):
-                        kk = key(D, dt, cfg)
+                    q1, _, k1, _, v = ts
+                    ref_plain, _ = ref_rows(q1, q1, k1, k1, v, 1025, torch.arange(1024, device=dev))
+                    runs = [(key(D, dt, c), ref,
+                             lambda c=c: gluon(*ts, 300, return_lse=True, config=c))
+                            for c in configs(D, dt)]
+                    runs += [("plain:" + key(D, dt, c), ref_plain,
+                              lambda c=c: plain(q1, k1, v, return_lse=True, config=c))
+                             for c in plain_configs(D, dt)]
+                    for kk, want, run in runs:
                         prog.write(f"start {kk}\n"); prog.flush(); os.fsync(prog.fileno())  # noqa: E702
                         try:
-                            o, _ = gluon(*ts, 300, return_lse=True, config=cfg)
-                            err = (o.float() - ref).abs().max().item()
+                            o, _ = run()
+                            err = (o.float() - want).abs().max().item()
                             ok = math.isfinite(err) and err < 5e-2
                         except Exception as e:
                             err, ok = f"{type(e).__name__}: {e}"[:300], False
@@ -185,8 +230,39 @@ def main(argv=None):
           f"{'triton':>9} {'vsTriton':>9}  ok")
     for N in args.check_n:
         windows = [1, 100, 129, 300, 1024, 4096] if N <= 2048 else [2048, 1000]
-        for D in (64, 128):
+        for D in head_dims(args):
             for dt in dtypes:
+                pcfgs = plain_configs(D, dt)  # --d64: plain_fwd (SPLIT 2 / 3) on (q1, k1, v)
+                if pcfgs:
+                    ts = inputs(1, args.heads, N, D, dt, N + D)
+                    rows = sample_rows(N, dev)
+                    ref_o, ref_lse = ref_rows(ts[0], ts[0], ts[2], ts[2], ts[4], N + 1, rows)
+                for c in pcfgs:
+                    row = {"N": N, "window": None, "D": D, "dtype": str(dt).replace("torch.", ""),
+                           "kernel": "plain", "config": list(c)}
+                    try:
+                        o, lse = plain(ts[0], ts[2], ts[4], return_lse=True, config=c)
+                        sync()
+                        row["max_abs_err"] = (o[..., rows, :].float() - ref_o).abs().max().item()
+                        row["lse_max_abs_err"] = (lse[..., rows] - ref_lse).abs().max().item()
+                        tol = 4e-2 if dt == torch.bfloat16 else 1e-2
+                        err_o, err_l = row["max_abs_err"], row["lse_max_abs_err"]
+                        row["ok"] = bool(math.isfinite(err_o) and err_o < tol and err_l < 1e-2)
+                    except Exception as e:
+                        row["ok"] = False
+                        row["error"] = f"{type(e).__name__}: {e}"[:2000]
+                        res["errors"].append(traceback.format_exc()[-4000:])
+                    if not row["ok"]:
+                        bad.add(("plain", D, dt, tuple(c)))
+                    res["checks"].append(row)
+                    save()
+                    err_o = row.get("max_abs_err", float("nan"))
+                    err_l = row.get("lse_max_abs_err", float("nan"))
+                    print(f"{N:>5} {'-':>5} {D:>3} {row['dtype']:>8} {'plain' + str(c):>22} "
+                          f"{err_o:>9.2e} {err_l:>9.2e}  {row['ok']}  {row.get('error', '')[:200]}",
+                          flush=True)
+                if pcfgs:
+                    del ts, ref_o, ref_lse
                 for w in windows:
                     ts = inputs(1, args.heads, N, D, dt, N + D + w)
                     rows = sample_rows(N, dev)
@@ -228,8 +304,8 @@ def main(argv=None):
 
     # ------------------------------------------------------------ timing
     N, w = args.time_n, args.time_window
-    print(f"\n{'N':>5} {'win':>5} {'D':>3} {'dtype':>8} {'impl':>30} {'ms':>8} {'1-call':>8} {'cuDNN/impl':>10}")
-    for D in (64, 128):
+    print(f"\n{'N':>5} {'win':>5} {'D':>3} {'dtype':>8} {'impl':>36} {'ms':>8} {'1-call':>8} {'cuDNN/impl':>10}")
+    for D in head_dims(args):
         for dt in dtypes:
             ts = inputs(1, args.heads, N, D, dt, 7)
             q1, q2, k1, k2, v = ts
@@ -240,6 +316,8 @@ def main(argv=None):
             impls = [("sdpa_cudnn", f_cudnn), ("triton_rerope", lambda: triton_impl(*ts, w))]
             impls += [(f"gluon{list(c)}", lambda c=c: gluon(*ts, w, config=c))
                       for c in configs(D, dt) if (D, dt, tuple(c)) not in bad]
+            impls += [(f"plain_gluon{list(c)}", lambda c=c: plain(q1, k1, v, config=c))
+                      for c in plain_configs(D, dt) if ("plain", D, dt, tuple(c)) not in bad]
             base = None
             for name, f in impls:
                 row = {"N": N, "window": w, "D": D, "dtype": str(dt).replace("torch.", ""), "impl": name}
@@ -253,7 +331,7 @@ def main(argv=None):
                 res["timing"].append(row)
                 save()
                 r = row.get("cudnn_over_impl")
-                print(f"{N:>5} {w:>5} {D:>3} {row['dtype']:>8} {name:>30} {row.get('ms', float('nan')):>8.3f} "
+                print(f"{N:>5} {w:>5} {D:>3} {row['dtype']:>8} {name:>36} {row.get('ms', float('nan')):>8.3f} "
                       f"{row.get('ms_single_call', float('nan')):>8.3f} {(r if r is not None else float('nan')):>10.2f}"
                       + (f"  {row['error'][:200]}" if "error" in row else ""), flush=True)
             del ts, q1, q2, k1, k2, v

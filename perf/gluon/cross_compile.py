@@ -1,6 +1,7 @@
 """Compile perf/gluon/plain_fwd.py ahead of time for sm_90 with Triton 3.6, no GPU needed.
 
-    /work/venv36/bin/python perf/gluon/cross_compile.py  > perf/gluon/cross_compile_3.6.txt
+    /work/venv36/bin/python perf/gluon/cross_compile.py > perf/gluon/cross_compile_3.6.txt
+    (--split3: only the SPLIT=3 configs, BLOCK_M 192, fp16 and bf16)
 
 How (Triton 3.6): a ``@gluon.jit`` function is compiled from ``triton.experimental.gluon._runtime.GluonASTSource`` (a subclass of ASTSource,
 language GLUON, "ttgir" stage); ``triton.compile(src, target=GPUTarget("cuda", 90, 32),
@@ -74,6 +75,9 @@ def main():
     first = True
     jobs = [(D, dtype, None) for D in (64, 128) for dtype in (torch.float16, torch.bfloat16)]
     jobs += [(D, torch.float16, cfg) for D in (64, 128) for cfg in pf.EXTRA_CONFIGS[D]]
+    jobs += [(64, torch.bfloat16, cfg) for cfg in pf.SPLIT3_CONFIGS]  # SPLIT=3 (D64) in both dtypes
+    if "--split3" in sys.argv:  # only the SPLIT=3 configs (BLOCK_M 192, three consumer partitions)
+        jobs = [j for j in jobs if j[2] in pf.SPLIT3_CONFIGS]
     for D, dtype, config in jobs:
             name = f"D{D} {str(dtype).replace('torch.', '')}" + ("" if config is None else " (extra)")
             try:

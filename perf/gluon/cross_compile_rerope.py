@@ -4,10 +4,11 @@
 
 Same method as ``cross_compile.py`` (whose ``ptxas_info`` it reuses): every config of
 ``rerope_fwd.all_configs(D, retired=True)`` for D 64/128 in fp16, the defaults and the BAND_TWICE
-configs (seventh field 1: ``rerope_fwd_twice_kernel``; with PIPE (sixth) or PINGPONG (eighth) = 1:
-``rerope_fwd_twice_pp_kernel``) also in bf16, LSE on. ``--twice``: only the BAND_TWICE configs;
-``--fa3``: only the PIPE / PINGPONG ones. (/work/venv36: a venv with the triton-3.6.0 wheel and a .pth onto the main
-.venv's site-packages for torch; see README.md.)
+configs (seventh field 1: ``rerope_fwd_twice_kernel``; with PIPE (sixth) or PINGPONG (eighth) = 1,
+or SPLIT (fifth) = 3: ``rerope_fwd_twice_pp_kernel``) and the SPLIT=3 configs also in bf16, LSE on.
+``--twice``: only the BAND_TWICE configs; ``--fa3``: only the pp kernel's; ``--split3``: only
+SPLIT=3. (/work/venv36: a venv with the triton-3.6.0 wheel and a .pth onto the main .venv's
+site-packages for torch; see README.md.)
 """
 import os
 import re
@@ -51,7 +52,10 @@ def main():
     print(f"triton {triton.__version__}, torch {torch.__version__}, target cuda sm_90 (warp size 32), rerope_fwd")
     jobs = [(D, dt, c) for D in (64, 128) for c in rf.all_configs(D, retired=True)
             for dt in (torch.float16, torch.bfloat16)
-            if dt == torch.float16 or c == rf.default_config(D) or rf.band_twice(c)]
+            if dt == torch.float16 or c == rf.default_config(D) or rf.band_twice(c)
+            or c in rf.SPLIT3_CONFIGS]
+    if "--split3" in sys.argv:  # only the SPLIT=3 configs (BLOCK_M 192, three consumer partitions)
+        jobs = [j for j in jobs if j[2] in rf.SPLIT3_CONFIGS]
     if "--twice" in sys.argv:
         jobs = [j for j in jobs if rf.band_twice(j[2])]
     if "--fa3" in sys.argv:  # only rerope_fwd_twice_pp_kernel's configs (PIPE / PINGPONG)
@@ -60,6 +64,7 @@ def main():
     for D, dt, cfg in jobs:
         name = (f"D{D} {str(dt).replace('torch.', '')} {cfg}{' BAND_TWICE' if rf.band_twice(cfg) else ''}"
                 f"{' PIPE' if rf.fa3_sched(cfg) and cfg[5] else ''}{' PINGPONG' if rf.pingpong(cfg) else ''}")
+        name += " SPLIT3" if cfg[4] == 3 else ""
         t0 = time.time()
         try:
             k = compile_variant(dt, D, cfg)

@@ -10,10 +10,14 @@
 # N=1024 H=2 window 300 in its own process, 100 s cap, repeated without a config that hung or
 # crashed it: smoke.log, smoke.txt, skipped.txt), then bench_rerope.py: $OUT/gluon_rerope.json
 # (rewritten after every row) and gluon_rerope.log; versions.txt (CROSS=1: cross_compile_rerope.txt).
-# REPS (default 20). 26 config keys (rerope_fwd.all_configs: 8 old kernel, 4 BAND_TWICE, 14 BAND_TWICE
-# with FA3 scheduling (PIPE / PINGPONG, rerope_fwd_twice_pp_kernel, unmeasured); the configs retired
-# after perf/runs/s46 and s47 are not run). QUICK=1: rerope_fwd.quick_configs (the default,
-# (128,128,2,4,2,0,1) and its three FA3-scheduled variants per D: 20 keys).
+# REPS (default 20). 32 config keys (rerope_fwd.all_configs: 8 old kernel, 4 BAND_TWICE,
+# 14 BAND_TWICE with FA3 scheduling (PIPE / PINGPONG, rerope_fwd_twice_pp_kernel, unmeasured),
+# 6 SPLIT=3; the configs retired after perf/runs/s46 and s47 are not run). QUICK=1:
+# rerope_fwd.quick_configs (the default, (128,128,2,4,2,0,1) and its three FA3-scheduled variants
+# per D: 20 keys).
+# D64=1 (instead of QUICK; ~2 min): D64 only, rerope_fwd.d64_configs (the two best D64 configs and
+# the three SPLIT=3 ones, BLOCK_M 192) and the plain Gluon kernel at SPLIT=2 and SPLIT=3 beside
+# cuDNN, fp16 and bf16 (16 keys; caps: 75 s precompile, 50 s a smoke attempt, bench ends by 150 s).
 set -o pipefail
 export PYTHONUNBUFFERED=1 REROPE_AUTOTUNE=0
 OUT=${OUT:-/tmp/out}
@@ -40,15 +44,19 @@ if [[ "${CROSS:-0}" == 1 ]]; then
 fi
 
 Q=(); [[ "${QUICK:-0}" == 1 ]] && Q=(--quick)
+# seconds: precompile cap, one smoke attempt's cap, no new smoke attempt after, the bench's end
+CAP_PRE=120; CAP_SMOKE=100; LAST_SMOKE=150; END=235
+if [[ "${D64:-0}" == 1 ]]; then Q=(--d64); CAP_PRE=75; CAP_SMOKE=50; LAST_SMOKE=90; END=150; fi
 # JIT compiles in parallel (a compile is single-threaded; the smoke and the bench then hit the cache)
-$PY "$HERE/bench_rerope.py" "${Q[@]}" --list-keys \
-    | timeout 120 xargs -P 24 -n 1 timeout 60 $PY "$HERE/bench_rerope.py" --precompile > "$OUT/precompile.log" 2>&1
+$PY "$HERE/bench_rerope.py" "${Q[@]}" --list-keys | timeout $CAP_PRE xargs -P 24 -n 1 \
+    timeout 60 $PY "$HERE/bench_rerope.py" --precompile > "$OUT/precompile.log" 2>&1
 echo "precompile rc=$? after ${SECONDS} s: $(grep -c '^precompiled' "$OUT/precompile.log") keys"
 SKIP=()
 for attempt in 1 2 3; do
-    ((SECONDS > 150)) && { echo "no time left for another smoke attempt"; break; }
+    ((SECONDS > LAST_SMOKE)) && { echo "no time left for another smoke attempt"; break; }
     : > "$OUT/smoke.txt"
-    timeout 100 $PY "$HERE/bench_rerope.py" "${Q[@]}" --smoke "$OUT/smoke.txt" --skip "${SKIP[@]}" 2>&1 | tee -a "$OUT/smoke.log"
+    timeout $CAP_SMOKE $PY "$HERE/bench_rerope.py" "${Q[@]}" --smoke "$OUT/smoke.txt" \
+        --skip "${SKIP[@]}" 2>&1 | tee -a "$OUT/smoke.log"
     src=$?
     last=$(grep '^start ' "$OUT/smoke.txt" | tail -1 | cut -d' ' -f2)
     if [[ $src == 0 || -z "$last" ]] || grep -q "^\(ok\|bad\) $last\$" "$OUT/smoke.txt"; then
@@ -61,7 +69,7 @@ done
 for k in $(grep '^bad ' "$OUT/smoke.txt" 2>/dev/null | cut -d' ' -f2); do SKIP+=("$k"); done
 echo "skipped: ${SKIP[*]:-none}" | tee "$OUT/skipped.txt"
 
-left=$((235 - SECONDS)); ((left < 60)) && left=60
+left=$((END - SECONDS)); ((left < 45)) && left=45
 timeout $left $PY "$HERE/bench_rerope.py" "${Q[@]}" --out "$OUT/gluon_rerope.json" --reps "${REPS:-20}" \
     --skip "${SKIP[@]}" 2>&1 | tee "$OUT/gluon_rerope.log"
 rc=$?

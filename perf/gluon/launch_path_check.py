@@ -30,5 +30,16 @@ for D in (64, 128):
         for cfg in [pf.default_config(D)] + pf.EXTRA_CONFIGS[D]:
             for lse in (False, True):
                 pf.attention(q, k, v, return_lse=lse, config=cfg)
+# SPLIT=3 (BLOCK_M 192): grid cdiv(N, 192) for N that 192 does not divide; N % 128 != 0 refused
+q, k, v = (torch.randn(1, 2, 256, 64, dtype=torch.float16) for _ in range(3))
+for cfg in pf.SPLIT3_CONFIGS:
+    pf.attention(q, k, v, config=cfg)
+    assert compiled[-1][0] == (2, 2), compiled[-1][0]
+    try:
+        pf.attention(*(t[:, :, :192] for t in (q, k, v)), config=cfg)
+        raise SystemExit(f"{cfg}: N=192 was not refused")
+    except AssertionError:
+        pass
+print("SPLIT=3: grid (2, 2) at N=256, N=192 refused")
 for c in compiled[:3]: print(c)
 print(len(compiled), "launch-path compiles OK")

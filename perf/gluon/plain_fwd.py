@@ -6,9 +6,10 @@ speed are checked by ``device_plain.sh``. Not part of the ``rerope`` package; no
 
 Structure (FlashAttention-3's, simplified):
 
-* grid ``(N / BLOCK_M, B * H)``; the heaviest query blocks (most key tiles) are launched first;
+* grid ``(cdiv(N, BLOCK_M), B * H)``; the heaviest query blocks (most key tiles) are launched first;
 * Q, K, V, O are seen through host-side TMA descriptors over the ``(B*H*N, D)`` view, so a tile
-  never straddles two heads as long as ``N % BLOCK_M == 0`` and ``N % BLOCK_N == 0``;
+  never straddles two heads as long as ``N % BLOCK_M == 0`` and ``N % BLOCK_N == 0`` (SPLIT=3:
+  ``N % 64 == 0``, and a 64-row part of the last block that lies past N loads and stores nothing);
 * ``gl.warp_specialize`` splits the CTA into
   - a **producer** partition (1 warp, few registers) that TMA-loads Q once and then K/V tiles into
     a ``STAGES``-deep shared-memory ring, waiting on ``kv_empty`` and signalling ``k_ready`` /
@@ -19,6 +20,8 @@ Structure (FlashAttention-3's, simplified):
     with exp2 and the scale folded into ``qk_scale = sm_scale * log2(e)``, O += P V with
     ``warpgroup_mma`` (P from registers as a dot operand, V from shared memory), then it frees the
     ring slot; ``SPLIT=2``: two 4-warp consumer partitions, each with its own half of the Q tile;
+    ``SPLIT=3`` (D64, BLOCK_M 192: FA3's head-dim-64 tiling): three, 64 rows each, 160 registers
+    (the first 168), the producer 24;
 * causal masking only on the diagonal tiles (a second loop over those tiles, or a run-time test in
   the ``PIPE=1`` loop, which overlaps softmax i with the PV wgmma of tile i-1, FA3-style);
 * epilogue: O / l written through shared memory (Q's buffer, free by then) with a TMA store;
@@ -46,19 +49,37 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
+# SPLIT=3: registers of each 4-warp worker consumer partition (FA3: 160 with three consumer warp
+# groups). 4 + 4 + 4 + 1 warps pad to 16, so 65536 / 512 = 128 a thread at launch; with the producer
+# at 24 the default (first consumer) partition gets 512 - 2 * 160 - 24 = 168.
+SPLIT3_REGS = gl.constexpr(160)
 
 
 # ----------------------------------------------------------------------------------------------
 # producer: one warp issuing TMA loads
 # ----------------------------------------------------------------------------------------------
 @gluon.jit
+def _q_sub_row(q_row, j, SUB_M: gl.constexpr, SPLIT: gl.constexpr, q_last):
+    """Row of Q sub-tile j in the (B*H*N, D) view. SPLIT=3 (BLOCK_M 192, which need not divide N):
+    a sub-tile past the head's end belongs to a draining partition (_drain) and is never read, so
+    the head's last sub-tile ``q_last`` is loaded in its place (nothing read from another head or
+    past the tensor)."""
+    row = q_row + j * SUB_M
+    if SPLIT == 3:
+        row = gl.minimum(row, q_last)
+    return row
+
+
+@gluon.jit
 def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty,
-              q_row, kv_row0, n_tiles, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr):
+              q_row, kv_row0, n_tiles, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+              SPLIT: gl.constexpr, q_last=0):
     # Q: SPLIT sub-tiles of BLOCK_M // SPLIT rows, one per consumer partition, on one barrier
     SUB_M: gl.constexpr = q_desc.block_type.shape[0]
     mbarrier.expect(q_bar, SPLIT * q_desc.block_type.nbytes)
     for j in gl.static_range(SPLIT):
-        tma.async_copy_global_to_shared(q_desc, [q_row + j * SUB_M, 0], q_bar, q_smem.index(j))
+        row = _q_sub_row(q_row, j, SUB_M, SPLIT, q_last)
+        tma.async_copy_global_to_shared(q_desc, [row, 0], q_bar, q_smem.index(j))
     for i in range(n_tiles):
         s = i % STAGES
         phase = (i // STAGES) & 1
@@ -238,6 +259,36 @@ def _consumer(o_desc, lse_ptr, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, 
     _epilogue(acc, m_i, l_i, q_smem, o_desc, lse_ptr, q_row, BLOCK_M, STORE_LSE, s_layout, o_layout)
 
 
+@gluon.jit
+def _drain(k_ready, kv_empty, n_steps, STAGES: gl.constexpr):
+    """A consumer partition whose rows all lie past N (SPLIT=3, the grid's last query block when
+    192 does not divide N) computes and stores nothing, but kv_empty counts SPLIT arrivals a round,
+    so it releases every ring step's slot once that step's K tile is in: waiting for k_ready first
+    keeps its arrival in the slot's current round (the next round's K cannot arrive before this
+    round's release)."""
+    for i in range(n_steps):
+        s = i % STAGES
+        mbarrier.wait(k_ready.index(s), (i // STAGES) & 1)
+        mbarrier.arrive(kv_empty.index(s), count=1)
+
+
+@gluon.jit
+def _consumer_or_drain(N, o_desc, lse_ptr, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready,
+                       kv_empty, turn, q_row, m0, n_full, n_tiles, qk_scale,
+                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
+                       STAGES: gl.constexpr, CONSUMER_WARPS: gl.constexpr,
+                       STORE_LSE: gl.constexpr, PIPE: gl.constexpr, ME: gl.constexpr,
+                       PINGPONG: gl.constexpr):
+    """SPLIT=3's second and third consumer partitions: _consumer on rows [m0, m0 + BLOCK_M) if
+    they lie in the sequence (N % 64 == 0: a 64-row sub-tile is all in or all out), else _drain."""
+    if m0 < N:
+        _consumer(o_desc, lse_ptr, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty, turn,
+                  q_row, m0, n_full, n_tiles, qk_scale, BLOCK_M, BLOCK_N, HEAD_D, STAGES,
+                  CONSUMER_WARPS, STORE_LSE, PIPE, ME, PINGPONG)
+    else:
+        _drain(k_ready, kv_empty, n_tiles, STAGES)
+
+
 # ----------------------------------------------------------------------------------------------
 # kernel
 # ----------------------------------------------------------------------------------------------
@@ -269,17 +320,22 @@ def _invalidate_ring(q_bar, k_ready, v_ready, kv_empty, STAGES: gl.constexpr):
 
 
 @gluon.jit
-def _block_rows(N, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
-    """This program's query block (grid ``(N / BLOCK_M, B * H)``, heaviest blocks, i.e. most key tiles,
-    first): (m0, its first row in the sequence; q_row, its first row in the ``(B*H*N, D)`` view;
-    kv_row0, the head's first key row there; n_tiles, the key tiles it sees under the causal mask)."""
+def _block_rows(N, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, RAGGED: gl.constexpr = False):
+    """This program's query block (grid ``(cdiv(N, BLOCK_M), B * H)``, heaviest blocks, i.e. most
+    key tiles, first): (m0, its first row in the sequence; q_row, its first row in the
+    ``(B*H*N, D)`` view; kv_row0, the head's first key row there; n_tiles, the key tiles it sees
+    under the causal mask). RAGGED (SPLIT=3: BLOCK_M 192 need not divide N): the last block may end
+    past N; its key tiles stop at N (N % BLOCK_N == 0), so no tile of the next head is loaded."""
     pid_m = gl.program_id(0)
     bh = gl.program_id(1)
     m_block = gl.num_programs(0) - 1 - pid_m  # heaviest query blocks first
     m0 = m_block * BLOCK_M
     q_row = bh * N + m0
     kv_row0 = bh * N
-    n_tiles = gl.cdiv(m0 + BLOCK_M, BLOCK_N)
+    if RAGGED:
+        n_tiles = gl.cdiv(gl.minimum(m0 + BLOCK_M, N), BLOCK_N)
+    else:
+        n_tiles = gl.cdiv(m0 + BLOCK_M, BLOCK_N)
     return m0, q_row, kv_row0, n_tiles
 
 
@@ -297,7 +353,7 @@ def attn_fwd_causal_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, N, qk_scale,
     [BLOCK_M // SPLIT, HEAD_D]. PIPE=1: the consumers overlap softmax i with the PV wgmma of tile
     i-1 (_loop_pipelined). PINGPONG=1 (SPLIT=2; unmeasured): the two partitions' wgmma issues take
     turns through two ``turn`` mbarriers (FA3's warp-scheduler barriers; rerope_fwd._consumer_pp)."""
-    m0, q_row, kv_row0, n_tiles = _block_rows(N, BLOCK_M, BLOCK_N)
+    m0, q_row, kv_row0, n_tiles = _block_rows(N, BLOCK_M, BLOCK_N, SPLIT == 3)
     SUB_M: gl.constexpr = BLOCK_M // SPLIT
 
     dtype: gl.constexpr = q_desc.dtype
@@ -327,8 +383,7 @@ def attn_fwd_causal_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, N, qk_scale,
             [1],  # worker_num_warps
             [24],  # worker_num_regs
         )
-    else:
-        gl.static_assert(SPLIT == 2, "SPLIT is 1 or 2")
+    elif SPLIT == 2:
         gl.static_assert(CONSUMER_WARPS == 4, "SPLIT=2: two 4-warp consumer partitions")
         gl.warp_specialize(
             [
@@ -343,6 +398,34 @@ def attn_fwd_causal_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, N, qk_scale,
             ],
             [4, 1],  # worker_num_warps
             [240, 24],  # worker_num_regs
+        )
+    else:
+        # FA3's head-dim-64 tiling: three 4-warp consumer partitions of 64 rows (BLOCK_M 192). The
+        # first sub-tile always lies in the sequence; the others drain the ring where they do not.
+        gl.static_assert(SPLIT == 3, "SPLIT is 1, 2 or 3")
+        gl.static_assert(CONSUMER_WARPS == 4, "SPLIT=3: three 4-warp consumer partitions")
+        q_last = kv_row0 + N - SUB_M
+        m1 = m0 + SUB_M
+        m2 = m0 + 2 * SUB_M
+        gl.warp_specialize(
+            [
+                (_consumer, (o_desc, lse_ptr, q_smem.index(0), k_smem, v_smem, q_bar, k_ready,
+                             v_ready, kv_empty, turn, q_row, m0, m0 // BLOCK_N, n_tiles, qk_scale,
+                             SUB_M, BLOCK_N, HEAD_D, STAGES, 4, STORE_LSE, PIPE, 0, 0)),
+                (_consumer_or_drain, (N, o_desc, lse_ptr, q_smem.index(1), k_smem, v_smem, q_bar,
+                                      k_ready, v_ready, kv_empty, turn, q_row + SUB_M, m1,
+                                      m1 // BLOCK_N, n_tiles, qk_scale, SUB_M, BLOCK_N, HEAD_D,
+                                      STAGES, 4, STORE_LSE, PIPE, 1, 0)),
+                (_consumer_or_drain, (N, o_desc, lse_ptr, q_smem.index(2), k_smem, v_smem, q_bar,
+                                      k_ready, v_ready, kv_empty, turn, q_row + 2 * SUB_M, m2,
+                                      m2 // BLOCK_N, n_tiles, qk_scale, SUB_M, BLOCK_N, HEAD_D,
+                                      STAGES, 4, STORE_LSE, PIPE, 2, 0)),
+                (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready,
+                             v_ready, kv_empty, q_row, kv_row0, n_tiles, BLOCK_N, STAGES, SPLIT,
+                             q_last)),
+            ],
+            [4, 4, 1],  # worker_num_warps
+            [SPLIT3_REGS, SPLIT3_REGS, 24],  # worker_num_regs (the default partition gets the rest)
         )
 
     _invalidate_ring(q_bar, k_ready, v_ready, kv_empty, STAGES)
@@ -375,12 +458,32 @@ EXTRA_CONFIGS = {
 # must be 0 here): the SPLIT=2 configs with ordered wgmma sections, without / with PIPE.
 EXTRA_CONFIGS[64] += [(128, 128, 2, 4, 2, 0, 0, 1), (128, 128, 2, 4, 2, 1, 0, 1)]
 EXTRA_CONFIGS[128] += [(128, 128, 2, 4, 2, 0, 0, 1), (128, 128, 2, 4, 2, 1, 0, 1)]
+# SPLIT=3 (unmeasured): FA3's head-dim-64 tiling, BLOCK_M 192 as three 4-warp consumer partitions
+# of 64 rows, 2 / 3 stages; D64 only. (PIPE=1 compiles too but spills at 160 registers: not listed.)
+SPLIT3_CONFIGS = [(192, 128, 2, 4, 3, 0), (192, 128, 3, 4, 3, 0)]
+EXTRA_CONFIGS[64] += SPLIT3_CONFIGS
 
 
 def pingpong(config):
     """The eighth config field PINGPONG (0 when absent; the seventh must be 0 in plain_fwd)."""
     assert len(config) <= 6 or int(config[6]) == 0, "plain_fwd has no BAND_TWICE (seventh field 0)"
     return int(config[7]) if len(config) > 7 else 0
+
+def check_n(N, config):
+    """The sequence lengths a config takes (plain and ReRoPE wrappers): N % BLOCK_M == 0 and
+    N % BLOCK_N == 0; SPLIT=3 (BLOCK_M 192, three 4-warp consumers) only N % 64 == 0 and
+    N % BLOCK_N == 0, i.e. the same N as the 128-row configs: the grid is cdiv(N, 192) and in the
+    last block a 64-row sub-tile past N drains the ring (_drain) instead of computing."""
+    BLOCK_M, BLOCK_N, _, CONSUMER_WARPS, SPLIT = config[:5]
+    if SPLIT == 3:
+        assert CONSUMER_WARPS == 4 and BLOCK_M == 192, "SPLIT=3: three 4-warp consumers of 64 rows"
+        assert N % (BLOCK_M // SPLIT) == 0 and N % BLOCK_N == 0, \
+            f"SPLIT=3: N must be a multiple of {BLOCK_N}"
+    else:
+        assert SPLIT in (1, 2), "SPLIT is 1, 2 or 3"
+        assert N % BLOCK_M == 0 and N % BLOCK_N == 0, \
+            f"prototype: N must be a multiple of {max(BLOCK_M, BLOCK_N)}"
+
 
 SMEM_LIMIT_SM90 = 232448  # bytes of shared memory one CTA may use on H100/H200 (227 KiB)
 
@@ -394,8 +497,9 @@ def _gl_dtype(torch_dtype):
     return {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16}[torch_dtype]
 
 
-def attention(q, k, v, sm_scale=None, return_lse=False, config=None):
-    """Causal attention forward. q, k, v: (B, H, N, D), fp16/bf16, D in {64, 128}; same shapes."""
+def attention(q, k, v, sm_scale=None, return_lse=False, config=None, _warmup=False):
+    """Causal attention forward. q, k, v: (B, H, N, D), fp16/bf16, D in {64, 128}; same shapes;
+    N % 128 == 0 (check_n). ``_warmup``: only JIT-compile (Triton's on-disk cache), return None."""
     import torch
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
@@ -406,9 +510,9 @@ def attention(q, k, v, sm_scale=None, return_lse=False, config=None):
     BLOCK_M, BLOCK_N, STAGES, CONSUMER_WARPS, SPLIT, PIPE = config[:6]
     PINGPONG = pingpong(config)
     assert PINGPONG == 0 or SPLIT == 2, "PINGPONG=1 needs SPLIT=2"
-    assert N % BLOCK_M == 0 and N % BLOCK_N == 0, f"prototype: N must be a multiple of {max(BLOCK_M, BLOCK_N)}"
     assert BLOCK_M == 16 * CONSUMER_WARPS * SPLIT, "one 16-row wgmma slab per warp (64 rows per warp group)"
     SUB_M = BLOCK_M // SPLIT
+    check_n(N, config)
     if sm_scale is None:
         sm_scale = 1.0 / math.sqrt(D)
     q2, k2, v2 = (t.contiguous().view(B * H * N, D) for t in (q, k, v))
@@ -421,9 +525,12 @@ def attention(q, k, v, sm_scale=None, return_lse=False, config=None):
     o_desc = TensorDescriptor.from_tensor(o, [SUB_M, D], q_layout)
     k_desc = TensorDescriptor.from_tensor(k2, [BLOCK_N, D], kv_layout)
     v_desc = TensorDescriptor.from_tensor(v2, [BLOCK_N, D], kv_layout)
-    grid = (N // BLOCK_M, B * H)
-    attn_fwd_causal_kernel[grid](q_desc, k_desc, v_desc, o_desc, lse, N, sm_scale * LOG2E,
-                                 BLOCK_M, BLOCK_N, D, STAGES, CONSUMER_WARPS, return_lse, SPLIT,
-                                 PIPE, PINGPONG, num_warps=CONSUMER_WARPS)
+    grid = (triton.cdiv(N, BLOCK_M), B * H)
+    args = (q_desc, k_desc, v_desc, o_desc, lse, N, sm_scale * LOG2E, BLOCK_M, BLOCK_N, D, STAGES,
+            CONSUMER_WARPS, return_lse, SPLIT, PIPE, PINGPONG)
+    if _warmup:
+        attn_fwd_causal_kernel.warmup(*args, grid=grid, num_warps=CONSUMER_WARPS)
+        return None
+    attn_fwd_causal_kernel[grid](*args, num_warps=CONSUMER_WARPS)
     o = o.view(B, H, N, D)
     return (o, lse) if return_lse else o

@@ -36,11 +36,20 @@ BAND_TWICE with PIPE = 1 (sixth field) and/or PINGPONG = 1 (eighth field, defaul
 UNMEASURED): the same walk in one run-time-classified loop, FA3's intra-warpgroup overlap (PIPE) and
 ordered wgmma sections of the two consumer partitions through two ``turn`` mbarriers (PINGPONG, SPLIT=2),
 K and V slots freed separately. See ``_consumer_pp`` (deadlock argument) and README.md.
+
+SPLIT = 3 (D64, UNMEASURED; ``SPLIT3_CONFIGS``): FlashAttention-3's head-dim-64 tiling, BLOCK_M 192
+as three 4-warp consumer partitions of 64 rows (160 registers each, the first 168; producer 24), in
+``rerope_fwd_causal_kernel`` (band tiles in two 64-key halves, ``_band_tile_halves``: two 64 x 128
+fp32 accumulators do not fit 160 registers) and ``rerope_fwd_twice_pp_kernel`` (BAND_TWICE with
+SPLIT=3 always goes there; PINGPONG stays 0). The grid is cdiv(N, 192) with N % 128 == 0 as for
+every config: key tiles stop at N, and a 64-row part of the last block that lies past N drains
+the ring (``plain_fwd._drain`` / ``_drain_pp``) instead of computing.
 """
 import math
 import os
 import sys
 
+import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
@@ -51,8 +60,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from plain_fwd import (LOG2E, SMEM_LIMIT_SM90, _block_rows, _epilogue, _gl_dtype,  # noqa: E402,F401
-                       _invalidate_ring, _pv_and_free, _ring_barriers, _softmax, smem_layout)
+from plain_fwd import (LOG2E, SMEM_LIMIT_SM90, SPLIT3_REGS, _block_rows, _drain,  # noqa: E402,F401
+                       _epilogue, _gl_dtype, _invalidate_ring, _pv_and_free, _q_sub_row,
+                       _ring_barriers, _softmax, check_n, smem_layout)
 
 OUTSIDE = gl.constexpr(0)
 BAND = gl.constexpr(1)
@@ -71,10 +81,13 @@ def _regions(m0, window, n_tiles, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
 
 
 @gluon.jit
-def _block_regions(N, window, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+def _block_regions(N, window, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                   RAGGED: gl.constexpr = False):
     """The prologue of all three kernels: plain_fwd._block_rows' (m0, q_row, kv_row0, n_tiles) of this
-    program's query block, then its regions (n_out, n_in), computed once for every partition."""
-    m0, q_row, kv_row0, n_tiles = _block_rows(N, BLOCK_M, BLOCK_N)
+    program's query block, then its regions (n_out, n_in), computed once for every partition.
+    RAGGED (SPLIT=3): the block may end past N (n_tiles stops at N; the regions are those of the
+    whole 192 rows, which only moves inside tiles of rows past N into the band: still exact)."""
+    m0, q_row, kv_row0, n_tiles = _block_rows(N, BLOCK_M, BLOCK_N, RAGGED)
     n_out, n_in = _regions(m0, window, n_tiles, BLOCK_M, BLOCK_N)
     return m0, q_row, kv_row0, n_tiles, n_out, n_in
 
@@ -105,12 +118,13 @@ def _load_tile(i, k1_desc, k2_desc, v_desc, k1_smem, k2_smem, v_smem, k_ready, v
 @gluon.jit
 def _producer(q1_desc, q2_desc, k1_desc, k2_desc, v_desc, q1_smem, q2_smem, k1_smem, k2_smem, v_smem, q_bar,
               k_ready, v_ready, kv_empty, q_row, kv_row0, n_out, n_in, n_tiles,
-              BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr):
+              BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr, q_last=0):
     SUB_M: gl.constexpr = q1_desc.block_type.shape[0]
     mbarrier.expect(q_bar, 2 * SPLIT * q1_desc.block_type.nbytes)
     for j in gl.static_range(SPLIT):
-        tma.async_copy_global_to_shared(q1_desc, [q_row + j * SUB_M, 0], q_bar, q1_smem.index(j))
-        tma.async_copy_global_to_shared(q2_desc, [q_row + j * SUB_M, 0], q_bar, q2_smem.index(j))
+        row = _q_sub_row(q_row, j, SUB_M, SPLIT, q_last)  # SPLIT=3: see plain_fwd._q_sub_row
+        tma.async_copy_global_to_shared(q1_desc, [row, 0], q_bar, q1_smem.index(j))
+        tma.async_copy_global_to_shared(q2_desc, [row, 0], q_bar, q2_smem.index(j))
     for i in range(0, n_out):
         _load_tile(i, k1_desc, k2_desc, v_desc, k1_smem, k2_smem, v_smem, k_ready, v_ready, kv_empty, kv_row0,
                    BLOCK_N, STAGES, OUTSIDE)
@@ -166,10 +180,58 @@ def _tile(i, acc, m_i, l_i, q1_smem, q2_smem, k1_smem, k2_smem, v_smem, k_ready,
 
 
 @gluon.jit
+def _band_tile_halves(i, acc, m_i, l_i, q1_smem, q2_smem, k1_smem, k2_smem, v_smem, k_ready,
+                      v_ready, kv_empty, m0, window, qk_scale, BLOCK_M: gl.constexpr,
+                      BLOCK_N: gl.constexpr, STAGES: gl.constexpr, s_layout: gl.constexpr,
+                      o_layout: gl.constexpr):
+    """A BAND tile as two halves of BLOCK_N / 2 keys, each its own online-softmax step (select,
+    causal mask, O += P V with the half of V): the pair of 64 x 128 fp32 accumulators (128
+    registers a thread) does not fit SPLIT=3's 160 (3.9 KB of spills), a pair of 64 x 64 does.
+    Exact (the online softmax does not depend on how the keys are grouped)."""
+    HALF: gl.constexpr = BLOCK_N // 2
+    h_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=s_layout.warps_per_cta, instr_shape=[16, HALF, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    s = i % STAGES
+    phase = (i // STAGES) & 1
+    zero = gl.zeros([BLOCK_M, HALF], gl.float32, h_layout)
+    rows = m0 + gl.arange(0, BLOCK_M, gl.SliceLayout(1, h_layout))
+    m_h = gl.convert_layout(m_i, gl.SliceLayout(1, h_layout))  # same rows a thread: no data moved
+    l_h = gl.convert_layout(l_i, gl.SliceLayout(1, h_layout))
+    mbarrier.wait(k_ready.index(s), phase)
+    for h in gl.static_range(2):
+        k1 = k1_smem.index(s).slice(h * HALF, HALF)
+        k2 = k2_smem.index(s).slice(h * HALF, HALF)
+        qk1 = warpgroup_mma(q1_smem, k1.permute((1, 0)), zero, use_acc=False, is_async=True)
+        qk2 = warpgroup_mma(q2_smem, k2.permute((1, 0)), zero, use_acc=False, is_async=True)
+        qk1, qk2, _, _, _, _ = warpgroup_mma_wait(num_outstanding=0,
+                                                  deps=(qk1, qk2, q1_smem, k1, q2_smem, k2))
+        cols = i * BLOCK_N + h * HALF + gl.arange(0, HALF, gl.SliceLayout(0, h_layout))
+        qk = gl.where((rows[:, None] - cols[None, :]) < window, qk1, qk2)
+        # key half 2i + h of width HALF: _softmax's causal mask on cols (2i + h) * HALF + [0, HALF)
+        p, m_h, l_h, alpha = _softmax(qk, m_h, l_h, 2 * i + h, m0, True, qk_scale, BLOCK_M, HALF,
+                                      h_layout)
+        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+        p = gl.convert_layout(p.to(v_smem.dtype), p_layout)
+        if h == 0:
+            mbarrier.wait(v_ready.index(s), phase)
+        v_half = v_smem.index(s).slice(h * HALF, HALF)
+        acc = warpgroup_mma(p, v_half, acc, is_async=True)
+        acc, _ = warpgroup_mma_wait(num_outstanding=0, deps=(acc, v_half))
+    gl.thread_barrier()  # every warp of the partition has read K1, K2 and V of slot s
+    mbarrier.arrive(kv_empty.index(s), count=1)
+    m_i = gl.convert_layout(m_h, gl.SliceLayout(1, s_layout))
+    l_i = gl.convert_layout(l_h, gl.SliceLayout(1, s_layout))
+    return acc, m_i, l_i
+
+
+@gluon.jit
 def _consumer(o_desc, lse_ptr, q1_smem, q2_smem, k1_smem, k2_smem, v_smem, q_bar, k_ready, v_ready, kv_empty,
               q_row, m0, window, n_out, n_in, n_tiles, qk_scale, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-              HEAD_D: gl.constexpr, STAGES: gl.constexpr, CONSUMER_WARPS: gl.constexpr, STORE_LSE: gl.constexpr):
-    """BLOCK_M query rows from m0 (a SPLIT half or the whole block): outside, band, inside tiles."""
+              HEAD_D: gl.constexpr, STAGES: gl.constexpr, CONSUMER_WARPS: gl.constexpr,
+              STORE_LSE: gl.constexpr, BAND_HALVES: gl.constexpr = False):
+    """BLOCK_M query rows from m0 (a SPLIT half or the whole block): outside, band, inside tiles.
+    BAND_HALVES (SPLIT=3): band tiles in two key halves (_band_tile_halves)."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[CONSUMER_WARPS, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[CONSUMER_WARPS, 1],
@@ -185,9 +247,15 @@ def _consumer(o_desc, lse_ptr, q1_smem, q2_smem, k1_smem, k2_smem, v_smem, q_bar
                               kv_empty, m0, window, qk_scale, BLOCK_M, BLOCK_N, STAGES, OUTSIDE, False,
                               s_layout, o_layout)
     for i in range(n_out, n_in):
-        acc, m_i, l_i = _tile(i, acc, m_i, l_i, q1_smem, q2_smem, k1_smem, k2_smem, v_smem, k_ready, v_ready,
-                              kv_empty, m0, window, qk_scale, BLOCK_M, BLOCK_N, STAGES, BAND, True,
-                              s_layout, o_layout)
+        if BAND_HALVES:
+            acc, m_i, l_i = _band_tile_halves(i, acc, m_i, l_i, q1_smem, q2_smem, k1_smem, k2_smem,
+                                              v_smem, k_ready, v_ready, kv_empty, m0, window,
+                                              qk_scale, BLOCK_M, BLOCK_N, STAGES, s_layout,
+                                              o_layout)
+        else:
+            acc, m_i, l_i = _tile(i, acc, m_i, l_i, q1_smem, q2_smem, k1_smem, k2_smem, v_smem,
+                                  k_ready, v_ready, kv_empty, m0, window, qk_scale, BLOCK_M,
+                                  BLOCK_N, STAGES, BAND, True, s_layout, o_layout)
     for i in range(n_in, n_full):
         acc, m_i, l_i = _tile(i, acc, m_i, l_i, q1_smem, q2_smem, k1_smem, k2_smem, v_smem, k_ready, v_ready,
                               kv_empty, m0, window, qk_scale, BLOCK_M, BLOCK_N, STAGES, INSIDE, False,
@@ -200,6 +268,22 @@ def _consumer(o_desc, lse_ptr, q1_smem, q2_smem, k1_smem, k2_smem, v_smem, q_bar
     _epilogue(acc, m_i, l_i, q1_smem, o_desc, lse_ptr, q_row, BLOCK_M, STORE_LSE, s_layout, o_layout)
 
 
+@gluon.jit
+def _consumer_or_drain(N, o_desc, lse_ptr, q1_smem, q2_smem, k1_smem, k2_smem, v_smem, q_bar,
+                       k_ready, v_ready, kv_empty, q_row, m0, window, n_out, n_in, n_tiles,
+                       qk_scale, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
+                       STAGES: gl.constexpr, CONSUMER_WARPS: gl.constexpr, STORE_LSE: gl.constexpr):
+    """SPLIT=3's second and third consumers: _consumer (band tiles in halves) if rows
+    [m0, m0 + BLOCK_M) lie in the sequence, else plain_fwd._drain (one k_ready / kv_empty a tile,
+    as here)."""
+    if m0 < N:
+        _consumer(o_desc, lse_ptr, q1_smem, q2_smem, k1_smem, k2_smem, v_smem, q_bar, k_ready,
+                  v_ready, kv_empty, q_row, m0, window, n_out, n_in, n_tiles, qk_scale, BLOCK_M,
+                  BLOCK_N, HEAD_D, STAGES, CONSUMER_WARPS, STORE_LSE, True)
+    else:
+        _drain(k_ready, kv_empty, n_tiles, STAGES)
+
+
 # ----------------------------------------------------------------------------------------------
 # kernel
 # ----------------------------------------------------------------------------------------------
@@ -208,9 +292,11 @@ def rerope_fwd_causal_kernel(q1_desc, q2_desc, k1_desc, k2_desc, v_desc, o_desc,
                              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
                              STAGES: gl.constexpr, CONSUMER_WARPS: gl.constexpr,
                              STORE_LSE: gl.constexpr, SPLIT: gl.constexpr):
-    """grid (N / BLOCK_M, B*H), heaviest query blocks first. SPLIT=1: one consumer partition of
-    CONSUMER_WARPS warps; SPLIT=2: two 4-warp consumer partitions on BLOCK_M/2 rows each."""
-    m0, q_row, kv_row0, n_tiles, n_out, n_in = _block_regions(N, window, BLOCK_M, BLOCK_N)
+    """grid (cdiv(N, BLOCK_M), B*H), heaviest query blocks first. SPLIT=1: one consumer partition
+    of CONSUMER_WARPS warps; SPLIT=2: two 4-warp consumer partitions on BLOCK_M/2 rows each;
+    SPLIT=3 (BLOCK_M 192, FA3's head-dim-64 tiling): three, those past N draining the ring."""
+    m0, q_row, kv_row0, n_tiles, n_out, n_in = _block_regions(N, window, BLOCK_M, BLOCK_N,
+                                                              SPLIT == 3)
     SUB_M: gl.constexpr = BLOCK_M // SPLIT
 
     dtype: gl.constexpr = q1_desc.dtype
@@ -234,8 +320,7 @@ def rerope_fwd_causal_kernel(q1_desc, q2_desc, k1_desc, k2_desc, v_desc, o_desc,
             [1],
             [24],
         )
-    else:
-        gl.static_assert(SPLIT == 2, "SPLIT is 1 or 2")
+    elif SPLIT == 2:
         gl.static_assert(CONSUMER_WARPS == 4, "SPLIT=2: two 4-warp consumer partitions")
         gl.warp_specialize(
             [
@@ -251,6 +336,32 @@ def rerope_fwd_causal_kernel(q1_desc, q2_desc, k1_desc, k2_desc, v_desc, o_desc,
             ],
             [4, 1],
             [240, 24],
+        )
+    else:
+        gl.static_assert(SPLIT == 3, "SPLIT is 1, 2 or 3")
+        gl.static_assert(CONSUMER_WARPS == 4, "SPLIT=3: three 4-warp consumer partitions")
+        q_last = kv_row0 + N - SUB_M
+        gl.warp_specialize(
+            [
+                (_consumer, (o_desc, lse_ptr, q1_smem.index(0), q2_smem.index(0), k1_smem, k2_smem,
+                             v_smem, q_bar, k_ready, v_ready, kv_empty, q_row, m0, window, n_out,
+                             n_in, n_tiles, qk_scale, SUB_M, BLOCK_N, HEAD_D, STAGES, 4, STORE_LSE,
+                             True)),
+                (_consumer_or_drain, (N, o_desc, lse_ptr, q1_smem.index(1), q2_smem.index(1),
+                                      k1_smem, k2_smem, v_smem, q_bar, k_ready, v_ready, kv_empty,
+                                      q_row + SUB_M, m0 + SUB_M, window, n_out, n_in, n_tiles,
+                                      qk_scale, SUB_M, BLOCK_N, HEAD_D, STAGES, 4, STORE_LSE)),
+                (_consumer_or_drain, (N, o_desc, lse_ptr, q1_smem.index(2), q2_smem.index(2),
+                                      k1_smem, k2_smem, v_smem, q_bar, k_ready, v_ready, kv_empty,
+                                      q_row + 2 * SUB_M, m0 + 2 * SUB_M, window, n_out, n_in,
+                                      n_tiles, qk_scale, SUB_M, BLOCK_N, HEAD_D, STAGES, 4,
+                                      STORE_LSE)),
+                (_producer, (q1_desc, q2_desc, k1_desc, k2_desc, v_desc, q1_smem, q2_smem, k1_smem,
+                             k2_smem, v_smem, q_bar, k_ready, v_ready, kv_empty, q_row, kv_row0,
+                             n_out, n_in, n_tiles, BLOCK_N, STAGES, SPLIT, q_last)),
+            ],
+            [4, 4, 1],
+            [SPLIT3_REGS, SPLIT3_REGS, 24],  # plain_fwd.SPLIT3_REGS: the default partition gets 168
         )
 
     _invalidate_ring(q_bar, k_ready, v_ready, kv_empty, STAGES)
@@ -481,14 +592,15 @@ def _load_kv_pp(k, t, k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty,
 @gluon.jit
 def _producer_pp(q1_desc, q2_desc, k1_desc, k2_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready,
                  k_empty, v_empty, q_row, kv_row0, n_out, n_in, n_tiles,
-                 BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr):
+                 BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr, q_last=0):
     """_producer_twice's step list (outside walk K2 over [0, n_in), inside walk K1 over [n_out, n_tiles));
     Q of partition j: Q2 in q_smem[2j], Q1 in q_smem[2j + 1]."""
     SUB_M: gl.constexpr = q1_desc.block_type.shape[0]
     mbarrier.expect(q_bar, 2 * SPLIT * q1_desc.block_type.nbytes)
     for j in gl.static_range(SPLIT):
-        tma.async_copy_global_to_shared(q2_desc, [q_row + j * SUB_M, 0], q_bar, q_smem.index(2 * j))
-        tma.async_copy_global_to_shared(q1_desc, [q_row + j * SUB_M, 0], q_bar, q_smem.index(2 * j + 1))
+        row = _q_sub_row(q_row, j, SUB_M, SPLIT, q_last)  # SPLIT=3: see plain_fwd._q_sub_row
+        tma.async_copy_global_to_shared(q2_desc, [row, 0], q_bar, q_smem.index(2 * j))
+        tma.async_copy_global_to_shared(q1_desc, [row, 0], q_bar, q_smem.index(2 * j + 1))
     for t in range(0, n_in):  # outside walk: K2
         _load_kv_pp(t, t, k2_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, kv_row0,
                     BLOCK_N, STAGES)
@@ -669,6 +781,37 @@ def _consumer_pp(o_desc, lse_ptr, q_smem, k_smem, v_smem, q_bar, k_ready, v_read
     _epilogue(acc, m_i, l_i, o_smem, o_desc, lse_ptr, q_row, BLOCK_M, STORE_LSE, s_layout, o_layout)
 
 
+@gluon.jit
+def _drain_pp(k_ready, v_ready, k_empty, v_empty, n_steps, STAGES: gl.constexpr):
+    """plain_fwd._drain for the split empties: a SPLIT=3 partition past N releases K and V of every
+    step once they are in (k_empty / v_empty count SPLIT arrivals)."""
+    for k in range(n_steps):
+        s = k % STAGES
+        phase = (k // STAGES) & 1
+        mbarrier.wait(k_ready.index(s), phase)
+        mbarrier.arrive(k_empty.index(s), count=1)
+        mbarrier.wait(v_ready.index(s), phase)
+        mbarrier.arrive(v_empty.index(s), count=1)
+
+
+@gluon.jit
+def _consumer_pp_or_drain(N, o_desc, lse_ptr, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready,
+                          k_empty, v_empty, turn, q_row, m0, window, n_out, n_in, n_tiles, qk_scale,
+                          BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
+                          STAGES: gl.constexpr, CONSUMER_WARPS: gl.constexpr,
+                          STORE_LSE: gl.constexpr, ME: gl.constexpr, PIPE: gl.constexpr,
+                          PINGPONG: gl.constexpr):
+    """SPLIT=3's second and third consumers of rerope_fwd_twice_pp_kernel: _consumer_pp if rows
+    [m0, m0 + BLOCK_M) lie in the sequence, else _drain_pp over the walk's n_in + n_tiles - n_out
+    steps."""
+    if m0 < N:
+        _consumer_pp(o_desc, lse_ptr, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty,
+                     v_empty, turn, q_row, m0, window, n_out, n_in, n_tiles, qk_scale, BLOCK_M,
+                     BLOCK_N, HEAD_D, STAGES, CONSUMER_WARPS, STORE_LSE, ME, PIPE, PINGPONG)
+    else:
+        _drain_pp(k_ready, v_ready, k_empty, v_empty, n_in + n_tiles - n_out, STAGES)
+
+
 @gluon.jit(do_not_specialize=["window"])
 def rerope_fwd_twice_pp_kernel(q1_desc, q2_desc, k1_desc, k2_desc, v_desc, o_desc, lse_ptr, N, window, qk_scale,
                                BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
@@ -677,8 +820,10 @@ def rerope_fwd_twice_pp_kernel(q1_desc, q2_desc, k1_desc, k2_desc, v_desc, o_des
                                PINGPONG: gl.constexpr):
     """BAND_TWICE (same walk, arguments, grid, shared-memory ring) with FA3's scheduling:
     PIPE=1 intra-warpgroup overlap, PINGPONG=1 ordered GEMM sections of the two consumer partitions
-    (SPLIT=2 only); K and V slots freed separately (k_empty / v_empty). See _consumer_pp."""
-    m0, q_row, kv_row0, n_tiles, n_out, n_in = _block_regions(N, window, BLOCK_M, BLOCK_N)
+    (SPLIT=2 only); K and V slots freed separately (k_empty / v_empty). See _consumer_pp. SPLIT=3
+    (BLOCK_M 192, PINGPONG=0): three 4-warp consumers, those past N draining the ring."""
+    m0, q_row, kv_row0, n_tiles, n_out, n_in = _block_regions(N, window, BLOCK_M, BLOCK_N,
+                                                              SPLIT == 3)
     SUB_M: gl.constexpr = BLOCK_M // SPLIT
 
     dtype: gl.constexpr = q1_desc.dtype
@@ -701,8 +846,7 @@ def rerope_fwd_twice_pp_kernel(q1_desc, q2_desc, k1_desc, k2_desc, v_desc, o_des
             [1],
             [24],
         )
-    else:
-        gl.static_assert(SPLIT == 2, "SPLIT is 1 or 2")
+    elif SPLIT == 2:
         gl.static_assert(CONSUMER_WARPS == 4, "SPLIT=2: two 4-warp consumer partitions")
         gl.warp_specialize(
             [
@@ -718,6 +862,32 @@ def rerope_fwd_twice_pp_kernel(q1_desc, q2_desc, k1_desc, k2_desc, v_desc, o_des
             ],
             [4, 1],
             [240, 24],
+        )
+    else:
+        gl.static_assert(SPLIT == 3, "SPLIT is 1, 2 or 3")
+        gl.static_assert(CONSUMER_WARPS == 4, "SPLIT=3: three 4-warp consumer partitions")
+        gl.static_assert(PINGPONG == 0, "PINGPONG needs SPLIT=2")
+        q_last = kv_row0 + N - SUB_M
+        gl.warp_specialize(
+            [
+                (_consumer_pp, (o_desc, lse_ptr, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready,
+                                k_empty, v_empty, turn, q_row, m0, window, n_out, n_in, n_tiles,
+                                qk_scale, SUB_M, BLOCK_N, HEAD_D, STAGES, 4, STORE_LSE, 0, PIPE,
+                                0)),
+                (_consumer_pp_or_drain, (N, o_desc, lse_ptr, q_smem, k_smem, v_smem, q_bar, k_ready,
+                                         v_ready, k_empty, v_empty, turn, q_row + SUB_M, m0 + SUB_M,
+                                         window, n_out, n_in, n_tiles, qk_scale, SUB_M, BLOCK_N,
+                                         HEAD_D, STAGES, 4, STORE_LSE, 1, PIPE, 0)),
+                (_consumer_pp_or_drain, (N, o_desc, lse_ptr, q_smem, k_smem, v_smem, q_bar, k_ready,
+                                         v_ready, k_empty, v_empty, turn, q_row + 2 * SUB_M,
+                                         m0 + 2 * SUB_M, window, n_out, n_in, n_tiles, qk_scale,
+                                         SUB_M, BLOCK_N, HEAD_D, STAGES, 4, STORE_LSE, 2, PIPE, 0)),
+                (_producer_pp, (q1_desc, q2_desc, k1_desc, k2_desc, v_desc, q_smem, k_smem, v_smem,
+                                q_bar, k_ready, v_ready, k_empty, v_empty, q_row, kv_row0, n_out,
+                                n_in, n_tiles, BLOCK_N, STAGES, SPLIT, q_last)),
+            ],
+            [4, 4, 1],
+            [SPLIT3_REGS, SPLIT3_REGS, 24],  # plain_fwd.SPLIT3_REGS: the default partition gets 168
         )
 
     _invalidate_ring(q_bar, k_ready, v_ready, k_empty, STAGES)
@@ -753,6 +923,12 @@ EXTRA_CONFIGS = {
           (128, 128, 2, 4, 2, 0, 1),
           (128, 128, 2, 4, 2, 1, 1, 0), (128, 128, 2, 4, 2, 0, 1, 1), (128, 128, 2, 4, 2, 1, 1, 1)],
 }
+# SPLIT=3 (unmeasured): FA3's head-dim-64 tiling, BLOCK_M 192 = three 4-warp consumers of 64 rows
+# (SPLIT3_REGS = 160 registers each): the three-tiles kernel (band tiles in key halves) with 2 / 3
+# stages, and BAND_TWICE (rerope_fwd_twice_pp_kernel, PIPE=0; PIPE=1 spills at 160 registers).
+# D64 only.
+SPLIT3_CONFIGS = [(192, 128, 2, 4, 3, 0), (192, 128, 3, 4, 3, 0), (192, 128, 2, 4, 3, 0, 1)]
+EXTRA_CONFIGS[64] += SPLIT3_CONFIGS
 # measured slower (perf/runs/s46 on an H100: 0.75-0.80 of cuDNN against 0.84-0.90; perf/runs/s47 on
 # an H200: the BAND_TWICE ones below at 0.74-0.83 against 0.84-0.87): still built by
 # all_configs(..., retired=True) / bench_rerope.py --all-configs, no longer timed by default
@@ -775,6 +951,12 @@ def quick_configs(head_dim):
     return [default_config(head_dim), base + (0, 1), base + (1, 1, 0), base + (0, 1, 1), base + (1, 1, 1)]
 
 
+def d64_configs():
+    """bench_rerope.py --d64 (device_rerope.sh D64=1): the best D64 configs so far (the default and
+    its 3-stage variant: 0.85-0.88 of cuDNN on the H100) and the SPLIT=3 ones."""
+    return [default_config(64), (128, 128, 3, 4, 2, 0)] + SPLIT3_CONFIGS
+
+
 def band_twice(config):
     """1 if config selects a BAND_TWICE kernel (seventh field), else 0."""
     return int(config[6]) if len(config) > 6 else 0
@@ -786,8 +968,9 @@ def pingpong(config):
 
 
 def fa3_sched(config):
-    """1 if config selects rerope_fwd_twice_pp_kernel (BAND_TWICE with PIPE and/or PINGPONG)."""
-    return int(bool(band_twice(config) and (config[5] or pingpong(config))))
+    """1 if config selects rerope_fwd_twice_pp_kernel (BAND_TWICE with PIPE and/or PINGPONG, or with
+    SPLIT=3, which only that band-twice kernel has)."""
+    return int(bool(band_twice(config) and (config[5] or pingpong(config) or config[4] == 3)))
 
 
 def kernel_for(config):
@@ -797,7 +980,8 @@ def kernel_for(config):
 
 
 def rerope_attention(q1, q2, k1, k2, v, window, sm_scale=None, return_lse=False, config=None, _warmup=False):
-    """Causal five-tensor ReRoPE forward. All (B, H, N, D), fp16/bf16, D 64/128, N % 128 == 0.
+    """Causal five-tensor ReRoPE forward. All (B, H, N, D), fp16/bf16, D 64/128, N % 128 == 0
+    (plain_fwd.check_n).
     config: (BLOCK_M, BLOCK_N, STAGES, CONSUMER_WARPS, SPLIT, PIPE[, BAND_TWICE[, PINGPONG]]).
     Returns o (B, H, N, D) [and lse (B, H, N) float32, natural log]. ``_warmup``: only JIT-compile
     (into Triton's on-disk cache; nothing launched), return None."""
@@ -813,8 +997,8 @@ def rerope_attention(q1, q2, k1, k2, v, window, sm_scale=None, return_lse=False,
     BLOCK_M, BLOCK_N, STAGES, CW, SPLIT, PIPE = config[:6]
     assert PIPE == 0 or band_twice(config), "PIPE=1 only with BAND_TWICE=1 (rerope_fwd_twice_pp_kernel)"
     assert pingpong(config) == 0 or (band_twice(config) and SPLIT == 2), "PINGPONG=1 needs BAND_TWICE=1, SPLIT=2"
-    assert N % BLOCK_M == 0 and N % BLOCK_N == 0
     assert BLOCK_M == 16 * CW * SPLIT
+    check_n(N, config)  # N % 128 == 0 for every config (SPLIT=3: grid cdiv(N, 192))
     SUB_M = BLOCK_M // SPLIT
     if sm_scale is None:
         sm_scale = 1.0 / math.sqrt(D)
@@ -829,9 +1013,10 @@ def rerope_attention(q1, q2, k1, k2, v, window, sm_scale=None, return_lse=False,
     window = min(int(window), N + 1)  # >= N: everything inside
     args = (q1d, q2d, k1d, k2d, vd, od, lse, N, window, sm_scale * LOG2E, BLOCK_M, BLOCK_N, D, STAGES, CW,
             return_lse, SPLIT) + ((PIPE, pingpong(config)) if fa3_sched(config) else ())
+    grid = (triton.cdiv(N, BLOCK_M), B * H)
     if _warmup:
-        kernel_for(config).warmup(*args, grid=(N // BLOCK_M, B * H), num_warps=CW)
+        kernel_for(config).warmup(*args, grid=grid, num_warps=CW)
         return None
-    kernel_for(config)[(N // BLOCK_M, B * H)](*args, num_warps=CW)
+    kernel_for(config)[grid](*args, num_warps=CW)
     o = o.view(B, H, N, D)
     return (o, lse) if return_lse else o
