@@ -5,7 +5,9 @@
 # OUT set. 1. Both packages' kernels compile in parallel (reps 1, 8 processes). 2. Per dtype and
 # causal: this tree (rerope, sdpa_cudnn) then the baseline (rerope), alternating, so drift in
 # the machine touches both -> $OUT/new_*.json, $OUT/old_*.json (compare_grid.py OLD NEW).
-export PYTHONUNBUFFERED=1 REROPE_AUTOTUNE=0
+# As run in session 53 it lacked KERNELS_AUTOTUNE=0, so the old package autotuned (README).
+# Only eight files come back from a call: pack $OUT (tar) before it ends.
+export PYTHONUNBUFFERED=1 REROPE_AUTOTUNE=0 KERNELS_AUTOTUNE=0   # 98758ef reads KERNELS_*
 OLD=.dev/b98/pkg
 mkdir -p "$OUT/warm"
 source perf/runs/s48/versions.sh
@@ -27,3 +29,4 @@ for dtype in float16 bfloat16; do for causal in true false; do
         --causal $causal --out "$OUT/old_$dtype-$causal.json" > "$OUT/old_$dtype-$causal.log" 2>&1
     echo "old $dtype causal=$causal rc=$? at $SECONDS s"
 done; done
+( cd "$OUT" && tar czf ab.tgz ./*.json ./*.log versions.txt warm && rm -rf ./*.json ./*.log warm )
