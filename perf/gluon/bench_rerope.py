@@ -18,8 +18,9 @@ field is 1, and their FA3-scheduled variants: sixth field PIPE / eighth PINGPONG
 RETIRED_CONFIGS; --quick: quick_configs (default, one BAND_TWICE and its three FA3-scheduled variants).
 --list-keys prints the config keys; --precompile KEY...: only JIT-compile those configs (with and
 without LSE) into Triton's on-disk cache, nothing launched (device_rerope.sh: one process per key).
---d64 (device_rerope.sh D64=1): D64 only, rerope_fwd.d64_configs (the best D64 configs and the
-SPLIT=3 ones, BLOCK_M 192) and the plain Gluon kernel (plain_fwd) at SPLIT=2 and SPLIT=3 on
+--d64 (device_rerope.sh D64=1): D64 only, rerope_fwd.d64_configs (the best D64 configs, the
+band-twice SPLIT=3 one and the LEAN ones, BLOCK_M 192; seventh field 2) and the plain Gluon kernel
+(plain_fwd) at SPLIT=2 and SPLIT=3 on
 (q1, k1, v) beside cuDNN, checked against the same reference with window > N; plain keys read
 ``plain:64:dtype:config``.
 """

@@ -7,7 +7,8 @@ Same method as ``cross_compile.py`` (whose ``ptxas_info`` it reuses): every conf
 configs (seventh field 1: ``rerope_fwd_twice_kernel``; with PIPE (sixth) or PINGPONG (eighth) = 1,
 or SPLIT (fifth) = 3: ``rerope_fwd_twice_pp_kernel``) and the SPLIT=3 configs also in bf16, LSE on.
 ``--twice``: only the BAND_TWICE configs; ``--fa3``: only the pp kernel's; ``--split3``: only
-SPLIT=3. (/work/venv36: a venv with the triton-3.6.0 wheel and a .pth onto the main .venv's
+SPLIT=3; ``--lean``: only the LEAN ones (seventh field 2: ``rerope_fwd_lean_kernel``).
+(/work/venv36: a venv with the triton-3.6.0 wheel and a .pth onto the main .venv's
 site-packages for torch; see README.md.)
 """
 import os
@@ -58,13 +59,15 @@ def main():
         jobs = [j for j in jobs if j[2] in rf.SPLIT3_CONFIGS]
     if "--twice" in sys.argv:
         jobs = [j for j in jobs if rf.band_twice(j[2])]
+    if "--lean" in sys.argv:
+        jobs = [j for j in jobs if rf.lean(j[2])]
     if "--fa3" in sys.argv:  # only rerope_fwd_twice_pp_kernel's configs (PIPE / PINGPONG)
         jobs = [j for j in jobs if rf.fa3_sched(j[2])]
     fails = 0
     for D, dt, cfg in jobs:
         name = (f"D{D} {str(dt).replace('torch.', '')} {cfg}{' BAND_TWICE' if rf.band_twice(cfg) else ''}"
                 f"{' PIPE' if rf.fa3_sched(cfg) and cfg[5] else ''}{' PINGPONG' if rf.pingpong(cfg) else ''}")
-        name += " SPLIT3" if cfg[4] == 3 else ""
+        name += (" SPLIT3" if cfg[4] == 3 else "") + (" LEAN" if rf.lean(cfg) else "")
         t0 = time.time()
         try:
             k = compile_variant(dt, D, cfg)

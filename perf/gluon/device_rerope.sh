@@ -12,12 +12,13 @@
 # (rewritten after every row) and gluon_rerope.log; versions.txt (CROSS=1: cross_compile_rerope.txt).
 # REPS (default 20). 32 config keys (rerope_fwd.all_configs: 8 old kernel, 4 BAND_TWICE,
 # 14 BAND_TWICE with FA3 scheduling (PIPE / PINGPONG, rerope_fwd_twice_pp_kernel, unmeasured),
-# 6 SPLIT=3; the configs retired after perf/runs/s46 and s47 are not run). QUICK=1:
+# 6 SPLIT=3 (band-twice, LEAN); the configs retired after s46, s47 and s53 are not run). QUICK=1:
 # rerope_fwd.quick_configs (the default, (128,128,2,4,2,0,1) and its three FA3-scheduled variants
 # per D: 20 keys).
-# D64=1 (instead of QUICK; ~2 min): D64 only, rerope_fwd.d64_configs (the two best D64 configs and
-# the three SPLIT=3 ones, BLOCK_M 192) and the plain Gluon kernel at SPLIT=2 and SPLIT=3 beside
-# cuDNN, fp16 and bf16 (16 keys; caps: 75 s precompile, 50 s a smoke attempt, bench ends by 150 s).
+# D64=1 (instead of QUICK; ~80-100 s): D64 only, rerope_fwd.d64_configs (the two best D64 configs,
+# the band-twice SPLIT=3 one and the two LEAN ones, (192,128,2|3,4,3,0,2); the three-tiles SPLIT=3
+# ones are retired) and the plain Gluon kernel at SPLIT=2 and SPLIT=3 beside cuDNN, fp16 and bf16
+# (16 keys; caps: 75 s precompile, 50 s a smoke attempt, bench ends by 150 s).
 set -o pipefail
 export PYTHONUNBUFFERED=1 REROPE_AUTOTUNE=0
 OUT=${OUT:-/tmp/out}

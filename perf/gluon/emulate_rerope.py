@@ -24,7 +24,12 @@ Catches schedule/mask logic errors, not Gluon ones.
    (padded to 1024), 1152 (192 divides it) and 8192 x 17 windows; the band-twice pp kernel
    (PIPE 0 / 1) for N = 1024, 1000, 8192 x the same windows; and, with --protocol, the rings with
    1-3 active parts and the others draining (plain_fwd._drain, rerope_fwd._drain_pp).
-    python perf/gluon/emulate_rerope.py [--quick] [--protocol]"""
+6. LEAN (rerope_fwd_lean_kernel, seventh field 2, SPLIT=3): the producer's step list against each
+   part's (U: plain's unmasked body; M: diagonal then band visits classified skip / unmasked /
+   masked, the classification checked on the mask), N = 1024, 1000, 8192 x 17 windows; its ring
+   (plain's, parts skipping random steps) with --protocol; step_census: steps by loop path at
+   N 8192 W 2048 of plain / three tiles / pp / LEAN (sass_loops.py's cost model). --lean: 6 only.
+    python perf/gluon/emulate_rerope.py [--quick] [--protocol] [--lean]"""
 import math
 import os
 import random
@@ -375,6 +380,151 @@ def check_pp(Ns, windows, tilings=PP_TILINGS):
     return worst
 
 
+def lean_steps(n_out, n_in, nt):
+    """rerope_fwd._producer_lean's loads: [(ring step k, tile t, 'K2' | 'K1')]: outside, inside,
+    then each band tile twice (K2, K1)."""
+    n_u = n_out + nt - n_in
+    return ([(t, t, "K2") for t in range(n_out)]
+            + [(n_out + t - n_in, t, "K1") for t in range(n_in, nt)]
+            + [(n_u + jj, n_out + jj // 2, "K1" if jj % 2 else "K2")
+               for jj in range(2 * (n_in - n_out))])
+
+
+def lean_consumer_steps(ms, SUB, n_out, n_in, nt, BN, w):
+    """Mirror of rerope_fwd._consumer_lean (same integer formulas): [(k, t, K, kind, lo, hi)],
+    kind 'U' (plain's unmasked body), 'skip', 'unmasked' or 'masked' (the M loop)."""
+    n_full = max(ms // BN, n_in)
+    out = []
+    for r in range(2):
+        k_off = (n_out - n_in) * r
+        for t in range(n_in * r, n_out + (n_full - n_out) * r):
+            out.append((t + k_off, t, "K1" if r else "K2", "U", None, None))
+    n_diag = nt - n_full
+    k0 = n_out + n_full - n_in
+    for j in range(n_diag + 2 * (n_in - n_out)):
+        jb = max(j - n_diag, 0)
+        band = int(j >= n_diag)
+        ins = 1 - band * (1 - (jb & 1))
+        t = band * (n_out + jb // 2) + (1 - band) * (n_full + j)
+        lo = w * (1 - ins)
+        hi = BIG + (w - BIG) * (band * ins)
+        d_min = ms - t * BN - (BN - 1)
+        d_max = ms + SUB - 1 - t * BN
+        if d_max < lo or d_min >= hi:
+            kind = "skip"
+        else:
+            kind = "masked" if (d_min < lo or d_max >= hi) else "unmasked"
+        out.append((k0 + j, t, "K1" if ins else "K2", kind, lo, hi))
+    return out
+
+
+def emulate_lean(q1, q2, k1, k2, v, w, BM=192, BN=128, SPLIT=3, stats=None):
+    """rerope_fwd_lean_kernel: every partition's step list (ring step k -> tile, K) equals the
+    producer's; 'skip' visits keep nothing, 'unmasked' and 'U' ones keep everything (checked on the
+    mask itself); U steps use the plain softmax (no m_use), M steps the -inf-safe one."""
+    N, D = q1.shape
+    q1, q2, k1, k2, v = map(pad128, (q1, q2, k1, k2, v))
+    Np = q1.shape[0]
+    scale = math.log2(math.e) / math.sqrt(D)
+    o = torch.full((Np, D), math.nan)
+    lse = torch.full((Np,), math.nan)
+    SUB = BM // SPLIT
+    for m0 in range(0, Np, BM):
+        nt = block_tiles(m0, Np, BM, BN)
+        n_out, n_in = regions(m0, w, nt, BM, BN)
+        prod = lean_steps(n_out, n_in, nt)
+        assert [k for k, _, _ in prod] == list(range(len(prod))), "ring steps not consecutive"
+        assert len(prod) == nt + n_in - n_out  # _drain's step count
+        for h in range(SPLIT):
+            ms = m0 + h * SUB
+            if ms >= Np:  # plain_fwd._drain
+                continue
+            cons = lean_consumer_steps(ms, SUB, n_out, n_in, nt, BN, w)
+            assert [c[:3] for c in cons] == prod, ("producer/consumer step lists differ", m0, h, w)
+            rows = torch.arange(ms, ms + SUB)
+            m, l, acc = torch.full((SUB,), -math.inf), torch.zeros(SUB), torch.zeros(SUB, D)
+            for k, t, kname, kind, lo, hi in cons:
+                if stats is not None:
+                    stats[kind] = stats.get(kind, 0) + 1
+                cols = torch.arange(t * BN, t * BN + BN)
+                d = rows[:, None] - cols[None]
+                if kind == "U":  # the region's own rule must hold for every pair
+                    rule = (d >= w) if kname == "K2" else ((d >= 0) & (d < w))
+                    assert bool(rule.all()), ("U step outside its region", m0, h, t, w)
+                    keep = None
+                else:
+                    keep = (d >= lo) & (d < hi)
+                    assert kind != "skip" or not bool(keep.any()), ("skip keeps keys", m0, h, t, w)
+                    assert kind != "unmasked" or bool(keep.all()), ("unmasked drops keys", m0, h, t)
+                    if kind == "skip":
+                        continue
+                qq, kk = (q2, k2) if kname == "K2" else (q1, k1)
+                s = (qq[rows] @ kk[cols].T) * scale
+                if kind == "masked":
+                    s = torch.where(keep, s, -math.inf)
+                mn = torch.maximum(m, s.max(1).values)
+                mu = mn if kind == "U" else torch.where(mn == -math.inf, torch.zeros_like(mn), mn)
+                alpha = torch.exp2(m - mu)
+                p = torch.exp2(s - mu[:, None])
+                l = l * alpha + p.sum(1)
+                acc = acc * alpha[:, None] + p @ v[cols]
+                m = mn
+            o[rows] = acc / l[:, None]
+            lse[rows] = (m + torch.log2(l)) * math.log(2)
+    return o[:N], lse[:N]
+
+
+def check_lean(Ns, windows=SPLIT3_WINDOWS):
+    """The LEAN walk (SPLIT=3, BLOCK_M 192, BLOCK_N 128) against the float32 reference."""
+    worst = 0.0
+    for N in Ns:
+        torch.manual_seed(N + 7)
+        D = 16
+        ts = [torch.randn(N, D) for _ in range(5)]
+        line = []
+        for w in windows:
+            chunks = [ref_rows(*ts, w, torch.arange(r, min(r + 1024, N)))
+                      for r in range(0, N, 1024)]
+            ref_o, ref_l = torch.cat([c[0] for c in chunks]), torch.cat([c[1] for c in chunks])
+            o, lse = emulate_lean(*ts, min(w, -(-N // 128) * 128 + 1))
+            err = max((o - ref_o).abs().max().item(), (lse - ref_l).abs().max().item())
+            worst = max(worst, err)
+            assert math.isfinite(err) and err < 1e-4, ("lean", N, w, err)
+            line.append(f"w{w}:{err:.0e}")
+        print(f"  LEAN N={N} BLOCK_M/N=192/128 SPLIT=3: OK max|dO|,|dLSE| " + " ".join(line),
+              flush=True)
+    return worst
+
+
+def step_census(N=8192, w=2048, BM=192, BN=128, SPLIT=3):
+    """Per-block ring steps of each SPLIT=3 walk at (N, w), summed over blocks and partitions, by
+    the loop path a partition takes (for perf/gluon/sass_loops.py's cost model)."""
+    SUB = BM // SPLIT
+    c = {"plain": {}, "three": {}, "pp": {}, "lean": {}}
+
+    def add(name, kind, n=1):
+        c[name][kind] = c[name].get(kind, 0) + n
+    for m0 in range(0, N, BM):
+        nt = block_tiles(m0, N, BM, BN)
+        n_out, n_in = regions(m0, w, nt, BM, BN)
+        for h in range(SPLIT):
+            ms = m0 + h * SUB
+            if ms >= N:
+                continue
+            n_full_plain = ms // BN
+            add("plain", "unmasked", n_full_plain)
+            add("plain", "masked", nt - n_full_plain)
+            n_full = max(ms // BN, n_in)
+            add("three", "unmasked", n_out + n_full - n_in)
+            add("three", "band", n_in - n_out)
+            add("three", "masked", nt - n_full)
+            for _, _, _, (masked, _, _) in pp_steps(n_out, n_in, n_full, nt, w):
+                add("pp", "masked" if masked else "unmasked")
+            for step in lean_consumer_steps(ms, SUB, n_out, n_in, nt, BN, w):
+                add("lean", step[3])
+    return c
+
+
 # ---------------------------------------------------------------- barrier protocol (random interleavings)
 class Bar:
     def __init__(self, name, count):
@@ -533,10 +683,12 @@ def protocol_pp(n_steps, STAGES, SPLIT, PIPE, PP, rng, n_active=None):
     return len(sections)
 
 
-def protocol_ring_run(n_tiles, STAGES, SPLIT, n_active, rng):
+def protocol_ring_run(n_tiles, STAGES, SPLIT, n_active, rng, skips=(), skip_waits_v=True):
     """The plain / three-tiles kernels' ring (one kv_empty per slot counting SPLIT arrivals, K and V
     ready barriers; rerope's band K1 + K2 on one k_ready is the same protocol) with consumers
-    me >= n_active running plain_fwd._drain (wait k_ready, arrive kv_empty)."""
+    me >= n_active running plain_fwd._drain (wait k_ready, arrive kv_empty). ``skips``: (me, i)
+    pairs where an active consumer skips step i as rerope_fwd._consumer_lean does (wait k_ready and
+    v_ready, arrive kv_empty; ``skip_waits_v=False`` plants the bug of not waiting for V)."""
     kr = [Bar(f"k_ready{s}", 1) for s in range(STAGES)]
     vr = [Bar(f"v_ready{s}", 1) for s in range(STAGES)]
     ke = [Bar(f"kv_empty{s}", SPLIT) for s in range(STAGES)]
@@ -554,10 +706,15 @@ def protocol_ring_run(n_tiles, STAGES, SPLIT, n_active, rng):
         held = slot[(kind, i % STAGES)]
         assert held == i, f"{kind} slot {i % STAGES} holds {held}, tile {i} reads"
 
-    def consumer():
+    def consumer(me=0):
         for i in range(n_tiles):
             s = i % STAGES
             yield ("wait", kr[s], i // STAGES)
+            if (me, i) in skips:
+                if skip_waits_v:
+                    yield ("wait", vr[s], i // STAGES)
+                yield ("arrive", ke[s])
+                continue
             use("K", i)
             yield ("tick",)  # S = Q K^T, softmax
             use("K", i)
@@ -576,8 +733,33 @@ def protocol_ring_run(n_tiles, STAGES, SPLIT, n_active, rng):
 
     agents = {"P": producer()}
     for me in range(SPLIT):
-        agents[f"C{me}"] = consumer() if me < n_active else drain()
+        agents[f"C{me}"] = consumer(me) if me < n_active else drain()
     return _interleave(agents, inflight, slot, rng)
+
+
+def check_protocol_lean(runs=300, seed=1):
+    """rerope_fwd_lean_kernel's ring: plain's, with active parts skipping random steps (wait K and
+    V, release) and parts past N draining; and the planted bug (a skip that does not wait for V,
+    every active part skipping a step) must be caught (parity alias or slot overwritten)."""
+    rng = random.Random(seed)
+    n = 0
+    for STAGES in (1, 2, 3):
+        for n_active in (1, 2, 3):
+            for n_steps in (1, 2, 3, 5, 8):
+                for _ in range(runs // 30 + 1):
+                    skips = {(me, i) for me in range(n_active) for i in range(n_steps)
+                             if rng.random() < 0.4}
+                    protocol_ring_run(n_steps, STAGES, 3, n_active, rng, skips)
+                    n += 1
+    caught = 0
+    for _ in range(200):
+        try:
+            protocol_ring_run(6, 2, 3, 1, rng, {(0, 1), (0, 2)}, skip_waits_v=False)
+        except AssertionError:
+            caught += 1
+    assert caught, "planted bug (skip without the V wait) not caught"
+    print(f"LEAN ring protocol OK: {n} random interleavings (STAGES 1-3, 1-3 active parts skipping "
+          f"random steps, the others draining); planted bug caught in {caught}/200", flush=True)
 
 
 def check_protocol(runs=300, seed=0):
@@ -604,12 +786,17 @@ def check_protocol(runs=300, seed=0):
     print(f"SPLIT=3 barrier protocol OK: {n3} random interleavings (STAGES 1-3, 1-3 active parts, "
           f"the others draining; band-twice ring PIPE 0/1 and the plain / three-tiles ring, 1-8 "
           f"steps)", flush=True)
+    check_protocol_lean(runs)
 
 
 def main():
     quick = "--quick" in sys.argv
     if "--protocol" in sys.argv:
         check_protocol()
+        return
+    if "--lean" in sys.argv:  # only the LEAN walk (item 6) and its ring
+        check_lean((1024,) if quick else (1024, 1000, 8192))
+        check_protocol_lean()
         return
     torch.manual_seed(0)
     N, D = 512, 16
@@ -638,6 +825,9 @@ def main():
     w_p = check_pp(Ns, SPLIT3_WINDOWS, tilings=((192, 128, 3),))
     print(f"SPLIT=3 BAND_TWICE (rerope_fwd_twice_pp_kernel) emulation OK: N {Ns}, worst max|dO| "
           f"{w_p:.1e}")
+    w_n = check_lean(Ns)
+    print(f"SPLIT=3 LEAN (rerope_fwd_lean_kernel) emulation OK: N {Ns} x windows {SPLIT3_WINDOWS}, "
+          f"worst max|dO|, |dLSE| {w_n:.1e}; steps at N 8192 W 2048 by path: {step_census()}")
     check_protocol()
 
 

@@ -63,6 +63,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from plain_fwd import (LOG2E, SMEM_LIMIT_SM90, SPLIT3_REGS, _block_rows, _drain,  # noqa: E402,F401
                        _epilogue, _gl_dtype, _invalidate_ring, _pv_and_free, _q_sub_row,
                        _ring_barriers, _softmax, check_n, smem_layout)
+from plain_fwd import _tile as _plain_tile  # noqa: E402
 
 OUTSIDE = gl.constexpr(0)
 BAND = gl.constexpr(1)
@@ -898,6 +899,174 @@ def rerope_fwd_twice_pp_kernel(q1_desc, q2_desc, k1_desc, k2_desc, v_desc, o_des
 
 
 # ----------------------------------------------------------------------------------------------
+# LEAN walk (config[6] == 2; rerope_fwd_lean_kernel, SPLIT=3, UNMEASURED): plain's loop body on
+# every unmasked tile, all masked visits in one run-time-classified loop, compact code.
+# ----------------------------------------------------------------------------------------------
+# Ring steps of a query block (the producer's order; one K tile + V a slot, plain's ring):
+#   k in [0, n_out):                 K2 tile k                           (outside)
+#   k in [n_out, n_u), n_u = n_out + n_tiles - n_in: K1 tile n_in + k - n_out (inside)
+#   k in [n_u, n_u + 2 nb), nb = n_in - n_out: band tile n_out + (k - n_u) // 2, K2 for even
+#                                    k - n_u (keep i - j >= w), K1 for odd (keep 0 <= i - j < w)
+# A consumer partition (rows [m0, m0 + 64), n_full = max(m0 // BLOCK_N, n_in)) does
+#   U: outside steps, then inside steps with t < n_full: plain_fwd._tile, unmasked, Q2 / Q1 chosen
+#      once per walk (an outer 2-trip loop, so the body is compiled once);
+#   M: its diagonal steps (t >= n_full, keep i - j >= 0), then the band visits: per step at run
+#      time its Q, mask bounds and its own i - j range over the tile decide: skip (nothing of the
+#      tile is kept for these rows: wait for the slot, release it), unmasked or masked
+#      (_softmax_rt, -inf-safe).
+@gluon.jit
+def _producer_lean(q1_desc, q2_desc, k1_desc, k2_desc, v_desc, q_smem, k_smem, v_smem, q_bar,
+                   k_ready, v_ready, kv_empty, q_row, kv_row0, n_out, n_in, n_tiles,
+                   BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr, q_last):
+    """The LEAN step list above; Q of partition j: Q2 in q_smem[2j], Q1 in q_smem[2j + 1]."""
+    SUB_M: gl.constexpr = q1_desc.block_type.shape[0]
+    mbarrier.expect(q_bar, 2 * SPLIT * q1_desc.block_type.nbytes)
+    for j in gl.static_range(SPLIT):
+        row = _q_sub_row(q_row, j, SUB_M, SPLIT, q_last)  # see plain_fwd._q_sub_row
+        tma.async_copy_global_to_shared(q2_desc, [row, 0], q_bar, q_smem.index(2 * j))
+        tma.async_copy_global_to_shared(q1_desc, [row, 0], q_bar, q_smem.index(2 * j + 1))
+    for t in range(0, n_out):  # outside: K2
+        _load_kv(t, t, k2_desc, v_desc, k_smem, v_smem, k_ready, v_ready, kv_empty, kv_row0,
+                 BLOCK_N, STAGES)
+    for t in range(n_in, n_tiles):  # inside: K1
+        _load_kv(n_out + t - n_in, t, k1_desc, v_desc, k_smem, v_smem, k_ready, v_ready, kv_empty,
+                 kv_row0, BLOCK_N, STAGES)
+    n_u = n_out + n_tiles - n_in
+    for jj in range(0, 2 * (n_in - n_out)):  # band tiles, twice: K2 then K1
+        t = n_out + jj // 2
+        if jj % 2 == 0:
+            _load_kv(n_u + jj, t, k2_desc, v_desc, k_smem, v_smem, k_ready, v_ready, kv_empty,
+                     kv_row0, BLOCK_N, STAGES)
+        else:
+            _load_kv(n_u + jj, t, k1_desc, v_desc, k_smem, v_smem, k_ready, v_ready, kv_empty,
+                     kv_row0, BLOCK_N, STAGES)
+
+
+@gluon.jit
+def _consumer_lean(o_desc, lse_ptr, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty,
+                   q_row, m0, window, n_out, n_in, n_tiles, qk_scale, BLOCK_M: gl.constexpr,
+                   BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
+                   STORE_LSE: gl.constexpr, ME: gl.constexpr):
+    """Consumer partition ME (BLOCK_M = 64 rows from m0) of rerope_fwd_lean_kernel: phases U and
+    M of the LEAN walk (comment above _producer_lean)."""
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, HEAD_D, 16])
+    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
+    l_i = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, s_layout))
+    acc = gl.zeros([BLOCK_M, HEAD_D], gl.float32, o_layout)
+    n_full = gl.maximum(m0 // BLOCK_N, n_in)  # inside tiles from here on may cross the diagonal
+
+    mbarrier.wait(q_bar, 0)
+    # U: r = 0 outside (Q2; tiles [0, n_out), step k = t), r = 1 inside below the diagonal (Q1;
+    # tiles [n_in, n_full), k = t + n_out - n_in). Plain's unmasked step (-inf-free: every score
+    # of an unmasked tile is finite, so the running max is finite after the first one).
+    for r in range(2):
+        q_tile = q_smem.index(2 * ME + r)
+        k_off = (n_out - n_in) * r
+        for t in range(n_in * r, n_out + (n_full - n_out) * r):
+            acc, m_i, l_i = _plain_tile(t + k_off, acc, m_i, l_i, q_tile, k_smem, v_smem,
+                                        k_ready, v_ready, kv_empty, kv_empty, m0, qk_scale,
+                                        BLOCK_M, BLOCK_N, STAGES, False, s_layout, o_layout, 0, 0)
+    # M: diagonal steps j < n_diag (tile n_full + j, Q1, keep i - j >= 0), then the band visits
+    p_rows_hi: gl.constexpr = BLOCK_M - 1
+    n_diag = n_tiles - n_full
+    k0 = n_out + n_full - n_in
+    zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
+    for j in range(0, n_diag + 2 * (n_in - n_out)):
+        k = k0 + j
+        jb = gl.maximum(j - n_diag, 0)
+        band = (j >= n_diag).to(gl.int32)
+        ins = 1 - band * (1 - (jb & 1))  # band: even visit outside (Q2 K2), odd inside (Q1 K1)
+        t = band * (n_out + jb // 2) + (1 - band) * (n_full + j)
+        lo = window * (1 - ins)  # keep lo <= i - j < hi
+        hi = BIG + (window - BIG) * (band * ins)
+        d_min = m0 - t * BLOCK_N - (BLOCK_N - 1)  # this partition's i - j over tile t
+        d_max = m0 + p_rows_hi - t * BLOCK_N
+        s = k % STAGES
+        phase = (k // STAGES) & 1
+        if (d_max < lo) | (d_min >= hi):
+            # no key of the tile is kept for these rows: only release the slot (after its K and
+            # V are in, so that no phase of the ring's barriers is skipped)
+            mbarrier.wait(k_ready.index(s), phase)
+            mbarrier.wait(v_ready.index(s), phase)
+            mbarrier.arrive(kv_empty.index(s), count=1)
+        else:
+            masked = (d_min < lo) | (d_max >= hi)
+            q_tile = q_smem.index(2 * ME + ins)
+            mbarrier.wait(k_ready.index(s), phase)
+            k_tile = k_smem.index(s)
+            qk = warpgroup_mma(q_tile, k_tile.permute((1, 0)), zero, use_acc=False, is_async=True)
+            qk, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=(qk, q_tile, k_tile))
+            p, m_i, l_i, alpha = _softmax_rt(qk, m_i, l_i, t, m0, masked, lo, hi, qk_scale,
+                                             BLOCK_M, BLOCK_N, s_layout)
+            acc = _pv_and_free(acc, p, alpha, v_smem, v_ready, kv_empty, s, phase, o_layout)
+
+    _epilogue(acc, m_i, l_i, q_smem.index(2 * ME + 1), o_desc, lse_ptr, q_row, BLOCK_M, STORE_LSE,
+              s_layout, o_layout)
+
+
+@gluon.jit
+def _consumer_lean_or_drain(N, o_desc, lse_ptr, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready,
+                            kv_empty, q_row, m0, window, n_out, n_in, n_tiles, qk_scale,
+                            BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
+                            STAGES: gl.constexpr, STORE_LSE: gl.constexpr, ME: gl.constexpr):
+    """The second and third consumers: _consumer_lean if rows [m0, m0 + 64) lie in the sequence,
+    else plain_fwd._drain over the walk's n_tiles + n_in - n_out steps (partition 0 always
+    computes, so every step's V is waited for before its slot is refilled)."""
+    if m0 < N:
+        _consumer_lean(o_desc, lse_ptr, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty,
+                       q_row, m0, window, n_out, n_in, n_tiles, qk_scale, BLOCK_M, BLOCK_N,
+                       HEAD_D, STAGES, STORE_LSE, ME)
+    else:
+        _drain(k_ready, kv_empty, n_tiles + n_in - n_out, STAGES)
+
+
+@gluon.jit(do_not_specialize=["window"])
+def rerope_fwd_lean_kernel(q1_desc, q2_desc, k1_desc, k2_desc, v_desc, o_desc, lse_ptr, N, window,
+                           qk_scale, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                           HEAD_D: gl.constexpr, STAGES: gl.constexpr,
+                           CONSUMER_WARPS: gl.constexpr, STORE_LSE: gl.constexpr,
+                           SPLIT: gl.constexpr):
+    """LEAN walk (config[6] == 2), SPLIT=3 only (BLOCK_M 192, three 4-warp consumers of 64 rows,
+    160 registers, the first 168; producer 24): plain_fwd's ring (one K tile + V a slot,
+    k_ready / v_ready / kv_empty counting 3), Q1 and Q2 of every partition resident."""
+    gl.static_assert(SPLIT == 3, "the LEAN walk is written for SPLIT=3")
+    gl.static_assert(CONSUMER_WARPS == 4, "SPLIT=3: three 4-warp consumer partitions")
+    m0, q_row, kv_row0, n_tiles, n_out, n_in = _block_regions(N, window, BLOCK_M, BLOCK_N, True)
+    SUB_M: gl.constexpr = BLOCK_M // SPLIT
+
+    dtype: gl.constexpr = q1_desc.dtype
+    q_smem = gl.allocate_shared_memory(dtype, [2 * SPLIT, SUB_M, HEAD_D], q1_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_D], k1_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_D], v_desc.layout)
+    q_bar, k_ready, v_ready, kv_empty = _ring_barriers(STAGES, SPLIT)
+    q_last = kv_row0 + N - SUB_M
+    gl.warp_specialize(
+        [
+            (_consumer_lean, (o_desc, lse_ptr, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready,
+                              kv_empty, q_row, m0, window, n_out, n_in, n_tiles, qk_scale, SUB_M,
+                              BLOCK_N, HEAD_D, STAGES, STORE_LSE, 0)),
+            (_consumer_lean_or_drain, (N, o_desc, lse_ptr, q_smem, k_smem, v_smem, q_bar, k_ready,
+                                       v_ready, kv_empty, q_row + SUB_M, m0 + SUB_M, window,
+                                       n_out, n_in, n_tiles, qk_scale, SUB_M, BLOCK_N, HEAD_D,
+                                       STAGES, STORE_LSE, 1)),
+            (_consumer_lean_or_drain, (N, o_desc, lse_ptr, q_smem, k_smem, v_smem, q_bar, k_ready,
+                                       v_ready, kv_empty, q_row + 2 * SUB_M, m0 + 2 * SUB_M,
+                                       window, n_out, n_in, n_tiles, qk_scale, SUB_M, BLOCK_N,
+                                       HEAD_D, STAGES, STORE_LSE, 2)),
+            (_producer_lean, (q1_desc, q2_desc, k1_desc, k2_desc, v_desc, q_smem, k_smem, v_smem,
+                              q_bar, k_ready, v_ready, kv_empty, q_row, kv_row0, n_out, n_in,
+                              n_tiles, BLOCK_N, STAGES, SPLIT, q_last)),
+        ],
+        [4, 4, 1],
+        [SPLIT3_REGS, SPLIT3_REGS, 24],  # plain_fwd.SPLIT3_REGS: the default partition gets 168
+    )
+    _invalidate_ring(q_bar, k_ready, v_ready, kv_empty, STAGES)
+
+
+# ----------------------------------------------------------------------------------------------
 # host side
 # ----------------------------------------------------------------------------------------------
 def default_config(head_dim):
@@ -927,13 +1096,20 @@ EXTRA_CONFIGS = {
 # (SPLIT3_REGS = 160 registers each): the three-tiles kernel (band tiles in key halves) with 2 / 3
 # stages, and BAND_TWICE (rerope_fwd_twice_pp_kernel, PIPE=0; PIPE=1 spills at 160 registers).
 # D64 only.
+# LEAN (seventh field 2, rerope_fwd_lean_kernel, unmeasured): plain's loop body on every unmasked
+# tile, the masked visits in one run-time loop (README.md, "LEAN walk"); 2 / 3 stages.
+LEAN_CONFIGS = [(192, 128, 2, 4, 3, 0, 2), (192, 128, 3, 4, 3, 0, 2)]
 SPLIT3_CONFIGS = [(192, 128, 2, 4, 3, 0), (192, 128, 3, 4, 3, 0), (192, 128, 2, 4, 3, 0, 1)]
-EXTRA_CONFIGS[64] += SPLIT3_CONFIGS
+SPLIT3_CONFIGS += LEAN_CONFIGS
+# the three-tiles kernel at SPLIT=3 measured 0.69 of cuDNN (perf/runs/s53, H100) against 0.86 for
+# the band-twice one: retired (below); README.md's SPLIT=3 analysis has the why
+SPLIT3_RETIRED = [(192, 128, 2, 4, 3, 0), (192, 128, 3, 4, 3, 0)]
+EXTRA_CONFIGS[64] += [c for c in SPLIT3_CONFIGS if c not in SPLIT3_RETIRED]
 # measured slower (perf/runs/s46 on an H100: 0.75-0.80 of cuDNN against 0.84-0.90; perf/runs/s47 on
 # an H200: the BAND_TWICE ones below at 0.74-0.83 against 0.84-0.87): still built by
 # all_configs(..., retired=True) / bench_rerope.py --all-configs, no longer timed by default
 RETIRED_CONFIGS = {
-    64: [(128, 128, 2, 8, 1, 0), (128, 64, 3, 4, 2, 0), (128, 128, 3, 4, 2, 0, 1)],
+    64: [(128, 128, 2, 8, 1, 0), (128, 64, 3, 4, 2, 0), (128, 128, 3, 4, 2, 0, 1)] + SPLIT3_RETIRED,
     128: [(128, 64, 2, 8, 1, 0),  # (128, 128, 1, 4, 2, 0) fits but spills
           (128, 64, 2, 4, 2, 0, 1), (128, 64, 3, 4, 2, 0, 1)],
 }
@@ -953,13 +1129,20 @@ def quick_configs(head_dim):
 
 def d64_configs():
     """bench_rerope.py --d64 (device_rerope.sh D64=1): the best D64 configs so far (the default and
-    its 3-stage variant: 0.85-0.88 of cuDNN on the H100) and the SPLIT=3 ones."""
-    return [default_config(64), (128, 128, 3, 4, 2, 0)] + SPLIT3_CONFIGS
+    its 3-stage variant: 0.85-0.88 of cuDNN on the H100), the band-twice SPLIT=3 one (0.86) and
+    the LEAN ones (the three-tiles SPLIT=3 ones, 0.69, are retired)."""
+    return [default_config(64), (128, 128, 3, 4, 2, 0), (192, 128, 2, 4, 3, 0, 1)] + LEAN_CONFIGS
 
 
 def band_twice(config):
-    """1 if config selects a BAND_TWICE kernel (seventh field), else 0."""
+    """The seventh field: 0 three tiles a ring slot; 1 BAND_TWICE (one K tile + V a slot, band tiles
+    visited twice); 2 LEAN (band tiles visited twice too, rerope_fwd_lean_kernel)."""
     return int(config[6]) if len(config) > 6 else 0
+
+
+def lean(config):
+    """1 if config selects rerope_fwd_lean_kernel (seventh field 2; SPLIT=3, PIPE=0)."""
+    return int(band_twice(config) == 2)
 
 
 def pingpong(config):
@@ -970,10 +1153,12 @@ def pingpong(config):
 def fa3_sched(config):
     """1 if config selects rerope_fwd_twice_pp_kernel (BAND_TWICE with PIPE and/or PINGPONG, or with
     SPLIT=3, which only that band-twice kernel has)."""
-    return int(bool(band_twice(config) and (config[5] or pingpong(config) or config[4] == 3)))
+    return int(bool(band_twice(config) == 1 and (config[5] or pingpong(config) or config[4] == 3)))
 
 
 def kernel_for(config):
+    if lean(config):
+        return rerope_fwd_lean_kernel
     if fa3_sched(config):
         return rerope_fwd_twice_pp_kernel
     return rerope_fwd_twice_kernel if band_twice(config) else rerope_fwd_causal_kernel
@@ -996,7 +1181,9 @@ def rerope_attention(q1, q2, k1, k2, v, window, sm_scale=None, return_lse=False,
     config = tuple(config or default_config(D))
     BLOCK_M, BLOCK_N, STAGES, CW, SPLIT, PIPE = config[:6]
     assert PIPE == 0 or band_twice(config), "PIPE=1 only with BAND_TWICE=1 (rerope_fwd_twice_pp_kernel)"
-    assert pingpong(config) == 0 or (band_twice(config) and SPLIT == 2), "PINGPONG=1 needs BAND_TWICE=1, SPLIT=2"
+    assert pingpong(config) == 0 or (band_twice(config) == 1 and SPLIT == 2), "PINGPONG=1 needs BAND_TWICE=1, SPLIT=2"
+    assert not lean(config) or (SPLIT == 3 and PIPE == 0 and pingpong(config) == 0), \
+        "LEAN (seventh field 2): SPLIT=3, PIPE=0, PINGPONG=0"
     assert BLOCK_M == 16 * CW * SPLIT
     check_n(N, config)  # N % 128 == 0 for every config (SPLIT=3: grid cdiv(N, 192))
     SUB_M = BLOCK_M // SPLIT
