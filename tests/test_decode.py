@@ -1122,6 +1122,127 @@ def test_gpu_paged_graph_replay_and_bad_entries(gen):
     assert captured[2].isnan().all() and torch.isfinite(captured[:2]).all()
 
 
+# --- the partials buffer kept between calls ---------------------------------------------
+
+
+def _held_partials(device):
+    """``(shape, part, lse)`` this thread keeps for ``device``, or ``None``."""
+    return decode._SCRATCH.held.get(device)
+
+
+def test_kept_partials_give_the_same_bits_and_are_never_read_stale(monkeypatch, gen):
+    """Consecutive calls of different cache lengths, split counts and head counts reuse
+    this thread's partials buffer where its shape matches (a new tensor each time, as
+    Hugging Face's dynamic cache) and give, bit for bit, the result of a call with a new
+    buffer; a kept buffer poisoned with NaN between calls (stale partials) changes
+    nothing, because the split kernel writes every partial before the merge reads it."""
+    device = kernel_device()
+    decode._SCRATCH.held.clear()
+    case = DecodeCase(120, (120,), 1, 20, hq=4, hkv=2)
+    q, k_full, v_full, _ = make_cache(gen, case, 1, device)
+    q8 = randn(gen, 1, 8, 1, 32, dtype=F32, device=device)
+    buffers = []
+    for n, splits, query in ((40, 3, q), (57, 3, q), (120, 3, q), (57, 2, q), (57, 2, q8),
+                             (90, 3, q)):
+        k_cache, v_cache = k_full[:, :, :n].contiguous(), v_full[:, :, :n].contiguous()
+        with torch.no_grad():
+            got = rerope.rerope_decode(query, k_cache, v_cache, case.window,
+                                       num_splits=splits)
+            held = _held_partials(q.device)
+            assert held[0] == (splits, query.shape[1], 32), n
+            buffers.append(held[1])
+            held[1].fill_(float("nan"))
+            held[2].fill_(float("nan"))
+            again = rerope.rerope_decode(query, k_cache, v_cache, case.window,
+                                         num_splits=splits)
+            assert _held_partials(q.device)[1] is held[1]     # the same buffer, reused
+            with monkeypatch.context() as m:                # nothing kept: a new buffer
+                m.setattr(decode, "SCRATCH_BYTES", 0)
+                m.setattr(decode._SCRATCH, "held", {})
+                fresh = rerope.rerope_decode(query, k_cache, v_cache, case.window,
+                                             num_splits=splits)
+                assert not decode._SCRATCH.held
+        assert torch.equal(got, again) and torch.equal(got, fresh), f"{n} keys"
+        if query is q:
+            want = oracle(q, k_cache, v_cache, _lengths(n), case)
+            assert not close_problems(f"{n} keys", got, want, tolerance(F32))
+    # one buffer while the shape stays; a new one for 2 splits, 8 heads, 3 splits again
+    assert buffers[0] is buffers[1] is buffers[2]
+    assert buffers[3] is not buffers[2] and buffers[4] is not buffers[3]
+    assert buffers[5] is not buffers[4] and buffers[5] is not buffers[0]
+
+
+def test_kept_partials_per_thread_and_not_under_filled_memory(monkeypatch, gen):
+    """Another thread gets a buffer of its own (two threads' launches would interleave on
+    one); under ``poisoned_empty`` (torch fills uninitialised memory with NaN) every call
+    gets a new, poisoned buffer, not the kept one, so an unwritten partial still shows."""
+    import threading
+
+    device = kernel_device()
+    case = DecodeCase(64, (64,), 1, 10, hq=4, hkv=2)
+    q, k_cache, v_cache, _ = make_cache(gen, case, 1, device)
+    with torch.no_grad():
+        mine = rerope.rerope_decode(q, k_cache, v_cache, case.window, num_splits=2)
+    held = _held_partials(q.device)
+    theirs = {}
+
+    def other():
+        with torch.no_grad():
+            theirs["out"] = rerope.rerope_decode(q, k_cache, v_cache, case.window,
+                                                 num_splits=2)
+        theirs["held"] = _held_partials(q.device)
+
+    thread = threading.Thread(target=other)
+    thread.start()
+    thread.join()
+    assert torch.equal(theirs["out"], mine)
+    assert theirs["held"][1].data_ptr() != held[1].data_ptr()
+    assert _held_partials(q.device)[1] is held[1]
+    seen = []
+    real = decode._partials
+    monkeypatch.setattr(decode, "_partials", lambda *a: seen.append(real(*a)) or seen[-1])
+    with poisoned_empty(), torch.no_grad():
+        poisoned = rerope.rerope_decode(q, k_cache, v_cache, case.window, num_splits=2)
+    assert torch.equal(poisoned, mine)
+    assert seen and seen[0][0].data_ptr() != held[1].data_ptr()
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_gpu_partials_kept_on_the_default_stream_only(monkeypatch, gen):
+    """On a GPU the kept buffer serves the legacy default stream only: a call on a side
+    stream gets a new one (its work is ordered on that stream alone), and so does a CUDA
+    graph's capture (from the graph's pool); replays and eager calls between them give the
+    eager call's bits."""
+    case = DecodeCase(600, (600,), 1, 64, hq=8, hkv=2, d=64, dtype=F16)
+    q, k_cache, v_cache, _ = make_cache(gen, case, 1, "cuda")
+    decode._SCRATCH.held.clear()
+    call = lambda: rerope.rerope_decode(q, k_cache, v_cache, case.window,   # noqa: E731
+                                        num_splits=4)
+    with torch.no_grad():
+        eager = call()
+        held = _held_partials(q.device)
+        seen = []
+        real = decode._partials
+        monkeypatch.setattr(decode, "_partials", lambda *a: seen.append(real(*a)) or seen[-1])
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            on_side = call()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = call()
+        assert len(seen) == 2 and all(p[0].data_ptr() != held[1].data_ptr() for p in seen)
+        assert _held_partials(q.device)[1] is held[1]
+        for _ in range(3):
+            graph.replay()
+            again = call()
+        torch.cuda.synchronize()
+    assert torch.equal(on_side, eager) and torch.equal(captured, eager)
+    assert torch.equal(again, eager)
+
+
 # --- gradients refused; Self-Extend ----------------------------------------------------------
 
 

@@ -226,6 +226,30 @@ def greedy_by_recomputation(model, ids, new_tokens):
     return ids
 
 
+def recorded_decode_calls(monkeypatch):
+    """A list that gets, per decode call of ``rerope.hf``'s layers, ``(q.shape, settings)``
+    (``settings``: ``rerope_decode``'s keywords), whether the call went through
+    ``rerope_decode`` or the one-token generation step's fast path (``_call_heads_last``,
+    with ``rerope_decode``'s settings as a tuple)."""
+    from rerope import decode
+
+    calls = []
+    names = ("window", "sm_scale", "base", "leaky", "logn_len", "rotated", "num_splits",
+             "inv_freq", "group")
+
+    def through_rerope_decode(q, k, v, window, **kwargs):
+        calls.append((q.shape, dict(kwargs, window=window)))
+        return rerope.rerope_decode(q, k, v, window, **kwargs)
+
+    def through_fast_path(q, k, v, settings, types):
+        calls.append((q.shape, dict(zip(names, settings))))
+        return decode._call_heads_last(q, k, v, settings, types)
+
+    monkeypatch.setattr(hf, "rerope_decode", through_rerope_decode)
+    monkeypatch.setattr(hf, "_call_heads_last", through_fast_path)
+    return calls
+
+
 def test_generate_with_the_cache_equals_recomputation(monkeypatch):
     """20 new tokens after a 5-token prompt, window 6, GQA (2 query heads, 1 KV head: the
     interpreter's cost grows with heads): the cache path runs the decode kernel on the model's
@@ -235,16 +259,10 @@ def test_generate_with_the_cache_equals_recomputation(monkeypatch):
     with torch.no_grad():
         stock = model.generate(prompt, max_new_tokens=20, do_sample=False)
     hf.enable_rerope(model, window=6)
-    decode_calls = []
-
-    def counted_decode(*args, **kwargs):
-        decode_calls.append(args[0].shape)
-        return rerope.rerope_decode(*args, **kwargs)
-
-    monkeypatch.setattr(hf, "rerope_decode", counted_decode)
+    decode_calls = recorded_decode_calls(monkeypatch)
     with torch.no_grad():
         cached = model.generate(prompt, max_new_tokens=20, do_sample=False)
-    assert len(decode_calls) == 2 * 19 and all(s[2] == 1 for s in decode_calls)
+    assert len(decode_calls) == 2 * 19 and all(s[2] == 1 for s, _ in decode_calls)
     assert cached.shape == (1, 25)
     assert torch.equal(cached, greedy_by_recomputation(model, prompt, 20))
     assert not torch.equal(cached, stock), "past the window ReRoPE should change the tokens"
@@ -438,17 +456,11 @@ def test_scaled_rope_generate_with_the_cache_equals_recomputation(kind, monkeypa
     model = build(tiny_config(heads=2, kv_heads=1, rope_parameters=dict(ROPE_TYPES[kind])))
     prompt = torch.randint(0, VOCAB, (1, 5), generator=torch.Generator().manual_seed(14))
     hf.enable_rerope(model, window=4, leaky=3.0 if kind == "llama3" else None)
-    decode_calls = []
-
-    def counted_decode(*args, **kwargs):
-        decode_calls.append(kwargs["inv_freq"])
-        return rerope.rerope_decode(*args, **kwargs)
-
-    monkeypatch.setattr(hf, "rerope_decode", counted_decode)
+    decode_calls = recorded_decode_calls(monkeypatch)
     with torch.no_grad():
         cached = model.generate(prompt, max_new_tokens=8, do_sample=False)
     assert len(decode_calls) == 2 * 7
-    assert all(type(f) is rerope.rope.Frequencies for f in decode_calls)
+    assert all(type(s["inv_freq"]) is rerope.rope.Frequencies for _, s in decode_calls)
     assert torch.equal(cached, greedy_by_recomputation(model, prompt, 8))
 
 
@@ -654,14 +666,10 @@ def test_hf_self_extend_matches_the_reference_model():
 
 def test_hf_generate_with_the_cache_equals_recomputation(monkeypatch):
     import rerope.hf as hf
-    from rerope import decode
     _, test_hf = _hf()
     model = hf.enable_rerope(test_hf.build(test_hf.tiny_config()), 8, group=4)
     ids = torch.randint(1, test_hf.VOCAB, (1, 14), generator=torch.Generator().manual_seed(5))
-    calls = []
-    real = decode.rerope_decode
-    monkeypatch.setattr(hf, "rerope_decode",
-                        lambda *a, **kw: calls.append(kw.get("group")) or real(*a, **kw))
+    calls = test_hf.recorded_decode_calls(monkeypatch)
     with torch.no_grad():
         cached = model.generate(ids, max_new_tokens=3, do_sample=False)
         seq = ids
@@ -669,7 +677,7 @@ def test_hf_generate_with_the_cache_equals_recomputation(monkeypatch):
             nxt = model(seq, use_cache=False).logits[:, -1].argmax(-1, keepdim=True)
             seq = torch.cat([seq, nxt], dim=1)
     assert torch.equal(cached, seq)
-    assert calls and set(calls) == {4}
+    assert calls and {s["group"] for _, s in calls} == {4}
 
 
 def test_hf_bad_group_and_shifted_positions_raise():

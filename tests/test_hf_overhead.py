@@ -226,3 +226,75 @@ def test_growing_cache_generation_keeps_one_decode_plan():
         out = model.generate(ids.to(kernel_device()), max_new_tokens=6, do_sample=False)
     assert out.shape[1] == 26
     assert decode.PLANS.built == 1 and len(decode.PLANS) == 1
+
+
+@transformers_missing
+@pytest.mark.parametrize("options", [{}, {"leaky": 4.0}, {"inv_freq": "tensor"}],
+                         ids=["rerope", "leaky", "inv_freq_tensor"])
+def test_generation_step_fast_path_equals_the_general_path(options, monkeypatch, gen):
+    """A one-token step with no padding mask, log-n nor Self-Extend goes straight to the decode
+    step (``decode._call_heads_last``: no ``rerope_decode`` wrapper, the output allocated in
+    the model's heads-last layout, no transpose): its first call (a new signature) and its
+    kept calls give the general path's bits, shape and strides, also with every new buffer
+    NaN (``poisoned_empty``). Frequencies given as a tensor are read on every call (a change
+    through ``.data`` shows); as :class:`rerope.rope.Frequencies` the settings are kept."""
+    import rerope.hf as hf
+    from conftest import poisoned_empty
+    from rerope.rope import rope_frequencies
+
+    device = kernel_device()
+    if options.get("inv_freq") == "tensor":
+        options = {"inv_freq": rope_frequencies(16).float().to(device)}
+    settings = hf.Settings(8, **options)
+    q = torch.randn(1, 4, 1, 16, generator=gen).to(device)
+    k, v = (torch.randn(1, 2, 23, 16, generator=gen).to(device) for _ in range(2))
+    pos = torch.full((1, 1), 22, dtype=torch.long, device=device)
+
+    def general():
+        return hf._attend(q, k, v, settings, 0.3, None).transpose(1, 2).contiguous()
+
+    real = hf.rerope_decode
+    monkeypatch.setattr(hf, "rerope_decode", lambda *a, **kw: pytest.fail("general path"))
+    with torch.no_grad():
+        outs = [hf.rerope_attention_forward(settings, _Layer(), q, k, v, None, scaling=0.3,
+                                            position_ids=pos)[0] for _ in range(2)]
+        with poisoned_empty():
+            outs.append(hf.rerope_attention_forward(settings, _Layer(), q, k, v, None,
+                                                    scaling=0.3, position_ids=pos)[0])
+        monkeypatch.setattr(hf, "rerope_decode", real)
+        want = general()
+    for got in outs:
+        assert torch.equal(got, want) and got.stride() == want.stride()
+        assert got.shape == (1, 1, 4, 16) and got.is_contiguous()
+    kept = settings._decode_settings(0.3)
+    assert (settings._decode_settings(0.3)[0] is kept[0]) == ("inv_freq" not in options)
+    if "inv_freq" in options:
+        options["inv_freq"].data.mul_(2)
+        with torch.no_grad():
+            got = hf.rerope_attention_forward(settings, _Layer(), q, k, v, None, scaling=0.3)[0]
+            assert torch.equal(got, general()) and not torch.equal(got, want)
+
+
+@transformers_missing
+def test_steps_the_fast_path_leaves_to_the_general_path(monkeypatch, gen):
+    """Several new tokens, log-n, Self-Extend, a padding mask and inputs that want gradients
+    take the general path (``rerope_decode`` or ``rerope``), as before."""
+    import rerope.hf as hf
+
+    device = kernel_device()
+    calls = []
+    real = hf.rerope_decode
+    monkeypatch.setattr(hf, "rerope_decode", lambda *a, **kw: calls.append(a[0].shape[2])
+                        or real(*a, **kw))
+    k, v = (torch.randn(1, 2, 23, 16, generator=gen).to(device) for _ in range(2))
+    q1, q3 = (torch.randn(1, 4, n, 16, generator=gen).to(device) for n in (1, 3))
+    with torch.no_grad():
+        hf.rerope_attention_forward(hf.Settings(8), _Layer(), q3, k, v, None)
+        hf.rerope_attention_forward(hf.Settings(8, logn_len=16.0), _Layer(), q1, k, v, None)
+        hf.rerope_attention_forward(hf.Settings(8, group=4), _Layer(), q1, k, v, None)
+        rows = hf.PaddedRows((0,), (23,), 23)
+        hf.rerope_attention_forward(hf.Settings(8), _Layer(), q1, k, v, rows)
+    assert calls == [3, 1, 1, 1]
+    out, _ = hf.rerope_attention_forward(hf.Settings(8), _Layer(), q1.requires_grad_(), k, v,
+                                         None)
+    assert out.requires_grad and calls == [3, 1, 1, 1]

@@ -49,6 +49,7 @@ launch, so a decode loop over a growing cache uses one plan.
 """
 
 import functools
+import threading
 from dataclasses import dataclass, field
 from typing import NamedTuple, Optional
 
@@ -793,12 +794,14 @@ def rerope_decode(q, k_cache, v_cache, window, cache_seqlens=None, sm_scale=None
 
     Forward only: with grad mode on, inputs that require grad raise ``ValueError`` (use
     :func:`rerope.rerope`). CUDA tensors, or CPU tensors under Triton's CPU interpreter
-    (:mod:`rerope.runtime`). Allocates the output and, when ``num_splits > 1``, the fp32
+    (:mod:`rerope.runtime`). Allocates the output and, when ``num_splits > 1``, uses fp32
     partials ``(num_splits, B, Hq, Nq, D)`` and their log-sum-exps, merged by a second
-    launch. Where K and V are read through TMA descriptors (:func:`use_tma`), Triton
-    also asks for a small scratch buffer per launch (the descriptors, 128 bytes each,
-    two per program), from torch's allocator unless the caller installed one
-    (``triton.set_allocator``).
+    launch: a buffer each host thread keeps per device and reuses while their shape
+    repeats (on a GPU from the default stream only; up to ``SCRATCH_BYTES``; a new one
+    per call otherwise, see :func:`_partials`). Where K and V are read through TMA
+    descriptors (:func:`use_tma`), Triton also asks for a small scratch buffer per launch
+    (the descriptors, 128 bytes each, two per program), from torch's allocator unless the
+    caller installed one (``triton.set_allocator``).
 
     Threads and non-finite inputs: as :func:`rerope.rerope` says.
     """
@@ -833,6 +836,24 @@ def _call(q, k_cache, v_cache, cache_seqlens, block_table, settings, return_lse=
                          block_table)[0]
     plan = _plan_for(q, k_cache, v_cache, cache_seqlens, block_table, settings)
     return plan._run(q, k_cache, v_cache, cache_seqlens, block_table, exact, return_lse)
+
+
+def _call_heads_last(q, k_cache, v_cache, settings, types):
+    """:func:`_call` of a one-query step on a contiguous-layout cache, every row its whole
+    length, no log-sum-exp (a Hugging Face generation step), returning ``(B, 1, Hq, D)``:
+    the layout a model's attention returns, which for one query is the output's own memory
+    (:func:`_outputs`), so no transpose is made where the call's step is kept. ``types``:
+    ``tuple(map(type, settings))``, kept by the caller with ``settings``. The caller has
+    made sure of ``Nq == 1``, no gradient wanted and no compilation under way."""
+    try:
+        exact = (_exact_key(q, k_cache, v_cache, None, None, settings, types), False)
+        kept = _STEPS.get(exact)
+    except (AttributeError, TypeError):   # not tensors, unhashable settings: checks say
+        kept = None
+    if kept is None:
+        return _call(q, k_cache, v_cache, None, None, settings).transpose(1, 2)
+    step, n_max, args = kept
+    return _run_step(step, n_max, args, q, k_cache, v_cache, None, None, True)[0]
 
 
 # --- plan and run ---------------------------------------------------------------------
@@ -1082,22 +1103,75 @@ def _result(plan, out, final_lse, dtype):
     return out, natural_lse(final_lse).view(out.shape[:3])
 
 
-def _outputs(plan, num_splits, q, return_lse=False):
+def _outputs(plan, num_splits, q, return_lse=False, heads_last=False):
     """``(out, part, lse, final_lse)``: the output, the partials and their log-sum-exps
-    (the output itself for one split), and the merged rows' log-sum-exps (``return_lse``;
-    else ``None``; one split: the split kernel's own). The partials and their
-    log-sum-exps share one allocation (a call's host time: one allocator call fewer)."""
-    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    (the output itself for one split; else :func:`_partials`), and the merged rows'
+    log-sum-exps (``return_lse``; else ``None``; one split: the split kernel's own).
+    ``heads_last`` (one query per row): ``out`` is ``(B, 1, Hq, D)``, the same memory as
+    ``(B, Hq, 1, D)``, with the strides of its transpose."""
+    if heads_last:
+        h, d = plan.q_heads, plan.head_dim
+        out = torch.empty_strided((plan.batch, 1, h, d), (h * d, d, d, 1), dtype=q.dtype,
+                                  device=q.device)
+    else:
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
     n_rows = plan.batch * plan.q_heads * plan.n_queries
     final = (torch.empty(n_rows, dtype=torch.float32, device=q.device) if return_lse
              else None)
     if num_splits == 1:
         return out, out, out if final is None else final, final
-    d = plan.head_dim
-    work = torch.empty(num_splits * n_rows * (d + 1), dtype=torch.float32, device=q.device)
-    return (out, work.as_strided((num_splits, n_rows, d), (n_rows * d, d, 1)),
-            work.as_strided((num_splits, n_rows), (n_rows, 1), num_splits * n_rows * d),
-            final)
+    part, lse = _partials(num_splits, n_rows, plan.head_dim, q.device)
+    return out, part, lse, final
+
+
+# A thread keeps its partials buffer up to this size between calls; larger ones are made
+# per call (a caller's num_splits may be large; a model's decode step needs ~0.3 MiB).
+SCRATCH_BYTES = 16 << 20
+
+
+class _Scratch(threading.local):
+    """This thread's partials buffers: ``device -> ((num_splits, n_rows, d), part, lse)``
+    (:func:`_partials`)."""
+
+    def __init__(self):
+        self.held = {}
+
+
+_SCRATCH = _Scratch()
+
+
+def _partials(num_splits, n_rows, d, device):
+    """``(part, lse)``: the split kernel's partials ``(num_splits, n_rows, d)`` and their
+    log-sum-exps ``(num_splits, n_rows)``, fp32 views of one allocation (the log-sum-exps
+    start 64-byte aligned).
+
+    This thread's buffer for this device where its shape matches (a model's layers, step
+    after step), else a new one, kept in its place. Reuse is safe because the
+    split kernel writes every element before the merge reads it (stale values are never
+    read), and a buffer is only touched by work that runs in order: one per host thread
+    (two threads' launches would interleave), and on a GPU only from the legacy default
+    stream (stream 0: work on it is ordered; CUDA graphs cannot capture it, and
+    cudagraph trees warm up on a stream of their own into a private pool, whose blocks a
+    kept buffer must not hold). Other streams, and buffers over ``SCRATCH_BYTES``, get a
+    new allocation per call, freed with the call's tensors as before; so does every call
+    while torch fills uninitialised memory (``torch.use_deterministic_algorithms`` with
+    ``torch.utils.deterministic.fill_uninitialized_memory``: an element a kernel fails to
+    write then shows as NaN, as in a fresh buffer)."""
+    shape = (num_splits, n_rows, d)
+    reuse = (device.type != "cuda"
+             or torch._C._cuda_getCurrentRawStream(device.index) == 0)
+    if reuse:
+        held = _SCRATCH.held.get(device)
+        if (held is not None and held[0] == shape
+                and not (torch.are_deterministic_algorithms_enabled()
+                         and torch.utils.deterministic.fill_uninitialized_memory)):
+            return held[1], held[2]
+    work = torch.empty(num_splits * n_rows * (d + 1), dtype=torch.float32, device=device)
+    part = work.as_strided(shape, (n_rows * d, d, 1))
+    lse = work.as_strided((num_splits, n_rows), (n_rows, 1), num_splits * n_rows * d)
+    if reuse and work.numel() * 4 <= SCRATCH_BYTES:
+        _SCRATCH.held[device] = (shape, part, lse)
+    return part, lse
 
 
 class _Step(NamedTuple):
@@ -1124,17 +1198,31 @@ lookup, an allocation and the launches (the checks its signature passed hold aga
 lengths and block tables on the CPU are still read)."""
 
 
-def _exact_key(q, k_cache, v_cache, cache_seqlens, block_table, settings):
+def _exact_key(q, k_cache, v_cache, cache_seqlens, block_table, settings, types=None):
     """A call's exact signature: every tensor's shape, strides, dtype, device and 16-byte
-    alignment, the settings and the Config."""
-    return (signature(q, k_cache, v_cache, cache_seqlens, block_table),
-            settings, tuple(map(type, settings)), configs.current())
+    alignment, the settings (and their types: ``types``, computed when ``None``) and the
+    Config."""
+    # rerope.launch.signature, written out for the three tensors every call has: a list
+    # comprehension's frame is a third of its cost
+    tensors = ((q.shape, q.stride(), q.dtype, q.device, q.data_ptr() % 16 == 0),
+               (k_cache.shape, k_cache.stride(), k_cache.dtype, k_cache.device,
+                k_cache.data_ptr() % 16 == 0),
+               (v_cache.shape, v_cache.stride(), v_cache.dtype, v_cache.device,
+                v_cache.data_ptr() % 16 == 0))
+    if cache_seqlens is not None or block_table is not None:
+        tensors += signature(cache_seqlens, block_table)
+    else:
+        tensors += (None, None)
+    return (tensors, settings, tuple(map(type, settings)) if types is None else types,
+            configs.current())
 
 
-def _run_step(step, n_max, args, q, k_cache, v_cache, cache_seqlens, block_table):
+def _run_step(step, n_max, args, q, k_cache, v_cache, cache_seqlens, block_table,
+              heads_last=False):
     """Launch ``step`` for a call it fits, on a cache of ``n_max`` slots (lengths and
     block table checked, ``cache_seqlens`` contiguous): ``(result, args)``, ``args`` the
-    call's :func:`_cache_args` (given, or computed when ``None``)."""
+    call's :func:`_cache_args` (given, or computed when ``None``); ``heads_last``: as
+    :func:`_outputs`."""
     plan = step.plan
     dtype = q.dtype
     if plan.lift:                         # bf16 under the interpreter: fp32 copies
@@ -1142,7 +1230,8 @@ def _run_step(step, n_max, args, q, k_cache, v_cache, cache_seqlens, block_table
     if args is None:
         args = _cache_args(plan, n_max, step.num_splits, q, k_cache, v_cache,
                            block_table)
-    out, part, lse, final_lse = _outputs(plan, step.num_splits, q, step.return_lse)
+    out, part, lse, final_lse = _outputs(plan, step.num_splits, q, step.return_lse,
+                                         heads_last)
     step.split(q, k_cache, v_cache, cache_seqlens, block_table, part, lse, *args)
     if step.merge is not None:
         step.merge(part, lse, out, final_lse)

@@ -64,14 +64,14 @@ import math
 import numbers
 import os
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
 
 from ._validate import DEFAULT_BASE, HEAD_DIMS, Frequencies, as_frequencies, check_rope_settings
 from .attention import rerope
-from .decode import MAX_QUERIES, rerope_decode
+from .decode import MAX_QUERIES, _call_heads_last, rerope_decode
 from .rope import rope_frequencies
 
 # Model types whose attention layers are verified to match what this module expects
@@ -101,6 +101,8 @@ class Settings:
     inv_freq: Optional[Frequencies] = None
     rope_type: str = "default"
     group: Optional[int] = None
+    # (type, scaling) -> rerope_decode's settings and their types, made once per scaling
+    _decode: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
     def name(self):
@@ -120,6 +122,22 @@ class Settings:
         elif self.base != DEFAULT_BASE:
             name += f"_base{self.base!r}"
         return name
+
+    def _decode_settings(self, scaling):
+        """``(settings, types)``: :func:`rerope.rerope_decode`'s settings tuple for a call of
+        these settings with ``sm_scale=scaling`` on rotated inputs (as ``_attend`` makes it),
+        and ``tuple(map(type, settings))``; made on first use and kept, so that a generation
+        step's layers pass the same objects (their exact signature compares by identity)."""
+        key = (type(scaling), scaling)
+        held = self._decode.get(key)
+        if held is None:
+            inv_freq = as_frequencies(self.inv_freq)
+            settings = (self.window, scaling, self.base, self.leaky, self.logn_len, True,
+                        None, inv_freq, self.group)
+            held = (settings, tuple(map(type, settings)))
+            if inv_freq is self.inv_freq:     # not a tensor: its values are read per call
+                self._decode[key] = held
+        return held
 
 
 # --- the public calls ---------------------------------------------------------------------------
@@ -569,10 +587,20 @@ def rerope_attention_forward(settings, module, query, key, value, attention_mask
     Returns:
         ``(out, None)``: ``out`` ``(B, Nq, Hq, D)`` in ``query``'s dtype, contiguous; rows'
         padding queries get zeros.
+
+    A generation step of the dynamic cache — one new token, no padding, neither log-n nor
+    Self-Extend, no gradient wanted, not compiling — takes the shortest path: no position
+    is read (``position_ids``' shape is checked), the decode settings are those kept by
+    ``settings``, and the decode step writes ``out`` in this layout (no transpose).
     """
     _check_call(module, attention_mask, dropout, is_causal, kwargs)
     n_q, n_k = query.shape[2], key.shape[2]
     rows = attention_mask
+    if (rows is None and n_q == 1 and n_k > 1 and not _uses_positions(settings)
+            and not _needs_grad(query, key, value) and not torch.compiler.is_compiling()):
+        # a generation step: nothing to scale or group, no position to read (shape checked)
+        _position_offsets(kwargs.get("position_ids"), None, query.shape[0], 1, n_k, False)
+        return _call_heads_last(query, key, value, *settings._decode_settings(scaling)), None
     if is_static_lengths(rows):
         return _attend_static(settings, query, key, value, rows.view(-1), scaling,
                               kwargs), None
@@ -666,9 +694,7 @@ def _attend(q, k, v, settings, scaling, logn_len):
     inputs, with the model's RoPE frequencies (``settings.base`` or
     ``settings.inv_freq``)."""
     n_q, n_k = q.shape[2], k.shape[2]
-    needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad
-                                              or v.requires_grad)
-    if n_q <= MAX_QUERIES and n_q < n_k and not needs_grad:
+    if n_q <= MAX_QUERIES and n_q < n_k and not _needs_grad(q, k, v):
         return rerope_decode(q, k, v, settings.window, sm_scale=scaling,
                              base=settings.base, leaky=settings.leaky,
                              logn_len=logn_len, rotated=True,
@@ -676,6 +702,11 @@ def _attend(q, k, v, settings, scaling, logn_len):
     return rerope(q, k, v, settings.window, causal=True, sm_scale=scaling,
                   base=settings.base, leaky=settings.leaky, logn_len=logn_len,
                   rotated=True, inv_freq=settings.inv_freq, group=settings.group)
+
+
+def _needs_grad(q, k, v):
+    """Whether autograd wants a gradient of the attention (then :func:`rerope.rerope`)."""
+    return torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
 
 
 # --- positions ----------------------------------------------------------------------------------
