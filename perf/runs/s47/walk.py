@@ -1,3 +1,4 @@
+# The package functions one rerope and one rerope_decode call pass through (any rerope/ on PYTHONPATH).
 import os, sys, torch
 os.environ["TRITON_INTERPRET"] = "1"
 import rerope
@@ -8,8 +9,8 @@ def walk(fn):
     def prof(frame, event, arg):
         if event == "call":
             f = frame.f_code.co_filename
-            if "/kernels/rerope/" in f:
-                seq.append(f.split("/kernels/rerope/")[1][:-3] + ":" + frame.f_code.co_name)
+            if "/rerope/" in f:
+                seq.append(f.split("/rerope/")[1][:-3] + ":" + frame.f_code.co_name)
     sys.setprofile(prof); fn(); sys.setprofile(None)
     return seq
 g = torch.Generator().manual_seed(0)
