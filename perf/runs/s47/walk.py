@@ -20,5 +20,8 @@ first = walk(call); second = walk(call)
 qd = torch.randn(1, 4, 1, 64, generator=g)
 dcall = lambda: rerope.rerope_decode(qd, k, v, 16)
 dfirst = walk(dcall); dsecond = walk(dcall)
-for name, s in (("rerope first", first), ("rerope second", second), ("rerope_decode first", dfirst), ("rerope_decode second", dsecond)):
+k2, v2 = torch.cat([k, k[:, :, :1]], 2), torch.cat([v, v[:, :, :1]], 2)   # a cache one key longer
+dgrown = walk(lambda: rerope.rerope_decode(qd, k2, v2, 16))
+for name, s in (("rerope first", first), ("rerope second", second), ("rerope_decode first", dfirst),
+                ("rerope_decode second", dsecond), ("rerope_decode one key longer", dgrown)):
     print(f"{name}: {len(s)} stops"); print("  " + " -> ".join(s))
