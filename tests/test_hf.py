@@ -229,7 +229,7 @@ def greedy_by_recomputation(model, ids, new_tokens):
 def recorded_decode_calls(monkeypatch):
     """A list that gets, per decode call of ``rerope.hf``'s layers, ``(q.shape, settings)``
     (``settings``: ``rerope_decode``'s keywords), whether the call went through
-    ``rerope_decode`` or the one-token generation step's fast path (``_call_heads_last``,
+    ``rerope_decode`` or the one-token generation step's fast path (``decode._call``,
     with ``rerope_decode``'s settings as a tuple)."""
     from rerope import decode
 
@@ -241,12 +241,12 @@ def recorded_decode_calls(monkeypatch):
         calls.append((q.shape, dict(kwargs, window=window)))
         return rerope.rerope_decode(q, k, v, window, **kwargs)
 
-    def through_fast_path(q, k, v, settings, types):
+    def through_fast_path(q, k, v, cache_seqlens, block_table, settings, **kwargs):
         calls.append((q.shape, dict(zip(names, settings))))
-        return decode._call_heads_last(q, k, v, settings, types)
+        return decode._call(q, k, v, cache_seqlens, block_table, settings, **kwargs)
 
     monkeypatch.setattr(hf, "rerope_decode", through_rerope_decode)
-    monkeypatch.setattr(hf, "_call_heads_last", through_fast_path)
+    monkeypatch.setattr(hf, "_decode_call", through_fast_path)
     return calls
 
 

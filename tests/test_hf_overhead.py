@@ -233,7 +233,7 @@ def test_growing_cache_generation_keeps_one_decode_plan():
                          ids=["rerope", "leaky", "inv_freq_tensor"])
 def test_generation_step_fast_path_equals_the_general_path(options, monkeypatch, gen):
     """A one-token step with no padding mask, log-n nor Self-Extend goes straight to the decode
-    step (``decode._call_heads_last``: no ``rerope_decode`` wrapper, the output allocated in
+    step (``decode._call`` with ``heads_last``: no ``rerope_decode`` wrapper, the output in
     the model's heads-last layout, no transpose): its first call (a new signature) and its
     kept calls give the general path's bits, shape and strides, also with every new buffer
     NaN (``poisoned_empty``). Frequencies given as a tensor are read on every call (a change

@@ -818,12 +818,16 @@ def rerope_decode(q, k_cache, v_cache, window, cache_seqlens=None, sm_scale=None
                   as_frequencies(inv_freq), group), return_lse)
 
 
-def _call(q, k_cache, v_cache, cache_seqlens, block_table, settings, return_lse=False):
+def _call(q, k_cache, v_cache, cache_seqlens, block_table, settings, return_lse=False,
+          types=None, heads_last=False):
     """A call: its kept step and arguments where this exact signature ran before
-    (:data:`_STEPS`), else its plan."""
+    (:data:`_STEPS`), else its plan. ``types``: ``tuple(map(type, settings))`` where the
+    caller keeps it with ``settings``. ``heads_last`` (one query per row, no log-sum-exp: a
+    Hugging Face generation step): the result as ``(B, 1, Hq, D)``, the layout a model's
+    attention returns, which a kept step allocates directly (:func:`_outputs`)."""
     try:
-        exact = (_exact_key(q, k_cache, v_cache, cache_seqlens, block_table, settings),
-                 return_lse)
+        exact = (_exact_key(q, k_cache, v_cache, cache_seqlens, block_table, settings,
+                            types), return_lse)
         kept = _STEPS.get(exact)
     except (AttributeError, TypeError):   # not tensors, unhashable settings: checks say
         exact, kept = None, None
@@ -833,27 +837,10 @@ def _call(q, k_cache, v_cache, cache_seqlens, block_table, settings, return_lse=
             cache_seqlens = step.plan._checked_lengths(n_max, cache_seqlens, block_table,
                                                        k_cache)
         return _run_step(step, n_max, args, q, k_cache, v_cache, cache_seqlens,
-                         block_table)[0]
+                         block_table, heads_last)[0]
     plan = _plan_for(q, k_cache, v_cache, cache_seqlens, block_table, settings)
-    return plan._run(q, k_cache, v_cache, cache_seqlens, block_table, exact, return_lse)
-
-
-def _call_heads_last(q, k_cache, v_cache, settings, types):
-    """:func:`_call` of a one-query step on a contiguous-layout cache, every row its whole
-    length, no log-sum-exp (a Hugging Face generation step), returning ``(B, 1, Hq, D)``:
-    the layout a model's attention returns, which for one query is the output's own memory
-    (:func:`_outputs`), so no transpose is made where the call's step is kept. ``types``:
-    ``tuple(map(type, settings))``, kept by the caller with ``settings``. The caller has
-    made sure of ``Nq == 1``, no gradient wanted and no compilation under way."""
-    try:
-        exact = (_exact_key(q, k_cache, v_cache, None, None, settings, types), False)
-        kept = _STEPS.get(exact)
-    except (AttributeError, TypeError):   # not tensors, unhashable settings: checks say
-        kept = None
-    if kept is None:
-        return _call(q, k_cache, v_cache, None, None, settings).transpose(1, 2)
-    step, n_max, args = kept
-    return _run_step(step, n_max, args, q, k_cache, v_cache, None, None, True)[0]
+    out = plan._run(q, k_cache, v_cache, cache_seqlens, block_table, exact, return_lse)
+    return out.transpose(1, 2) if heads_last else out
 
 
 # --- plan and run ---------------------------------------------------------------------
@@ -1202,19 +1189,8 @@ def _exact_key(q, k_cache, v_cache, cache_seqlens, block_table, settings, types=
     """A call's exact signature: every tensor's shape, strides, dtype, device and 16-byte
     alignment, the settings (and their types: ``types``, computed when ``None``) and the
     Config."""
-    # rerope.launch.signature, written out for the three tensors every call has: a list
-    # comprehension's frame is a third of its cost
-    tensors = ((q.shape, q.stride(), q.dtype, q.device, q.data_ptr() % 16 == 0),
-               (k_cache.shape, k_cache.stride(), k_cache.dtype, k_cache.device,
-                k_cache.data_ptr() % 16 == 0),
-               (v_cache.shape, v_cache.stride(), v_cache.dtype, v_cache.device,
-                v_cache.data_ptr() % 16 == 0))
-    if cache_seqlens is not None or block_table is not None:
-        tensors += signature(cache_seqlens, block_table)
-    else:
-        tensors += (None, None)
-    return (tensors, settings, tuple(map(type, settings)) if types is None else types,
-            configs.current())
+    return (signature(q, k_cache, v_cache, cache_seqlens, block_table), settings,
+            tuple(map(type, settings)) if types is None else types, configs.current())
 
 
 def _run_step(step, n_max, args, q, k_cache, v_cache, cache_seqlens, block_table,

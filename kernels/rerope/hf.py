@@ -71,7 +71,7 @@ import torch
 
 from ._validate import DEFAULT_BASE, HEAD_DIMS, Frequencies, as_frequencies, check_rope_settings
 from .attention import rerope
-from .decode import MAX_QUERIES, _call_heads_last, rerope_decode
+from .decode import MAX_QUERIES, _call as _decode_call, rerope_decode
 from .rope import rope_frequencies
 
 # Model types whose attention layers are verified to match what this module expects
@@ -600,7 +600,9 @@ def rerope_attention_forward(settings, module, query, key, value, attention_mask
             and not _needs_grad(query, key, value) and not torch.compiler.is_compiling()):
         # a generation step: nothing to scale or group, no position to read (shape checked)
         _position_offsets(kwargs.get("position_ids"), None, query.shape[0], 1, n_k, False)
-        return _call_heads_last(query, key, value, *settings._decode_settings(scaling)), None
+        decode_settings, types = settings._decode_settings(scaling)
+        return _decode_call(query, key, value, None, None, decode_settings, types=types,
+                            heads_last=True), None
     if is_static_lengths(rows):
         return _attend_static(settings, query, key, value, rows.view(-1), scaling,
                               kwargs), None

@@ -10,17 +10,16 @@ alternating rounds (the order flips every round). Variants, each adding one chan
 
 * ``before``: the package at ``BASE``;
 * ``+scratch``: ``decode._outputs`` keeps the partials buffer (``decode._partials``);
-* ``+key``: also ``decode._exact_key`` with the three tensors written out;
 * ``+fast path``: also the Hugging Face fast path (the settings tuple and its types kept per
-  ``Settings``, no ``rerope_decode`` wrapper, the position/log-n/group helpers skipped) but
-  the output still allocated ``(B, Hq, 1, D)`` and transposed (``.transpose(1, 2)
-  .contiguous()``): the package's ``rerope_attention_forward`` run with a stand-in
-  ``_call_heads_last``;
+  ``Settings``, so ``decode._exact_key`` does not recompute the types; no ``rerope_decode``
+  wrapper, the position/log-n/group helpers skipped) but the output still allocated
+  ``(B, Hq, 1, D)`` and transposed (``.transpose(1, 2).contiguous()``): the package's
+  ``rerope_attention_forward`` run with a stand-in for ``decode._call``;
 * ``after``: the package as it is (the output allocated heads-last, no transpose).
 
 ``rerope_decode`` (the public op, same tensors) has no fast path of its own: its ``after`` is
-``+key`` but for the package's own ``_call`` and ``_run_step``. Also timed alone: ``_outputs``
-and ``_exact_key``, old and new.
+``+scratch`` but for the package's own ``_call`` and ``_run_step``. Also timed alone:
+``_outputs`` and ``_exact_key``, old and new (new: with the settings' types given or not).
 
     PYTHONPATH=kernels:. python perf/runs/s53/host/measure.py [--rounds 30] [--calls 4000]
 """
@@ -64,16 +63,12 @@ class Layer(torch.nn.Module):
     num_key_value_groups = 4
 
 
-def transposed_call(q, k_cache, v_cache, settings, types_):
-    """``decode._call_heads_last`` with the output allocated ``(B, Hq, 1, D)`` and transposed,
-    as before this session."""
-    exact = (decode._exact_key(q, k_cache, v_cache, None, None, settings, types_), False)
-    kept = decode._STEPS.get(exact)
-    if kept is None:
-        return decode._call(q, k_cache, v_cache, None, None, settings).transpose(1, 2)
-    step, n_max, args = kept
-    out = decode._run_step(step, n_max, args, q, k_cache, v_cache, None, None)[0]
-    return out.transpose(1, 2).contiguous()
+def transposed_call(q, k_cache, v_cache, cache_seqlens, block_table, settings, types=None,
+                    heads_last=False):
+    """``decode._call`` with the output allocated ``(B, Hq, 1, D)`` and transposed, as before
+    this session."""
+    return decode._call(q, k_cache, v_cache, cache_seqlens, block_table, settings,
+                        types=types).transpose(1, 2).contiguous()
 
 
 def rebound(fn, **names):
@@ -102,11 +97,9 @@ def main():
     old = old_namespace(decode, "kernels/rerope/decode.py")
     scratch = old_namespace(decode, "kernels/rerope/decode.py",
                             {"_outputs": decode._outputs})
-    key = old_namespace(decode, "kernels/rerope/decode.py",
-                        {"_outputs": decode._outputs, "_exact_key": decode._exact_key})
     hf_of = {name: old_namespace(hf, "kernels/rerope/hf.py",
                                  {"rerope_decode": ns["rerope_decode"]})
-             for name, ns in (("before", old), ("+scratch", scratch), ("+key", key))}
+             for name, ns in (("before", old), ("+scratch", scratch))}
 
     g = torch.Generator().manual_seed(0)
     q = torch.randn(1, 32, 1, 64, generator=g)
@@ -126,9 +119,9 @@ def main():
     for name, ns in hf_of.items():
         cases[f"rerope_attention_forward {name}"] = forward_of(ns["rerope_attention_forward"])
     cases["rerope_attention_forward +fast path"] = forward_of(
-        rebound(hf.rerope_attention_forward, _call_heads_last=transposed_call))
+        rebound(hf.rerope_attention_forward, _decode_call=transposed_call))
     cases["rerope_attention_forward after"] = forward_of(hf.rerope_attention_forward)
-    for name, ns in (("before", old), ("+scratch", scratch), ("+key", key)):
+    for name, ns in (("before", old), ("+scratch", scratch)):
         cases[f"rerope_decode {name}"] = decode_of(ns["rerope_decode"])
     cases["rerope_decode after"] = decode_of(rerope.rerope_decode)
     with torch.no_grad():
