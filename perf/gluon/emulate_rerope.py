@@ -60,6 +60,17 @@ def pad128(t):
     return torch.cat([t, t.new_zeros(n - t.shape[0], t.shape[1])])
 
 
+def softmax_step(m, l, acc, s, v_tile, safe=False):
+    """One online-softmax step over a tile's base-2 scores ``s`` and values: the new ``(m, l,
+    acc)``. ``safe``: exponents against 0 where the running max is still -inf (a row the
+    masks hide so far), as the kernels' masked steps do, so no -inf - -inf NaN."""
+    mn = torch.maximum(m, s.max(1).values)
+    mu = torch.where(mn == -math.inf, torch.zeros_like(mn), mn) if safe else mn
+    alpha = torch.exp2(m - mu)
+    p = torch.exp2(s - mu[:, None])
+    return mn, l * alpha + p.sum(1), acc * alpha[:, None] + p @ v_tile
+
+
 def emulate(q1, q2, k1, k2, v, w, BM, BN, SPLIT, halves=False):
     """rerope_fwd_causal_kernel (three tiles a slot): N % 128 == 0; grid cdiv(N, BM); a SPLIT part
     whose rows start at or past N drains (computes nothing); ``halves`` (SPLIT=3): band tiles as two
@@ -103,12 +114,7 @@ def emulate(q1, q2, k1, k2, v, w, BM, BN, SPLIT, halves=False):
                     s = s * scale
                     if mask:
                         s = torch.where(rows[:, None] >= cols[None], s, -math.inf)
-                    mn = torch.maximum(m, s.max(1).values)
-                    alpha = torch.exp2(m - mn)
-                    p = torch.exp2(s - mn[:, None])
-                    l = l * alpha + p.sum(1)
-                    acc = acc * alpha[:, None] + p @ v[cols]
-                    m = mn
+                    m, l, acc = softmax_step(m, l, acc, s, v[cols])
             o[rows] = acc / l[:, None]
     return o, drained
 
@@ -136,12 +142,7 @@ def emulate_plain(q, k, v, BM, BN, SPLIT):
                 s = (q[rows] @ k[cols].T) * scale
                 if t >= ms // BN:
                     s = torch.where(rows[:, None] >= cols[None], s, -math.inf)
-                mn = torch.maximum(m, s.max(1).values)
-                alpha = torch.exp2(m - mn)
-                p = torch.exp2(s - mn[:, None])
-                l = l * alpha + p.sum(1)
-                acc = acc * alpha[:, None] + p @ v[cols]
-                m = mn
+                m, l, acc = softmax_step(m, l, acc, s, v[cols])
             o[rows] = acc / l[:, None]
             lse[rows] = (m + torch.log2(l)) * math.log(2)
     return o, lse, drained
@@ -237,20 +238,11 @@ def emulate_twice(q1, q2, k1, k2, v, w, BM, BN, SPLIT):
                 cols = torch.arange(t * BN, t * BN + BN)
                 qq, kk = (q2, k2) if kname == "K2" else (q1, k1)
                 s = (qq[rows] @ kk[cols].T) * scale
-                if mode == NO_MASK:
-                    mn = torch.maximum(m, s.max(1).values)
-                    mu = mn
-                else:
+                if mode != NO_MASK:
                     d = rows[:, None] - cols[None]
                     keep = {MASK_OUT: d >= w, MASK_IN: (d >= 0) & (d < w), MASK_CAUSAL: d >= 0}[mode]
                     s = torch.where(keep, s, -math.inf)
-                    mn = torch.maximum(m, s.max(1).values)
-                    mu = torch.where(mn == -math.inf, torch.zeros_like(mn), mn)
-                alpha = torch.exp2(m - mu)
-                p = torch.exp2(s - mu[:, None])
-                l = l * alpha + p.sum(1)
-                acc = acc * alpha[:, None] + p @ v[cols]
-                m = mn
+                m, l, acc = softmax_step(m, l, acc, s, v[cols], safe=mode != NO_MASK)
                 visits += 1
             o[rows] = acc / l[:, None]
             lse[rows] = (m + torch.log2(l)) * math.log(2)
@@ -462,13 +454,7 @@ def emulate_lean(q1, q2, k1, k2, v, w, BM=192, BN=128, SPLIT=3, stats=None):
                 s = (qq[rows] @ kk[cols].T) * scale
                 if kind == "masked":
                     s = torch.where(keep, s, -math.inf)
-                mn = torch.maximum(m, s.max(1).values)
-                mu = mn if kind == "U" else torch.where(mn == -math.inf, torch.zeros_like(mn), mn)
-                alpha = torch.exp2(m - mu)
-                p = torch.exp2(s - mu[:, None])
-                l = l * alpha + p.sum(1)
-                acc = acc * alpha[:, None] + p @ v[cols]
-                m = mn
+                m, l, acc = softmax_step(m, l, acc, s, v[cols], safe=kind != "U")
             o[rows] = acc / l[:, None]
             lse[rows] = (m + torch.log2(l)) * math.log(2)
     return o[:N], lse[:N]
