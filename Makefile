@@ -3,7 +3,8 @@
 #   make test   make book, install Debian's chromium + chromedriver when missing, then run the
 #               unit tests, the notebooks (nbval) and the rendered-site test in one pytest run
 #   make test-floor  the oldest supported Triton (kernels/rerope/_compat.py) in a venv of its own,
-#               .venv-floor: the sm_75/80/89/90 cross-compile, a few interpreter cases
+#               .venv-floor: the sm_75/80/89/90 cross-compile, a few interpreter cases; then
+#               Triton 3.6 in front of it: the Gluon kernels' sm_90 cross-compile
 #   make lab    the .venv plus JupyterLab (requirements-lab.txt, not part of make test), then
 #               `jupyter lab book/`: the notebooks, opened locally
 # Setup runs once: .venv/.setup-stamp records it, and it reruns only when requirements.txt or
@@ -42,6 +43,8 @@ FLOOR_TRITON ?= triton==3.4.0
 FLOOR_NUMPY  ?= numpy<2.4
 FLOOR_BIN    := $(FLOOR_VENV)/bin
 FLOOR_PINS   := "$(TORCH)" "$(FLOOR_TRITON)" "$(FLOOR_NUMPY)" pytest
+GLUON_TRITON ?= triton==3.6.0
+GLUON_TARGET ?= .gluon-triton
 
 # The install job's venv: the wheel as a user installs it, beside the newest transformers.
 INSTALL_VENV ?= .venv-install
@@ -65,9 +68,17 @@ test: book browser
 # configurations for sm_75/80/89/90): 2.5-5 minutes on two busy cores, plus 1.5 for a fresh
 # venv. The warning filtered is numpy's about the very conversion that numpy 2.4 refuses (why
 # numpy stays below 2.4 here), once per interpreted loop.
+# Then, with Triton 3.6 (the Gluon API the Hopper kernels are written for) put in front of the
+# floor's own Triton (pip --target into .gluon-triton, no other change to the venv):
+# tests/test_hopper.py, whose sm_90 cross-compile of the Gluon kernels runs only there (under a
+# minute, plus the wheel's download once).
 test-floor: setup-floor
 	$(FLOOR_BIN)/python -m pytest tests/test_versions.py tests/test_compile.py \
 	    -W "ignore:Conversion of an array with ndim > 0 to a scalar:DeprecationWarning" \
+	    $(PYTEST_FLAGS)
+	@[ -d $(GLUON_TARGET)/triton ] || $(FLOOR_BIN)/python -m pip --disable-pip-version-check \
+	    install --progress-bar off --no-deps --target $(GLUON_TARGET) "$(GLUON_TRITON)"
+	PYTHONPATH=$(CURDIR)/$(GLUON_TARGET) $(FLOOR_BIN)/python -m pytest tests/test_hopper.py \
 	    $(PYTEST_FLAGS)
 
 setup: $(STAMP)

@@ -593,8 +593,10 @@ def cross_compile(tmp_path, script, timeout=600):
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     path = tmp_path / "cross_compile.py"
     path.write_text(script, encoding="utf-8")
+    search = [os.path.join(root, "kernels"), root] + [  # then this process's (make test-floor
+        p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]   # puts a Triton there)
     env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_DEFAULT_FP_FUSION": "1",
-           "PYTHONPATH": os.pathsep.join([os.path.join(root, "kernels"), root])}
+           "PYTHONPATH": os.pathsep.join(search)}
     done = subprocess.run([sys.executable, str(path)], env=env, capture_output=True,
                           text=True, timeout=timeout)
     assert done.returncode == 0, done.stderr[-3000:]

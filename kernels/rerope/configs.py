@@ -86,7 +86,7 @@ def _decode_config(name, value):
 
 
 VARIABLES = ("REROPE_AUTOTUNE", "REROPE_TMA", "REROPE_DECODE_CONFIG",
-             "REROPE_PRETURN_BWD_MAX_BYTES")
+             "REROPE_PRETURN_BWD_MAX_BYTES", "REROPE_GLUON")
 # Variables of earlier versions: set, they warn that they are no longer read.
 RETIRED = {"REROPE_FUSED_MERGE": "the decode merge is always its own launch"}
 
@@ -113,6 +113,9 @@ class Config:
       interpreter its ``BLOCK_N``), or None.
     * ``preturn_bwd_max_bytes`` (``REROPE_PRETURN_BWD_MAX_BYTES``, unset by default): the most
       extra bytes the pre-turned backward may spend, or None (a sixteenth of the GPU's memory).
+    * ``gluon`` (``REROPE_GLUON``, a boolean, default on): on an sm_90 GPU with Triton 3.6, run
+      ``rerope_attention``'s forward with the warp-specialised Gluon kernels where they apply
+      (:mod:`rerope.hopper`); off, the Triton kernels everywhere.
 
     The thresholds below have no environment variable; they were measured on an H200
     (``perf/NOTES.md``) and are fields so that tests and measurements can move them:
@@ -120,6 +123,8 @@ class Config:
     * ``preturn_min_keys``: from this many keys on, the forward pre-turns the keys.
     * ``preturn_bwd_min_keys``: from this many keys on, the backward pre-turns its operands.
     * ``heads_first_max_keys``: up to this many keys, the kernels' grids put heads first.
+    * ``gluon_min_keys``: the Gluon forward runs from this many keys on; ``None``: per head dim,
+      as measured (:data:`rerope.hopper.MIN_KEYS`: below, its launch costs more than it saves).
 
     Booleans are ``0/1, true/false, yes/no, on/off`` in any case; an empty value counts as
     unset. Changing the environment after ``import rerope`` changes nothing.
@@ -131,12 +136,19 @@ class Config:
     preturn_min_keys: int = 2048
     preturn_bwd_min_keys: int = 4096
     heads_first_max_keys: int = 4096
+    gluon: bool = True
+    gluon_min_keys: Optional[int] = None
 
     def __post_init__(self):
         if self.tma not in ("auto", "on", "off"):
             raise ValueError(f"Config.tma must be 'auto', 'on' or 'off', got {self.tma!r}")
-        for name in ("preturn_min_keys", "preturn_bwd_min_keys", "heads_first_max_keys"):
+        if not isinstance(self.gluon, bool):
+            raise ValueError(f"Config.gluon must be a bool, got {self.gluon!r}")
+        for name in ("preturn_min_keys", "preturn_bwd_min_keys", "heads_first_max_keys",
+                     "gluon_min_keys"):
             value = getattr(self, name)
+            if name == "gluon_min_keys" and value is None:
+                continue
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"Config.{name} must be an int >= 0, got {value!r}")
 
@@ -162,7 +174,8 @@ class Config:
             tma={True: "on", False: "off"}.get(tma, tma),
             decode_config=_decode_config("REROPE_DECODE_CONFIG", get("REROPE_DECODE_CONFIG")),
             preturn_bwd_max_bytes=_byte_count("REROPE_PRETURN_BWD_MAX_BYTES",
-                                              get("REROPE_PRETURN_BWD_MAX_BYTES")))
+                                              get("REROPE_PRETURN_BWD_MAX_BYTES")),
+            gluon=_switch("REROPE_GLUON", get("REROPE_GLUON"), True))
 
 
 _CURRENT = contextvars.ContextVar("rerope_config", default=Config.from_environment())

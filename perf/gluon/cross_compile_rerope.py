@@ -42,9 +42,12 @@ def compile_variant(dtype, D, config, store_lse=True):
                  "CONSUMER_WARPS": "constexpr", "STORE_LSE": "constexpr", "SPLIT": "constexpr"}
     constexprs = {"BLOCK_M": BLOCK_M, "BLOCK_N": BLOCK_N, "HEAD_D": D, "STAGES": STAGES, "CONSUMER_WARPS": CW,
                   "STORE_LSE": store_lse, "SPLIT": SPLIT}
+    if rf.lean(config) or rf.fa3_sched(config):  # the package's kernels: the GQA group too
+        signature["group"] = "i32"
     if rf.fa3_sched(config):  # rerope_fwd_twice_pp_kernel: two more constexprs
         signature.update(PIPE="constexpr", PINGPONG="constexpr")
         constexprs.update(PIPE=PIPE, PINGPONG=rf.pingpong(config))
+    signature = {k: signature[k] for k in fn.arg_names}  # in the kernel's argument order
     src = GluonASTSource(fn, signature, constexprs={(fn.arg_names.index(k), ): v for k, v in constexprs.items()})
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": CW})
 

@@ -35,41 +35,32 @@ partitions (FA3's named barriers), K and V freed together, no persistent schedul
 N must be a multiple of 128.
 """
 import math
+import os
+import sys
 
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
-    fence_async_shared,
     mbarrier,
     tma,
     warpgroup_mma,
     warpgroup_mma_wait,
 )
 
+# the helpers shared with the ReRoPE kernels live in the package (rerope.hopper.kernels)
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "kernels"))
+from rerope.hopper.kernels import (LN2, SMEM_LIMIT_SM90, SPLIT3_REGS, _block_rows,  # noqa: E402,F401
+                                   _drain, _epilogue, _gl_dtype, _invalidate_ring, _pv_and_free,
+                                   _q_sub_row, _ring_barriers, _softmax, _tile, check_n,
+                                   smem_layout)
+
 LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
-# SPLIT=3: registers of each 4-warp worker consumer partition (FA3: 160 with three consumer warp
-# groups). 4 + 4 + 4 + 1 warps pad to 16, so 65536 / 512 = 128 a thread at launch; with the producer
-# at 24 the default (first consumer) partition gets 512 - 2 * 160 - 24 = 168.
-SPLIT3_REGS = gl.constexpr(160)
 
 
 # ----------------------------------------------------------------------------------------------
 # producer: one warp issuing TMA loads
 # ----------------------------------------------------------------------------------------------
-@gluon.jit
-def _q_sub_row(q_row, j, SUB_M: gl.constexpr, SPLIT: gl.constexpr, q_last):
-    """Row of Q sub-tile j in the (B*H*N, D) view. SPLIT=3 (BLOCK_M 192, which need not divide N):
-    a sub-tile past the head's end belongs to a draining partition (_drain) and is never read, so
-    the head's last sub-tile ``q_last`` is loaded in its place (nothing read from another head or
-    past the tensor)."""
-    row = q_row + j * SUB_M
-    if SPLIT == 3:
-        row = gl.minimum(row, q_last)
-    return row
-
-
 @gluon.jit
 def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty,
               q_row, kv_row0, n_tiles, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
@@ -96,66 +87,6 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_
 # ----------------------------------------------------------------------------------------------
 # consumer: warp group(s) doing wgmma + online softmax
 # ----------------------------------------------------------------------------------------------
-@gluon.jit
-def _tile(i, acc, m_i, l_i, q_smem, k_smem, v_smem, k_ready, v_ready, kv_empty, turn, m0, qk_scale,
-          BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, MASK: gl.constexpr,
-          s_layout: gl.constexpr, o_layout: gl.constexpr, ME: gl.constexpr, PINGPONG: gl.constexpr):
-    """One key tile. PINGPONG=1: the S = Q K^T issue is this partition's GEMM section i, ordered
-    with the other partition's by the ``turn`` barriers (see rerope_fwd._consumer_pp)."""
-    s = i % STAGES
-    phase = (i // STAGES) & 1
-
-    # S = Q K^T (K tile viewed transposed in shared memory; wgmma handles the transpose)
-    mbarrier.wait(k_ready.index(s), phase)
-    if PINGPONG:
-        mbarrier.wait(turn.index(ME), (i & 1) ^ (1 - ME))
-    zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
-    k_tile = k_smem.index(s)
-    qk = warpgroup_mma(q_smem, k_tile.permute((1, 0)), zero, use_acc=False, is_async=True)
-    if PINGPONG:
-        mbarrier.arrive(turn.index(1 - ME), count=1)
-    # deps keeps the operands alive until the wgmma is done; with several deps it returns a tuple
-    qk, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=(qk, q_smem, k_tile))
-    # online softmax (log2 domain); MASK is a constexpr here, so the branch compiles away
-    p, m_i, l_i, alpha = _softmax(qk, m_i, l_i, i, m0, MASK, qk_scale, BLOCK_M, BLOCK_N, s_layout)
-    acc = _pv_and_free(acc, p, alpha, v_smem, v_ready, kv_empty, s, phase, o_layout)
-    return acc, m_i, l_i
-
-
-@gluon.jit
-def _pv_and_free(acc, p, alpha, v_smem, v_ready, kv_empty, s, phase, o_layout: gl.constexpr):
-    """The end of a key tile's step in ring slot ``s``: rescale ``acc`` by ``alpha``, O += P V
-    (P from registers, once V's tile is in), then free the slot for the producer."""
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-    p = gl.convert_layout(p.to(v_smem.dtype), p_layout)
-    mbarrier.wait(v_ready.index(s), phase)
-    v_tile = v_smem.index(s)
-    acc = warpgroup_mma(p, v_tile, acc, is_async=True)
-    acc, _ = warpgroup_mma_wait(num_outstanding=0, deps=(acc, v_tile))
-    # every warp group of the partition has finished reading K and V of slot s
-    gl.thread_barrier()
-    mbarrier.arrive(kv_empty.index(s), count=1)
-    return acc
-
-
-@gluon.jit
-def _softmax(qk, m_i, l_i, i, m0, masked, qk_scale, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-             s_layout: gl.constexpr):
-    """Online-softmax step for tile i (``masked``: a diagonal tile, run-time or constexpr).
-    Returns p (fp32), the new m_i, l_i and alpha = exp2(m_old - m_new)."""
-    qk = qk * qk_scale
-    if masked:
-        rows = m0 + gl.arange(0, BLOCK_M, gl.SliceLayout(1, s_layout))
-        cols = i * BLOCK_N + gl.arange(0, BLOCK_N, gl.SliceLayout(0, s_layout))
-        qk = gl.where(rows[:, None] >= cols[None, :], qk, float("-inf"))
-    m_new = gl.maximum(m_i, gl.max(qk, 1))
-    alpha = gl.exp2(m_i - m_new)
-    p = gl.exp2(qk - m_new[:, None])
-    l_i = l_i * alpha + gl.sum(p, 1)
-    return p, m_new, l_i, alpha
-
-
 @gluon.jit
 def _loop_pipelined(acc, m_i, l_i, q_smem, k_smem, v_smem, k_ready, v_ready, kv_empty, turn, m0, n_full, n_tiles,
                     qk_scale, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
@@ -212,22 +143,6 @@ def _loop_pipelined(acc, m_i, l_i, q_smem, k_smem, v_smem, k_ready, v_ready, kv_
 
 
 @gluon.jit
-def _epilogue(acc, m_i, l_i, o_smem, o_desc, lse_ptr, q_row, BLOCK_M: gl.constexpr, STORE_LSE: gl.constexpr,
-              s_layout: gl.constexpr, o_layout: gl.constexpr):
-    """A consumer's end (plain and ReRoPE kernels): O = acc / l written to ``o_smem`` (a Q buffer the
-    partition no longer reads) and TMA-stored at rows [q_row, q_row + BLOCK_M); LSE (natural log) of
-    those rows if STORE_LSE; waits for the store."""
-    acc = acc / gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))[:, None]
-    o_smem.store(acc.to(o_smem.dtype))
-    fence_async_shared()
-    tma.async_copy_shared_to_global(o_desc, [q_row, 0], o_smem)
-    if STORE_LSE:
-        rows = gl.arange(0, BLOCK_M, gl.SliceLayout(1, s_layout))
-        gl.store(lse_ptr + q_row + rows, (m_i + gl.log2(l_i)) * 0.6931471805599453)
-    tma.store_wait(pendings=0)
-
-
-@gluon.jit
 def _consumer(o_desc, lse_ptr, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty, turn, q_row, m0,
               n_full, n_tiles, qk_scale, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
               HEAD_D: gl.constexpr, STAGES: gl.constexpr, CONSUMER_WARPS: gl.constexpr,
@@ -260,19 +175,6 @@ def _consumer(o_desc, lse_ptr, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, 
 
 
 @gluon.jit
-def _drain(k_ready, kv_empty, n_steps, STAGES: gl.constexpr):
-    """A consumer partition whose rows all lie past N (SPLIT=3, the grid's last query block when
-    192 does not divide N) computes and stores nothing, but kv_empty counts SPLIT arrivals a round,
-    so it releases every ring step's slot once that step's K tile is in: waiting for k_ready first
-    keeps its arrival in the slot's current round (the next round's K cannot arrive before this
-    round's release)."""
-    for i in range(n_steps):
-        s = i % STAGES
-        mbarrier.wait(k_ready.index(s), (i // STAGES) & 1)
-        mbarrier.arrive(kv_empty.index(s), count=1)
-
-
-@gluon.jit
 def _consumer_or_drain(N, o_desc, lse_ptr, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready,
                        kv_empty, turn, q_row, m0, n_full, n_tiles, qk_scale,
                        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
@@ -292,53 +194,6 @@ def _consumer_or_drain(N, o_desc, lse_ptr, q_smem, k_smem, v_smem, q_bar, k_read
 # ----------------------------------------------------------------------------------------------
 # kernel
 # ----------------------------------------------------------------------------------------------
-@gluon.jit
-def _ring_barriers(STAGES: gl.constexpr, SPLIT: gl.constexpr):
-    """The ring's mbarriers, initialised: ``q_bar`` (Q arrived), and per slot ``k_ready`` /
-    ``v_ready`` (its K / V tile arrived) and ``kv_empty`` (one arrival per consumer partition:
-    the slot may be refilled)."""
-    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(q_bar, count=1)
-    for j in gl.static_range(STAGES):
-        mbarrier.init(k_ready.index(j), count=1)
-        mbarrier.init(v_ready.index(j), count=1)
-        mbarrier.init(kv_empty.index(j), count=SPLIT)
-    return q_bar, k_ready, v_ready, kv_empty
-
-
-@gluon.jit
-def _invalidate_ring(q_bar, k_ready, v_ready, kv_empty, STAGES: gl.constexpr):
-    """Invalidate :func:`_ring_barriers`' mbarriers at the kernel's end."""
-    mbarrier.invalidate(q_bar)
-    for j in gl.static_range(STAGES):
-        mbarrier.invalidate(k_ready.index(j))
-        mbarrier.invalidate(v_ready.index(j))
-        mbarrier.invalidate(kv_empty.index(j))
-
-
-@gluon.jit
-def _block_rows(N, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, RAGGED: gl.constexpr = False):
-    """This program's query block (grid ``(cdiv(N, BLOCK_M), B * H)``, heaviest blocks, i.e. most
-    key tiles, first): (m0, its first row in the sequence; q_row, its first row in the
-    ``(B*H*N, D)`` view; kv_row0, the head's first key row there; n_tiles, the key tiles it sees
-    under the causal mask). RAGGED (SPLIT=3: BLOCK_M 192 need not divide N): the last block may end
-    past N; its key tiles stop at N (N % BLOCK_N == 0), so no tile of the next head is loaded."""
-    pid_m = gl.program_id(0)
-    bh = gl.program_id(1)
-    m_block = gl.num_programs(0) - 1 - pid_m  # heaviest query blocks first
-    m0 = m_block * BLOCK_M
-    q_row = bh * N + m0
-    kv_row0 = bh * N
-    if RAGGED:
-        n_tiles = gl.cdiv(gl.minimum(m0 + BLOCK_M, N), BLOCK_N)
-    else:
-        n_tiles = gl.cdiv(m0 + BLOCK_M, BLOCK_N)
-    return m0, q_row, kv_row0, n_tiles
-
-
 @gluon.jit
 def attn_fwd_causal_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, N, qk_scale,
                            BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
@@ -468,34 +323,6 @@ def pingpong(config):
     """The eighth config field PINGPONG (0 when absent; the seventh must be 0 in plain_fwd)."""
     assert len(config) <= 6 or int(config[6]) == 0, "plain_fwd has no BAND_TWICE (seventh field 0)"
     return int(config[7]) if len(config) > 7 else 0
-
-def check_n(N, config):
-    """The sequence lengths a config takes (plain and ReRoPE wrappers): N % BLOCK_M == 0 and
-    N % BLOCK_N == 0; SPLIT=3 (BLOCK_M 192, three 4-warp consumers) only N % 64 == 0 and
-    N % BLOCK_N == 0, i.e. the same N as the 128-row configs: the grid is cdiv(N, 192) and in the
-    last block a 64-row sub-tile past N drains the ring (_drain) instead of computing."""
-    BLOCK_M, BLOCK_N, _, CONSUMER_WARPS, SPLIT = config[:5]
-    if SPLIT == 3:
-        assert CONSUMER_WARPS == 4 and BLOCK_M == 192, "SPLIT=3: three 4-warp consumers of 64 rows"
-        assert N % (BLOCK_M // SPLIT) == 0 and N % BLOCK_N == 0, \
-            f"SPLIT=3: N must be a multiple of {BLOCK_N}"
-    else:
-        assert SPLIT in (1, 2), "SPLIT is 1, 2 or 3"
-        assert N % BLOCK_M == 0 and N % BLOCK_N == 0, \
-            f"prototype: N must be a multiple of {max(BLOCK_M, BLOCK_N)}"
-
-
-SMEM_LIMIT_SM90 = 232448  # bytes of shared memory one CTA may use on H100/H200 (227 KiB)
-
-
-def smem_layout(block_shape, gl_dtype):
-    return gl.NVMMASharedLayout.get_default_for(block_shape, gl_dtype)
-
-
-def _gl_dtype(torch_dtype):
-    import torch
-    return {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16}[torch_dtype]
-
 
 def attention(q, k, v, sm_scale=None, return_lse=False, config=None, _warmup=False):
     """Causal attention forward. q, k, v: (B, H, N, D), fp16/bf16, D in {64, 128}; same shapes;

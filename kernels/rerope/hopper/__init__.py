@@ -1,0 +1,147 @@
+"""The Gluon forward on Hopper: where it runs, and its host side.
+
+On an sm_90 GPU (H100, H200) with **Triton 3.6**, :func:`rerope.rerope_attention`'s forward runs
+the warp-specialised Gluon kernels of :mod:`rerope.hopper.kernels` instead of the Triton one
+wherever they apply (:func:`applies`): causal, fp16/bf16, D 64 or 128, ``N`` a multiple of 128,
+contiguous ``(B, H, N, D)`` tensors. Everywhere else, and with ``REROPE_GLUON=0``
+(``rerope.using_config(gluon=False)``), the Triton kernels run, as they always did. Its output
+and log-sum-exp are the Triton forward's (same math, same units), so the backward is unchanged.
+
+Gluon's API changed in every Triton release from 3.4 to 3.8; the kernels are written for 3.6's
+(``gl.warp_specialize(functions_and_args, worker_num_warps, worker_num_regs)``,
+``warpgroup_mma``, host ``TensorDescriptor``). :func:`available` checks once per process that
+the installed Triton is a 3.6 release and that the module imports; with any other Triton the
+kernels are never imported.
+"""
+
+import functools
+
+import torch
+import triton
+
+from ..online_softmax import LOG2E
+from ..runtime import INTERPRET
+
+TRITON_SERIES = (3, 6)
+"""The Triton release series whose Gluon API the kernels are written for."""
+
+# (BLOCK_M, BLOCK_N, STAGES, CONSUMER_WARPS, SPLIT, PIPE, WALK, PINGPONG) per head dim: what
+# measured best on Hopper (perf/NOTES.md v19-v21). WALK 2 is the lean walk
+# (rerope_fwd_lean_kernel), 1 the band-twice walk in one loop (rerope_fwd_twice_pp_kernel).
+CONFIGS = {64: (192, 128, 2, 4, 3, 0, 2, 0), 128: (128, 128, 2, 4, 2, 1, 1, 0)}
+# From how many keys on the Gluon forward runs, per head dim (rerope.Config.gluon_min_keys
+# overrides): below, its launch (six tensor descriptors and Triton's Python launch path) costs
+# more than the kernel saves. Measured on an H100 (perf/runs/s54): D64 gains from 8k keys
+# (4k: 0.73 of cuDNN against Triton's 0.83 in fp16), D128 from 4k (0.90-0.91 against 0.65-0.67).
+MIN_KEYS = {64: 8192, 128: 4096}
+ROWS = 128
+"""``N`` must be a multiple of this: no key tile or 64-row query tile straddles two heads."""
+
+
+def _series(version):
+    """``(major, minor)`` of a version string such as ``"3.6.0"`` or ``"3.6.0+git1234"``."""
+    try:
+        major, minor = version.split(".")[:2]
+        return int(major), int(minor)
+    except ValueError:
+        return None
+
+
+@functools.lru_cache(maxsize=None)
+def available():
+    """``(ok, why)``: whether the installed Triton has the Gluon API the kernels are written for
+    (checked once per process; ``why`` says what is missing)."""
+    series = _series(triton.__version__)
+    if series != TRITON_SERIES:
+        return False, (f"Triton {triton.__version__}: the Gluon forward is written for Triton "
+                       f"{'.'.join(map(str, TRITON_SERIES))}.x")
+    try:
+        from . import kernels  # noqa: F401
+    except Exception as error:    # an API that moved: any import error means "not here"
+        return False, f"rerope.hopper.kernels does not import: {type(error).__name__}: {error}"
+    return True, f"Triton {triton.__version__}"
+
+
+def _device_is_hopper(device):
+    return (device.type == "cuda" and not INTERPRET
+            and torch.cuda.get_device_capability(device) == (9, 0))
+
+
+def applies(q1, q2, k1, k2, v, causal, config):
+    """Whether the Gluon forward runs this ``rerope_attention`` call (its arguments checked
+    already; ``config`` the active :class:`rerope.Config`). Decided once per plan."""
+    if not (config.gluon and causal and _device_is_hopper(q1.device)):
+        return False
+    batch, heads, n, head_dim = q1.shape
+    if q1.dtype not in (torch.float16, torch.bfloat16) or head_dim not in CONFIGS:
+        return False
+    min_keys = MIN_KEYS[head_dim] if config.gluon_min_keys is None else config.gluon_min_keys
+    if n % ROWS or n < min_keys or k1.shape[2] != n:
+        return False
+    if not all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in (q1, q2, k1, k2, v)):
+        return False
+    return available()[0]
+
+
+def forward(q1, q2, k1, k2, v, window, sm_scale, head_config=None):
+    """Run the Gluon forward: ``(out, lse)`` as :func:`rerope.attention.rerope_forward` returns
+    them (``out`` ``(B, Hq, N, D)``; ``lse`` ``(B·Hq, N)`` float32 in log2 units).
+
+    Args:
+        q1, q2: ``(B, Hq, N, D)`` contiguous, fp16 or bf16, on an sm_90 GPU.
+        k1, k2, v: ``(B, Hkv, N, D)``, the same; ``Hq`` a multiple of ``Hkv``.
+        window: int ``>= 1`` (at most ``N``: any larger window means the same).
+        sm_scale: float, the score scale.
+        head_config: the launch configuration (``CONFIGS[D]`` when ``None``).
+    """
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from . import kernels
+
+    batch, heads, n, head_dim = q1.shape
+    group = heads // k1.shape[1]
+    block_m, block_n, stages, warps, split, pipe, walk, pingpong = (
+        head_config or CONFIGS[head_dim])
+    sub_m = block_m // split
+    out = torch.empty_like(q1)
+    lse = torch.empty(batch * heads, n, dtype=torch.float32, device=q1.device)
+    dtype = kernels._gl_dtype(q1.dtype)
+    q_layout = kernels.smem_layout([sub_m, head_dim], dtype)
+    kv_layout = kernels.smem_layout([block_n, head_dim], dtype)
+    q1d, q2d, od = (TensorDescriptor.from_tensor(t.view(-1, head_dim), [sub_m, head_dim],
+                                                 q_layout) for t in (q1, q2, out))
+    k1d, k2d, vd = (TensorDescriptor.from_tensor(t.view(-1, head_dim), [block_n, head_dim],
+                                                 kv_layout) for t in (k1, k2, v))
+    args = (q1d, q2d, k1d, k2d, vd, od, lse, n, min(int(window), n), sm_scale * LOG2E, group,
+            block_m, block_n, head_dim, stages, warps, True, split)
+    if walk == 2:
+        kernel = kernels.rerope_fwd_lean_kernel
+    else:
+        kernel, args = kernels.rerope_fwd_twice_pp_kernel, args + (pipe, pingpong)
+    grid = (triton.cdiv(n, block_m), batch * heads)
+    with torch.cuda.device(q1.device):
+        kernel[grid](*args, num_warps=warps)
+    lse.mul_(LOG2E)        # the kernels store natural logs; the backward reads log2
+    return out, lse
+
+
+def source(name):
+    """The source text of ``name``, a top-level function of :mod:`rerope.hopper.kernels`, read
+    from its file: the module itself imports only under the Triton it is written for, and the
+    book prints its kernels everywhere.
+
+    Args:
+        name: str, e.g. ``"rerope_fwd_lean_kernel"``.
+
+    Returns:
+        str, the function's source with its decorator, as in the file.
+    """
+    import ast
+    from pathlib import Path
+
+    text = (Path(__file__).parent / "kernels.py").read_text(encoding="utf-8")
+    for node in ast.parse(text).body:
+        if isinstance(node, ast.FunctionDef) and node.name == name:
+            start = min([d.lineno for d in node.decorator_list] + [node.lineno])
+            return "\n".join(text.splitlines()[start - 1:node.end_lineno]) + "\n"
+    raise ValueError(f"rerope.hopper.kernels has no top-level function {name!r}")

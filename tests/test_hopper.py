@@ -1,0 +1,249 @@
+"""The Gluon forward on Hopper (:mod:`rerope.hopper`).
+
+* On every machine: when it runs (:func:`rerope.hopper.applies`, :func:`available`), its
+  configuration switch, and that the package never imports the Gluon kernels where they cannot
+  run.
+* ``test_cross_compile_sm90``: both production kernels compiled for sm_90, no GPU needed, where
+  the installed Triton is a 3.6 release (the API they are written for; skipped elsewhere:
+  ``make test-gluon`` runs it in a venv with Triton 3.6).
+* GPU (``-m gpu``, on an sm_90 GPU with Triton 3.6): the float64 oracle grid through
+  ``rerope_attention`` with the Gluon forward (output, log-sum-exp and the five gradients, whose
+  backward reads the Gluon forward's output and log-sum-exp), window boundaries, GQA, batch > 1,
+  fp16 and bf16, D 64 and 128; the calls it must leave to the Triton kernels; and the Gluon and
+  Triton forwards side by side on the benchmark's shape.
+"""
+
+import sys
+from dataclasses import replace
+
+import pytest
+import torch
+
+import rerope
+from rerope import configs, hopper
+from rerope_testing import (close_problems, error_stats, kernel_results, make_inputs, randn,
+                            reference_results, results_problems, tolerance, true_float32)
+
+
+def _hopper_here():
+    return (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+            and hopper.available()[0])
+
+
+def _tensors(n, d=64, dtype=torch.float16, hq=2, hkv=2, batch=1, device="cpu"):
+    gen = torch.Generator().manual_seed(0)
+    shapes = [(batch, hq, n, d)] * 2 + [(batch, hkv, n, d)] * 3
+    return [randn(gen, *s, dtype=dtype, device=device) for s in shapes]
+
+
+# --- everywhere -------------------------------------------------------------------------------
+
+
+def test_available_says_why():
+    ok, why = hopper.available()
+    series = hopper._series(__import__("triton").__version__)
+    assert ok == (series == hopper.TRITON_SERIES and "rerope.hopper.kernels" in sys.modules)
+    assert isinstance(why, str) and why
+    if series != hopper.TRITON_SERIES:
+        assert "3.6" in why and "rerope.hopper.kernels" not in sys.modules
+
+
+@pytest.mark.parametrize("version, series", [("3.6.0", (3, 6)), ("3.6.1+git0abc", (3, 6)),
+                                             ("3.9.0", (3, 9)), ("nightly", None)])
+def test_series(version, series):
+    assert hopper._series(version) == series
+
+
+def test_not_on_cpu_tensors():
+    assert not hopper.applies(*_tensors(256), True, configs.current())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_what_it_leaves_to_triton_on_this_gpu():
+    """Only sm_90 with Triton 3.6 runs it; there, only what it is written for."""
+    config = replace(configs.current(), gluon_min_keys=0)
+    if not _hopper_here():
+        assert not hopper.applies(*_tensors(256, device="cuda"), True, config)
+        return
+    assert hopper.applies(*_tensors(256, device="cuda"), True, config)
+    assert not hopper.applies(*_tensors(256, device="cuda"), False, config)       # not causal
+    assert not hopper.applies(*_tensors(200, device="cuda"), True, config)        # N % 128
+    assert not hopper.applies(*_tensors(256, d=32, device="cuda"), True, config)  # D
+    assert not hopper.applies(*_tensors(256, dtype=torch.float32, device="cuda"), True, config)
+    assert not hopper.applies(*_tensors(256, device="cuda"), True, replace(config, gluon=False))
+    assert not hopper.applies(*_tensors(256, device="cuda"), True, configs.current())  # < 4k
+    q1, q2, k1, k2, v = _tensors(256, device="cuda")
+    assert not hopper.applies(q1.transpose(2, 3).contiguous().transpose(2, 3), q2, k1, k2, v,
+                              True, config)                                       # layout
+
+
+def test_switch(monkeypatch):
+    monkeypatch.setenv("REROPE_GLUON", "off")
+    assert configs.Config.from_environment().gluon is False
+    monkeypatch.setenv("REROPE_GLUON", "1")
+    assert configs.Config.from_environment().gluon is True
+    monkeypatch.setenv("REROPE_GLUON", "sometimes")
+    with pytest.raises(ValueError, match="REROPE_GLUON"):
+        configs.Config.from_environment()
+    with pytest.raises(ValueError, match="gluon"):
+        configs.Config(gluon="yes")
+    with pytest.raises(ValueError, match="gluon_min_keys"):
+        configs.Config(gluon_min_keys=-1)
+
+
+# --- cross-compiling for sm_90 ------------------------------------------------------------------
+
+CROSS_COMPILE = r'''
+import torch, triton
+from triton.backends.compiler import GPUTarget
+from triton.runtime.jit import mangle_type
+from triton.experimental.gluon._runtime import GluonASTSource
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+from rerope import hopper
+from rerope.hopper import kernels
+
+for d, config in sorted(hopper.CONFIGS.items()):
+    block_m, block_n, stages, warps, split, pipe, walk, pingpong = config
+    fn = kernels.rerope_fwd_lean_kernel if walk == 2 else kernels.rerope_fwd_twice_pp_kernel
+    for dtype in (torch.float16, torch.bfloat16):
+        gdt = kernels._gl_dtype(dtype)
+        t = torch.empty((1024, d), dtype=dtype)
+        q = mangle_type(TensorDescriptor.from_tensor(
+            t, [block_m // split, d], kernels.smem_layout([block_m // split, d], gdt)))
+        kv = mangle_type(TensorDescriptor.from_tensor(
+            t, [block_n, d], kernels.smem_layout([block_n, d], gdt)))
+        constexprs = dict(BLOCK_M=block_m, BLOCK_N=block_n, HEAD_D=d, STAGES=stages,
+                          CONSUMER_WARPS=warps, STORE_LSE=True, SPLIT=split)
+        if walk != 2:
+            constexprs.update(PIPE=pipe, PINGPONG=pingpong)
+        types = dict(q1_desc=q, q2_desc=q, k1_desc=kv, k2_desc=kv, v_desc=kv, o_desc=q,
+                     lse_ptr="*fp32", N="i32", window="i32", qk_scale="fp32", group="i32")
+        signature = {a: types.get(a, "constexpr") for a in fn.arg_names}
+        src = GluonASTSource(fn, signature, constexprs={
+            (fn.arg_names.index(k),): v for k, v in constexprs.items()})
+        k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+        ptx = k.asm["ptx"]
+        print(d, str(dtype), k.metadata.shared, ptx.count("wgmma.mma_async"),
+              ptx.count("cp.async.bulk.tensor"), flush=True)
+'''
+
+
+def test_cross_compile_sm90(tmp_path):
+    """Both production kernels compile for sm_90 in fp16 and bf16, fit its shared memory and
+    issue wgmma and TMA copies."""
+    from rerope_testing import cross_compile
+
+    if hopper._series(__import__("triton").__version__) != hopper.TRITON_SERIES:
+        pytest.skip("the Gluon kernels are written for Triton 3.6 (make test-gluon)")
+    lines = cross_compile(tmp_path, CROSS_COMPILE)
+    assert len(lines) == 2 * len(hopper.CONFIGS), lines
+    for line in lines:
+        d, dtype, shared, wgmma, tma = line.split()
+        assert int(shared) <= 232448, line            # sm_90: 227 KiB a block
+        assert int(wgmma) > 0 and int(tma) > 0, line
+
+
+# --- on an sm_90 GPU --------------------------------------------------------------------------
+
+@pytest.fixture
+def gluon_calls(monkeypatch):
+    """Counts the Gluon forward's runs; it runs from any length (``gluon_min_keys=0``)."""
+    calls = []
+    real = hopper.forward
+
+    def counted(*args, **kwargs):
+        calls.append(args[0].shape)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(hopper, "forward", counted)
+    rerope.attention.PLANS.clear()
+    with configs.using(gluon_min_keys=0):
+        yield calls
+
+
+# (N, window, D, dtype, batch, Hq, Hkv): window boundaries against the 64- and 128-key tiles
+# and the 128/192-row query blocks, w = 1, w >= N, GQA and batch > 1.
+GRID = [(n, w, d, dt, b, hq, hkv)
+        for d in (64, 128) for dt in (torch.float16, torch.bfloat16)
+        for n, w, b, hq, hkv in [(128, 1, 1, 2, 2), (256, 63, 2, 4, 2), (384, 128, 1, 3, 1),
+                                 (640, 129, 2, 2, 2), (1024, 300, 1, 4, 1),
+                                 (1152, 1151, 1, 2, 2), (512, 4096, 1, 2, 1)]]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper_here(), reason="needs an sm_90 GPU and Triton 3.6")
+@pytest.mark.parametrize("n, window, d, dtype, batch, hq, hkv", GRID,
+                         ids=lambda v: str(v).replace("torch.", ""))
+def test_oracle_grid(n, window, d, dtype, batch, hq, hkv, gluon_calls):
+    gen = torch.Generator().manual_seed(n * 7 + window)
+    tensors, dout = make_inputs(gen, batch, hq, hkv, n, d, dtype, device="cuda")
+    got = kernel_results(tensors, dout, window)
+    assert gluon_calls, "the Gluon forward did not run"
+    want = reference_results(tensors, dout, window)
+    problems = results_problems(got, want, tolerance(dtype, "gpu"))
+    assert not problems, "\n".join(problems)
+    with torch.no_grad():
+        out, lse = rerope.rerope_attention(*tensors, window, return_lse=True)
+    ref_lse = _reference_lse(tensors, window)
+    assert (lse.double() - ref_lse).abs().max().item() < 2e-2
+    assert torch.equal(out, got["out"])
+
+
+def _reference_lse(tensors, window):
+    q1, q2, k1, k2, v = (t.detach().double() for t in tensors)
+    group = q1.shape[1] // k1.shape[1]
+    k1, k2 = (k.repeat_interleave(group, 1) for k in (k1, k2))
+    n = q1.shape[2]
+    i = torch.arange(n, device=q1.device)
+    d = i[:, None] - i[None, :]
+    scale = q1.shape[-1] ** -0.5
+    s = torch.where(d < window, q1 @ k1.transpose(-1, -2), q2 @ k2.transpose(-1, -2)) * scale
+    s = s.masked_fill(d < 0, float("-inf"))
+    return torch.logsumexp(s, -1)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper_here(), reason="needs an sm_90 GPU and Triton 3.6")
+def test_left_to_triton(gluon_calls):
+    """Not causal, N not a multiple of 128, a transposed layout, fp32, the switch off: the
+    Triton forward, correct as ever."""
+    gen = torch.Generator().manual_seed(1)
+    cases = [dict(n=256, causal=False), dict(n=200), dict(n=256, layout="transposed"),
+             dict(n=256, dtype=torch.float32), dict(n=256, off=True)]
+    for case in cases:
+        tensors, dout = make_inputs(gen, 1, 2, 1, case["n"], 64,
+                                    case.get("dtype", torch.float16), device="cuda",
+                                    layout=case.get("layout", "contiguous"))
+        causal = case.get("causal", True)
+        with configs.using(gluon=not case.get("off", False)):
+            got = kernel_results(tensors, dout, 77, causal=causal)
+        want = reference_results(tensors, dout, 77, causal=causal)
+        problems = results_problems(got, want, tolerance(tensors[0].dtype, "gpu"))
+        assert not problems, f"{case}: " + "\n".join(problems)
+    assert not gluon_calls
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper_here(), reason="needs an sm_90 GPU and Triton 3.6")
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_large_against_triton(d, dtype, gluon_calls):
+    """The benchmark's shape (B1 H32 N8192 W2048): the Gluon and Triton forwards against a
+    float32 reference on four heads, and against each other on all 32."""
+    gen = torch.Generator().manual_seed(d)
+    tensors = [randn(gen, 1, 32, 8192, d, dtype=dtype, device="cuda") for _ in range(5)]
+    with torch.no_grad():
+        glu, glu_lse = rerope.rerope_attention(*tensors, 2048, return_lse=True)
+        with configs.using(gluon=False):
+            tri, tri_lse = rerope.rerope_attention(*tensors, 2048, return_lse=True)
+    assert gluon_calls
+    with true_float32():
+        want = reference_results([t[:, :4] for t in tensors], torch.zeros_like(tensors[0][:, :4]),
+                                 2048, dtype=torch.float32)["out"]
+    tol = tolerance(dtype, "gpu")
+    for name, got in (("gluon", glu), ("triton", tri)):
+        print(name, d, dtype, error_stats(got[:, :4], want))
+        problems = close_problems(name, got[:, :4], want, tol)
+        assert not problems, "\n".join(problems)
+    assert (glu.float() - tri.float()).abs().max().item() <= 2 * tol.atol
+    assert (glu_lse - tri_lse).abs().max().item() < 1e-2
