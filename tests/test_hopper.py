@@ -5,7 +5,7 @@
   run.
 * ``test_cross_compile_sm90``: both production kernels compiled for sm_90, no GPU needed, where
   the installed Triton is a 3.6 release (the API they are written for; skipped elsewhere:
-  ``make test-gluon`` runs it in a venv with Triton 3.6).
+  ``make test-floor`` runs it with Triton 3.6).
 * GPU (``-m gpu``, on an sm_90 GPU with Triton 3.6): the float64 oracle grid through
   ``rerope_attention`` with the Gluon forward (output, log-sum-exp and the five gradients, whose
   backward reads the Gluon forward's output and log-sum-exp), window boundaries, GQA, batch > 1,
@@ -71,7 +71,7 @@ def test_what_it_leaves_to_triton_on_this_gpu():
     assert not hopper.applies(*_tensors(256, d=32, device="cuda"), True, config)  # D
     assert not hopper.applies(*_tensors(256, dtype=torch.float32, device="cuda"), True, config)
     assert not hopper.applies(*_tensors(256, device="cuda"), True, replace(config, gluon=False))
-    assert not hopper.applies(*_tensors(256, device="cuda"), True, configs.current())  # < 4k
+    assert not hopper.applies(*_tensors(256, device="cuda"), True, configs.current())  # too short
     q1, q2, k1, k2, v = _tensors(256, device="cuda")
     assert not hopper.applies(q1.transpose(2, 3).contiguous().transpose(2, 3), q2, k1, k2, v,
                               True, config)                                       # layout
@@ -134,7 +134,7 @@ def test_cross_compile_sm90(tmp_path):
     from rerope_testing import cross_compile
 
     if hopper._series(__import__("triton").__version__) != hopper.TRITON_SERIES:
-        pytest.skip("the Gluon kernels are written for Triton 3.6 (make test-gluon)")
+        pytest.skip("the Gluon kernels are written for Triton 3.6 (make test-floor runs it under Triton 3.6)")
     lines = cross_compile(tmp_path, CROSS_COMPILE)
     assert len(lines) == 2 * len(hopper.CONFIGS), lines
     for line in lines:
@@ -149,13 +149,13 @@ def test_cross_compile_sm90(tmp_path):
 def gluon_calls(monkeypatch):
     """Counts the Gluon forward's runs; it runs from any length (``gluon_min_keys=0``)."""
     calls = []
-    real = hopper.forward
+    real = hopper.Forward.__call__
 
-    def counted(*args, **kwargs):
+    def counted(self, *args):
         calls.append(args[0].shape)
-        return real(*args, **kwargs)
+        return real(self, *args)
 
-    monkeypatch.setattr(hopper, "forward", counted)
+    monkeypatch.setattr(hopper.Forward, "__call__", counted)
     rerope.attention.PLANS.clear()
     with configs.using(gluon_min_keys=0):
         yield calls
@@ -247,3 +247,24 @@ def test_large_against_triton(d, dtype, gluon_calls):
         assert not problems, "\n".join(problems)
     assert (glu.float() - tri.float()).abs().max().item() <= 2 * tol.atol
     assert (glu_lse - tri_lse).abs().max().item() < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper_here(), reason="needs an sm_90 GPU and Triton 3.6")
+@pytest.mark.parametrize("d", [64, 128])
+def test_bound_launch(d, gluon_calls):
+    """From its second call a plan's Gluon forward launches through the bound compiled kernel
+    (no Triton launch path); on new data of the same layout it is as right as the first."""
+    gen = torch.Generator().manual_seed(d + 1)
+    for call in range(3):
+        tensors = [randn(gen, 2, h, 384, d, dtype=torch.bfloat16, device="cuda")
+                   for h in (4, 4, 2, 2, 2)]
+        with torch.no_grad():
+            out = rerope.rerope_attention(*tensors, 100)
+        want = reference_results(tensors, torch.zeros_like(out), 100)["out"]
+        problems = close_problems("out", out, want, tolerance(torch.bfloat16, "gpu"))
+        assert not problems, f"call {call}: " + "\n".join(problems)
+    plans = [p for p in rerope.attention.PLANS._entries.values()
+             if getattr(getattr(p, "state", None), "gluon", None)]
+    assert len(plans) == 1 and plans[0].state.gluon.launcher.bound
+    assert len(gluon_calls) == 3

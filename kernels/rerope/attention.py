@@ -108,14 +108,15 @@ class PlanState:
     forward (:func:`_forward_call`) per pre-turn choice. ``backward``: a
     :class:`BackwardState` per layout of ``dout`` (:func:`rerope.launch.signature`).
     ``launchers``: the forward's bound launches, per launch site and constexprs
-    (:func:`_bound`, :func:`rerope.launch.kept_launcher`). ``gluon``: whether the five-tensor
-    forward runs the Gluon kernels of :mod:`rerope.hopper` (:func:`rerope.hopper.applies`)."""
+    (:func:`_bound`, :func:`rerope.launch.kept_launcher`). ``gluon``: the five-tensor
+    forward's :class:`rerope.hopper.Forward` where the Gluon kernels run it, else ``False``
+    (:func:`rerope.hopper.plan`)."""
 
     heads_first: Optional[bool] = None
     preturn_keys: Optional[bool] = None
     preturn_backward: Optional[bool] = None
     tma: Optional[bool] = None
-    gluon: Optional[bool] = None
+    gluon: object = None     # rerope.hopper.Forward or False
     forward_calls: dict = field(default_factory=dict)
     backward: dict = field(default_factory=dict)
     launchers: dict = field(default_factory=dict)
@@ -378,9 +379,10 @@ def rerope_forward(q1, q2, k1, k2, v, window, causal, sm_scale, operands=None, p
         if call is not None:
             return call(q1, q2, k1, k2, v)
     config = config or configs.current()
-    if not fused and _decided(state, "gluon", lambda: hopper.applies(q1, q2, k1, k2, v, causal,
-                                                                      config)):
-        return hopper.forward(q1, q2, k1, k2, v, window, sm_scale)
+    gluon = not fused and _decided(state, "gluon", lambda: hopper.plan(
+        q1, q2, k1, k2, v, window, causal, sm_scale, config))
+    if gluon:                             # the Gluon forward on Hopper (rerope.hopper)
+        return gluon(q1, q2, k1, k2, v)
     batch, n_heads, n_q, head_dim = q1.shape
     n_k = k1.shape[2]
     first = _decided(state, "heads_first", lambda: heads_first(n_k, batch * n_heads, config))

@@ -124,7 +124,7 @@ class Config:
     * ``preturn_bwd_min_keys``: from this many keys on, the backward pre-turns its operands.
     * ``heads_first_max_keys``: up to this many keys, the kernels' grids put heads first.
     * ``gluon_min_keys``: the Gluon forward runs from this many keys on; ``None``: per head dim,
-      as measured (:data:`rerope.hopper.MIN_KEYS`: below, its launch costs more than it saves).
+      as measured (:data:`rerope.hopper.MIN_KEYS`: below, it is no faster than Triton).
 
     Booleans are ``0/1, true/false, yes/no, on/off`` in any case; an empty value counts as
     unset. Changing the environment after ``import rerope`` changes nothing.

@@ -144,7 +144,8 @@ class Launcher:
         self._grid3 = tuple(grid) + (1,) * (3 - len(grid))
         self._tail = tuple(tail)
         self._stream = driver.active.get_current_stream
-        self._device = args[0].device.index   # the plan's tensors all live on one device
+        first = getattr(args[0], "base", args[0])    # a tensor, or a TMA descriptor's tensor
+        self._device = first.device.index     # the plan's tensors all live on one device
         compiled.run                          # load the module now (not inside a graph capture)
         self._compiled = compiled
 

@@ -30,10 +30,10 @@ TRITON_SERIES = (3, 6)
 # (rerope_fwd_lean_kernel), 1 the band-twice walk in one loop (rerope_fwd_twice_pp_kernel).
 CONFIGS = {64: (192, 128, 2, 4, 3, 0, 2, 0), 128: (128, 128, 2, 4, 2, 1, 1, 0)}
 # From how many keys on the Gluon forward runs, per head dim (rerope.Config.gluon_min_keys
-# overrides): below, its launch (six tensor descriptors and Triton's Python launch path) costs
-# more than the kernel saves. Measured on an H100 (perf/runs/s54): D64 gains from 8k keys
-# (4k: 0.73 of cuDNN against Triton's 0.83 in fp16), D128 from 4k (0.90-0.91 against 0.65-0.67).
-MIN_KEYS = {64: 8192, 128: 4096}
+# overrides): below, it is no faster than the Triton forward. Measured on an H100 with the launch
+# bound (book/data/gluon_h100.json, cuDNN / ReRoPE): D64 at 4k keys 0.84 both ways, at 8k 0.92-0.95
+# against 0.79-0.82; D128 at 2k 0.74-0.87 against 0.46-0.70, at 1k slower.
+MIN_KEYS = {64: 8192, 128: 2048}
 ROWS = 128
 """``N`` must be a multiple of this: no key tile or 64-row query tile straddles two heads."""
 
@@ -83,46 +83,70 @@ def applies(q1, q2, k1, k2, v, causal, config):
     return available()[0]
 
 
-def forward(q1, q2, k1, k2, v, window, sm_scale, head_config=None):
-    """Run the Gluon forward: ``(out, lse)`` as :func:`rerope.attention.rerope_forward` returns
-    them (``out`` ``(B, Hq, N, D)``; ``lse`` ``(B·Hq, N)`` float32 in log2 units).
+class Forward:
+    """The Gluon forward of one plan (a ``rerope_attention`` call signature, whose shapes,
+    dtype, window and scale it fixes): the kernel, its grid, constexprs and shared-memory
+    layouts chosen once, and its launch bound after the first call
+    (:class:`rerope.launch.Launcher`), so a call builds six tensor descriptors, allocates its
+    outputs and launches. Calling it returns ``(out, lse)`` as
+    :func:`rerope.attention.rerope_forward` does (``out`` ``(B, Hq, N, D)``; ``lse``
+    ``(B·Hq, N)`` float32 in log2 units).
 
     Args:
-        q1, q2: ``(B, Hq, N, D)`` contiguous, fp16 or bf16, on an sm_90 GPU.
+        q1, q2: ``(B, Hq, N, D)`` contiguous, fp16 or bf16, on an sm_90 GPU (what
+            :func:`applies` accepts).
         k1, k2, v: ``(B, Hkv, N, D)``, the same; ``Hq`` a multiple of ``Hkv``.
         window: int ``>= 1`` (at most ``N``: any larger window means the same).
         sm_scale: float, the score scale.
         head_config: the launch configuration (``CONFIGS[D]`` when ``None``).
     """
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    from . import kernels
+    def __init__(self, q1, k1, window, sm_scale, head_config=None):
+        from ..launch import Launcher
+        from . import kernels
 
-    batch, heads, n, head_dim = q1.shape
-    group = heads // k1.shape[1]
-    block_m, block_n, stages, warps, split, pipe, walk, pingpong = (
-        head_config or CONFIGS[head_dim])
-    sub_m = block_m // split
-    out = torch.empty_like(q1)
-    lse = torch.empty(batch * heads, n, dtype=torch.float32, device=q1.device)
-    dtype = kernels._gl_dtype(q1.dtype)
-    q_layout = kernels.smem_layout([sub_m, head_dim], dtype)
-    kv_layout = kernels.smem_layout([block_n, head_dim], dtype)
-    q1d, q2d, od = (TensorDescriptor.from_tensor(t.view(-1, head_dim), [sub_m, head_dim],
-                                                 q_layout) for t in (q1, q2, out))
-    k1d, k2d, vd = (TensorDescriptor.from_tensor(t.view(-1, head_dim), [block_n, head_dim],
-                                                 kv_layout) for t in (k1, k2, v))
-    args = (q1d, q2d, k1d, k2d, vd, od, lse, n, min(int(window), n), sm_scale * LOG2E, group,
-            block_m, block_n, head_dim, stages, warps, True, split)
-    if walk == 2:
-        kernel = kernels.rerope_fwd_lean_kernel
-    else:
-        kernel, args = kernels.rerope_fwd_twice_pp_kernel, args + (pipe, pingpong)
-    grid = (triton.cdiv(n, block_m), batch * heads)
-    with torch.cuda.device(q1.device):
-        kernel[grid](*args, num_warps=warps)
-    lse.mul_(LOG2E)        # the kernels store natural logs; the backward reads log2
-    return out, lse
+        batch, heads, n, head_dim = q1.shape
+        block_m, block_n, stages, warps, split, pipe, walk, pingpong = (
+            head_config or CONFIGS[head_dim])
+        dtype = kernels._gl_dtype(q1.dtype)
+        self.q_block = [block_m // split, head_dim]
+        self.kv_block = [block_n, head_dim]
+        self.q_layout = kernels.smem_layout(self.q_block, dtype)
+        self.kv_layout = kernels.smem_layout(self.kv_block, dtype)
+        self.lse_shape = (batch * heads, n)
+        self.scalars = (n, min(int(window), n), sm_scale * LOG2E, heads // k1.shape[1])
+        constexprs = dict(BLOCK_M=block_m, BLOCK_N=block_n, HEAD_D=head_dim, STAGES=stages,
+                          CONSUMER_WARPS=warps, STORE_LSE=True, SPLIT=split)
+        if walk == 2:
+            kernel = kernels.rerope_fwd_lean_kernel
+        else:
+            kernel = kernels.rerope_fwd_twice_pp_kernel
+            constexprs.update(PIPE=pipe, PINGPONG=pingpong)
+        self.launcher = Launcher(kernel, (triton.cdiv(n, block_m), batch * heads),
+                                 num_warps=warps, **constexprs)
+
+    def __call__(self, q1, q2, k1, k2, v):
+        from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+        out = torch.empty_like(q1)
+        lse = torch.empty(self.lse_shape, dtype=torch.float32, device=q1.device)
+        d = q1.shape[-1]
+        queries = [TensorDescriptor(t, (t.numel() // d, d), (d, 1), self.q_block, self.q_layout)
+                   for t in (q1, q2, out)]
+        keys = [TensorDescriptor(t, (t.numel() // d, d), (d, 1), self.kv_block, self.kv_layout)
+                for t in (k1, k2, v)]
+        with torch.cuda.device(q1.device):
+            self.launcher(*queries[:2], *keys, queries[2], lse, *self.scalars)
+        lse.mul_(LOG2E)        # the kernels store natural logs; the backward reads log2
+        return out, lse
+
+
+def plan(q1, q2, k1, k2, v, window, causal, sm_scale, config):
+    """The :class:`Forward` of a ``rerope_attention`` call where :func:`applies` says the
+    Gluon forward runs it, else ``False``: decided once per plan."""
+    if not applies(q1, q2, k1, k2, v, causal, config):
+        return False
+    return Forward(q1, k1, window, sm_scale)
 
 
 def source(name):
