@@ -134,7 +134,7 @@ def test_cross_compile_sm90(tmp_path):
     from rerope_testing import cross_compile
 
     if hopper._series(__import__("triton").__version__) != hopper.TRITON_SERIES:
-        pytest.skip("the Gluon kernels are written for Triton 3.6 (make test-floor runs it under Triton 3.6)")
+        pytest.skip("the Gluon kernels are written for Triton 3.6 (make test-floor)")
     lines = cross_compile(tmp_path, CROSS_COMPILE)
     assert len(lines) == 2 * len(hopper.CONFIGS), lines
     for line in lines:
@@ -268,3 +268,33 @@ def test_bound_launch(d, gluon_calls):
              if getattr(getattr(p, "state", None), "gluon", None)]
     assert len(plans) == 1 and plans[0].state.gluon.launcher.bound
     assert len(gluon_calls) == 3
+
+
+def _fused_grid():
+    from rerope_testing import FusedCase
+
+    f16, bf16 = torch.float16, torch.bfloat16
+    return [FusedCase(256, 256, 100, dtype=f16, d=64, batch=2, hq=4, hkv=2),
+            FusedCase(384, 384, 129, rotated=True, dtype=bf16, d=64, hq=2, hkv=1),
+            FusedCase(256, 256, 64, rotated=True, dtype=f16, d=128, hq=2, hkv=2, leaky=4.0,
+                      logn_len=128.0),
+            FusedCase(384, 384, 1, dtype=bf16, d=128, hq=3, hkv=1, leaky=16.0),
+            FusedCase(256, 256, 500, rotated=True, dtype=f16, d=64, hq=2, hkv=1)]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper_here(), reason="needs an sm_90 GPU and Triton 3.6")
+@pytest.mark.parametrize("case", _fused_grid(), ids=lambda c: c.id())
+def test_fused_oracle(case, gluon_calls):
+    """``rerope.rerope`` (raw or rotated ``q, k``, Leaky ReRoPE, log-n, GQA, w = 1, w >= N)
+    through the Gluon forward after the operands' turn, and the Triton backward on its output
+    and log-sum-exp: against the float64 relative-position oracle."""
+    from rerope_testing import fused_inputs, fused_results, fused_settings, oracle_results
+
+    gen = torch.Generator().manual_seed(case.n_q + case.window)
+    leaves, dout = fused_inputs(gen, case, device="cuda")
+    got = fused_results(leaves, dout, case.window, **fused_settings(case))
+    assert gluon_calls, "the Gluon forward did not run"
+    want = oracle_results(leaves, dout, case.window, **fused_settings(case))
+    problems = results_problems(got, want, tolerance(case.dtype, "gpu"))
+    assert not problems, "\n".join(problems)

@@ -108,9 +108,9 @@ class PlanState:
     forward (:func:`_forward_call`) per pre-turn choice. ``backward``: a
     :class:`BackwardState` per layout of ``dout`` (:func:`rerope.launch.signature`).
     ``launchers``: the forward's bound launches, per launch site and constexprs
-    (:func:`_bound`, :func:`rerope.launch.kept_launcher`). ``gluon``: the five-tensor
-    forward's :class:`rerope.hopper.Forward` where the Gluon kernels run it, else ``False``
-    (:func:`rerope.hopper.plan`)."""
+    (:func:`_bound`, :func:`rerope.launch.kept_launcher`). ``gluon``: the forward's
+    :class:`rerope.hopper.Forward` where the Gluon kernels run it, else ``False``
+    (:func:`rerope.hopper.plan`; the fused form turns its operands once first)."""
 
     heads_first: Optional[bool] = None
     preturn_keys: Optional[bool] = None
@@ -379,9 +379,13 @@ def rerope_forward(q1, q2, k1, k2, v, window, causal, sm_scale, operands=None, p
         if call is not None:
             return call(q1, q2, k1, k2, v)
     config = config or configs.current()
-    gluon = not fused and _decided(state, "gluon", lambda: hopper.plan(
+    gluon = _decided(state, "gluon", lambda: hopper.plan(
         q1, q2, k1, k2, v, window, causal, sm_scale, config))
     if gluon:                             # the Gluon forward on Hopper (rerope.hopper)
+        if fused:    # the fused form: each product's operands turned once, five tensors
+            turn = _operand_turns(operands, 0, _has_outside(k1.shape[2], window),
+                                  None if state is None else state.launchers)
+            q1, q2, k1, k2 = turn(q1, k1)
         return gluon(q1, q2, k1, k2, v)
     batch, n_heads, n_q, head_dim = q1.shape
     n_k = k1.shape[2]

@@ -1,9 +1,13 @@
 """The Gluon forward on Hopper: where it runs, and its host side.
 
-On an sm_90 GPU (H100, H200) with **Triton 3.6**, :func:`rerope.rerope_attention`'s forward runs
-the warp-specialised Gluon kernels of :mod:`rerope.hopper.kernels` instead of the Triton one
-wherever they apply (:func:`applies`): causal, fp16/bf16, D 64 or 128, ``N`` a multiple of 128,
-contiguous ``(B, H, N, D)`` tensors. Everywhere else, and with ``REROPE_GLUON=0``
+On an sm_90 GPU (H100, H200) with **Triton 3.6**, the forward of :func:`rerope.rerope_attention`
+and of :func:`rerope.rerope` runs the warp-specialised Gluon kernels of
+:mod:`rerope.hopper.kernels` instead of the Triton one wherever they apply (:func:`applies`):
+causal, as many queries as keys, fp16/bf16, D 64 or 128, ``N`` a multiple of 128 and at least
+:data:`MIN_KEYS`, contiguous ``(B, H, N, D)`` tensors. ``rerope`` (raw or rotated ``q, k``,
+Leaky ReRoPE, log-n, Self-Extend) first turns each product's operands once
+(:func:`rerope.rotary.turn_operands`, the pre-turned backward's pass) and runs the five-tensor
+kernel on them. Everywhere else, and with ``REROPE_GLUON=0``
 (``rerope.using_config(gluon=False)``), the Triton kernels run, as they always did. Its output
 and log-sum-exp are the Triton forward's (same math, same units), so the backward is unchanged.
 
@@ -68,8 +72,9 @@ def _device_is_hopper(device):
 
 
 def applies(q1, q2, k1, k2, v, causal, config):
-    """Whether the Gluon forward runs this ``rerope_attention`` call (its arguments checked
-    already; ``config`` the active :class:`rerope.Config`). Decided once per plan."""
+    """Whether the Gluon forward runs this ``rerope_attention`` call, or this ``rerope`` call
+    (``q1 is q2`` its ``q``, ``k1 is k2`` its ``k``), its arguments checked already; ``config``
+    the active :class:`rerope.Config`. Decided once per plan."""
     if not (config.gluon and causal and _device_is_hopper(q1.device)):
         return False
     batch, heads, n, head_dim = q1.shape
