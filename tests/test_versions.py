@@ -197,3 +197,16 @@ def test_descriptor_path_compiles_for_hopper():
     result = results[0]
     assert result["error"] is None, f"{test_compile.job_id(job)}:\n{result['error']}"
     assert 0 < result["shared"] <= job["limit"], result
+
+
+def test_the_wheel_lists_every_subpackage():
+    """``pyproject.toml``'s ``packages`` names every package under ``kernels/rerope`` (a
+    missing one installs a wheel whose ``import rerope`` fails; ``make test-install`` would
+    catch it, later)."""
+    text = (ROOT / "pyproject.toml").read_text(encoding="utf-8")
+    listed = set(re.findall(r'"(rerope(?:\.\w+)*)"', re.search(r"^packages = \[(.*)\]$", text,
+                                                               re.M).group(1)))
+    source = ROOT / "kernels"
+    found = {".".join(p.parent.relative_to(source).parts)
+             for p in source.rglob("__init__.py") if "__pycache__" not in p.parts}
+    assert listed == found, f"pyproject.toml lists {sorted(listed)}, kernels/ has {sorted(found)}"
