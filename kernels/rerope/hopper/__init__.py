@@ -34,9 +34,9 @@ TRITON_SERIES = (3, 6)
 # (rerope_fwd_lean_kernel), 1 the band-twice walk in one loop (rerope_fwd_twice_pp_kernel).
 CONFIGS = {64: (192, 128, 2, 4, 3, 0, 2, 0), 128: (128, 128, 2, 4, 2, 1, 1, 0)}
 # From how many keys on the Gluon forward runs, per head dim (rerope.Config.gluon_min_keys
-# overrides): below, it is no faster than the Triton forward. Measured on an H100 with the launch
-# bound (book/data/gluon_h100.json, cuDNN / ReRoPE): D64 at 4k keys 0.84 both ways, at 8k 0.92-0.95
-# against 0.79-0.82; D128 at 2k 0.74-0.87 against 0.46-0.70, at 1k slower.
+# overrides): below, it is no faster than the Triton forward. Measured on an H100 with the
+# launch bound (book/data/gluon_h100.json, cuDNN / ReRoPE): D64 at 4k keys 0.84 both ways, at
+# 8k 0.92-0.95 against 0.79-0.82; D128 at 2k 0.74-0.87 against 0.46-0.70, at 1k slower.
 MIN_KEYS = {64: 8192, 128: 2048}
 ROWS = 128
 """``N`` must be a multiple of this: no key tile or 64-row query tile straddles two heads."""

@@ -1,5 +1,5 @@
-"""The Gluon forward for Hopper (sm_90): warp-specialised ReRoPE attention, written for
-**Triton 3.6** (``triton.experimental.gluon``; its API changed in every release from 3.4 to 3.8).
+"""The Gluon forward for Hopper (sm_90): warp-specialised ReRoPE attention, written for **Triton
+3.6** (``triton.experimental.gluon``; its API changed in every release from 3.4 to 3.8).
 
 Imported only where :func:`rerope.hopper.supported` says this Triton has that API (it is not
 imported, let alone compiled, anywhere else). Causal, five tensors (the form of
@@ -10,11 +10,12 @@ key/value head ``h // group`` (grouped-query attention by indexing).
 
 Each program runs one query block with ``gl.warp_specialize``: a **producer** warp TMA-loads the
 block's Q tiles once (Q1 and Q2 of every consumer) and then one key tile and one value tile per
-ring slot; **consumer** partitions of four warps (a warp group each, 64 rows) compute S = Q Kᵀ and
-O += P V with ``warpgroup_mma`` and the online softmax in registers, and free the slot. A block's
-key tiles lie in three regions (:func:`_regions`): all outside the window (Q2 K2ᵀ), the band
-(both products), all inside (Q1 K1ᵀ). The band's tiles are visited twice, once per product, each
-visit masked to its side of the window, so a ring slot holds one key tile, as plain attention's.
+ring slot; **consumer** partitions of four warps (a warp group each, 64 rows) compute S = Q Kᵀ
+and O += P V with ``warpgroup_mma`` and the online softmax in registers, and free the slot. A
+block's key tiles lie in three regions (:func:`_regions`): all outside the window (Q2 K2ᵀ), the
+band (both products), all inside (Q1 K1ᵀ). The band's tiles are visited twice, once per product,
+each visit masked to its side of the window, so a ring slot holds one key tile, as plain
+attention's.
 
 Two walks, one per head dim (what measured best on Hopper, ``perf/NOTES.md`` v19–v21):
 
@@ -41,8 +42,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 LN2 = 0.6931471805599453
 # SPLIT=3: registers of each 4-warp worker consumer partition (FA3: 160 with three consumer warp
-# groups). 4 + 4 + 4 + 1 warps pad to 16, so 65536 / 512 = 128 a thread at launch; with the producer
-# at 24 the default (first consumer) partition gets 512 - 2 * 160 - 24 = 168.
+# groups). 4 + 4 + 4 + 1 warps pad to 16, so 65536 / 512 = 128 a thread at launch; with the
+# producer at 24 the default (first consumer) partition gets 512 - 2 * 160 - 24 = 168.
 SPLIT3_REGS = gl.constexpr(160)
 
 
@@ -52,13 +53,13 @@ SPLIT3_REGS = gl.constexpr(160)
 @gluon.jit
 def _block_rows(N, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, RAGGED: gl.constexpr = False,
                 group=1):
-    """This program's query block (grid ``(cdiv(N, BLOCK_M), B * Hq)``, heaviest blocks, i.e. most
-    key tiles, first): (m0, its first row in the sequence; q_row, its first row in the
+    """This program's query block (grid ``(cdiv(N, BLOCK_M), B * Hq)``, heaviest blocks, i.e.
+    most key tiles, first): (m0, its first row in the sequence; q_row, its first row in the
     ``(B*Hq*N, D)`` view; kv_row0, its key/value head's first row in the ``(B*Hkv*N, D)`` view,
     head ``(b·Hq + h) // group = b·Hkv + h // group`` for ``group = Hq / Hkv``; n_tiles, the key
     tiles it sees under the causal mask). RAGGED (SPLIT=3: BLOCK_M 192 need not divide N): the
-    last block may end past N; its key tiles stop at N (N % BLOCK_N == 0), so no tile of the next
-    head is loaded."""
+    last block may end past N; its key tiles stop at N (N % BLOCK_N == 0), so no tile of the
+    next head is loaded."""
     pid_m = gl.program_id(0)
     bh = gl.program_id(1)
     m_block = gl.num_programs(0) - 1 - pid_m  # heaviest query blocks first
@@ -75,8 +76,8 @@ def _block_rows(N, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, RAGGED: gl.cons
 @gluon.jit
 def _regions(m0, window, n_tiles, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
     """(n_out, n_in) for query rows [m0, m0+BLOCK_M): tiles [0, n_out) are all-outside
-    ((t+1)*BLOCK_N - 1 <= m0 - window), [n_in, n_tiles) all-inside (m0+BLOCK_M-1 - t*BLOCK_N < window),
-    between them the band. Non-negative operands only (integer division truncates)."""
+    ((t+1)*BLOCK_N - 1 <= m0 - window), [n_in, n_tiles) all-inside (m0+BLOCK_M-1 - t*BLOCK_N <
+    window), between them the band. Non-negative operands only (integer division truncates)."""
     n_out = gl.maximum(m0 - window + 1, 0) // BLOCK_N
     n_in = (gl.maximum(m0 + BLOCK_M - 1 - window, -1) + BLOCK_N) // BLOCK_N
     n_in = gl.minimum(gl.maximum(n_in, n_out), n_tiles)
@@ -127,10 +128,10 @@ def _invalidate_ring(q_bar, k_ready, v_ready, kv_empty, STAGES: gl.constexpr):
 
 @gluon.jit
 def _q_sub_row(q_row, j, SUB_M: gl.constexpr, SPLIT: gl.constexpr, q_last):
-    """Row of Q sub-tile j in the (B*H*N, D) view. SPLIT=3 (BLOCK_M 192, which need not divide N):
-    a sub-tile past the head's end belongs to a draining partition (_drain) and is never read, so
-    the head's last sub-tile ``q_last`` is loaded in its place (nothing read from another head or
-    past the tensor)."""
+    """Row of Q sub-tile j in the (B*H*N, D) view. SPLIT=3 (BLOCK_M 192, which need not divide
+    N): a sub-tile past the head's end belongs to a draining partition (_drain) and is never
+    read, so the head's last sub-tile ``q_last`` is loaded in its place (nothing read from
+    another head or past the tensor)."""
     row = q_row + j * SUB_M
     if SPLIT == 3:
         row = gl.minimum(row, q_last)
@@ -140,9 +141,11 @@ def _q_sub_row(q_row, j, SUB_M: gl.constexpr, SPLIT: gl.constexpr, q_last):
 @gluon.jit
 def _load_kv(k, t, k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, kv_empty, kv_row0,
              BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-    """Step k of the walk: key tile t of k_desc (K1 or K2) and of V into ring slot k % STAGES."""
+    """Step k of the walk: key tile t of k_desc (K1 or K2) and of V into ring slot k %
+    STAGES."""
     s = k % STAGES
-    mbarrier.wait(kv_empty.index(s), ((k // STAGES) & 1) ^ 1)  # first round passes (parity trick)
+    mbarrier.wait(kv_empty.index(s),
+                  ((k // STAGES) & 1) ^ 1)  # first round passes (parity trick)
     row = kv_row0 + t * BLOCK_N
     mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(k_desc, [row, 0], k_ready.index(s), k_smem.index(s))
@@ -154,9 +157,10 @@ def _load_kv(k, t, k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, kv_empty, k
 # a consumer's step: S = Q K^T, online softmax, O += P V; the epilogue
 # ----------------------------------------------------------------------------------------------
 @gluon.jit
-def _tile(i, acc, m_i, l_i, q_smem, k_smem, v_smem, k_ready, v_ready, kv_empty, turn, m0, qk_scale,
-          BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, MASK: gl.constexpr,
-          s_layout: gl.constexpr, o_layout: gl.constexpr, ME: gl.constexpr, PINGPONG: gl.constexpr):
+def _tile(i, acc, m_i, l_i, q_smem, k_smem, v_smem, k_ready, v_ready, kv_empty, turn, m0,
+          qk_scale, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+          MASK: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr, ME: gl.constexpr,
+          PINGPONG: gl.constexpr):
     """One key tile. PINGPONG=1: the S = Q K^T issue is this partition's GEMM section i, ordered
     with the other partition's by the ``turn`` barriers (see rerope_fwd._consumer_pp)."""
     s = i % STAGES
@@ -171,10 +175,12 @@ def _tile(i, acc, m_i, l_i, q_smem, k_smem, v_smem, k_ready, v_ready, kv_empty, 
     qk = warpgroup_mma(q_smem, k_tile.permute((1, 0)), zero, use_acc=False, is_async=True)
     if PINGPONG:
         mbarrier.arrive(turn.index(1 - ME), count=1)
-    # deps keeps the operands alive until the wgmma is done; with several deps it returns a tuple
+    # deps keeps the operands alive until the wgmma is done; with several deps it returns a
+    # tuple
     qk, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=(qk, q_smem, k_tile))
     # online softmax (log2 domain); MASK is a constexpr here, so the branch compiles away
-    p, m_i, l_i, alpha = _softmax(qk, m_i, l_i, i, m0, MASK, qk_scale, BLOCK_M, BLOCK_N, s_layout)
+    p, m_i, l_i, alpha = _softmax(qk, m_i, l_i, i, m0, MASK, qk_scale, BLOCK_M, BLOCK_N,
+                                  s_layout)
     acc = _pv_and_free(acc, p, alpha, v_smem, v_ready, kv_empty, s, phase, o_layout)
     return acc, m_i, l_i
 
@@ -197,8 +203,8 @@ def _pv_and_free(acc, p, alpha, v_smem, v_ready, kv_empty, s, phase, o_layout: g
 
 
 @gluon.jit
-def _softmax(qk, m_i, l_i, i, m0, masked, qk_scale, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-             s_layout: gl.constexpr):
+def _softmax(qk, m_i, l_i, i, m0, masked, qk_scale, BLOCK_M: gl.constexpr,
+             BLOCK_N: gl.constexpr, s_layout: gl.constexpr):
     """Online-softmax step for tile i (``masked``: a diagonal tile, run-time or constexpr).
     Returns p (fp32), the new m_i, l_i and alpha = exp2(m_old - m_new)."""
     qk = qk * qk_scale
@@ -217,8 +223,8 @@ BIG = gl.constexpr(1 << 30)  # "no upper bound" for i - j in _softmax_rt's mask
 
 
 @gluon.jit
-def _softmax_rt(qk, m_i, l_i, t, m0, masked, lo, hi, qk_scale, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                s_layout: gl.constexpr):
+def _softmax_rt(qk, m_i, l_i, t, m0, masked, lo, hi, qk_scale, BLOCK_M: gl.constexpr,
+                BLOCK_N: gl.constexpr, s_layout: gl.constexpr):
     """_softmax_mode with the mask chosen at run time (keep lo <= i - j < hi where ``masked``);
     -inf-safe (m_use) on every visit."""
     qk = qk * qk_scale
@@ -236,11 +242,11 @@ def _softmax_rt(qk, m_i, l_i, t, m0, masked, lo, hi, qk_scale, BLOCK_M: gl.const
 
 
 @gluon.jit
-def _epilogue(acc, m_i, l_i, o_smem, o_desc, lse_ptr, q_row, BLOCK_M: gl.constexpr, STORE_LSE: gl.constexpr,
-              s_layout: gl.constexpr, o_layout: gl.constexpr):
-    """A consumer's end (plain and ReRoPE kernels): O = acc / l written to ``o_smem`` (a Q buffer the
-    partition no longer reads) and TMA-stored at rows [q_row, q_row + BLOCK_M); LSE (natural log) of
-    those rows if STORE_LSE; waits for the store."""
+def _epilogue(acc, m_i, l_i, o_smem, o_desc, lse_ptr, q_row, BLOCK_M: gl.constexpr,
+              STORE_LSE: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr):
+    """A consumer's end (plain and ReRoPE kernels): O = acc / l written to ``o_smem`` (a Q
+    buffer the partition no longer reads) and TMA-stored at rows [q_row, q_row + BLOCK_M); LSE
+    (natural log) of those rows if STORE_LSE; waits for the store."""
     acc = acc / gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))[:, None]
     o_smem.store(acc.to(o_smem.dtype))
     fence_async_shared()
@@ -254,10 +260,10 @@ def _epilogue(acc, m_i, l_i, o_smem, o_desc, lse_ptr, q_row, BLOCK_M: gl.constex
 @gluon.jit
 def _drain(k_ready, kv_empty, n_steps, STAGES: gl.constexpr):
     """A consumer partition whose rows all lie past N (SPLIT=3, the grid's last query block when
-    192 does not divide N) computes and stores nothing, but kv_empty counts SPLIT arrivals a round,
-    so it releases every ring step's slot once that step's K tile is in: waiting for k_ready first
-    keeps its arrival in the slot's current round (the next round's K cannot arrive before this
-    round's release)."""
+    192 does not divide N) computes and stores nothing, but kv_empty counts SPLIT arrivals a
+    round, so it releases every ring step's slot once that step's K tile is in: waiting for
+    k_ready first keeps its arrival in the slot's current round (the next round's K cannot
+    arrive before this round's release)."""
     for i in range(n_steps):
         s = i % STAGES
         mbarrier.wait(k_ready.index(s), (i // STAGES) & 1)
@@ -270,9 +276,9 @@ def _drain(k_ready, kv_empty, n_steps, STAGES: gl.constexpr):
 @gluon.jit
 def _ring_barriers_pp(STAGES: gl.constexpr, SPLIT: gl.constexpr):
     """_ring_barriers' q_bar, k_ready, v_ready, with the slot's empty barrier split in two:
-    ``k_empty`` (the K tile was read: released right after S = Q K^T is waited for) and ``v_empty``
-    (released after P V), each counting SPLIT arrivals; plus ``turn`` (2 barriers, count 1): the
-    ping-pong order of the two consumer partitions (see _consumer_pp)."""
+    ``k_empty`` (the K tile was read: released right after S = Q K^T is waited for) and
+    ``v_empty`` (released after P V), each counting SPLIT arrivals; plus ``turn`` (2 barriers,
+    count 1): the ping-pong order of the two consumer partitions (see _consumer_pp)."""
     q_bar, k_ready, v_ready, k_empty = _ring_barriers(STAGES, SPLIT)
     v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -284,10 +290,11 @@ def _ring_barriers_pp(STAGES: gl.constexpr, SPLIT: gl.constexpr):
 
 
 @gluon.jit
-def _load_kv_pp(k, t, k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, kv_row0,
-                BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-    """_load_kv with separate empties: K of step k goes in as soon as K of step k - STAGES was read by
-    every consumer, V when V of step k - STAGES was (parity trick for the first round, as before)."""
+def _load_kv_pp(k, t, k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty,
+                kv_row0, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """_load_kv with separate empties: K of step k goes in as soon as K of step k - STAGES was
+    read by every consumer, V when V of step k - STAGES was (parity trick for the first round,
+    as before)."""
     s = k % STAGES
     ph = ((k // STAGES) & 1) ^ 1
     row = kv_row0 + t * BLOCK_N
@@ -300,10 +307,11 @@ def _load_kv_pp(k, t, k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty,
 
 
 @gluon.jit
-def _producer_pp(q1_desc, q2_desc, k1_desc, k2_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready,
-                 k_empty, v_empty, q_row, kv_row0, n_out, n_in, n_tiles,
+def _producer_pp(q1_desc, q2_desc, k1_desc, k2_desc, v_desc, q_smem, k_smem, v_smem, q_bar,
+                 k_ready, v_ready, k_empty, v_empty, q_row, kv_row0, n_out, n_in, n_tiles,
                  BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr, q_last=0):
-    """_producer_twice's step list (outside walk K2 over [0, n_in), inside walk K1 over [n_out, n_tiles));
+    """_producer_twice's step list (outside walk K2 over [0, n_in), inside walk K1 over [n_out,
+    n_tiles));
     Q of partition j: Q2 in q_smem[2j], Q1 in q_smem[2j + 1]."""
     SUB_M: gl.constexpr = q1_desc.block_type.shape[0]
     mbarrier.expect(q_bar, 2 * SPLIT * q1_desc.block_type.nbytes)
@@ -312,21 +320,22 @@ def _producer_pp(q1_desc, q2_desc, k1_desc, k2_desc, v_desc, q_smem, k_smem, v_s
         tma.async_copy_global_to_shared(q2_desc, [row, 0], q_bar, q_smem.index(2 * j))
         tma.async_copy_global_to_shared(q1_desc, [row, 0], q_bar, q_smem.index(2 * j + 1))
     for t in range(0, n_in):  # outside walk: K2
-        _load_kv_pp(t, t, k2_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, kv_row0,
-                    BLOCK_N, STAGES)
+        _load_kv_pp(t, t, k2_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty,
+                    kv_row0, BLOCK_N, STAGES)
     off = n_in - n_out
     for t in range(n_out, n_tiles):  # inside walk: K1
-        _load_kv_pp(t + off, t, k1_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, kv_row0,
-                    BLOCK_N, STAGES)
+        _load_kv_pp(t + off, t, k1_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty,
+                    v_empty, kv_row0, BLOCK_N, STAGES)
 
 
 @gluon.jit
 def _step_pp(k, n_out, n_in, n_full, window):
-    """What step k of the walk is, decided at run time (one loop instead of _consumer_twice's five):
-    returns (t, ins, masked, lo, hi): key tile t; ins = 0 outside walk (Q2 K2^T), 1 inside walk
-    (Q1 K1^T); the visit keeps lo <= i - j < hi when ``masked``. Same visits as _consumer_twice:
-    outside, t >= n_out: i-j >= w (MASK_OUT); inside, t < n_in: 0 <= i-j < w (MASK_IN); inside,
-    t >= n_full: i-j >= 0 (MASK_CAUSAL); else unmasked (emulate_rerope.py checks the equality)."""
+    """What step k of the walk is, decided at run time (one loop instead of _consumer_twice's
+    five): returns (t, ins, masked, lo, hi): key tile t; ins = 0 outside walk (Q2 K2^T), 1
+    inside walk (Q1 K1^T); the visit keeps lo <= i - j < hi when ``masked``. Same visits as
+    _consumer_twice: outside, t >= n_out: i-j >= w (MASK_OUT); inside, t < n_in: 0 <= i-j < w
+    (MASK_IN); inside, t >= n_full: i-j >= 0 (MASK_CAUSAL); else unmasked (emulate_rerope.py
+    checks the equality)."""
     ins = (k >= n_in).to(gl.int32)
     t = k - (n_in - n_out) * ins
     band_in = (ins == 1) & (t < n_in)
@@ -337,52 +346,58 @@ def _step_pp(k, n_out, n_in, n_full, window):
 
 
 @gluon.jit
-def _consumer_pp(o_desc, lse_ptr, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, turn,
-                 q_row, m0, window, n_out, n_in, n_tiles, qk_scale, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                 HEAD_D: gl.constexpr, STAGES: gl.constexpr, CONSUMER_WARPS: gl.constexpr,
-                 STORE_LSE: gl.constexpr, ME: gl.constexpr, PIPE: gl.constexpr, PINGPONG: gl.constexpr):
+def _consumer_pp(o_desc, lse_ptr, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty,
+                 v_empty, turn, q_row, m0, window, n_out, n_in, n_tiles, qk_scale,
+                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
+                 STAGES: gl.constexpr, CONSUMER_WARPS: gl.constexpr, STORE_LSE: gl.constexpr,
+                 ME: gl.constexpr, PIPE: gl.constexpr, PINGPONG: gl.constexpr):
     """Consumer partition ME (0 or 1) of rerope_fwd_twice_pp_kernel: the BAND_TWICE walk (steps
     k = 0 .. n_steps-1, n_steps = n_in + n_tiles - n_out, classified by _step_pp) in ONE loop.
 
-    PIPE=1 (FA3's intra-warpgroup overlap): iteration k issues S_k = Q K_k^T and O += P_{k-1} V_{k-1},
-    waits for S_k only (num_outstanding=1; wgmma groups retire in issue order), frees K slot k,
-    runs softmax k while the P V wgmma still runs, then waits for it, frees V slot k-1 and rescales O
-    by alpha_k. (acc after k = (acc after k-1 + P_{k-1} V_{k-1}) * alpha_k, so acc + P_last V_last at
-    the end is the usual online softmax: exact.) PIPE=0: S_k, softmax, P_k V_k in turn.
+    PIPE=1 (FA3's intra-warpgroup overlap): iteration k issues S_k = Q K_k^T and O += P_{k-1}
+    V_{k-1}, waits for S_k only (num_outstanding=1; wgmma groups retire in issue order), frees K
+    slot k, runs softmax k while the P V wgmma still runs, then waits for it, frees V slot k-1
+    and rescales O by alpha_k. (acc after k = (acc after k-1 + P_{k-1} V_{k-1}) * alpha_k, so
+    acc + P_last V_last at the end is the usual online softmax: exact.) PIPE=0: S_k, softmax,
+    P_k V_k in turn.
 
-    PINGPONG=1 (FA3's warp-scheduler barriers, with mbarriers: Gluon 3.6 has no named-barrier op):
-    step k's "GEMM section" (PIPE=1: issuing S_k and P_{k-1} V_{k-1}; PIPE=0: issuing S_k) of
-    partition ME starts with ``wait(turn[ME], (k & 1) ^ (1 - ME))`` and ends with one
+    PINGPONG=1 (FA3's warp-scheduler barriers, with mbarriers: Gluon 3.6 has no named-barrier
+    op): step k's "GEMM section" (PIPE=1: issuing S_k and P_{k-1} V_{k-1}; PIPE=0: issuing S_k)
+    of partition ME starts with ``wait(turn[ME], (k & 1) ^ (1 - ME))`` and ends with one
     ``arrive(turn[1 - ME])``, so the sections run in the order 0_0, 1_0, 0_1, 1_1, ... and one
     partition's softmax overlaps the other's wgmmas. Deadlock / phase argument:
     * turn[1] is only arrived on by partition 0, once per step, so its phase c completes at
-      partition 0's arrive c, which comes after partition 0's wait c; partition 1's wait k (parity
-      k & 1) needs phase k. turn[0] likewise: partition 1's arrive c completes its phase c; partition
-      0's wait k (parity (k & 1) ^ 1) needs phase k - 1 (k = 0: a fresh barrier's "phase -1" counts
-      as completed, the parity trick), i.e. partition 1's arrive k - 1.
-    * no aliasing of the parity: partition 1's arrive c needs its wait c, which needs partition 0's
-      arrive c. While partition 0 waits at k it has arrived k times (0..k-1), so turn[0] has
-      completed at most phases 0..k-1: the phase it waits for (k - 1) is the last completed one or
-      the current one, never older (where the parity would lie). Symmetric: while partition 1 waits
-      at k, turn[1] has completed at most phases 0..k (partition 0's arrive k+1 needs partition 1's
-      arrive k). perf/gluon/emulate_rerope.py --protocol checks this on random interleavings.
+      partition 0's arrive c, which comes after partition 0's wait c; partition 1's wait k
+      (parity k & 1) needs phase k. turn[0] likewise: partition 1's arrive c completes its phase
+      c; partition 0's wait k (parity (k & 1) ^ 1) needs phase k - 1 (k = 0: a fresh barrier's
+      "phase -1" counts as completed, the parity trick), i.e. partition 1's arrive k - 1.
+    * no aliasing of the parity: partition 1's arrive c needs its wait c, which needs partition
+      0's arrive c. While partition 0 waits at k it has arrived k times (0..k-1), so turn[0] has
+      completed at most phases 0..k-1: the phase it waits for (k - 1) is the last completed one
+      or the current one, never older (where the parity would lie). Symmetric: while partition 1
+      waits at k, turn[1] has completed at most phases 0..k (partition 0's arrive k+1 needs
+      partition 1's arrive k). perf/gluon/emulate_rerope.py --protocol checks this on random
+      interleavings.
     * both partitions walk the same n_steps steps (the regions are computed once per block and
-      passed to everyone) and do one section per step (the last P V, after the loop, is outside the
-      turns), so every wait has its arrive; the last arrive of partition 1 completes a phase no one
-      waits for (harmless; the barriers are invalidated after the join).
-    * against the ring: the first unfinished section in the turn order belongs to a partition whose
-      turn wait is satisfied; it can only block on k_ready of step k or v_ready of step k - 1. Every
-      partition that is further along in the order has already released K of steps < k and V of
-      steps < k - 1, or will without waiting on a barrier (only on its own wgmmas); the producer
-      needs exactly those releases (K of step k - STAGES, V of step k - 1 - STAGES, STAGES >= 1) to
-      load K_k and V_{k-1}, so it does, and the blocked partition moves on. The ring's own parity
-      waits cannot alias: the producer refills slot s for step k + STAGES only after every consumer
-      released step k, which comes after that consumer's ready-wait for step k.
-    Ordering is a scheduling hint only (no data flows through ``turn``): the arrive is made by the
-    partition's first thread after it issued its wgmmas, without a thread_barrier first."""
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[CONSUMER_WARPS, 1],
+      passed to everyone) and do one section per step (the last P V, after the loop, is outside
+      the turns), so every wait has its arrive; the last arrive of partition 1 completes a phase
+      no one waits for (harmless; the barriers are invalidated after the join).
+    * against the ring: the first unfinished section in the turn order belongs to a partition
+      whose turn wait is satisfied; it can only block on k_ready of step k or v_ready of step k
+      - 1. Every partition that is further along in the order has already released K of steps <
+      k and V of steps < k - 1, or will without waiting on a barrier (only on its own wgmmas);
+      the producer needs exactly those releases (K of step k - STAGES, V of step k - 1 - STAGES,
+      STAGES >= 1) to load K_k and V_{k-1}, so it does, and the blocked partition moves on. The
+      ring's own parity waits cannot alias: the producer refills slot s for step k + STAGES only
+      after every consumer released step k, which comes after that consumer's ready-wait for
+      step k. Ordering is a scheduling hint only (no data flows through ``turn``): the arrive is
+      made by the partition's first thread after it issued its wgmmas, without a thread_barrier
+      first."""
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0],
+                                                       warps_per_cta=[CONSUMER_WARPS, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[CONSUMER_WARPS, 1],
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0],
+                                                       warps_per_cta=[CONSUMER_WARPS, 1],
                                                        instr_shape=[16, HEAD_D, 16])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     dtype: gl.constexpr = q_smem.dtype
@@ -390,7 +405,8 @@ def _consumer_pp(o_desc, lse_ptr, q_smem, k_smem, v_smem, q_bar, k_ready, v_read
     l_i = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, s_layout))
     acc = gl.zeros([BLOCK_M, HEAD_D], gl.float32, o_layout)
     zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
-    n_full = gl.maximum(m0 // BLOCK_N, n_in)  # inside tiles from here on may cross this half's diagonal
+    n_full = gl.maximum(m0 // BLOCK_N,
+                        n_in)  # inside tiles from here on may cross this half's diagonal
     n_steps = n_in + n_tiles - n_out  # >= 1
 
     mbarrier.wait(q_bar, 0)
@@ -408,8 +424,8 @@ def _consumer_pp(o_desc, lse_ptr, q_smem, k_smem, v_smem, q_bar, k_ready, v_read
         qk, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=(qk, q_tile, k_tile))
         gl.thread_barrier()
         mbarrier.arrive(k_empty.index(0), count=1)
-        p, m_i, l_i, alpha = _softmax_rt(qk, m_i, l_i, t, m0, masked, lo, hi, qk_scale, BLOCK_M, BLOCK_N,
-                                         s_layout)
+        p, m_i, l_i, alpha = _softmax_rt(qk, m_i, l_i, t, m0, masked, lo, hi, qk_scale, BLOCK_M,
+                                         BLOCK_N, s_layout)
         for k in range(1, n_steps):
             s = k % STAGES
             sp = (k - 1) % STAGES
@@ -419,17 +435,19 @@ def _consumer_pp(o_desc, lse_ptr, q_smem, k_smem, v_smem, q_bar, k_ready, v_read
                 mbarrier.wait(turn.index(ME), (k & 1) ^ (1 - ME))
             q_tile = q_smem.index(2 * ME + ins)
             k_tile = k_smem.index(s)
-            qk = warpgroup_mma(q_tile, k_tile.permute((1, 0)), zero, use_acc=False, is_async=True)
+            qk = warpgroup_mma(q_tile, k_tile.permute((1, 0)), zero, use_acc=False,
+                               is_async=True)
             mbarrier.wait(v_ready.index(sp), ((k - 1) // STAGES) & 1)
             v_tile = v_smem.index(sp)
-            acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), v_tile, acc, is_async=True)
+            acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), v_tile, acc,
+                                is_async=True)
             if PINGPONG:
                 mbarrier.arrive(turn.index(1 - ME), count=1)
             qk, _, _ = warpgroup_mma_wait(num_outstanding=1, deps=(qk, q_tile, k_tile))
             gl.thread_barrier()
             mbarrier.arrive(k_empty.index(s), count=1)
-            p, m_i, l_i, alpha = _softmax_rt(qk, m_i, l_i, t, m0, masked, lo, hi, qk_scale, BLOCK_M, BLOCK_N,
-                                             s_layout)
+            p, m_i, l_i, alpha = _softmax_rt(qk, m_i, l_i, t, m0, masked, lo, hi, qk_scale,
+                                             BLOCK_M, BLOCK_N, s_layout)
             acc, _ = warpgroup_mma_wait(num_outstanding=0, deps=(acc, v_tile))
             gl.thread_barrier()
             mbarrier.arrive(v_empty.index(sp), count=1)
@@ -438,7 +456,8 @@ def _consumer_pp(o_desc, lse_ptr, q_smem, k_smem, v_smem, q_bar, k_ready, v_read
         sl = last % STAGES
         mbarrier.wait(v_ready.index(sl), (last // STAGES) & 1)
         v_tile = v_smem.index(sl)
-        acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), v_tile, acc, is_async=True)
+        acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), v_tile, acc,
+                            is_async=True)
         acc, _ = warpgroup_mma_wait(num_outstanding=0, deps=(acc, v_tile))
         gl.thread_barrier()
         mbarrier.arrive(v_empty.index(sl), count=1)
@@ -452,24 +471,27 @@ def _consumer_pp(o_desc, lse_ptr, q_smem, k_smem, v_smem, q_bar, k_ready, v_read
                 mbarrier.wait(turn.index(ME), (k & 1) ^ (1 - ME))
             q_tile = q_smem.index(2 * ME + ins)
             k_tile = k_smem.index(s)
-            qk = warpgroup_mma(q_tile, k_tile.permute((1, 0)), zero, use_acc=False, is_async=True)
+            qk = warpgroup_mma(q_tile, k_tile.permute((1, 0)), zero, use_acc=False,
+                               is_async=True)
             if PINGPONG:
                 mbarrier.arrive(turn.index(1 - ME), count=1)
             qk, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=(qk, q_tile, k_tile))
             gl.thread_barrier()
             mbarrier.arrive(k_empty.index(s), count=1)
-            p, m_i, l_i, alpha = _softmax_rt(qk, m_i, l_i, t, m0, masked, lo, hi, qk_scale, BLOCK_M, BLOCK_N,
-                                             s_layout)
+            p, m_i, l_i, alpha = _softmax_rt(qk, m_i, l_i, t, m0, masked, lo, hi, qk_scale,
+                                             BLOCK_M, BLOCK_N, s_layout)
             acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
             mbarrier.wait(v_ready.index(s), phase)
             v_tile = v_smem.index(s)
-            acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), v_tile, acc, is_async=True)
+            acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), v_tile, acc,
+                                is_async=True)
             acc, _ = warpgroup_mma_wait(num_outstanding=0, deps=(acc, v_tile))
             gl.thread_barrier()
             mbarrier.arrive(v_empty.index(s), count=1)
 
     o_smem = q_smem.index(2 * ME + 1)  # this partition's Q1 buffer (no longer read)
-    _epilogue(acc, m_i, l_i, o_smem, o_desc, lse_ptr, q_row, BLOCK_M, STORE_LSE, s_layout, o_layout)
+    _epilogue(acc, m_i, l_i, o_smem, o_desc, lse_ptr, q_row, BLOCK_M, STORE_LSE, s_layout,
+              o_layout)
 
 
 @gluon.jit
@@ -487,14 +509,14 @@ def _drain_pp(k_ready, v_ready, k_empty, v_empty, n_steps, STAGES: gl.constexpr)
 
 @gluon.jit
 def _consumer_pp_or_drain(N, o_desc, lse_ptr, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready,
-                          k_empty, v_empty, turn, q_row, m0, window, n_out, n_in, n_tiles, qk_scale,
-                          BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
-                          STAGES: gl.constexpr, CONSUMER_WARPS: gl.constexpr,
-                          STORE_LSE: gl.constexpr, ME: gl.constexpr, PIPE: gl.constexpr,
-                          PINGPONG: gl.constexpr):
+                          k_empty, v_empty, turn, q_row, m0, window, n_out, n_in, n_tiles,
+                          qk_scale, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                          HEAD_D: gl.constexpr, STAGES: gl.constexpr,
+                          CONSUMER_WARPS: gl.constexpr, STORE_LSE: gl.constexpr,
+                          ME: gl.constexpr, PIPE: gl.constexpr, PINGPONG: gl.constexpr):
     """SPLIT=3's second and third consumers of rerope_fwd_twice_pp_kernel: _consumer_pp if rows
-    [m0, m0 + BLOCK_M) lie in the sequence, else _drain_pp over the walk's n_in + n_tiles - n_out
-    steps."""
+    [m0, m0 + BLOCK_M) lie in the sequence, else _drain_pp over the walk's n_in + n_tiles -
+    n_out steps."""
     if m0 < N:
         _consumer_pp(o_desc, lse_ptr, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty,
                      v_empty, turn, q_row, m0, window, n_out, n_in, n_tiles, qk_scale, BLOCK_M,
@@ -504,21 +526,24 @@ def _consumer_pp_or_drain(N, o_desc, lse_ptr, q_smem, k_smem, v_smem, q_bar, k_r
 
 
 @gluon.jit(do_not_specialize=["window"])
-def rerope_fwd_twice_pp_kernel(q1_desc, q2_desc, k1_desc, k2_desc, v_desc, o_desc, lse_ptr, N, window, qk_scale,
-                               group, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
+def rerope_fwd_twice_pp_kernel(q1_desc, q2_desc, k1_desc, k2_desc, v_desc, o_desc, lse_ptr, N,
+                               window, qk_scale, group, BLOCK_M: gl.constexpr,
+                               BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
                                STAGES: gl.constexpr, CONSUMER_WARPS: gl.constexpr,
                                STORE_LSE: gl.constexpr, SPLIT: gl.constexpr, PIPE: gl.constexpr,
                                PINGPONG: gl.constexpr):
-    """BAND_TWICE (same walk, arguments, grid, shared-memory ring) with FA3's scheduling:
-    PIPE=1 intra-warpgroup overlap, PINGPONG=1 ordered GEMM sections of the two consumer partitions
-    (SPLIT=2 only); K and V slots freed separately (k_empty / v_empty). See _consumer_pp. SPLIT=3
-    (BLOCK_M 192, PINGPONG=0): three 4-warp consumers, those past N draining the ring."""
+    """BAND_TWICE (same walk, arguments, grid, shared-memory ring) with FA3's scheduling: PIPE=1
+    intra-warpgroup overlap, PINGPONG=1 ordered GEMM sections of the two consumer partitions
+    (SPLIT=2 only); K and V slots freed separately (k_empty / v_empty). See _consumer_pp.
+    SPLIT=3 (BLOCK_M 192, PINGPONG=0): three 4-warp consumers, those past N draining the
+    ring."""
     m0, q_row, kv_row0, n_tiles, n_out, n_in = _block_regions(N, window, BLOCK_M, BLOCK_N,
                                                               SPLIT == 3, group)
     SUB_M: gl.constexpr = BLOCK_M // SPLIT
 
     dtype: gl.constexpr = q1_desc.dtype
-    q_smem = gl.allocate_shared_memory(dtype, [2 * SPLIT, SUB_M, HEAD_D], q1_desc.layout)  # Q2_j, Q1_j
+    q_smem = gl.allocate_shared_memory(dtype, [2 * SPLIT, SUB_M, HEAD_D],
+                                       q1_desc.layout)  # Q2_j, Q1_j
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_D], k1_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_D], v_desc.layout)
     q_bar, k_ready, v_ready, k_empty, v_empty, turn = _ring_barriers_pp(STAGES, SPLIT)
@@ -527,12 +552,13 @@ def rerope_fwd_twice_pp_kernel(q1_desc, q2_desc, k1_desc, k2_desc, v_desc, o_des
         gl.static_assert(PINGPONG == 0, "PINGPONG needs SPLIT=2")
         gl.warp_specialize(
             [
-                (_consumer_pp, (o_desc, lse_ptr, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty,
-                                turn, q_row, m0, window, n_out, n_in, n_tiles, qk_scale, BLOCK_M, BLOCK_N, HEAD_D,
-                                STAGES, CONSUMER_WARPS, STORE_LSE, 0, PIPE, PINGPONG)),
-                (_producer_pp, (q1_desc, q2_desc, k1_desc, k2_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready,
-                                v_ready, k_empty, v_empty, q_row, kv_row0, n_out, n_in, n_tiles, BLOCK_N, STAGES,
-                                SPLIT)),
+                (_consumer_pp,
+                 (o_desc, lse_ptr, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty,
+                  v_empty, turn, q_row, m0, window, n_out, n_in, n_tiles, qk_scale, BLOCK_M,
+                  BLOCK_N, HEAD_D, STAGES, CONSUMER_WARPS, STORE_LSE, 0, PIPE, PINGPONG)),
+                (_producer_pp, (q1_desc, q2_desc, k1_desc, k2_desc, v_desc, q_smem, k_smem,
+                                v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, q_row,
+                                kv_row0, n_out, n_in, n_tiles, BLOCK_N, STAGES, SPLIT)),
             ],
             [1],
             [24],
@@ -541,15 +567,17 @@ def rerope_fwd_twice_pp_kernel(q1_desc, q2_desc, k1_desc, k2_desc, v_desc, o_des
         gl.static_assert(CONSUMER_WARPS == 4, "SPLIT=2: two 4-warp consumer partitions")
         gl.warp_specialize(
             [
-                (_consumer_pp, (o_desc, lse_ptr, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty,
-                                turn, q_row, m0, window, n_out, n_in, n_tiles, qk_scale, SUB_M, BLOCK_N, HEAD_D,
-                                STAGES, 4, STORE_LSE, 0, PIPE, PINGPONG)),
-                (_consumer_pp, (o_desc, lse_ptr, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty,
-                                turn, q_row + SUB_M, m0 + SUB_M, window, n_out, n_in, n_tiles, qk_scale, SUB_M,
-                                BLOCK_N, HEAD_D, STAGES, 4, STORE_LSE, 1, PIPE, PINGPONG)),
-                (_producer_pp, (q1_desc, q2_desc, k1_desc, k2_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready,
-                                v_ready, k_empty, v_empty, q_row, kv_row0, n_out, n_in, n_tiles, BLOCK_N, STAGES,
-                                SPLIT)),
+                (_consumer_pp,
+                 (o_desc, lse_ptr, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty,
+                  v_empty, turn, q_row, m0, window, n_out, n_in, n_tiles, qk_scale, SUB_M,
+                  BLOCK_N, HEAD_D, STAGES, 4, STORE_LSE, 0, PIPE, PINGPONG)),
+                (_consumer_pp,
+                 (o_desc, lse_ptr, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty,
+                  v_empty, turn, q_row + SUB_M, m0 + SUB_M, window, n_out, n_in, n_tiles,
+                  qk_scale, SUB_M, BLOCK_N, HEAD_D, STAGES, 4, STORE_LSE, 1, PIPE, PINGPONG)),
+                (_producer_pp, (q1_desc, q2_desc, k1_desc, k2_desc, v_desc, q_smem, k_smem,
+                                v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, q_row,
+                                kv_row0, n_out, n_in, n_tiles, BLOCK_N, STAGES, SPLIT)),
             ],
             [4, 1],
             [240, 24],
@@ -561,21 +589,21 @@ def rerope_fwd_twice_pp_kernel(q1_desc, q2_desc, k1_desc, k2_desc, v_desc, o_des
         q_last = q_row - m0 + N - SUB_M  # this head's last Q sub-tile
         gl.warp_specialize(
             [
-                (_consumer_pp, (o_desc, lse_ptr, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready,
-                                k_empty, v_empty, turn, q_row, m0, window, n_out, n_in, n_tiles,
-                                qk_scale, SUB_M, BLOCK_N, HEAD_D, STAGES, 4, STORE_LSE, 0, PIPE,
-                                0)),
-                (_consumer_pp_or_drain, (N, o_desc, lse_ptr, q_smem, k_smem, v_smem, q_bar, k_ready,
-                                         v_ready, k_empty, v_empty, turn, q_row + SUB_M, m0 + SUB_M,
-                                         window, n_out, n_in, n_tiles, qk_scale, SUB_M, BLOCK_N,
-                                         HEAD_D, STAGES, 4, STORE_LSE, 1, PIPE, 0)),
-                (_consumer_pp_or_drain, (N, o_desc, lse_ptr, q_smem, k_smem, v_smem, q_bar, k_ready,
-                                         v_ready, k_empty, v_empty, turn, q_row + 2 * SUB_M,
-                                         m0 + 2 * SUB_M, window, n_out, n_in, n_tiles, qk_scale,
-                                         SUB_M, BLOCK_N, HEAD_D, STAGES, 4, STORE_LSE, 2, PIPE, 0)),
-                (_producer_pp, (q1_desc, q2_desc, k1_desc, k2_desc, v_desc, q_smem, k_smem, v_smem,
-                                q_bar, k_ready, v_ready, k_empty, v_empty, q_row, kv_row0, n_out,
-                                n_in, n_tiles, BLOCK_N, STAGES, SPLIT, q_last)),
+                (_consumer_pp,
+                 (o_desc, lse_ptr, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty,
+                  v_empty, turn, q_row, m0, window, n_out, n_in, n_tiles, qk_scale, SUB_M,
+                  BLOCK_N, HEAD_D, STAGES, 4, STORE_LSE, 0, PIPE, 0)),
+                (_consumer_pp_or_drain,
+                 (N, o_desc, lse_ptr, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty,
+                  v_empty, turn, q_row + SUB_M, m0 + SUB_M, window, n_out, n_in, n_tiles,
+                  qk_scale, SUB_M, BLOCK_N, HEAD_D, STAGES, 4, STORE_LSE, 1, PIPE, 0)),
+                (_consumer_pp_or_drain,
+                 (N, o_desc, lse_ptr, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty,
+                  v_empty, turn, q_row + 2 * SUB_M, m0 + 2 * SUB_M, window, n_out, n_in,
+                  n_tiles, qk_scale, SUB_M, BLOCK_N, HEAD_D, STAGES, 4, STORE_LSE, 2, PIPE, 0)),
+                (_producer_pp, (q1_desc, q2_desc, k1_desc, k2_desc, v_desc, q_smem, k_smem,
+                                v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, q_row,
+                                kv_row0, n_out, n_in, n_tiles, BLOCK_N, STAGES, SPLIT, q_last)),
             ],
             [4, 4, 1],
             [SPLIT3_REGS, SPLIT3_REGS, 24],  # the default partition gets 168
@@ -601,9 +629,9 @@ def rerope_fwd_twice_pp_kernel(q1_desc, q2_desc, k1_desc, k2_desc, v_desc, o_des
 #   U: outside steps, then inside steps with t < n_full: _tile, unmasked, Q2 / Q1 chosen
 #      once per walk (an outer 2-trip loop, so the body is compiled once);
 #   M: its diagonal steps (t >= n_full, keep i - j >= 0), then the band visits: per step at run
-#      time its Q, mask bounds and its own i - j range over the tile decide: skip (nothing of the
-#      tile is kept for these rows: wait for the slot, release it), unmasked or masked
-#      (_softmax_rt, -inf-safe).
+#   time its Q, mask bounds and its own i - j range over the tile decide: skip (nothing of the
+#   tile is kept for these rows: wait for the slot, release it), unmasked or masked
+#   (_softmax_rt, -inf-safe).
 @gluon.jit
 def _producer_lean(q1_desc, q2_desc, k1_desc, k2_desc, v_desc, q_smem, k_smem, v_smem, q_bar,
                    k_ready, v_ready, kv_empty, q_row, kv_row0, n_out, n_in, n_tiles,
@@ -619,8 +647,8 @@ def _producer_lean(q1_desc, q2_desc, k1_desc, k2_desc, v_desc, q_smem, k_smem, v
         _load_kv(t, t, k2_desc, v_desc, k_smem, v_smem, k_ready, v_ready, kv_empty, kv_row0,
                  BLOCK_N, STAGES)
     for t in range(n_in, n_tiles):  # inside: K1
-        _load_kv(n_out + t - n_in, t, k1_desc, v_desc, k_smem, v_smem, k_ready, v_ready, kv_empty,
-                 kv_row0, BLOCK_N, STAGES)
+        _load_kv(n_out + t - n_in, t, k1_desc, v_desc, k_smem, v_smem, k_ready, v_ready,
+                 kv_empty, kv_row0, BLOCK_N, STAGES)
     n_u = n_out + n_tiles - n_in
     for jj in range(0, 2 * (n_in - n_out)):  # band tiles, twice: K2 then K1
         t = n_out + jj // 2
@@ -656,9 +684,9 @@ def _consumer_lean(o_desc, lse_ptr, q_smem, k_smem, v_smem, q_bar, k_ready, v_re
         q_tile = q_smem.index(2 * ME + r)
         k_off = (n_out - n_in) * r
         for t in range(n_in * r, n_out + (n_full - n_out) * r):
-            acc, m_i, l_i = _tile(t + k_off, acc, m_i, l_i, q_tile, k_smem, v_smem,
-                                        k_ready, v_ready, kv_empty, kv_empty, m0, qk_scale,
-                                        BLOCK_M, BLOCK_N, STAGES, False, s_layout, o_layout, 0, 0)
+            acc, m_i, l_i = _tile(t + k_off, acc, m_i, l_i, q_tile, k_smem, v_smem, k_ready,
+                                  v_ready, kv_empty, kv_empty, m0, qk_scale, BLOCK_M, BLOCK_N,
+                                  STAGES, False, s_layout, o_layout, 0, 0)
     # M: diagonal steps j < n_diag (tile n_full + j, Q1, keep i - j >= 0), then the band visits
     p_rows_hi: gl.constexpr = BLOCK_M - 1
     n_diag = n_tiles - n_full
@@ -687,14 +715,15 @@ def _consumer_lean(o_desc, lse_ptr, q_smem, k_smem, v_smem, q_bar, k_ready, v_re
             q_tile = q_smem.index(2 * ME + ins)
             mbarrier.wait(k_ready.index(s), phase)
             k_tile = k_smem.index(s)
-            qk = warpgroup_mma(q_tile, k_tile.permute((1, 0)), zero, use_acc=False, is_async=True)
+            qk = warpgroup_mma(q_tile, k_tile.permute((1, 0)), zero, use_acc=False,
+                               is_async=True)
             qk, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=(qk, q_tile, k_tile))
             p, m_i, l_i, alpha = _softmax_rt(qk, m_i, l_i, t, m0, masked, lo, hi, qk_scale,
                                              BLOCK_M, BLOCK_N, s_layout)
             acc = _pv_and_free(acc, p, alpha, v_smem, v_ready, kv_empty, s, phase, o_layout)
 
-    _epilogue(acc, m_i, l_i, q_smem.index(2 * ME + 1), o_desc, lse_ptr, q_row, BLOCK_M, STORE_LSE,
-              s_layout, o_layout)
+    _epilogue(acc, m_i, l_i, q_smem.index(2 * ME + 1), o_desc, lse_ptr, q_row, BLOCK_M,
+              STORE_LSE, s_layout, o_layout)
 
 
 @gluon.jit
@@ -706,17 +735,17 @@ def _consumer_lean_or_drain(N, o_desc, lse_ptr, q_smem, k_smem, v_smem, q_bar, k
     else _drain over the walk's n_tiles + n_in - n_out steps (partition 0 always
     computes, so every step's V is waited for before its slot is refilled)."""
     if m0 < N:
-        _consumer_lean(o_desc, lse_ptr, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty,
-                       q_row, m0, window, n_out, n_in, n_tiles, qk_scale, BLOCK_M, BLOCK_N,
-                       HEAD_D, STAGES, STORE_LSE, ME)
+        _consumer_lean(o_desc, lse_ptr, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready,
+                       kv_empty, q_row, m0, window, n_out, n_in, n_tiles, qk_scale, BLOCK_M,
+                       BLOCK_N, HEAD_D, STAGES, STORE_LSE, ME)
     else:
         _drain(k_ready, kv_empty, n_tiles + n_in - n_out, STAGES)
 
 
 @gluon.jit(do_not_specialize=["window"])
-def rerope_fwd_lean_kernel(q1_desc, q2_desc, k1_desc, k2_desc, v_desc, o_desc, lse_ptr, N, window,
-                           qk_scale, group, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                           HEAD_D: gl.constexpr, STAGES: gl.constexpr,
+def rerope_fwd_lean_kernel(q1_desc, q2_desc, k1_desc, k2_desc, v_desc, o_desc, lse_ptr, N,
+                           window, qk_scale, group, BLOCK_M: gl.constexpr,
+                           BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
                            CONSUMER_WARPS: gl.constexpr, STORE_LSE: gl.constexpr,
                            SPLIT: gl.constexpr):
     """LEAN walk (config[6] == 2), SPLIT=3 only (BLOCK_M 192, three 4-warp consumers of 64 rows,
@@ -737,19 +766,19 @@ def rerope_fwd_lean_kernel(q1_desc, q2_desc, k1_desc, k2_desc, v_desc, o_desc, l
     gl.warp_specialize(
         [
             (_consumer_lean, (o_desc, lse_ptr, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready,
-                              kv_empty, q_row, m0, window, n_out, n_in, n_tiles, qk_scale, SUB_M,
-                              BLOCK_N, HEAD_D, STAGES, STORE_LSE, 0)),
-            (_consumer_lean_or_drain, (N, o_desc, lse_ptr, q_smem, k_smem, v_smem, q_bar, k_ready,
-                                       v_ready, kv_empty, q_row + SUB_M, m0 + SUB_M, window,
-                                       n_out, n_in, n_tiles, qk_scale, SUB_M, BLOCK_N, HEAD_D,
-                                       STAGES, STORE_LSE, 1)),
-            (_consumer_lean_or_drain, (N, o_desc, lse_ptr, q_smem, k_smem, v_smem, q_bar, k_ready,
-                                       v_ready, kv_empty, q_row + 2 * SUB_M, m0 + 2 * SUB_M,
-                                       window, n_out, n_in, n_tiles, qk_scale, SUB_M, BLOCK_N,
-                                       HEAD_D, STAGES, STORE_LSE, 2)),
-            (_producer_lean, (q1_desc, q2_desc, k1_desc, k2_desc, v_desc, q_smem, k_smem, v_smem,
-                              q_bar, k_ready, v_ready, kv_empty, q_row, kv_row0, n_out, n_in,
-                              n_tiles, BLOCK_N, STAGES, SPLIT, q_last)),
+                              kv_empty, q_row, m0, window, n_out, n_in, n_tiles, qk_scale,
+                              SUB_M, BLOCK_N, HEAD_D, STAGES, STORE_LSE, 0)),
+            (_consumer_lean_or_drain,
+             (N, o_desc, lse_ptr, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty,
+              q_row + SUB_M, m0 + SUB_M, window, n_out, n_in, n_tiles, qk_scale, SUB_M, BLOCK_N,
+              HEAD_D, STAGES, STORE_LSE, 1)),
+            (_consumer_lean_or_drain,
+             (N, o_desc, lse_ptr, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty,
+              q_row + 2 * SUB_M, m0 + 2 * SUB_M, window, n_out, n_in, n_tiles, qk_scale, SUB_M,
+              BLOCK_N, HEAD_D, STAGES, STORE_LSE, 2)),
+            (_producer_lean, (q1_desc, q2_desc, k1_desc, k2_desc, v_desc, q_smem, k_smem,
+                              v_smem, q_bar, k_ready, v_ready, kv_empty, q_row, kv_row0, n_out,
+                              n_in, n_tiles, BLOCK_N, STAGES, SPLIT, q_last)),
         ],
         [4, 4, 1],
         [SPLIT3_REGS, SPLIT3_REGS, 24],  # the default partition gets 168
@@ -773,13 +802,14 @@ def _gl_dtype(torch_dtype):
 
 
 def check_n(N, config):
-    """The sequence lengths a config takes (plain and ReRoPE wrappers): N % BLOCK_M == 0 and
-    N % BLOCK_N == 0; SPLIT=3 (BLOCK_M 192, three 4-warp consumers) only N % 64 == 0 and
-    N % BLOCK_N == 0, i.e. the same N as the 128-row configs: the grid is cdiv(N, 192) and in the
-    last block a 64-row sub-tile past N drains the ring (_drain) instead of computing."""
+    """The sequence lengths a config takes (plain and ReRoPE wrappers): N % BLOCK_M == 0 and N %
+    BLOCK_N == 0; SPLIT=3 (BLOCK_M 192, three 4-warp consumers) only N % 64 == 0 and N % BLOCK_N
+    == 0, i.e. the same N as the 128-row configs: the grid is cdiv(N, 192) and in the last block
+    a 64-row sub-tile past N drains the ring (_drain) instead of computing."""
     BLOCK_M, BLOCK_N, _, CONSUMER_WARPS, SPLIT = config[:5]
     if SPLIT == 3:
-        assert CONSUMER_WARPS == 4 and BLOCK_M == 192, "SPLIT=3: three 4-warp consumers of 64 rows"
+        assert CONSUMER_WARPS == 4 and BLOCK_M == 192, \
+            "SPLIT=3: three 4-warp consumers of 64 rows"
         assert N % (BLOCK_M // SPLIT) == 0 and N % BLOCK_N == 0, \
             f"SPLIT=3: N must be a multiple of {BLOCK_N}"
     else:
