@@ -15,9 +15,9 @@ fp32 on the CPU). On the CPU every Triton launch of the package is skipped
 the kernels; on a GPU the kernels run and a step ends with a synchronisation.
 
 ``--impl stock_sdpa_flash``: the yardstick, the same loop through transformers'
-``sdpa_attention_forward`` under SDPA's FlashAttention-2 backend (no mask function: the stock
-model's mask for one new token is not timed), so that one call measures what a layer costs
-each way.
+``sdpa_attention_forward`` under SDPA's FlashAttention-2 backend, after transformers'
+``sdpa_mask`` (the stock model's mask function; like ReRoPE's it reads the padding mask on the
+host, one sync per step), so that one call measures what a layer costs each way.
 
 Reports ``us_per_step`` (median over ``--steps``), ``us_per_layer`` (= step / layers),
 ``us_mask`` (the mask function), ``us_first_layer`` / ``us_other_layers`` (where a new cache length costs more), and the decode
@@ -46,11 +46,26 @@ class _Layer(torch.nn.Module):
     num_key_value_groups = 4
 
 
+def _stock_mask(n, attention_mask, device):
+    """transformers' ``sdpa_mask`` for one new token after ``n - 1`` cached ones (the stock
+    model's mask function for SDPA; ``q_length`` in recent 5.x releases, ``cache_position``
+    in earlier ones)."""
+    from transformers.masking_utils import causal_mask_function, sdpa_mask
+
+    try:
+        return sdpa_mask(1, q_length=1, kv_length=n, q_offset=n - 1,
+                         mask_function=causal_mask_function, attention_mask=attention_mask,
+                         device=device)
+    except TypeError:
+        return sdpa_mask(1, cache_position=torch.tensor([n - 1], device=device), kv_length=n,
+                         mask_function=causal_mask_function, attention_mask=attention_mask)
+
+
 def run(device="cpu", layers=16, steps=32, context=1024, heads=32, kv_heads=8, head_dim=64,
         window=256, impl="rerope"):
     """One run; ``impl`` ``"rerope"`` (ReRoPE's mask and attention functions) or
-    ``"stock_sdpa_flash"`` (transformers' ``sdpa_attention_forward`` under SDPA's
-    FlashAttention-2 backend, no mask function: what the stock model calls per layer)."""
+    ``"stock_sdpa_flash"`` (transformers' ``sdpa_mask``, then its ``sdpa_attention_forward``
+    under SDPA's FlashAttention-2 backend: what the stock model calls per step and layer)."""
     import rerope.hf as hf
     from rerope import decode
 
@@ -92,6 +107,8 @@ def run(device="cpu", layers=16, steps=32, context=1024, heads=32, kv_heads=8, h
         if impl == "rerope":
             rows = hf.rerope_mask(1, q_length=1, kv_length=n, q_offset=n - 1,
                                   attention_mask=mask.bool())
+        else:                 # what the stock model's mask costs (it syncs once too)
+            _stock_mask(n, mask.bool(), device)
         marks = [time.perf_counter()]
         with sdpa_backends(impl):
             for cache in caches:
