@@ -9,8 +9,10 @@
 * GPU (``-m gpu``, on an sm_90 GPU with Triton 3.6): the float64 oracle grid through
   ``rerope_attention`` with the Gluon forward (output, log-sum-exp and the five gradients, whose
   backward reads the Gluon forward's output and log-sum-exp), window boundaries, GQA, batch > 1,
-  fp16 and bf16, D 64 and 128; the calls it must leave to the Triton kernels; and the Gluon and
-  Triton forwards side by side on the benchmark's shape.
+  fp16 and bf16, D 64 and 128; ``rerope.rerope`` through it (raw and rotated ``q, k``, Leaky,
+  log-n) against the relative-position oracle; the calls it must leave to the Triton kernels;
+  a plan's bound launch on fresh data; and the Gluon and Triton forwards side by side on the
+  benchmark's shape.
 """
 
 import sys
@@ -18,6 +20,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+import triton
 
 import rerope
 from rerope import configs, hopper
@@ -41,7 +44,7 @@ def _tensors(n, d=64, dtype=torch.float16, hq=2, hkv=2, batch=1, device="cpu"):
 
 def test_available_says_why():
     ok, why = hopper.available()
-    series = hopper._series(__import__("triton").__version__)
+    series = hopper._series(triton.__version__)
     assert ok == (series == hopper.TRITON_SERIES and "rerope.hopper.kernels" in sys.modules)
     assert isinstance(why, str) and why
     if series != hopper.TRITON_SERIES:
@@ -133,7 +136,7 @@ def test_cross_compile_sm90(tmp_path):
     issue wgmma and TMA copies."""
     from rerope_testing import cross_compile
 
-    if hopper._series(__import__("triton").__version__) != hopper.TRITON_SERIES:
+    if hopper._series(triton.__version__) != hopper.TRITON_SERIES:
         pytest.skip("the Gluon kernels are written for Triton 3.6 (make test-floor)")
     lines = cross_compile(tmp_path, CROSS_COMPILE)
     assert len(lines) == 2 * len(hopper.CONFIGS), lines
