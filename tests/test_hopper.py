@@ -75,6 +75,7 @@ def test_what_it_leaves_to_triton_on_this_gpu():
     assert not hopper.applies(*_tensors(256, dtype=torch.float32, device="cuda"), True, config)
     assert not hopper.applies(*_tensors(256, device="cuda"), True, replace(config, gluon=False))
     assert not hopper.applies(*_tensors(256, device="cuda"), True, configs.current())  # too short
+    assert not hopper.applies(*_tensors(256, batch=0, device="cuda"), True, config)   # empty
     q1, q2, k1, k2, v = _tensors(256, device="cuda")
     assert not hopper.applies(q1.transpose(2, 3).contiguous().transpose(2, 3), q2, k1, k2, v,
                               True, config)                                       # layout

@@ -81,7 +81,8 @@ def applies(q1, q2, k1, k2, v, causal, config):
     if q1.dtype not in (torch.float16, torch.bfloat16) or head_dim not in CONFIGS:
         return False
     min_keys = MIN_KEYS[head_dim] if config.gluon_min_keys is None else config.gluon_min_keys
-    if n % ROWS or n < min_keys or k1.shape[2] != n:
+    if (n % ROWS or n < min_keys or k1.shape[2] != n or not q1.numel()
+            or batch * heads * n >= 2**31):  # TMA coordinates and row offsets are int32
         return False
     if not all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in (q1, q2, k1, k2, v)):
         return False
