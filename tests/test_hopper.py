@@ -23,7 +23,7 @@ import torch
 import triton
 
 import rerope
-from rerope import configs, hopper
+from rerope import attention, configs, hopper, reference
 from rerope_testing import (close_problems, error_stats, kernel_results, make_inputs, randn,
                             reference_results, results_problems, tolerance, true_float32)
 
@@ -34,9 +34,8 @@ def _hopper_here():
 
 
 def _tensors(n, d=64, dtype=torch.float16, hq=2, hkv=2, batch=1, device="cpu"):
-    gen = torch.Generator().manual_seed(0)
-    shapes = [(batch, hq, n, d)] * 2 + [(batch, hkv, n, d)] * 3
-    return [randn(gen, *s, dtype=dtype, device=device) for s in shapes]
+    return make_inputs(torch.Generator().manual_seed(0), batch, hq, hkv, n, d, dtype,
+                       device=device)[0]
 
 
 # --- everywhere -------------------------------------------------------------------------------
@@ -93,6 +92,43 @@ def test_switch(monkeypatch):
         configs.Config(gluon="yes")
     with pytest.raises(ValueError, match="gluon_min_keys"):
         configs.Config(gluon_min_keys=-1)
+
+
+def test_fused_branch_turns_the_operands(monkeypatch):
+    """``rerope.rerope``'s way into the Gluon forward, on any machine: with ``hopper.plan``
+    standing in a forward that runs the Triton five-tensor kernel, each product's operands
+    turned once give ``rerope``'s own result (raw and rotated, Leaky, log-n, GQA), also on a
+    plan's later calls (the kept turn), and the backward on that output is the oracle's."""
+    from rerope_testing import (FusedCase, fused_inputs, fused_results, fused_settings,
+                                oracle_results)
+
+    calls = []
+
+    def plan(q1, q2, k1, k2, v, window, causal, sm_scale, config):
+        if not config.gluon:
+            return False
+        five = replace(config, gluon=False)
+
+        def forward(*tensors):
+            calls.append(tuple(t.shape for t in tensors))
+            return attention.rerope_forward(*tensors, window, causal, sm_scale, config=five)
+        return forward
+
+    monkeypatch.setattr(hopper, "plan", plan)
+    attention.PLANS.clear()
+    cases = [FusedCase(24, 24, 7, dtype=torch.float32, hq=4, hkv=2),
+             FusedCase(24, 24, 5, rotated=True, dtype=torch.float32, hq=2, hkv=1,
+                       leaky=4.0, logn_len=8.0)]
+    gen = torch.Generator().manual_seed(3)
+    for case in cases:
+        for call in range(2):
+            leaves, dout = fused_inputs(gen, case)
+            got = fused_results(leaves, dout, case.window, **fused_settings(case))
+            want = oracle_results(leaves, dout, case.window, **fused_settings(case))
+            problems = results_problems(got, want, tolerance(case.dtype))
+            assert not problems, f"{case.id()}, call {call}: " + "\n".join(problems)
+    assert len(calls) == 4 and all(len(c) == 5 for c in calls)
+    attention.PLANS.clear()
 
 
 # --- cross-compiling for sm_90 ------------------------------------------------------------------
@@ -188,22 +224,10 @@ def test_oracle_grid(n, window, d, dtype, batch, hq, hkv, gluon_calls):
     assert not problems, "\n".join(problems)
     with torch.no_grad():
         out, lse = rerope.rerope_attention(*tensors, window, return_lse=True)
-    ref_lse = _reference_lse(tensors, window)
+    _, ref_lse = reference.rerope_attention_with_lse(*(t.detach().double() for t in tensors),
+                                                     window)
     assert (lse.double() - ref_lse).abs().max().item() < 2e-2
     assert torch.equal(out, got["out"])
-
-
-def _reference_lse(tensors, window):
-    q1, q2, k1, k2, v = (t.detach().double() for t in tensors)
-    group = q1.shape[1] // k1.shape[1]
-    k1, k2 = (k.repeat_interleave(group, 1) for k in (k1, k2))
-    n = q1.shape[2]
-    i = torch.arange(n, device=q1.device)
-    d = i[:, None] - i[None, :]
-    scale = q1.shape[-1] ** -0.5
-    s = torch.where(d < window, q1 @ k1.transpose(-1, -2), q2 @ k2.transpose(-1, -2)) * scale
-    s = s.masked_fill(d < 0, float("-inf"))
-    return torch.logsumexp(s, -1)
 
 
 @pytest.mark.gpu

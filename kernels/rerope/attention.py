@@ -108,15 +108,14 @@ class PlanState:
     forward (:func:`_forward_call`) per pre-turn choice. ``backward``: a
     :class:`BackwardState` per layout of ``dout`` (:func:`rerope.launch.signature`).
     ``launchers``: the forward's bound launches, per launch site and constexprs
-    (:func:`_bound`, :func:`rerope.launch.kept_launcher`). ``gluon``: the forward's
-    :class:`rerope.hopper.Forward` where the Gluon kernels run it, else ``False``
-    (:func:`rerope.hopper.plan`; the fused form turns its operands once first)."""
+    (:func:`_bound`, :func:`rerope.launch.kept_launcher`). ``gluon``: the forward through
+    the Gluon kernels where they run it, else ``False`` (:func:`_gluon_plan`)."""
 
     heads_first: Optional[bool] = None
     preturn_keys: Optional[bool] = None
     preturn_backward: Optional[bool] = None
     tma: Optional[bool] = None
-    gluon: object = None     # rerope.hopper.Forward or False
+    gluon: object = None     # a callable (see _gluon_plan) or False
     forward_calls: dict = field(default_factory=dict)
     backward: dict = field(default_factory=dict)
     launchers: dict = field(default_factory=dict)
@@ -379,13 +378,10 @@ def rerope_forward(q1, q2, k1, k2, v, window, causal, sm_scale, operands=None, p
         if call is not None:
             return call(q1, q2, k1, k2, v)
     config = config or configs.current()
-    gluon = _decided(state, "gluon", lambda: hopper.plan(
-        q1, q2, k1, k2, v, window, causal, sm_scale, config))
+    gluon = _decided(state, "gluon", lambda: _gluon_plan(
+        q1, q2, k1, k2, v, window, causal, sm_scale, config, operands,
+        None if state is None else state.launchers))
     if gluon:                             # the Gluon forward on Hopper (rerope.hopper)
-        if fused:    # the fused form: each product's operands turned once, five tensors
-            turn = _operand_turns(operands, 0, _has_outside(k1.shape[2], window),
-                                  None if state is None else state.launchers)
-            q1, q2, k1, k2 = turn(q1, k1)
         return gluon(q1, q2, k1, k2, v)
     batch, n_heads, n_q, head_dim = q1.shape
     n_k = k1.shape[2]
@@ -418,6 +414,29 @@ def rerope_forward(q1, q2, k1, k2, v, window, causal, sm_scale, operands=None, p
         state.forward_calls[pre] = _forward_call(launcher, out, lse, keys, turn_tables,
                                                  tuple(args[7:]), launchers)
     return out, lse
+
+
+def _gluon_plan(q1, q2, k1, k2, v, window, causal, sm_scale, config, operands, launchers):
+    """The forward through the Gluon kernels where :func:`rerope.hopper.plan` says they run
+    it (else ``False``): its :class:`rerope.hopper.Forward` for the five-tensor form; for the
+    fused form (``operands``) a call that first turns each product's operands once
+    (:func:`_operand_turns`, the pre-turned backward's pass) and runs the five-tensor kernel on
+    them, the turn kept for the first call's layout, bound, as the backward keeps its own."""
+    forward = hopper.plan(q1, q2, k1, k2, v, window, causal, sm_scale, config)
+    if not forward or operands is None:
+        return forward
+    outside = _has_outside(k1.shape[2], window)
+    kept = []
+
+    def call(q, _q, k, _k, v):
+        if kept:
+            return forward(*kept[0](q, k), v)
+        turned = _operand_turns(operands, 0, outside, launchers)(q, k)
+        if launchers is not None:           # for the plan's later calls: kept, bound
+            kept.append(_operand_turns(operands, 0, outside, launchers, (q, k)))
+        return forward(*turned, v)
+
+    return call
 
 
 def _has_outside(n_k, window):

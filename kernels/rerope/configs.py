@@ -114,8 +114,8 @@ class Config:
     * ``preturn_bwd_max_bytes`` (``REROPE_PRETURN_BWD_MAX_BYTES``, unset by default): the most
       extra bytes the pre-turned backward may spend, or None (a sixteenth of the GPU's memory).
     * ``gluon`` (``REROPE_GLUON``, a boolean, default on): on an sm_90 GPU with Triton 3.6, run
-      ``rerope_attention``'s forward with the warp-specialised Gluon kernels where they apply
-      (:mod:`rerope.hopper`); off, the Triton kernels everywhere.
+      the forward of ``rerope_attention`` and ``rerope`` with the warp-specialised Gluon kernels
+      where they apply (:mod:`rerope.hopper`); off, the Triton kernels everywhere.
 
     The thresholds below have no environment variable; they were measured on an H200
     (``perf/NOTES.md``) and are fields so that tests and measurements can move them:
