@@ -56,6 +56,14 @@ def test_series(version, series):
     assert hopper._series(version) == series
 
 
+def test_source_reads_the_file():
+    """The book's listings: a kernel function's text, read without importing Gluon."""
+    text = hopper.source("_step_pp")
+    assert text.startswith("@gluon.jit\ndef _step_pp(") and "return t, ins, masked, lo, hi" in text
+    with pytest.raises(ValueError, match="no top-level function 'nope'"):
+        hopper.source("nope")
+
+
 def test_not_on_cpu_tensors():
     assert not hopper.applies(*_tensors(256), True, configs.current())
 
