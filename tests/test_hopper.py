@@ -100,26 +100,41 @@ def test_switch(monkeypatch):
         configs.Config(gluon="yes")
     with pytest.raises(ValueError, match="gluon_min_keys"):
         configs.Config(gluon_min_keys=-1)
+    with pytest.raises(ValueError, match="gluon_turn_queries"):
+        configs.Config(gluon_turn_queries=1)
+    assert configs.Config().gluon_turn_queries is False
 
 
-def test_fused_branch_turns_the_operands(monkeypatch):
+@pytest.mark.parametrize("in_kernel", [False, True], ids=["turned", "queries_in_kernel"])
+def test_fused_branch_turns_the_operands(in_kernel, monkeypatch):
     """``rerope.rerope``'s way into the Gluon forward, on any machine: with ``hopper.plan``
-    standing in a forward that runs the Triton five-tensor kernel, each product's operands
-    turned once give ``rerope``'s own result (raw and rotated, Leaky, log-n, GQA), also on a
-    plan's later calls (the kept turn), and the backward on that output is the oracle's."""
+    standing in a forward that runs the Triton five-tensor kernel, the operands turned once by
+    the plan give ``rerope``'s own result (raw and rotated, Leaky, log-n, GQA), also on a
+    plan's later calls (the kept turn), and the backward on that output is the oracle's. With
+    ``gluon_turn_queries`` the plan turns only the keys and the stand-in turns the queries as
+    its ``q_turn`` says (what the kernel does per tile, here by ``turn_operands``)."""
+    from rerope.rotary import turn_operands
     from rerope_testing import (FusedCase, fused_inputs, fused_results, fused_settings,
                                 oracle_results)
 
     calls = []
 
-    def plan(q1, q2, k1, k2, v, window, causal, sm_scale, config):
+    def plan(q1, q2, k1, k2, v, window, causal, sm_scale, config, q_turn=None):
         if not config.gluon:
             return False
+        assert (q_turn is not None) == in_kernel and q1 is q2
         five = replace(config, gluon=False)
 
-        def forward(*tensors):
-            calls.append(tuple(t.shape for t in tensors))
-            return attention.rerope_forward(*tensors, window, causal, sm_scale, config=five)
+        def forward(q1, q2, k1, k2, v):
+            calls.append(tuple(t.shape for t in (q1, q2, k1, k2, v)))
+            if q_turn is not None:
+                assert q2 is q1
+                (first, second, logn), (tab1, off1, tab2, off2, factor) = q_turn
+                assert logn == (factor != 0.0)
+                q1, q2 = turn_operands(q1, (tab1, off1, *first), (tab2, off2, *second), 0,
+                                       factor)
+            return attention.rerope_forward(q1, q2, k1, k2, v, window, causal, sm_scale,
+                                            config=five)
         return forward
 
     monkeypatch.setattr(hopper, "plan", plan)
@@ -131,7 +146,8 @@ def test_fused_branch_turns_the_operands(monkeypatch):
     for case in cases:
         for call in range(2):
             leaves, dout = fused_inputs(gen, case)
-            got = fused_results(leaves, dout, case.window, **fused_settings(case))
+            with configs.using(gluon_turn_queries=in_kernel):
+                got = fused_results(leaves, dout, case.window, **fused_settings(case))
             want = oracle_results(leaves, dout, case.window, **fused_settings(case))
             problems = results_problems(got, want, tolerance(case.dtype))
             assert not problems, f"{case.id()}, call {call}: " + "\n".join(problems)
@@ -150,10 +166,15 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from rerope import hopper
 from rerope.hopper import kernels
 
+# the five tensors as given (q_turn None), and rerope's queries turned in the kernel: rotated
+# inputs (the outside product's turn and shift) and raw ones with log-n (both products turn)
+Q_TURNS = {torch.float16: [None, ((False, False), (True, True), False)],
+           torch.bfloat16: [None, ((True, False), (False, True), True)]}
+f32 = torch.empty(8, dtype=torch.float32)
 for d, config in sorted(hopper.CONFIGS.items()):
     block_m, block_n, stages, warps, split, pipe, walk, pingpong = config
     fn = kernels.rerope_fwd_lean_kernel if walk == 2 else kernels.rerope_fwd_twice_pp_kernel
-    for dtype in (torch.float16, torch.bfloat16):
+    for dtype, q_turn in [(t, f) for t, flags in Q_TURNS.items() for f in flags]:
         gdt = kernels._gl_dtype(dtype)
         t = torch.empty((1024, d), dtype=dtype)
         q = mangle_type(TensorDescriptor.from_tensor(
@@ -161,34 +182,43 @@ for d, config in sorted(hopper.CONFIGS.items()):
         kv = mangle_type(TensorDescriptor.from_tensor(
             t, [block_n, d], kernels.smem_layout([block_n, d], gdt)))
         constexprs = dict(BLOCK_M=block_m, BLOCK_N=block_n, HEAD_D=d, STAGES=stages,
-                          CONSUMER_WARPS=warps, STORE_LSE=True, SPLIT=split)
+                          CONSUMER_WARPS=warps, STORE_LSE=True, SPLIT=split, Q_TURN=q_turn)
         if walk != 2:
             constexprs.update(PIPE=pipe, PINGPONG=pingpong)
         types = dict(q1_desc=q, q2_desc=q, k1_desc=kv, k2_desc=kv, v_desc=kv, o_desc=q,
                      lse_ptr="*fp32", N="i32", window="i32", qk_scale="fp32", group="i32")
+        if q_turn is None:
+            constexprs["q_turn"] = None
+        else:
+            types["q_turn"] = mangle_type((f32, f32, f32, f32, 0.5))
         signature = {a: types.get(a, "constexpr") for a in fn.arg_names}
         src = GluonASTSource(fn, signature, constexprs={
             (fn.arg_names.index(k),): v for k, v in constexprs.items()})
         k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
         ptx = k.asm["ptx"]
-        print(d, str(dtype), k.metadata.shared, ptx.count("wgmma.mma_async"),
-              ptx.count("cp.async.bulk.tensor"), flush=True)
+        print(d, str(dtype), q_turn is not None, k.metadata.shared,
+              ptx.count("wgmma.mma_async"), ptx.count("cp.async.bulk.tensor"), flush=True)
 '''
 
 
 def test_cross_compile_sm90(tmp_path):
-    """Both production kernels compile for sm_90 in fp16 and bf16, fit its shared memory and
-    issue wgmma and TMA copies."""
+    """Both production kernels compile for sm_90 in fp16 and bf16, with the five tensors as
+    given and with ``rerope``'s queries turned in the kernel (``Q_TURN``: rotated; raw with
+    log-n), fit its shared memory and issue wgmma and TMA copies (fewer with ``Q_TURN``: one
+    Q tile a partition, not two)."""
     from rerope_testing import cross_compile
 
     if hopper._series(triton.__version__) != hopper.TRITON_SERIES:
         pytest.skip("the Gluon kernels are written for Triton 3.6 (make test-floor)")
     lines = cross_compile(tmp_path, CROSS_COMPILE)
-    assert len(lines) == 2 * len(hopper.CONFIGS), lines
+    assert len(lines) == 4 * len(hopper.CONFIGS), lines
+    copies = {}
     for line in lines:
-        d, dtype, shared, wgmma, tma = line.split()
+        d, dtype, turned, shared, wgmma, tma = line.split()
         assert int(shared) <= 232448, line            # sm_90: 227 KiB a block
         assert int(wgmma) > 0 and int(tma) > 0, line
+        copies.setdefault(d, {})[turned] = int(tma)
+    assert all(c["True"] < c["False"] for c in copies.values()), copies
 
 
 # --- on an sm_90 GPU --------------------------------------------------------------------------
@@ -315,21 +345,25 @@ def _fused_grid():
             FusedCase(256, 256, 64, rotated=True, dtype=f16, d=128, hq=2, hkv=2, leaky=4.0,
                       logn_len=128.0),
             FusedCase(384, 384, 1, dtype=bf16, d=128, hq=3, hkv=1, leaky=16.0),
-            FusedCase(256, 256, 500, rotated=True, dtype=f16, d=64, hq=2, hkv=1)]
+            FusedCase(256, 256, 500, rotated=True, dtype=f16, d=64, hq=2, hkv=1),
+            FusedCase(512, 512, 200, dtype=bf16, d=64, batch=2, hq=2, hkv=2, logn_len=64.0)]
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _hopper_here(), reason="needs an sm_90 GPU and Triton 3.6")
+@pytest.mark.parametrize("in_kernel", [False, True], ids=["turned", "queries_in_kernel"])
 @pytest.mark.parametrize("case", _fused_grid(), ids=lambda c: c.id())
-def test_fused_oracle(case, gluon_calls):
+def test_fused_oracle(case, in_kernel, gluon_calls):
     """``rerope.rerope`` (raw or rotated ``q, k``, Leaky ReRoPE, log-n, GQA, w = 1, w >= N)
-    through the Gluon forward after the operands' turn, and the Triton backward on its output
-    and log-sum-exp: against the float64 relative-position oracle."""
+    through the Gluon forward (its operands turned by a pass; with ``gluon_turn_queries`` the
+    keys by a pass, the queries in the kernel), and the Triton backward on its output and
+    log-sum-exp: against the float64 relative-position oracle."""
     from rerope_testing import fused_inputs, fused_results, fused_settings, oracle_results
 
     gen = torch.Generator().manual_seed(case.n_q + case.window)
     leaves, dout = fused_inputs(gen, case, device="cuda")
-    got = fused_results(leaves, dout, case.window, **fused_settings(case))
+    with configs.using(gluon_turn_queries=in_kernel):
+        got = fused_results(leaves, dout, case.window, **fused_settings(case))
     assert gluon_calls, "the Gluon forward did not run"
     want = oracle_results(leaves, dout, case.window, **fused_settings(case))
     problems = results_problems(got, want, tolerance(case.dtype, "gpu"))

@@ -183,6 +183,32 @@ def test_turn_operands_queries_are_rope_at_each_products_angle(rotated, logn_len
         torch.testing.assert_close(got.double(), want, rtol=0, atol=2e-5)
 
 
+@pytest.mark.parametrize("heads_per_program", [2, 4])
+def test_turn_kernel_several_heads_a_program_bit_for_bit(heads_per_program, gen):
+    """``_turn_operands_kernel`` turning several heads a program (``HEADS``: the table rows
+    read once for all of them) writes what one head a program writes, bit for bit: both
+    products, log-n and a shift, batch 2 of 8 heads, a ragged last block of rows."""
+    import triton
+
+    from rerope.rotary import _turn_operands_kernel, logn_factor
+
+    case = C(23, 60, 9, rotated=True, leaky=4.0, logn_len=8.0)
+    ops = _rotations_for(case)
+    f = ops.flags
+    x = _place(randn(gen, 2, 8, 23, 32, dtype=F16), "transposed")
+    outs = {}
+    for group in (1, heads_per_program):
+        y1, y2 = torch.full_like(x, float("nan")), torch.full_like(x, float("nan"))
+        _turn_operands_kernel[(2 * 8 // group, triton.cdiv(23, 16))](
+            x, y1, y2, ops.tables, x.stride(), 8, 23, 60 - 23, logn_factor(8.0), HEAD_DIM=32,
+            BLOCK=16, HEADS=group, LOGN=True, FIRST=(f["TURN_IN"], f["SHIFT_IN"]),
+            SECOND=(f["TURN_OUT"], f["SHIFT_OUT"]))
+        outs[group] = (y1, y2)
+    for one, several in zip(outs[1], outs[heads_per_program]):
+        assert not one.isnan().any()
+        assert torch.equal(one, several)
+
+
 def test_preturn_policy_and_extra_bytes(gen):
     """The extra memory is one ``q``-sized tensor per product that changes its query operand and
     one ``k``-sized per product that turns keys; over the byte limit, or below

@@ -419,21 +419,38 @@ def rerope_forward(q1, q2, k1, k2, v, window, causal, sm_scale, operands=None, p
 def _gluon_plan(q1, q2, k1, k2, v, window, causal, sm_scale, config, operands, launchers):
     """The forward through the Gluon kernels where :func:`rerope.hopper.plan` says they run
     it (else ``False``): its :class:`rerope.hopper.Forward` for the five-tensor form; for the
-    fused form (``operands``) a call that first turns each product's operands once
-    (:func:`_operand_turns`, the pre-turned backward's pass) and runs the five-tensor kernel on
-    them, the turn kept for the first call's layout, bound, as the backward keeps its own."""
-    forward = hopper.plan(q1, q2, k1, k2, v, window, causal, sm_scale, config)
-    if not forward or operands is None:
-        return forward
+    fused form (``operands``) a call that first turns each product's operands once (the
+    pre-turned backward's pass, :func:`_operand_turns`) and runs the five-tensor kernel on
+    them; with ``config.gluon_turn_queries`` only the keys, the kernel turning the queries
+    (:func:`rerope.hopper.query_turn`). The turn is kept for the first call's layout, bound,
+    as the backward keeps its own."""
+    if operands is None:
+        return hopper.plan(q1, q2, k1, k2, v, window, causal, sm_scale, config)
     outside = _has_outside(k1.shape[2], window)
+    in_kernel = config.gluon_turn_queries
+    q_turns, k_turns = _turn_specs(operands, 0, outside)
+    forward = hopper.plan(q1, q2, k1, k2, v, window, causal, sm_scale, config,
+                          q_turn=(hopper.query_turn(q_turns[0], q_turns[1], q_turns[3])
+                                  if in_kernel else None))
+    if not forward:
+        return forward
+
+    def operands_of(like=None):
+        """``turn(q, k) -> (q1, q2, k1, k2)`` as the forward takes them (``like``: kept)."""
+        if not in_kernel:
+            return _operand_turns(operands, 0, outside, launchers, like)
+        turn_k = (kept_turn(like[1], *k_turns, launchers=launchers) if like is not None
+                  else lambda k: turn_operands(k, *k_turns, launchers=launchers))
+        return lambda q, k: (q, q, *turn_k(k))
+
     kept = []
 
     def call(q, _q, k, _k, v):
         if kept:
             return forward(*kept[0](q, k), v)
-        turned = _operand_turns(operands, 0, outside, launchers)(q, k)
+        turned = operands_of()(q, k)
         if launchers is not None:           # for the plan's later calls: kept, bound
-            kept.append(_operand_turns(operands, 0, outside, launchers, (q, k)))
+            kept.append(operands_of((q, k)))
         return forward(*turned, v)
 
     return call
@@ -572,6 +589,20 @@ def _operand_turns(operands, first_query, outside=True, launchers=None, like=Non
     ``launchers``: the plan's (bound launches). ``like``: ``(q, k)`` of the plan's call
     signature, for a turn kept for that layout (:func:`rerope.rotary.kept_turn`: build it
     after the plan's first turn, whose launches it then takes bound)."""
+    q_turns, k_turns = _turn_specs(operands, first_query, outside)
+    if like is not None:
+        turn_q = kept_turn(like[0], *q_turns, launchers=launchers)
+        turn_k = kept_turn(like[1], *k_turns, launchers=launchers)
+        return lambda q, k: (*turn_q(q), *turn_k(k))
+    return lambda q, k: (*turn_operands(q, *q_turns, launchers=launchers),
+                         *turn_operands(k, *k_turns, launchers=launchers))
+
+
+def _turn_specs(operands, first_query, outside):
+    """``(q_turns, k_turns)``: the arguments after the tensor of
+    :func:`rerope.rotary.turn_operands` for ``q`` (each product's ``(table, offset, turn,
+    shift)``, the first query's position, the log-n factor) and for ``k`` (no shift, no
+    log-n); the outside product's ``None`` where it has no tile (``outside``)."""
     tab_in, off_in, tab_out, off_out = operands.tables
     f = operands.flags
     q_turns = ((tab_in, off_in, f["TURN_IN"], f["SHIFT_IN"]),
@@ -579,12 +610,7 @@ def _operand_turns(operands, first_query, outside=True, launchers=None, like=Non
                first_query, operands.logn_factor)
     k_turns = ((tab_in, off_in, f["TURN_IN"], False),
                (tab_out, off_out, f["TURN_OUT"], False) if outside else None)
-    if like is not None:
-        turn_q = kept_turn(like[0], *q_turns, launchers=launchers)
-        turn_k = kept_turn(like[1], *k_turns, launchers=launchers)
-        return lambda q, k: (*turn_q(q), *turn_k(k))
-    return lambda q, k: (*turn_operands(q, *q_turns, launchers=launchers),
-                         *turn_operands(k, *k_turns, launchers=launchers))
+    return q_turns, k_turns
 
 
 def _backward_call(delta, turn, dkdv, dq, dq_first, dk_first):

@@ -125,6 +125,9 @@ class Config:
     * ``heads_first_max_keys``: up to this many keys, the kernels' grids put heads first.
     * ``gluon_min_keys``: the Gluon forward runs from this many keys on; ``None``: per head dim,
       as measured (:data:`rerope.hopper.MIN_KEYS`: below, it is no faster than Triton).
+    * ``gluon_turn_queries`` (default off): ``rerope``'s Gluon forward turns the queries in the
+      kernel (``rerope.hopper.query_turn``) instead of writing turned copies of ``q`` first;
+      built and cross-compiled for sm_90, not yet run on a GPU (``perf/NOTES.md`` v22).
 
     Booleans are ``0/1, true/false, yes/no, on/off`` in any case; an empty value counts as
     unset. Changing the environment after ``import rerope`` changes nothing.
@@ -138,12 +141,14 @@ class Config:
     heads_first_max_keys: int = 4096
     gluon: bool = True
     gluon_min_keys: Optional[int] = None
+    gluon_turn_queries: bool = False
 
     def __post_init__(self):
         if self.tma not in ("auto", "on", "off"):
             raise ValueError(f"Config.tma must be 'auto', 'on' or 'off', got {self.tma!r}")
-        if not isinstance(self.gluon, bool):
-            raise ValueError(f"Config.gluon must be a bool, got {self.gluon!r}")
+        for name in ("gluon", "gluon_turn_queries"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"Config.{name} must be a bool, got {getattr(self, name)!r}")
         for name in ("preturn_min_keys", "preturn_bwd_min_keys", "heads_first_max_keys",
                      "gluon_min_keys"):
             value = getattr(self, name)

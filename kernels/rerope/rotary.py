@@ -280,53 +280,86 @@ def _logn_scale(positions, logn_factor):
 
 
 @triton.jit
+def _turn_factors(positions, turn, logn_factor, FLAGS: tl.constexpr, LOGN: tl.constexpr,
+                  HALF: tl.constexpr):
+    """What :func:`_turn_operand` multiplies one product's operand by at ``positions``, which
+    every head of a batch row shares: the log-n scale ``(BLOCK, 1)`` and the ``(cos, sin)``
+    of ``R(speed · p + offset)``, ``(BLOCK, HALF)`` (``turn``: the product's table and
+    offset; ``FLAGS``: its ``(TURN, SHIFT)``). A factor that is off stays 1 (cos) or 0 and is
+    not read by :func:`_turned`."""
+    scale = tl.full([positions.shape[0], 1], 1.0, tl.float32)
+    cos = tl.full([positions.shape[0], HALF], 1.0, tl.float32)
+    sin = tl.zeros([positions.shape[0], HALF], tl.float32)
+    if LOGN:
+        scale = _logn_scale(positions, logn_factor)[:, None]
+    if FLAGS[0] or FLAGS[1]:
+        cos, sin = _angles(turn[0], positions, turn[1], FLAGS[0], FLAGS[1], 1, HALF)
+    return scale, cos, sin
+
+
+@triton.jit
+def _turned(a, b, scale, cos, sin, FLAGS: tl.constexpr, LOGN: tl.constexpr):
+    """The halves ``a, b`` (input dtype) scaled by log-n and turned with the factors of
+    :func:`_turn_factors`, in fp32, rounded once."""
+    a32, b32 = a.to(tl.float32), b.to(tl.float32)
+    if LOGN:
+        a32, b32 = a32 * scale, b32 * scale
+    if FLAGS[0] or FLAGS[1]:
+        a32, b32 = _rotate(a32, b32, cos, sin)
+    return a32.to(a.dtype), b32.to(b.dtype)
+
+
+@triton.jit
 def _turn_operand(a, b, positions, turn, logn_factor, FLAGS: tl.constexpr, LOGN: tl.constexpr,
                   HALF: tl.constexpr):
     """One product's operand from the halves ``a, b`` (input dtype): scaled by log-n, turned by
     ``R(speed · p + offset)`` (``turn``: its table and offset; ``FLAGS``: ``(TURN, SHIFT)``),
     in fp32, rounded once — the arithmetic of :func:`rerope.forward._operand` (offset sign 1),
     so the result is the tile a kernel turns in registers, bit for bit."""
-    a32, b32 = a.to(tl.float32), b.to(tl.float32)
-    if LOGN:
-        scale = _logn_scale(positions, logn_factor)[:, None]
-        a32, b32 = a32 * scale, b32 * scale
-    if FLAGS[0] or FLAGS[1]:
-        cos, sin = _angles(turn[0], positions, turn[1], FLAGS[0], FLAGS[1], 1, HALF)
-        a32, b32 = _rotate(a32, b32, cos, sin)
-    return a32.to(a.dtype), b32.to(b.dtype)
+    scale, cos, sin = _turn_factors(positions, turn, logn_factor, FLAGS, LOGN, HALF)
+    return _turned(a, b, scale, cos, sin, FLAGS, LOGN)
 
 
 @triton.jit
 def _turn_operands_kernel(X, Out1, Out2, Tables, sx, n_heads, n_rows, first_position,
                           logn_factor, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr,
-                          LOGN: tl.constexpr, FIRST: tl.constexpr, SECOND: tl.constexpr):
-    """Grid ``(B · H, cdiv(N, BLOCK))``: rows of one head of ``X`` (at positions
+                          HEADS: tl.constexpr, LOGN: tl.constexpr, FIRST: tl.constexpr,
+                          SECOND: tl.constexpr):
+    """Grid ``(B · H / HEADS, cdiv(N, BLOCK))``: rows of ``HEADS`` heads of ``X`` (at positions
     ``first_position + row``; ``sx``: its four strides) read once, turned for each product that
     needs it and stored to ``Out1`` / ``Out2`` (contiguous ``(B, H, N, D)``). ``FIRST`` /
     ``SECOND``: ``None`` for a product not written, else its ``(TURN, SHIFT)``; ``Tables``:
-    ``(table, offset)`` of each."""
-    batch = tl.program_id(0) // n_heads
-    head = tl.program_id(0) % n_heads
+    ``(table, offset)`` of each. A program reads each product's table rows once for all its
+    heads (they share the positions): per head, the table rows are twice the bytes of ``X``'s
+    in fp16."""
+    batch = tl.program_id(0) // (n_heads // HEADS)
+    head0 = tl.program_id(0) % (n_heads // HEADS) * HEADS
     rows = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     positions = first_position + rows
     half = tl.arange(0, HEAD_DIM // 2)[None, :]
     keep = rows[:, None] < n_rows
-    src = (X + batch.to(tl.int64) * sx[0] + head.to(tl.int64) * sx[1]
-           + rows.to(tl.int64)[:, None] * sx[2])
-    a = tl.load(src + half * sx[3], mask=keep, other=0.0)
-    b = tl.load(src + (half + HEAD_DIM // 2) * sx[3], mask=keep, other=0.0)
-    dst = ((tl.program_id(0).to(tl.int64) * n_rows + rows.to(tl.int64)[:, None]) * HEAD_DIM
-           + half)
     if FIRST is not None:
-        a1, b1 = _turn_operand(a, b, positions, (Tables[0], Tables[1]), logn_factor, FIRST,
-                               LOGN, HEAD_DIM // 2)
-        tl.store(Out1 + dst, a1, mask=keep)
-        tl.store(Out1 + dst + HEAD_DIM // 2, b1, mask=keep)
+        f1 = _turn_factors(positions, (Tables[0], Tables[1]), logn_factor, FIRST, LOGN,
+                           HEAD_DIM // 2)
     if SECOND is not None:
-        a2, b2 = _turn_operand(a, b, positions, (Tables[2], Tables[3]), logn_factor, SECOND,
-                               LOGN, HEAD_DIM // 2)
-        tl.store(Out2 + dst, a2, mask=keep)
-        tl.store(Out2 + dst + HEAD_DIM // 2, b2, mask=keep)
+        f2 = _turn_factors(positions, (Tables[2], Tables[3]), logn_factor, SECOND, LOGN,
+                           HEAD_DIM // 2)
+    for i in tl.static_range(HEADS):
+        head = head0 + i
+        src = (X + batch.to(tl.int64) * sx[0] + head.to(tl.int64) * sx[1]
+               + rows.to(tl.int64)[:, None] * sx[2])
+        a = tl.load(src + half * sx[3], mask=keep, other=0.0)
+        b = tl.load(src + (half + HEAD_DIM // 2) * sx[3], mask=keep, other=0.0)
+        dst = (((batch * n_heads + head).to(tl.int64) * n_rows + rows.to(tl.int64)[:, None])
+               * HEAD_DIM + half)
+        if FIRST is not None:
+            a1, b1 = _turned(a, b, f1[0], f1[1], f1[2], FIRST, LOGN)
+            tl.store(Out1 + dst, a1, mask=keep)
+            tl.store(Out1 + dst + HEAD_DIM // 2, b1, mask=keep)
+        if SECOND is not None:
+            a2, b2 = _turned(a, b, f2[0], f2[1], f2[2], SECOND, LOGN)
+            tl.store(Out2 + dst, a2, mask=keep)
+            tl.store(Out2 + dst + HEAD_DIM // 2, b2, mask=keep)
 
 
 def turn_operands(x, inside, outside, first_position=0, logn_factor=0.0, launchers=None):
@@ -373,6 +406,14 @@ def kept_turn(x, inside, outside, first_position=0, logn_factor=0.0, launchers=N
     return turn
 
 
+def turn_tiling(heads):
+    """``(rows, heads)`` a program of :func:`turn_operands` turns: 64 rows of one head. The
+    kernel also turns several heads a program (``HEADS`` dividing ``heads``: they share the
+    table rows, read once), not measured on a GPU yet (``perf/runs/s55/turn_bench.py``), so
+    not the default."""
+    return 64, 1
+
+
 def _turn_launch(x, inside, outside, first_position, logn_factor, launchers):
     """``(writes, launch)`` of :func:`turn_operands`: which of the two outputs it writes, and
     ``launch(x, out1, out2)`` (``None`` when it writes neither; an output not written is passed
@@ -386,8 +427,9 @@ def _turn_launch(x, inside, outside, first_position, logn_factor, launchers):
     (tab1, off1, turn1, shift1), (tab2, off2, turn2, shift2) = (   # None: placeholders
         p if p is not None else (*other[:2], False, False)
         for p, other in ((inside, outside), (outside, inside)))
-    grid = (batch * heads, triton.cdiv(n_rows, 64))
-    constexprs = dict(HEAD_DIM=head_dim, BLOCK=64, LOGN=logn,
+    block, group = turn_tiling(heads)
+    grid = (batch * heads // group, triton.cdiv(n_rows, block))
+    constexprs = dict(HEAD_DIM=head_dim, BLOCK=block, HEADS=group, LOGN=logn,
                       FIRST=(turn1, shift1) if writes[0] else None,
                       SECOND=(turn2, shift2) if writes[1] else None)
     tail = ((tab1, off1, tab2, off2), x.stride(), heads, n_rows, first_position, logn_factor)

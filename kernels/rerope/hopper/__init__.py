@@ -7,8 +7,10 @@ causal, as many queries as keys, fp16/bf16, D 64 or 128, ``N`` a multiple of 128
 :data:`MIN_KEYS`, contiguous ``(B, H, N, D)`` tensors. ``rerope`` (raw or rotated ``q, k``,
 Leaky ReRoPE, log-n, Self-Extend) first turns each product's operands once
 (:func:`rerope.rotary.turn_operands`, the pre-turned backward's pass) and runs the five-tensor
-kernel on them. Everywhere else, and with ``REROPE_GLUON=0``
-(``rerope.using_config(gluon=False)``), the Triton kernels run, as they always did. Its output
+kernel on them; with ``rerope.Config.gluon_turn_queries`` it turns only the keys, and the kernel
+turns the queries, once per query tile as it loads them (:func:`query_turn`, ``Q_TURN``).
+Everywhere else, and with ``REROPE_GLUON=0`` (``rerope.using_config(gluon=False)``), the Triton
+kernels run, as they always did. Its output
 and log-sum-exp are the Triton forward's (same math, same units), so the backward is unchanged.
 
 Gluon's API changed in every Triton release from 3.4 to 3.8; the kernels are written for 3.6's
@@ -105,9 +107,12 @@ class Forward:
         window: int ``>= 1`` (at most ``N``: any larger window means the same).
         sm_scale: float, the score scale.
         head_config: the launch configuration (``CONFIGS[D]`` when ``None``).
+        q_turn: ``None`` (``q1, q2`` are the two products' queries), or ``(flags, args)``:
+            ``rerope``'s queries, turned in the kernel (:func:`query_turn`); a call then
+            passes ``q`` as both ``q1`` and ``q2``.
     """
 
-    def __init__(self, q1, k1, window, sm_scale, head_config=None):
+    def __init__(self, q1, k1, window, sm_scale, head_config=None, q_turn=None):
         from ..launch import Launcher
         from . import kernels
 
@@ -121,8 +126,10 @@ class Forward:
         self.kv_layout = kernels.smem_layout(self.kv_block, dtype)
         self.lse_shape = (batch * heads, n)
         self.scalars = (n, min(int(window), n), sm_scale * LOG2E, heads // k1.shape[1])
+        self.q_turn = None if q_turn is None else q_turn[1]
         constexprs = dict(BLOCK_M=block_m, BLOCK_N=block_n, HEAD_D=head_dim, STAGES=stages,
-                          CONSUMER_WARPS=warps, STORE_LSE=True, SPLIT=split)
+                          CONSUMER_WARPS=warps, STORE_LSE=True, SPLIT=split,
+                          Q_TURN=None if q_turn is None else q_turn[0])
         if walk == 2:
             kernel = kernels.rerope_fwd_lean_kernel
         else:
@@ -138,21 +145,36 @@ class Forward:
         lse = torch.empty(self.lse_shape, dtype=torch.float32, device=q1.device)
         d = q1.shape[-1]
         queries = [TensorDescriptor(t, (t.numel() // d, d), (d, 1), self.q_block, self.q_layout)
-                   for t in (q1, q2, out)]
+                   for t in ((q1, out) if self.q_turn is not None else (q1, q2, out))]
+        if self.q_turn is not None:     # q2 is q1, not read
+            queries.insert(1, queries[0])
         keys = [TensorDescriptor(t, (t.numel() // d, d), (d, 1), self.kv_block, self.kv_layout)
                 for t in (k1, k2, v)]
         with torch.cuda.device(q1.device):
-            self.launcher(*queries[:2], *keys, queries[2], lse, *self.scalars)
+            self.launcher(*queries[:2], *keys, queries[2], lse, *self.scalars, self.q_turn)
         lse.mul_(LOG2E)        # the kernels store natural logs; the backward reads log2
         return out, lse
 
 
-def plan(q1, q2, k1, k2, v, window, causal, sm_scale, config):
-    """The :class:`Forward` of a ``rerope_attention`` call where :func:`applies` says the
-    Gluon forward runs it, else ``False``: decided once per plan."""
+def plan(q1, q2, k1, k2, v, window, causal, sm_scale, config, q_turn=None):
+    """The :class:`Forward` of a ``rerope_attention`` call (or, with ``q_turn``, a ``rerope``
+    call whose queries the kernel turns) where :func:`applies` says the Gluon forward runs it,
+    else ``False``: decided once per plan."""
     if not applies(q1, q2, k1, k2, v, causal, config):
         return False
-    return Forward(q1, k1, window, sm_scale)
+    return Forward(q1, k1, window, sm_scale, q_turn=q_turn)
+
+
+def query_turn(inside, outside, logn_factor=0.0):
+    """:class:`Forward`'s ``q_turn`` for ``rerope``'s queries (as many as keys, so query row
+    ``r`` sits at position ``r``): each product's ``(table, offset, turn, shift)`` as
+    :func:`rerope.rotary.turn_operands` takes them (``outside``: ``None`` where no pair is
+    ``window`` apart, its operand then never read) and the log-n factor (0: off). The kernel
+    does :func:`rerope.rotary.turn_operands`' arithmetic on each query tile it loads, so
+    ``rerope`` turns only the keys in a pass of their own."""
+    outside = outside or (inside[0], inside[1], False, False)
+    flags = (tuple(inside[2:]), tuple(outside[2:]), logn_factor != 0.0)
+    return flags, (inside[0], inside[1], outside[0], outside[1], float(logn_factor))
 
 
 def source(name):

@@ -17,6 +17,11 @@ band (both products), all inside (Q1 K1ᵀ). The band's tiles are visited twice,
 each visit masked to its side of the window, so a ring slot holds one key tile, as plain
 attention's.
 
+``rerope``'s form (``Q_TURN``, a constexpr; its tables in ``q_turn``): the producer loads only
+``q`` (one tile a partition), and each consumer turns it into both products' queries in shared
+memory before its first step (:func:`_turn_q`: rerope.rotary.turn_operands' arithmetic on the
+tile, once per program), so ``rerope`` writes no turned copy of ``q``, only of ``k``.
+
 Two walks, one per head dim (what measured best on Hopper, ``perf/NOTES.md`` v19–v21):
 
 * ``rerope_fwd_lean_kernel`` (D64): FlashAttention-3's head-dim-64 tiling, 192-row blocks as
@@ -139,6 +144,23 @@ def _q_sub_row(q_row, j, SUB_M: gl.constexpr, SPLIT: gl.constexpr, q_last):
 
 
 @gluon.jit
+def _load_q(q1_desc, q2_desc, q_smem, q_bar, q_row, q_last, SPLIT: gl.constexpr,
+            Q_TURN: gl.constexpr):
+    """The block's Q tiles, once: partition j's Q2 into q_smem[2j], Q1 into q_smem[2j + 1]; with
+    Q_TURN only ``q`` (q1_desc) into q_smem[2j + 1], which the partition turns (_turn_q)."""
+    SUB_M: gl.constexpr = q1_desc.block_type.shape[0]
+    if Q_TURN is None:
+        mbarrier.expect(q_bar, 2 * SPLIT * q1_desc.block_type.nbytes)
+    else:
+        mbarrier.expect(q_bar, SPLIT * q1_desc.block_type.nbytes)
+    for j in gl.static_range(SPLIT):
+        row = _q_sub_row(q_row, j, SUB_M, SPLIT, q_last)  # SPLIT=3: see _q_sub_row
+        if Q_TURN is None:
+            tma.async_copy_global_to_shared(q2_desc, [row, 0], q_bar, q_smem.index(2 * j))
+        tma.async_copy_global_to_shared(q1_desc, [row, 0], q_bar, q_smem.index(2 * j + 1))
+
+
+@gluon.jit
 def _load_kv(k, t, k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, kv_empty, kv_row0,
              BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
     """Step k of the walk: key tile t of k_desc (K1 or K2) and of V into ring slot k %
@@ -151,6 +173,75 @@ def _load_kv(k, t, k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, kv_empty, k
     tma.async_copy_global_to_shared(k_desc, [row, 0], k_ready.index(s), k_smem.index(s))
     mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(v_desc, [row, 0], v_ready.index(s), v_smem.index(s))
+
+
+# ----------------------------------------------------------------------------------------------
+# the query turn in the kernel (rerope's fused form: Q_TURN)
+# ----------------------------------------------------------------------------------------------
+@gluon.jit
+def _q_operand(xa, xb, positions, tab, off, logn_factor, FLAGS: gl.constexpr,
+               LOGN: gl.constexpr, HALF: gl.constexpr, layout: gl.constexpr):
+    """One product's query operand from the halves ``xa, xb`` of the rows at ``positions``: the
+    arithmetic of rerope.rotary._turn_operand (fp32, rounded once): scaled by log-n, turned by
+    ``R(speed * p + offset)`` (``FLAGS``: ``(TURN, SHIFT)``: read row p of the table ``tab``,
+    add the angle ``off`` by the angle-addition formulas)."""
+    a = xa.to(gl.float32)
+    b = xb.to(gl.float32)
+    if LOGN:
+        scale = gl.maximum(gl.log2(positions.to(gl.float32) + 1.0) * logn_factor, 1.0)[:, None]
+        a = a * scale
+        b = b * scale
+    if FLAGS[0] or FLAGS[1]:
+        cols = gl.arange(0, HALF, gl.SliceLayout(0, layout))[None, :]
+        if FLAGS[1]:
+            cos_o = gl.load(off + cols)
+            sin_o = gl.load(off + HALF + cols)
+        if FLAGS[0]:
+            row = tab + positions.to(gl.int64)[:, None] * (2 * HALF) + cols
+            cos = gl.load(row)
+            sin = gl.load(row + HALF)
+            if FLAGS[1]:
+                cos, sin = cos * cos_o - sin * sin_o, sin * cos_o + cos * sin_o
+        else:
+            zero = gl.zeros([positions.shape[0], HALF], gl.float32, layout)
+            cos = zero + cos_o
+            sin = zero + sin_o
+        a, b = a * cos - b * sin, b * cos + a * sin
+    return a.to(xa.dtype), b.to(xb.dtype)
+
+
+@gluon.jit
+def _turn_q(q_smem, ME: gl.constexpr, m0, q_turn, Q_TURN: gl.constexpr, BLOCK_M: gl.constexpr,
+            HEAD_D: gl.constexpr):
+    """Q_TURN = (FIRST, SECOND, LOGN): the producer loaded this partition's rows of ``q`` (rows
+    [m0, m0 + BLOCK_M) of the head, at those positions) into q_smem[2 ME + 1]; write the
+    outside product's operand (SECOND = its (TURN, SHIFT)) to q_smem[2 ME] and, where it
+    changes, the inside product's (FIRST) over q_smem[2 ME + 1] (each thread rewrites only the
+    elements it read). ``q_turn``: (table, offset) of each product and the log-n factor, as
+    rerope.rotary.turn_operands takes them. Ends with the fence and the partition's barrier
+    that make the stores visible to its wgmmas."""
+    HALF: gl.constexpr = HEAD_D // 2
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (HALF // 8), HALF // 8], [4, 1],
+                                            [1, 0])
+    FIRST: gl.constexpr = Q_TURN[0]
+    SECOND: gl.constexpr = Q_TURN[1]
+    LOGN: gl.constexpr = Q_TURN[2]
+    x = q_smem.index(2 * ME + 1)
+    xa = x.slice(0, HALF, dim=1).load(layout)
+    xb = x.slice(HALF, HALF, dim=1).load(layout)
+    positions = m0 + gl.arange(0, BLOCK_M, gl.SliceLayout(1, layout))
+    a, b = _q_operand(xa, xb, positions, q_turn[2], q_turn[3], q_turn[4], SECOND, LOGN, HALF,
+                      layout)
+    q2 = q_smem.index(2 * ME)
+    q2.slice(0, HALF, dim=1).store(a)
+    q2.slice(HALF, HALF, dim=1).store(b)
+    if LOGN or FIRST[0] or FIRST[1]:
+        a, b = _q_operand(xa, xb, positions, q_turn[0], q_turn[1], q_turn[4], FIRST, LOGN,
+                          HALF, layout)
+        x.slice(0, HALF, dim=1).store(a)
+        x.slice(HALF, HALF, dim=1).store(b)
+    fence_async_shared()
+    gl.thread_barrier()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -309,16 +400,12 @@ def _load_kv_pp(k, t, k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty,
 @gluon.jit
 def _producer_pp(q1_desc, q2_desc, k1_desc, k2_desc, v_desc, q_smem, k_smem, v_smem, q_bar,
                  k_ready, v_ready, k_empty, v_empty, q_row, kv_row0, n_out, n_in, n_tiles,
-                 BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr, q_last=0):
+                 BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr, q_last=0,
+                 Q_TURN: gl.constexpr = None):
     """_producer_twice's step list (outside walk K2 over [0, n_in), inside walk K1 over [n_out,
     n_tiles));
-    Q of partition j: Q2 in q_smem[2j], Q1 in q_smem[2j + 1]."""
-    SUB_M: gl.constexpr = q1_desc.block_type.shape[0]
-    mbarrier.expect(q_bar, 2 * SPLIT * q1_desc.block_type.nbytes)
-    for j in gl.static_range(SPLIT):
-        row = _q_sub_row(q_row, j, SUB_M, SPLIT, q_last)  # SPLIT=3: see _q_sub_row
-        tma.async_copy_global_to_shared(q2_desc, [row, 0], q_bar, q_smem.index(2 * j))
-        tma.async_copy_global_to_shared(q1_desc, [row, 0], q_bar, q_smem.index(2 * j + 1))
+    Q of partition j: Q2 in q_smem[2j], Q1 in q_smem[2j + 1] (_load_q)."""
+    _load_q(q1_desc, q2_desc, q_smem, q_bar, q_row, q_last, SPLIT, Q_TURN)
     for t in range(0, n_in):  # outside walk: K2
         _load_kv_pp(t, t, k2_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty,
                     kv_row0, BLOCK_N, STAGES)
@@ -350,7 +437,8 @@ def _consumer_pp(o_desc, lse_ptr, q_smem, k_smem, v_smem, q_bar, k_ready, v_read
                  v_empty, turn, q_row, m0, window, n_out, n_in, n_tiles, qk_scale,
                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
                  STAGES: gl.constexpr, CONSUMER_WARPS: gl.constexpr, STORE_LSE: gl.constexpr,
-                 ME: gl.constexpr, PIPE: gl.constexpr, PINGPONG: gl.constexpr):
+                 ME: gl.constexpr, PIPE: gl.constexpr, PINGPONG: gl.constexpr, q_turn=None,
+                 Q_TURN: gl.constexpr = None):
     """Consumer partition ME (0 or 1) of rerope_fwd_twice_pp_kernel: the BAND_TWICE walk (steps
     k = 0 .. n_steps-1, n_steps = n_in + n_tiles - n_out, classified by _step_pp) in ONE loop.
 
@@ -410,6 +498,8 @@ def _consumer_pp(o_desc, lse_ptr, q_smem, k_smem, v_smem, q_bar, k_ready, v_read
     n_steps = n_in + n_tiles - n_out  # >= 1
 
     mbarrier.wait(q_bar, 0)
+    if Q_TURN is not None:
+        _turn_q(q_smem, ME, m0, q_turn, Q_TURN, BLOCK_M, HEAD_D)
     if PIPE:
         # step 0: S_0 and softmax_0 only
         t, ins, masked, lo, hi = _step_pp(0, n_out, n_in, n_full, window)
@@ -513,25 +603,27 @@ def _consumer_pp_or_drain(N, o_desc, lse_ptr, q_smem, k_smem, v_smem, q_bar, k_r
                           qk_scale, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                           HEAD_D: gl.constexpr, STAGES: gl.constexpr,
                           CONSUMER_WARPS: gl.constexpr, STORE_LSE: gl.constexpr,
-                          ME: gl.constexpr, PIPE: gl.constexpr, PINGPONG: gl.constexpr):
+                          ME: gl.constexpr, PIPE: gl.constexpr, PINGPONG: gl.constexpr,
+                          q_turn=None, Q_TURN: gl.constexpr = None):
     """SPLIT=3's second and third consumers of rerope_fwd_twice_pp_kernel: _consumer_pp if rows
     [m0, m0 + BLOCK_M) lie in the sequence, else _drain_pp over the walk's n_in + n_tiles -
     n_out steps."""
     if m0 < N:
         _consumer_pp(o_desc, lse_ptr, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty,
                      v_empty, turn, q_row, m0, window, n_out, n_in, n_tiles, qk_scale, BLOCK_M,
-                     BLOCK_N, HEAD_D, STAGES, CONSUMER_WARPS, STORE_LSE, ME, PIPE, PINGPONG)
+                     BLOCK_N, HEAD_D, STAGES, CONSUMER_WARPS, STORE_LSE, ME, PIPE, PINGPONG,
+                     q_turn, Q_TURN)
     else:
         _drain_pp(k_ready, v_ready, k_empty, v_empty, n_in + n_tiles - n_out, STAGES)
 
 
 @gluon.jit(do_not_specialize=["window"])
 def rerope_fwd_twice_pp_kernel(q1_desc, q2_desc, k1_desc, k2_desc, v_desc, o_desc, lse_ptr, N,
-                               window, qk_scale, group, BLOCK_M: gl.constexpr,
+                               window, qk_scale, group, q_turn, BLOCK_M: gl.constexpr,
                                BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
                                STAGES: gl.constexpr, CONSUMER_WARPS: gl.constexpr,
                                STORE_LSE: gl.constexpr, SPLIT: gl.constexpr, PIPE: gl.constexpr,
-                               PINGPONG: gl.constexpr):
+                               PINGPONG: gl.constexpr, Q_TURN: gl.constexpr = None):
     """BAND_TWICE (same walk, arguments, grid, shared-memory ring) with FA3's scheduling: PIPE=1
     intra-warpgroup overlap, PINGPONG=1 ordered GEMM sections of the two consumer partitions
     (SPLIT=2 only); K and V slots freed separately (k_empty / v_empty). See _consumer_pp.
@@ -555,10 +647,12 @@ def rerope_fwd_twice_pp_kernel(q1_desc, q2_desc, k1_desc, k2_desc, v_desc, o_des
                 (_consumer_pp,
                  (o_desc, lse_ptr, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty,
                   v_empty, turn, q_row, m0, window, n_out, n_in, n_tiles, qk_scale, BLOCK_M,
-                  BLOCK_N, HEAD_D, STAGES, CONSUMER_WARPS, STORE_LSE, 0, PIPE, PINGPONG)),
+                  BLOCK_N, HEAD_D, STAGES, CONSUMER_WARPS, STORE_LSE, 0, PIPE, PINGPONG, q_turn,
+                  Q_TURN)),
                 (_producer_pp, (q1_desc, q2_desc, k1_desc, k2_desc, v_desc, q_smem, k_smem,
                                 v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, q_row,
-                                kv_row0, n_out, n_in, n_tiles, BLOCK_N, STAGES, SPLIT)),
+                                kv_row0, n_out, n_in, n_tiles, BLOCK_N, STAGES, SPLIT, 0,
+                                Q_TURN)),
             ],
             [1],
             [24],
@@ -570,14 +664,17 @@ def rerope_fwd_twice_pp_kernel(q1_desc, q2_desc, k1_desc, k2_desc, v_desc, o_des
                 (_consumer_pp,
                  (o_desc, lse_ptr, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty,
                   v_empty, turn, q_row, m0, window, n_out, n_in, n_tiles, qk_scale, SUB_M,
-                  BLOCK_N, HEAD_D, STAGES, 4, STORE_LSE, 0, PIPE, PINGPONG)),
+                  BLOCK_N, HEAD_D, STAGES, 4, STORE_LSE, 0, PIPE, PINGPONG, q_turn,
+                  Q_TURN)),
                 (_consumer_pp,
                  (o_desc, lse_ptr, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty,
                   v_empty, turn, q_row + SUB_M, m0 + SUB_M, window, n_out, n_in, n_tiles,
-                  qk_scale, SUB_M, BLOCK_N, HEAD_D, STAGES, 4, STORE_LSE, 1, PIPE, PINGPONG)),
+                  qk_scale, SUB_M, BLOCK_N, HEAD_D, STAGES, 4, STORE_LSE, 1, PIPE, PINGPONG,
+                  q_turn, Q_TURN)),
                 (_producer_pp, (q1_desc, q2_desc, k1_desc, k2_desc, v_desc, q_smem, k_smem,
                                 v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, q_row,
-                                kv_row0, n_out, n_in, n_tiles, BLOCK_N, STAGES, SPLIT)),
+                                kv_row0, n_out, n_in, n_tiles, BLOCK_N, STAGES, SPLIT, 0,
+                                Q_TURN)),
             ],
             [4, 1],
             [240, 24],
@@ -592,18 +689,21 @@ def rerope_fwd_twice_pp_kernel(q1_desc, q2_desc, k1_desc, k2_desc, v_desc, o_des
                 (_consumer_pp,
                  (o_desc, lse_ptr, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty,
                   v_empty, turn, q_row, m0, window, n_out, n_in, n_tiles, qk_scale, SUB_M,
-                  BLOCK_N, HEAD_D, STAGES, 4, STORE_LSE, 0, PIPE, 0)),
+                  BLOCK_N, HEAD_D, STAGES, 4, STORE_LSE, 0, PIPE, 0, q_turn, Q_TURN)),
                 (_consumer_pp_or_drain,
                  (N, o_desc, lse_ptr, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty,
                   v_empty, turn, q_row + SUB_M, m0 + SUB_M, window, n_out, n_in, n_tiles,
-                  qk_scale, SUB_M, BLOCK_N, HEAD_D, STAGES, 4, STORE_LSE, 1, PIPE, 0)),
+                  qk_scale, SUB_M, BLOCK_N, HEAD_D, STAGES, 4, STORE_LSE, 1, PIPE, 0, q_turn,
+                  Q_TURN)),
                 (_consumer_pp_or_drain,
                  (N, o_desc, lse_ptr, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty,
                   v_empty, turn, q_row + 2 * SUB_M, m0 + 2 * SUB_M, window, n_out, n_in,
-                  n_tiles, qk_scale, SUB_M, BLOCK_N, HEAD_D, STAGES, 4, STORE_LSE, 2, PIPE, 0)),
+                  n_tiles, qk_scale, SUB_M, BLOCK_N, HEAD_D, STAGES, 4, STORE_LSE, 2, PIPE, 0,
+                  q_turn, Q_TURN)),
                 (_producer_pp, (q1_desc, q2_desc, k1_desc, k2_desc, v_desc, q_smem, k_smem,
                                 v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, q_row,
-                                kv_row0, n_out, n_in, n_tiles, BLOCK_N, STAGES, SPLIT, q_last)),
+                                kv_row0, n_out, n_in, n_tiles, BLOCK_N, STAGES, SPLIT, q_last,
+                                Q_TURN)),
             ],
             [4, 4, 1],
             [SPLIT3_REGS, SPLIT3_REGS, 24],  # the default partition gets 168
@@ -635,14 +735,11 @@ def rerope_fwd_twice_pp_kernel(q1_desc, q2_desc, k1_desc, k2_desc, v_desc, o_des
 @gluon.jit
 def _producer_lean(q1_desc, q2_desc, k1_desc, k2_desc, v_desc, q_smem, k_smem, v_smem, q_bar,
                    k_ready, v_ready, kv_empty, q_row, kv_row0, n_out, n_in, n_tiles,
-                   BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr, q_last):
-    """The LEAN step list above; Q of partition j: Q2 in q_smem[2j], Q1 in q_smem[2j + 1]."""
-    SUB_M: gl.constexpr = q1_desc.block_type.shape[0]
-    mbarrier.expect(q_bar, 2 * SPLIT * q1_desc.block_type.nbytes)
-    for j in gl.static_range(SPLIT):
-        row = _q_sub_row(q_row, j, SUB_M, SPLIT, q_last)
-        tma.async_copy_global_to_shared(q2_desc, [row, 0], q_bar, q_smem.index(2 * j))
-        tma.async_copy_global_to_shared(q1_desc, [row, 0], q_bar, q_smem.index(2 * j + 1))
+                   BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr, q_last,
+                   Q_TURN: gl.constexpr = None):
+    """The LEAN step list above; Q of partition j: Q2 in q_smem[2j], Q1 in q_smem[2j + 1]
+    (_load_q)."""
+    _load_q(q1_desc, q2_desc, q_smem, q_bar, q_row, q_last, SPLIT, Q_TURN)
     for t in range(0, n_out):  # outside: K2
         _load_kv(t, t, k2_desc, v_desc, k_smem, v_smem, k_ready, v_ready, kv_empty, kv_row0,
                  BLOCK_N, STAGES)
@@ -664,7 +761,8 @@ def _producer_lean(q1_desc, q2_desc, k1_desc, k2_desc, v_desc, q_smem, k_smem, v
 def _consumer_lean(o_desc, lse_ptr, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty,
                    q_row, m0, window, n_out, n_in, n_tiles, qk_scale, BLOCK_M: gl.constexpr,
                    BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
-                   STORE_LSE: gl.constexpr, ME: gl.constexpr):
+                   STORE_LSE: gl.constexpr, ME: gl.constexpr, q_turn=None,
+                   Q_TURN: gl.constexpr = None):
     """Consumer partition ME (BLOCK_M = 64 rows from m0) of rerope_fwd_lean_kernel: phases U and
     M of the LEAN walk (comment above _producer_lean)."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -677,6 +775,8 @@ def _consumer_lean(o_desc, lse_ptr, q_smem, k_smem, v_smem, q_bar, k_ready, v_re
     n_full = gl.maximum(m0 // BLOCK_N, n_in)  # inside tiles from here on may cross the diagonal
 
     mbarrier.wait(q_bar, 0)
+    if Q_TURN is not None:
+        _turn_q(q_smem, ME, m0, q_turn, Q_TURN, BLOCK_M, HEAD_D)
     # U: r = 0 outside (Q2; tiles [0, n_out), step k = t), r = 1 inside below the diagonal (Q1;
     # tiles [n_in, n_full), k = t + n_out - n_in). Plain's unmasked step (-inf-free: every score
     # of an unmasked tile is finite, so the running max is finite after the first one).
@@ -730,24 +830,25 @@ def _consumer_lean(o_desc, lse_ptr, q_smem, k_smem, v_smem, q_bar, k_ready, v_re
 def _consumer_lean_or_drain(N, o_desc, lse_ptr, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready,
                             kv_empty, q_row, m0, window, n_out, n_in, n_tiles, qk_scale,
                             BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
-                            STAGES: gl.constexpr, STORE_LSE: gl.constexpr, ME: gl.constexpr):
+                            STAGES: gl.constexpr, STORE_LSE: gl.constexpr, ME: gl.constexpr,
+                            q_turn=None, Q_TURN: gl.constexpr = None):
     """The second and third consumers: _consumer_lean if rows [m0, m0 + 64) lie in the sequence,
     else _drain over the walk's n_tiles + n_in - n_out steps (partition 0 always
     computes, so every step's V is waited for before its slot is refilled)."""
     if m0 < N:
         _consumer_lean(o_desc, lse_ptr, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready,
                        kv_empty, q_row, m0, window, n_out, n_in, n_tiles, qk_scale, BLOCK_M,
-                       BLOCK_N, HEAD_D, STAGES, STORE_LSE, ME)
+                       BLOCK_N, HEAD_D, STAGES, STORE_LSE, ME, q_turn, Q_TURN)
     else:
         _drain(k_ready, kv_empty, n_tiles + n_in - n_out, STAGES)
 
 
 @gluon.jit(do_not_specialize=["window"])
 def rerope_fwd_lean_kernel(q1_desc, q2_desc, k1_desc, k2_desc, v_desc, o_desc, lse_ptr, N,
-                           window, qk_scale, group, BLOCK_M: gl.constexpr,
+                           window, qk_scale, group, q_turn, BLOCK_M: gl.constexpr,
                            BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
                            CONSUMER_WARPS: gl.constexpr, STORE_LSE: gl.constexpr,
-                           SPLIT: gl.constexpr):
+                           SPLIT: gl.constexpr, Q_TURN: gl.constexpr = None):
     """LEAN walk (config[6] == 2), SPLIT=3 only (BLOCK_M 192, three 4-warp consumers of 64 rows,
     160 registers, the first 168; producer 24): plain attention's ring (one K tile + V a slot,
     k_ready / v_ready / kv_empty counting 3), Q1 and Q2 of every partition resident."""
@@ -767,18 +868,18 @@ def rerope_fwd_lean_kernel(q1_desc, q2_desc, k1_desc, k2_desc, v_desc, o_desc, l
         [
             (_consumer_lean, (o_desc, lse_ptr, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready,
                               kv_empty, q_row, m0, window, n_out, n_in, n_tiles, qk_scale,
-                              SUB_M, BLOCK_N, HEAD_D, STAGES, STORE_LSE, 0)),
+                              SUB_M, BLOCK_N, HEAD_D, STAGES, STORE_LSE, 0, q_turn, Q_TURN)),
             (_consumer_lean_or_drain,
              (N, o_desc, lse_ptr, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty,
               q_row + SUB_M, m0 + SUB_M, window, n_out, n_in, n_tiles, qk_scale, SUB_M, BLOCK_N,
-              HEAD_D, STAGES, STORE_LSE, 1)),
+              HEAD_D, STAGES, STORE_LSE, 1, q_turn, Q_TURN)),
             (_consumer_lean_or_drain,
              (N, o_desc, lse_ptr, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty,
               q_row + 2 * SUB_M, m0 + 2 * SUB_M, window, n_out, n_in, n_tiles, qk_scale, SUB_M,
-              BLOCK_N, HEAD_D, STAGES, STORE_LSE, 2)),
+              BLOCK_N, HEAD_D, STAGES, STORE_LSE, 2, q_turn, Q_TURN)),
             (_producer_lean, (q1_desc, q2_desc, k1_desc, k2_desc, v_desc, q_smem, k_smem,
                               v_smem, q_bar, k_ready, v_ready, kv_empty, q_row, kv_row0, n_out,
-                              n_in, n_tiles, BLOCK_N, STAGES, SPLIT, q_last)),
+                              n_in, n_tiles, BLOCK_N, STAGES, SPLIT, q_last, Q_TURN)),
         ],
         [4, 4, 1],
         [SPLIT3_REGS, SPLIT3_REGS, 24],  # the default partition gets 168
