@@ -10,8 +10,8 @@ Leaky ReRoPE, log-n, Self-Extend) first turns each product's operands once
 kernel on them; with ``rerope.Config.gluon_turn_queries`` it turns only the keys, and the kernel
 turns the queries, once per query tile as it loads them (:func:`query_turn`, ``Q_TURN``).
 Everywhere else, and with ``REROPE_GLUON=0`` (``rerope.using_config(gluon=False)``), the Triton
-kernels run, as they always did. Its output
-and log-sum-exp are the Triton forward's (same math, same units), so the backward is unchanged.
+kernels run, as they always did. Its output and log-sum-exp are the Triton forward's (same math,
+same units), so the backward is unchanged.
 
 Gluon's API changed in every Triton release from 3.4 to 3.8; the kernels are written for 3.6's
 (``gl.warp_specialize(functions_and_args, worker_num_warps, worker_num_regs)``,
