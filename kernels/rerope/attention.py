@@ -428,29 +428,21 @@ def _gluon_plan(q1, q2, k1, k2, v, window, causal, sm_scale, config, operands, l
         return hopper.plan(q1, q2, k1, k2, v, window, causal, sm_scale, config)
     outside = _has_outside(k1.shape[2], window)
     in_kernel = config.gluon_turn_queries
-    q_turns, k_turns = _turn_specs(operands, 0, outside)
+    q_turns = _turn_specs(operands, 0, outside)[0]
     forward = hopper.plan(q1, q2, k1, k2, v, window, causal, sm_scale, config,
                           q_turn=(hopper.query_turn(q_turns[0], q_turns[1], q_turns[3])
                                   if in_kernel else None))
     if not forward:
         return forward
-
-    def operands_of(like=None):
-        """``turn(q, k) -> (q1, q2, k1, k2)`` as the forward takes them (``like``: kept)."""
-        if not in_kernel:
-            return _operand_turns(operands, 0, outside, launchers, like)
-        turn_k = (kept_turn(like[1], *k_turns, launchers=launchers) if like is not None
-                  else lambda k: turn_operands(k, *k_turns, launchers=launchers))
-        return lambda q, k: (q, q, *turn_k(k))
-
     kept = []
 
     def call(q, _q, k, _k, v):
         if kept:
             return forward(*kept[0](q, k), v)
-        turned = operands_of()(q, k)
+        turned = _operand_turns(operands, 0, outside, launchers, queries=not in_kernel)(q, k)
         if launchers is not None:           # for the plan's later calls: kept, bound
-            kept.append(operands_of((q, k)))
+            kept.append(_operand_turns(operands, 0, outside, launchers, (q, k),
+                                       queries=not in_kernel))
         return forward(*turned, v)
 
     return call
@@ -582,14 +574,19 @@ def rerope_backward(dout, q1, q2, k1, k2, v, out, lse, window, causal, sm_scale,
     return (dq[0], dk[0], dv) if fused else (dq[0], dq[1], dk[0], dk[1], dv)
 
 
-def _operand_turns(operands, first_query, outside=True, launchers=None, like=None):
+def _operand_turns(operands, first_query, outside=True, launchers=None, like=None,
+                   queries=True):
     """``turn(q, k) -> (q1, q2, k1, k2)``: each product's operands turned once (extra tensors,
     :func:`rerope.rotary.turn_operands`) for the pre-turned backward; the outside product's
     only where it has a tile (``outside``, :func:`_has_outside`: else ``q``, ``k``, unread).
     ``launchers``: the plan's (bound launches). ``like``: ``(q, k)`` of the plan's call
     signature, for a turn kept for that layout (:func:`rerope.rotary.kept_turn`: build it
-    after the plan's first turn, whose launches it then takes bound)."""
+    after the plan's first turn, whose launches it then takes bound). ``queries=False``: the
+    keys only, ``q`` returned as both products' (the Gluon kernel turns it,
+    ``Config.gluon_turn_queries``)."""
     q_turns, k_turns = _turn_specs(operands, first_query, outside)
+    if not queries:                 # no product writes: turn_operands returns q, q unlaunched
+        q_turns = (None, None, first_query, 0.0)
     if like is not None:
         turn_q = kept_turn(like[0], *q_turns, launchers=launchers)
         turn_k = kept_turn(like[1], *k_turns, launchers=launchers)

@@ -650,9 +650,9 @@ def rerope_attention(q1, q2, k1, k2, v, window, sm_scale=None, return_lse=False,
     q1d, q2d, od = (TensorDescriptor.from_tensor(t, [SUB_M, D], q_layout) for t in (flat[0], flat[1], o))
     k1d, k2d, vd = (TensorDescriptor.from_tensor(t, [BLOCK_N, D], kv_layout) for t in flat[2:])
     window = min(int(window), N + 1)  # >= N: everything inside
-    # the package's kernels: GQA group, no query turn
-    group = (1, None) if lean(config) or fa3_sched(config) else ()
-    args = (q1d, q2d, k1d, k2d, vd, od, lse, N, window, sm_scale * LOG2E, *group, BLOCK_M, BLOCK_N, D,
+    # the package's kernels take two more: the GQA group, and no query turn (q_turn None)
+    package_args = (1, None) if lean(config) or fa3_sched(config) else ()
+    args = (q1d, q2d, k1d, k2d, vd, od, lse, N, window, sm_scale * LOG2E, *package_args, BLOCK_M, BLOCK_N, D,
             STAGES, CW, return_lse, SPLIT) + ((PIPE, pingpong(config)) if fa3_sched(config) else ())
     grid = (triton.cdiv(N, BLOCK_M), B * H)
     if _warmup:

@@ -144,14 +144,16 @@ class Forward:
         out = torch.empty_like(q1)
         lse = torch.empty(self.lse_shape, dtype=torch.float32, device=q1.device)
         d = q1.shape[-1]
-        queries = [TensorDescriptor(t, (t.numel() // d, d), (d, 1), self.q_block, self.q_layout)
-                   for t in ((q1, out) if self.q_turn is not None else (q1, q2, out))]
-        if self.q_turn is not None:     # q2 is q1, not read
-            queries.insert(1, queries[0])
+
+        def query(t):
+            return TensorDescriptor(t, (t.numel() // d, d), (d, 1), self.q_block, self.q_layout)
+
+        q1_desc = query(q1)
+        q2_desc = q1_desc if self.q_turn is not None else query(q2)   # q_turn: q2 is q1
         keys = [TensorDescriptor(t, (t.numel() // d, d), (d, 1), self.kv_block, self.kv_layout)
                 for t in (k1, k2, v)]
         with torch.cuda.device(q1.device):
-            self.launcher(*queries[:2], *keys, queries[2], lse, *self.scalars, self.q_turn)
+            self.launcher(q1_desc, q2_desc, *keys, query(out), lse, *self.scalars, self.q_turn)
         lse.mul_(LOG2E)        # the kernels store natural logs; the backward reads log2
         return out, lse
 
