@@ -102,7 +102,7 @@ def test_switch(monkeypatch):
         configs.Config(gluon_min_keys=-1)
     with pytest.raises(ValueError, match="gluon_turn_queries"):
         configs.Config(gluon_turn_queries=1)
-    assert configs.Config().gluon_turn_queries is False
+    assert configs.Config().gluon_turn_queries is True
 
 
 @pytest.mark.parametrize("in_kernel", [False, True], ids=["turned", "queries_in_kernel"])

@@ -419,11 +419,11 @@ def rerope_forward(q1, q2, k1, k2, v, window, causal, sm_scale, operands=None, p
 def _gluon_plan(q1, q2, k1, k2, v, window, causal, sm_scale, config, operands, launchers):
     """The forward through the Gluon kernels where :func:`rerope.hopper.plan` says they run
     it (else ``False``): its :class:`rerope.hopper.Forward` for the five-tensor form; for the
-    fused form (``operands``) a call that first turns each product's operands once (the
-    pre-turned backward's pass, :func:`_operand_turns`) and runs the five-tensor kernel on
-    them; with ``config.gluon_turn_queries`` only the keys, the kernel turning the queries
-    (:func:`rerope.hopper.query_turn`). The turn is kept for the first call's layout, bound,
-    as the backward keeps its own."""
+    fused form (``operands``) a call that first turns each product's keys once (the
+    pre-turned backward's pass, :func:`_operand_turns`) and runs the kernel, which turns the
+    queries (:func:`rerope.hopper.query_turn`); with ``config.gluon_turn_queries`` off the
+    pass turns the queries too and the five-tensor kernel runs. The turn is kept for the
+    first call's layout, bound, as the backward keeps its own."""
     if operands is None:
         return hopper.plan(q1, q2, k1, k2, v, window, causal, sm_scale, config)
     outside = _has_outside(k1.shape[2], window)

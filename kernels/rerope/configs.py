@@ -125,9 +125,9 @@ class Config:
     * ``heads_first_max_keys``: up to this many keys, the kernels' grids put heads first.
     * ``gluon_min_keys``: the Gluon forward runs from this many keys on; ``None``: per head dim,
       as measured (:data:`rerope.hopper.MIN_KEYS`: below, it is no faster than Triton).
-    * ``gluon_turn_queries`` (default off): ``rerope``'s Gluon forward turns the queries in the
-      kernel (``rerope.hopper.query_turn``) instead of writing turned copies of ``q`` first;
-      built and cross-compiled for sm_90, not yet run on a GPU (``perf/NOTES.md`` v22).
+    * ``gluon_turn_queries`` (default on): ``rerope``'s Gluon forward turns the queries in the
+      kernel (``rerope.hopper.query_turn``) instead of writing turned copies of ``q`` first
+      (1–2 % faster at 8k on an H100, ``perf/NOTES.md`` v23); off: both by a pass.
 
     Booleans are ``0/1, true/false, yes/no, on/off`` in any case; an empty value counts as
     unset. Changing the environment after ``import rerope`` changes nothing.
@@ -141,7 +141,7 @@ class Config:
     heads_first_max_keys: int = 4096
     gluon: bool = True
     gluon_min_keys: Optional[int] = None
-    gluon_turn_queries: bool = False
+    gluon_turn_queries: bool = True
 
     def __post_init__(self):
         if self.tma not in ("auto", "on", "off"):

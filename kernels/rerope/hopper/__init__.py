@@ -5,10 +5,10 @@ and of :func:`rerope.rerope` runs the warp-specialised Gluon kernels of
 :mod:`rerope.hopper.kernels` instead of the Triton one wherever they apply (:func:`applies`):
 causal, as many queries as keys, fp16/bf16, D 64 or 128, ``N`` a multiple of 128 and at least
 :data:`MIN_KEYS`, contiguous ``(B, H, N, D)`` tensors. ``rerope`` (raw or rotated ``q, k``,
-Leaky ReRoPE, log-n, Self-Extend) first turns each product's operands once
-(:func:`rerope.rotary.turn_operands`, the pre-turned backward's pass) and runs the five-tensor
-kernel on them; with ``rerope.Config.gluon_turn_queries`` it turns only the keys, and the kernel
-turns the queries, once per query tile as it loads them (:func:`query_turn`, ``Q_TURN``).
+Leaky ReRoPE, log-n, Self-Extend) first turns each product's keys once
+(:func:`rerope.rotary.turn_operands`, the pre-turned backward's pass), and the kernel turns the
+queries, once per query tile as it loads them (:func:`query_turn`, ``Q_TURN``); with
+``rerope.Config.gluon_turn_queries`` off the pass turns both and the five-tensor kernel runs.
 Everywhere else, and with ``REROPE_GLUON=0`` (``rerope.using_config(gluon=False)``), the Triton
 kernels run, as they always did. Its output and log-sum-exp are the Triton forward's (same math,
 same units), so the backward is unchanged.

@@ -211,8 +211,8 @@ def _q_operand(xa, xb, positions, tab, off, logn_factor, FLAGS: gl.constexpr,
 
 
 @gluon.jit
-def _turn_q(q_smem, ME: gl.constexpr, m0, q_turn, Q_TURN: gl.constexpr, BLOCK_M: gl.constexpr,
-            HEAD_D: gl.constexpr):
+def _turn_q(q_smem, ME: gl.constexpr, m0, q_turn, Q_TURN: gl.constexpr,
+            BLOCK_M: gl.constexpr, HEAD_D: gl.constexpr):
     """Q_TURN = (FIRST, SECOND, LOGN): the producer loaded this partition's rows of ``q`` (rows
     [m0, m0 + BLOCK_M) of the head, at those positions) into q_smem[2 ME + 1]; write the
     outside product's operand (SECOND = its (TURN, SHIFT)) to q_smem[2 ME] and, where it
@@ -221,8 +221,8 @@ def _turn_q(q_smem, ME: gl.constexpr, m0, q_turn, Q_TURN: gl.constexpr, BLOCK_M:
     rerope.rotary.turn_operands takes them. Ends with the fence and the partition's barrier
     that make the stores visible to its wgmmas."""
     HALF: gl.constexpr = HEAD_D // 2
-    layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (HALF // 8), HALF // 8], [4, 1],
-                                            [1, 0])
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (HALF // 8), HALF // 8],
+                                            [4, 1], [1, 0])
     FIRST: gl.constexpr = Q_TURN[0]
     SECOND: gl.constexpr = Q_TURN[1]
     LOGN: gl.constexpr = Q_TURN[2]
@@ -230,14 +230,14 @@ def _turn_q(q_smem, ME: gl.constexpr, m0, q_turn, Q_TURN: gl.constexpr, BLOCK_M:
     xa = x.slice(0, HALF, dim=1).load(layout)
     xb = x.slice(HALF, HALF, dim=1).load(layout)
     positions = m0 + gl.arange(0, BLOCK_M, gl.SliceLayout(1, layout))
-    a, b = _q_operand(xa, xb, positions, q_turn[2], q_turn[3], q_turn[4], SECOND, LOGN, HALF,
-                      layout)
+    a, b = _q_operand(xa, xb, positions, q_turn[2], q_turn[3], q_turn[4], SECOND, LOGN,
+                      HALF, layout)
     q2 = q_smem.index(2 * ME)
     q2.slice(0, HALF, dim=1).store(a)
     q2.slice(HALF, HALF, dim=1).store(b)
     if LOGN or FIRST[0] or FIRST[1]:
-        a, b = _q_operand(xa, xb, positions, q_turn[0], q_turn[1], q_turn[4], FIRST, LOGN,
-                          HALF, layout)
+        a, b = _q_operand(xa, xb, positions, q_turn[0], q_turn[1], q_turn[4], FIRST,
+                          LOGN, HALF, layout)
         x.slice(0, HALF, dim=1).store(a)
         x.slice(HALF, HALF, dim=1).store(b)
     fence_async_shared()
