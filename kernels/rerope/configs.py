@@ -127,7 +127,7 @@ class Config:
       as measured (:data:`rerope.hopper.MIN_KEYS`: below, it is no faster than Triton).
     * ``gluon_turn_queries`` (default on): ``rerope``'s Gluon forward turns the queries in the
       kernel (``rerope.hopper.query_turn``) instead of writing turned copies of ``q`` first
-      (1–2 % faster at 8k on an H100, ``perf/NOTES.md`` v23); off: both by a pass.
+      (0.3–2 % faster at 8k on an H100, ``perf/NOTES.md`` v23); off: both by a pass.
 
     Booleans are ``0/1, true/false, yes/no, on/off`` in any case; an empty value counts as
     unset. Changing the environment after ``import rerope`` changes nothing.
